@@ -1,0 +1,2 @@
+//! nixl-bench (work in progress).
+fn main() {}

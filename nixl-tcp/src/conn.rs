@@ -1,0 +1,623 @@
+//! Initiator side: one connection to one peer, many requests in flight.
+//!
+//! Ownership rule that keeps memory safe: each request's [`Completer`] (which keeps the
+//! request's memory alive) has exactly one owner at a time: the writer task while it
+//! sends a WRITE payload from memory, the pending table while the request waits for its
+//! answer, or the reader task while it receives READ data into memory. Whoever fails or
+//! finishes a request completes it, and nobody touches its memory afterwards.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use nixl::{Completer, Error, ErrorKind, MemSegment, Op, Result};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::wire::{self, RequestHeader, ResponseHeader};
+use crate::{Started, TcpOptions};
+
+const IO_BUF: usize = 64 * 1024;
+
+/// A request handed to the connection's writer.
+pub(crate) struct Job {
+    kind: JobKind,
+    notif: Option<Bytes>,
+    done: Completer,
+}
+
+enum JobKind {
+    Transfer {
+        op: Op,
+        table: Arc<[u8]>,
+        local: Arc<[MemSegment]>,
+        total: u64,
+    },
+    Notify,
+}
+
+impl Job {
+    pub(crate) fn transfer(
+        op: Op,
+        table: Arc<[u8]>,
+        local: Arc<[MemSegment]>,
+        total: u64,
+        notif: Option<Bytes>,
+        done: Completer,
+    ) -> Self {
+        Self {
+            kind: JobKind::Transfer {
+                op,
+                table,
+                local,
+                total,
+            },
+            notif,
+            done,
+        }
+    }
+
+    pub(crate) fn notify(msg: Bytes, done: Completer) -> Self {
+        Self {
+            kind: JobKind::Notify,
+            notif: Some(msg),
+            done,
+        }
+    }
+}
+
+struct Pending {
+    done: Completer,
+    /// For READs: where the data goes, and how much.
+    read: Option<(Arc<[MemSegment]>, u64)>,
+}
+
+#[derive(Default)]
+struct Table {
+    dead: Option<Error>,
+    pending: HashMap<u64, Pending>,
+    /// Answers that arrived before the writer handed the request over.
+    early: HashMap<u64, Result<()>>,
+}
+
+#[derive(Clone, Debug)]
+enum State {
+    Connecting,
+    Up,
+    Failed(ErrorKind, String),
+}
+
+/// A connection to a peer.
+pub(crate) struct Conn {
+    peer: String,
+    tx: mpsc::UnboundedSender<Job>,
+    table: Arc<Mutex<Table>>,
+    dead: Arc<AtomicBool>,
+    cancel: CancellationToken,
+    state: watch::Receiver<State>,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("peer", &self.peer)
+            .field("dead", &self.is_dead())
+            .finish()
+    }
+}
+
+/// Fail every pending request and mark the connection dead (first reason wins).
+fn fail(table: &Mutex<Table>, dead: &AtomicBool, e: Error) {
+    let pending = {
+        let mut t = table.lock().unwrap();
+        if t.dead.is_none() {
+            t.dead = Some(e.cloned());
+        }
+        t.early.clear();
+        std::mem::take(&mut t.pending)
+    };
+    dead.store(true, Ordering::Release);
+    for (_, p) in pending {
+        p.done.complete(Err(e.cloned()));
+    }
+}
+
+fn dead_error(table: &Mutex<Table>, peer: &str) -> Error {
+    table
+        .lock()
+        .unwrap()
+        .dead
+        .as_ref()
+        .map(Error::cloned)
+        .unwrap_or_else(|| {
+            Error::new(
+                ErrorKind::RemoteDisconnected,
+                "tcp transfer",
+                format!("connection to peer {peer:?} is closed"),
+            )
+        })
+}
+
+impl Conn {
+    /// Start connecting to `addr`; requests queue until the connection is up.
+    pub(crate) fn open(
+        peer: String,
+        addr: SocketAddr,
+        options: &TcpOptions,
+        started: &Started,
+    ) -> Arc<Self> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (state_tx, state) = watch::channel(State::Connecting);
+        let conn = Arc::new(Self {
+            peer: peer.clone(),
+            tx,
+            table: Arc::default(),
+            dead: Arc::default(),
+            cancel: started.cancel.child_token(),
+            state,
+        });
+        let task = Task {
+            held: Held::default(),
+            peer,
+            addr,
+            options: options.clone(),
+            agent: started.ctx.agent_name.clone(),
+            table: conn.table.clone(),
+            dead: conn.dead.clone(),
+            cancel: conn.cancel.clone(),
+            tracker: started.ctx.tracker.clone(),
+        };
+        started.ctx.tracker.spawn(task.run(rx, state_tx));
+        conn
+    }
+
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn submit(&self, job: Job) {
+        if self.is_dead() {
+            job.done.complete(Err(dead_error(&self.table, &self.peer)));
+            return;
+        }
+        if let Err(mpsc::error::SendError(job)) = self.tx.send(job) {
+            job.done.complete(Err(dead_error(&self.table, &self.peer)));
+        }
+    }
+
+    /// Close: fail everything pending with `kind`, stop the tasks.
+    pub(crate) fn close(&self, kind: ErrorKind, why: &str) {
+        fail(
+            &self.table,
+            &self.dead,
+            Error::new(kind, "tcp transfer", format!("peer {:?}: {why}", self.peer)),
+        );
+        self.cancel.cancel();
+    }
+
+    /// Wait until connected (or failed).
+    pub(crate) async fn ready(&self) -> Result<()> {
+        let mut rx = self.state.clone();
+        let st = rx
+            .wait_for(|s| !matches!(s, State::Connecting))
+            .await
+            .map(|s| s.clone())
+            .unwrap_or(State::Failed(
+                ErrorKind::Canceled,
+                "connection task ended".into(),
+            ));
+        match st {
+            State::Up => Ok(()),
+            State::Failed(kind, msg) => Err(Error::new(kind, "tcp connect", msg)),
+            State::Connecting => unreachable!("waited for a non-connecting state"),
+        }
+    }
+}
+
+/// The completer of a request whose memory a task is using right now. Kept outside
+/// the task's future so that, when the future is dropped (cancelled), the request can
+/// still be failed with the connection's real error instead of a generic one, and
+/// only after the future (and its use of the memory) is gone.
+#[derive(Default)]
+struct Held(Mutex<Option<Completer>>);
+
+impl Held {
+    fn put(&self, c: Completer) {
+        *self.0.lock().unwrap() = Some(c);
+    }
+
+    fn take(&self) -> Option<Completer> {
+        self.0.lock().unwrap().take()
+    }
+
+    /// Fail the held request (if any) with the connection's error.
+    fn fail(&self, table: &Mutex<Table>, peer: &str) {
+        if let Some(c) = self.take() {
+            c.complete(Err(dead_error(table, peer)));
+        }
+    }
+}
+
+struct Task {
+    held: Held,
+    peer: String,
+    addr: SocketAddr,
+    options: TcpOptions,
+    agent: String,
+    table: Arc<Mutex<Table>>,
+    dead: Arc<AtomicBool>,
+    cancel: CancellationToken,
+    tracker: tokio_util::task::TaskTracker,
+}
+
+impl Task {
+    async fn run(self, mut rx: mpsc::UnboundedReceiver<Job>, state: watch::Sender<State>) {
+        let connected = tokio::select! {
+            _ = self.cancel.cancelled() => Err(Error::new(ErrorKind::Canceled, "tcp connect", "canceled")),
+            r = tokio::time::timeout(self.options.connect_timeout, self.establish()) => match r {
+                Ok(r) => r,
+                Err(_) => Err(Error::new(ErrorKind::TimedOut, "tcp connect", format!("peer {:?} at {} did not answer within {:?}", self.peer, self.addr, self.options.connect_timeout))),
+            },
+        };
+        let stream = match connected {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(peer = %self.peer, addr = %self.addr, error = %e, "tcp connect failed");
+                let _ = state.send(State::Failed(e.kind(), e.context().to_owned()));
+                self.finish(&mut rx, e);
+                return;
+            }
+        };
+        let _ = state.send(State::Up);
+        tracing::debug!(peer = %self.peer, addr = %self.addr, "tcp connected");
+        let (rd, wr) = stream.into_split();
+        self.tracker.spawn(reader(
+            rd,
+            self.peer.clone(),
+            self.table.clone(),
+            self.dead.clone(),
+            self.cancel.clone(),
+        ));
+        let e = tokio::select! {
+            _ = self.cancel.cancelled() => Error::new(ErrorKind::Canceled, "tcp transfer", format!("connection to {:?} closed", self.peer)),
+            e = self.writer(wr, &mut rx) => e,
+        };
+        self.finish(&mut rx, e);
+        // The writer's future is gone: a WRITE it was sending can be failed now.
+        self.held.fail(&self.table, &self.peer);
+    }
+
+    /// Fail pending and queued work, stop the reader.
+    fn finish(&self, rx: &mut mpsc::UnboundedReceiver<Job>, e: Error) {
+        fail(&self.table, &self.dead, e.cloned());
+        self.cancel.cancel();
+        rx.close();
+        while let Ok(job) = rx.try_recv() {
+            job.done.complete(Err(e.cloned()));
+        }
+    }
+
+    async fn establish(&self) -> Result<TcpStream> {
+        let io = |what: &str, e: std::io::Error| {
+            Error::new(
+                ErrorKind::RemoteDisconnected,
+                "tcp connect",
+                format!("peer {:?} at {}: {what}", self.peer, self.addr),
+            )
+            .with_source(e)
+        };
+        let mut s = TcpStream::connect(self.addr)
+            .await
+            .map_err(|e| io("connect", e))?;
+        wire::tune(&s, self.options.dead_peer_timeout);
+        s.write_all(&wire::hello(&self.agent))
+            .await
+            .map_err(|e| io("hello", e))?;
+        let mut reply = [0u8; 7];
+        s.read_exact(&mut reply)
+            .await
+            .map_err(|e| io("hello reply", e))?;
+        if reply[..4] != wire::MAGIC
+            || reply[4..6] != wire::VERSION.to_le_bytes()
+            || reply[6] != wire::ST_OK
+        {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                "tcp connect",
+                format!(
+                    "peer {:?} at {} is not a compatible nixl-tcp endpoint",
+                    self.peer, self.addr
+                ),
+            ));
+        }
+        Ok(s)
+    }
+
+    /// Send jobs until the queue closes or the socket fails; returns why it stopped.
+    async fn writer(&self, wr: OwnedWriteHalf, rx: &mut mpsc::UnboundedReceiver<Job>) -> Error {
+        let mut w = BufWriter::with_capacity(IO_BUF, wr);
+        let mut next_id: u64 = 1;
+        loop {
+            let Some(job) = rx.recv().await else {
+                return Error::new(ErrorKind::Canceled, "tcp transfer", "connection dropped");
+            };
+            let id = next_id;
+            next_id += 1;
+            if let Err(e) = self.send(&mut w, id, job).await {
+                return Error::new(
+                    ErrorKind::RemoteDisconnected,
+                    "tcp transfer",
+                    format!("sending to peer {:?} failed", self.peer),
+                )
+                .with_source(e);
+            }
+            if rx.is_empty() {
+                if let Err(e) = w.flush().await {
+                    return Error::new(
+                        ErrorKind::RemoteDisconnected,
+                        "tcp transfer",
+                        format!("sending to peer {:?} failed", self.peer),
+                    )
+                    .with_source(e);
+                }
+            }
+        }
+    }
+
+    async fn send(
+        &self,
+        w: &mut BufWriter<OwnedWriteHalf>,
+        id: u64,
+        job: Job,
+    ) -> std::io::Result<()> {
+        let Job { kind, notif, done } = job;
+        let notif_len = notif.as_ref().map_or(0, |n| n.len() as u32);
+        match kind {
+            JobKind::Notify => {
+                if !self.park(id, done, None) {
+                    return Ok(());
+                }
+                let h = RequestHeader {
+                    kind: wire::REQ_NOTIFY,
+                    has_notif: true,
+                    segments: 0,
+                    id,
+                    notif_len,
+                };
+                w.write_all(&h.encode()).await?;
+                w.write_all(notif.as_deref().unwrap_or_default()).await?;
+            }
+            JobKind::Transfer {
+                op: Op::Read,
+                table,
+                local,
+                total,
+            } => {
+                if !self.park(id, done, Some((local.clone(), total))) {
+                    return Ok(());
+                }
+                let h = RequestHeader {
+                    kind: wire::REQ_READ,
+                    has_notif: notif.is_some(),
+                    segments: local.len() as u32,
+                    id,
+                    notif_len,
+                };
+                w.write_all(&h.encode()).await?;
+                w.write_all(&table).await?;
+                w.write_all(notif.as_deref().unwrap_or_default()).await?;
+            }
+            JobKind::Transfer {
+                op: Op::Write,
+                table,
+                local,
+                ..
+            } => {
+                if done.is_canceled() {
+                    done.complete(Err(Error::new(
+                        ErrorKind::Canceled,
+                        "tcp transfer",
+                        "dropped before it was sent",
+                    )));
+                    return Ok(());
+                }
+                // `held` keeps the memory alive while the payload is sent.
+                self.held.put(done);
+                let h = RequestHeader {
+                    kind: wire::REQ_WRITE,
+                    has_notif: notif.is_some(),
+                    segments: local.len() as u32,
+                    id,
+                    notif_len,
+                };
+                w.write_all(&h.encode()).await?;
+                w.write_all(&table).await?;
+                w.write_all(notif.as_deref().unwrap_or_default()).await?;
+                for seg in local.iter() {
+                    // SAFETY: the completer in `held` (failed only after this future
+                    // is dropped) keeps the registration alive; the agent checked the segment
+                    // against it; the socket only reads these bytes.
+                    let bytes = unsafe { seg.as_slice() };
+                    w.write_all(bytes).await?;
+                }
+                // Payload sent: hand the completer to the table (or finish it, if the
+                // answer already came).
+                let done = self.held.take().expect("held during the payload");
+                let early = {
+                    let mut t = self.table.lock().unwrap();
+                    match t.early.remove(&id) {
+                        Some(r) => Some((r, done)),
+                        None if t.dead.is_some() => {
+                            let e = t.dead.as_ref().map(Error::cloned);
+                            Some((Err(e.expect("checked")), done))
+                        }
+                        None => {
+                            t.pending.insert(id, Pending { done, read: None });
+                            None
+                        }
+                    }
+                };
+                if let Some((r, done)) = early {
+                    done.complete(r);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Put a request in the pending table before sending it; false if the connection
+    /// is already dead (then it was failed here).
+    fn park(&self, id: u64, done: Completer, read: Option<(Arc<[MemSegment]>, u64)>) -> bool {
+        let mut t = self.table.lock().unwrap();
+        if let Some(e) = t.dead.as_ref().map(Error::cloned) {
+            drop(t);
+            done.complete(Err(e));
+            return false;
+        }
+        t.pending.insert(id, Pending { done, read });
+        true
+    }
+}
+
+async fn reader(
+    rd: OwnedReadHalf,
+    peer: String,
+    table: Arc<Mutex<Table>>,
+    dead: Arc<AtomicBool>,
+    cancel: CancellationToken,
+) {
+    let held = Held::default();
+    let e = tokio::select! {
+        _ = cancel.cancelled() => None,
+        e = read_loop(rd, &peer, &table, &held) => Some(e),
+    };
+    if let Some(e) = e {
+        tracing::debug!(%peer, error = %e, "tcp connection closed");
+        fail(&table, &dead, e);
+        cancel.cancel();
+    }
+    // The read loop's future is gone: a READ it was receiving can be failed now.
+    held.fail(&table, &peer);
+}
+
+async fn read_loop(rd: OwnedReadHalf, peer: &str, table: &Mutex<Table>, held: &Held) -> Error {
+    let mut r = BufReader::with_capacity(IO_BUF, rd);
+    let lost = |e: std::io::Error| {
+        let what = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            "the peer closed the connection"
+        } else {
+            "receiving failed"
+        };
+        Error::new(
+            ErrorKind::RemoteDisconnected,
+            "tcp transfer",
+            format!("peer {peer:?}: {what}"),
+        )
+        .with_source(e)
+    };
+    let protocol = |msg: String| {
+        Error::new(
+            ErrorKind::Backend,
+            "tcp transfer",
+            format!("peer {peer:?} broke the protocol: {msg}"),
+        )
+    };
+    let mut hbuf = [0u8; wire::HEADER_LEN];
+    loop {
+        if let Err(e) = r.read_exact(&mut hbuf).await {
+            return lost(e);
+        }
+        let h = ResponseHeader::decode(&hbuf);
+        match h.kind {
+            wire::RESP_ACK => {
+                if h.msg_len > wire::MAX_ERROR_MSG {
+                    return protocol(format!("error message of {} bytes", h.msg_len));
+                }
+                let mut msg = vec![0u8; h.msg_len as usize];
+                if let Err(e) = r.read_exact(&mut msg).await {
+                    return lost(e);
+                }
+                let result = status_result(h.status, peer, &String::from_utf8_lossy(&msg));
+                let mut t = table.lock().unwrap();
+                match t.pending.remove(&h.id) {
+                    Some(p) => {
+                        drop(t);
+                        p.done.complete(result);
+                    }
+                    None => {
+                        t.early.insert(h.id, result);
+                    }
+                }
+            }
+            wire::RESP_DATA => {
+                let p = table.lock().unwrap().pending.remove(&h.id);
+                let Some(p) = p else {
+                    return protocol(format!("data for unknown request {}", h.id));
+                };
+                let Pending { done, read } = p;
+                let Some((segs, total)) = read else {
+                    done.complete(Err(protocol(format!(
+                        "data for request {} that is not a READ",
+                        h.id
+                    ))));
+                    return protocol("data for a request that is not a READ".into());
+                };
+                if total != h.data_len {
+                    done.complete(Err(protocol(format!(
+                        "{} bytes of data for a {total}-byte READ",
+                        h.data_len
+                    ))));
+                    return protocol("data length mismatch".into());
+                }
+                held.put(done);
+                for seg in segs.iter() {
+                    // SAFETY: the completer in `held` (failed only after this future is
+                    // dropped) keeps the destination registration alive; the agent
+                    // checked the segment; no Rust reference to these bytes exists
+                    // while the socket fills them.
+                    let dst = unsafe { seg.as_mut_slice() };
+                    if let Err(e) = r.read_exact(dst).await {
+                        return lost(e);
+                    }
+                }
+                let done = held.take().expect("held during the data");
+                // The ACK follows; park the request again.
+                let mut t = table.lock().unwrap();
+                if let Some(e) = t.dead.as_ref().map(Error::cloned) {
+                    drop(t);
+                    done.complete(Err(e));
+                } else {
+                    t.pending.insert(
+                        h.id,
+                        Pending {
+                            done,
+                            read: Some((segs, total)),
+                        },
+                    );
+                }
+            }
+            other => return protocol(format!("unknown response kind {other:#x}")),
+        }
+    }
+}
+
+fn status_result(status: u8, peer: &str, msg: &str) -> Result<()> {
+    let kind = match status {
+        wire::ST_OK => return Ok(()),
+        wire::ST_BAD_KEY => ErrorKind::NotAllowed,
+        wire::ST_OUT_OF_RANGE => ErrorKind::OutOfRange,
+        wire::ST_TOO_LARGE => ErrorKind::InvalidArgument,
+        _ => ErrorKind::Backend,
+    };
+    Err(Error::new(
+        kind,
+        "tcp transfer",
+        format!("peer {peer:?} refused the request: {msg}"),
+    ))
+}

@@ -1,0 +1,270 @@
+//! Target side: the listener and one task per incoming connection.
+//!
+//! Every request is checked whole before any byte of registered memory is touched:
+//! each segment's key must name a live registration and the segment must lie inside
+//! it. A refused WRITE's payload is read and discarded, so the connection stays usable.
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use nixl::{MemSegment, NotificationSink, RegionRef};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::wire::{self, RequestHeader, ResponseHeader, SegEntry};
+use crate::{Inner, Started};
+
+const IO_BUF: usize = 64 * 1024;
+
+pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: &Started) {
+    let cancel = started.cancel.clone();
+    let tracker = started.ctx.tracker.clone();
+    let sink = started.ctx.notifications.clone();
+    started.ctx.tracker.spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                _ = cancel.cancelled() => break,
+                r = listener.accept() => r,
+            };
+            match accepted {
+                Ok((stream, from)) => {
+                    let conn_cancel = cancel.child_token();
+                    let (inner, sink) = (inner.clone(), sink.clone());
+                    tracker.spawn(async move {
+                        tokio::select! {
+                            _ = conn_cancel.cancelled() => {}
+                            r = serve(inner, stream, sink) => {
+                                if let Err(e) = r {
+                                    tracing::debug!(%from, error = %e, "tcp: closed incoming connection");
+                                }
+                            }
+                        }
+                    });
+                }
+                Err(e) => {
+                    // Out of descriptors and similar: back off instead of spinning.
+                    tracing::warn!(error = %e, "tcp: accept failed");
+                    tokio::select! {
+                        _ = cancel.cancelled() => break,
+                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                    }
+                }
+            }
+        }
+        tracing::debug!("tcp listener stopped");
+    });
+}
+
+#[derive(Debug)]
+struct Refusal {
+    status: u8,
+    msg: String,
+}
+
+fn proto(msg: impl Into<String>) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, msg.into())
+}
+
+async fn serve(
+    inner: Arc<Inner>,
+    stream: TcpStream,
+    sink: NotificationSink,
+) -> std::io::Result<()> {
+    wire::tune(&stream, inner.options.dead_peer_timeout);
+    let (rd, wr) = stream.into_split();
+    let mut r = BufReader::with_capacity(IO_BUF, rd);
+    let mut w = BufWriter::with_capacity(IO_BUF, wr);
+
+    // Hello.
+    let mut hello = [0u8; 8];
+    r.read_exact(&mut hello).await?;
+    if hello[..4] != wire::MAGIC {
+        return Err(proto("not a nixl-tcp hello"));
+    }
+    let version_ok = hello[4..6] == wire::VERSION.to_le_bytes();
+    let name_len = u16::from_le_bytes([hello[6], hello[7]]) as usize;
+    if name_len == 0 || name_len > wire::MAX_NAME {
+        return Err(proto(format!("peer name of {name_len} bytes")));
+    }
+    let mut name = vec![0u8; name_len];
+    r.read_exact(&mut name).await?;
+    let peer = String::from_utf8(name).map_err(|_| proto("peer name is not UTF-8"))?;
+    let mut reply = Vec::with_capacity(7);
+    reply.extend_from_slice(&wire::MAGIC);
+    reply.extend_from_slice(&wire::VERSION.to_le_bytes());
+    reply.push(if version_ok { wire::ST_OK } else { 1 });
+    w.write_all(&reply).await?;
+    w.flush().await?;
+    if !version_ok {
+        return Err(proto("unsupported protocol version"));
+    }
+    tracing::debug!(%peer, "tcp: peer connected");
+
+    let max_notif = inner.options.max_notification;
+    let mut hbuf = [0u8; wire::HEADER_LEN];
+    let mut table = Vec::new();
+    let mut segs: Vec<MemSegment> = Vec::new();
+    let mut keep: Vec<RegionRef> = Vec::new();
+    loop {
+        match r.read_exact(&mut hbuf).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let h = RequestHeader::decode(&hbuf);
+        if h.notif_len as usize > max_notif {
+            ack(&mut w, h.id, wire::ST_TOO_LARGE, "notification too large").await?;
+            return Err(proto(format!("notification of {} bytes", h.notif_len)));
+        }
+        match h.kind {
+            wire::REQ_NOTIFY => {
+                let n = read_bytes(&mut r, h.notif_len as usize).await?;
+                sink.deliver(&peer, n);
+                ack(&mut w, h.id, wire::ST_OK, "").await?;
+            }
+            wire::REQ_WRITE | wire::REQ_READ => {
+                if h.segments > wire::MAX_SEGMENTS {
+                    ack(&mut w, h.id, wire::ST_TOO_LARGE, "too many segments").await?;
+                    return Err(proto(format!("{} segments", h.segments)));
+                }
+                table.resize(h.segments as usize * wire::SEG_LEN, 0);
+                r.read_exact(&mut table).await?;
+                let notif = if h.has_notif {
+                    Some(read_bytes(&mut r, h.notif_len as usize).await?)
+                } else {
+                    None
+                };
+                let mut total: u64 = 0;
+                for e in SegEntry::decode_all(&table) {
+                    total = total
+                        .checked_add(e.len)
+                        .ok_or_else(|| proto("segment lengths overflow"))?;
+                }
+                let checked = check(&inner, &table, &mut segs, &mut keep);
+                match (h.kind, checked) {
+                    (wire::REQ_WRITE, Ok(())) => {
+                        for seg in &segs {
+                            // SAFETY: `keep` holds the registrations alive; `check`
+                            // put the segment inside one; we hold no other reference
+                            // to these bytes while the socket fills them.
+                            let dst = unsafe { seg.as_mut_slice() };
+                            r.read_exact(dst).await?;
+                        }
+                        // Data is in memory: now the notification.
+                        if let Some(n) = notif {
+                            sink.deliver(&peer, n);
+                        }
+                        ack(&mut w, h.id, wire::ST_OK, "").await?;
+                    }
+                    (_, Ok(())) => {
+                        let d = ResponseHeader {
+                            kind: wire::RESP_DATA,
+                            status: wire::ST_OK,
+                            msg_len: 0,
+                            id: h.id,
+                            data_len: total,
+                        };
+                        w.write_all(&d.encode()).await?;
+                        for seg in &segs {
+                            // SAFETY: as above; the socket only reads these bytes.
+                            let src = unsafe { seg.as_slice() };
+                            w.write_all(src).await?;
+                        }
+                        if let Some(n) = notif {
+                            sink.deliver(&peer, n);
+                        }
+                        ack(&mut w, h.id, wire::ST_OK, "").await?;
+                    }
+                    (kind, Err(refusal)) => {
+                        tracing::debug!(%peer, status = refusal.status, msg = %refusal.msg, "tcp: refused request");
+                        if kind == wire::REQ_WRITE {
+                            // Skip the payload without touching memory.
+                            let mut skip = (&mut r).take(total);
+                            tokio::io::copy(&mut skip, &mut tokio::io::sink()).await?;
+                            if skip.limit() != 0 {
+                                return Err(std::io::ErrorKind::UnexpectedEof.into());
+                            }
+                        }
+                        ack(&mut w, h.id, refusal.status, &refusal.msg).await?;
+                    }
+                }
+                segs.clear();
+                keep.clear();
+            }
+            other => {
+                return Err(proto(format!("unknown request kind {other:#x}")));
+            }
+        }
+    }
+}
+
+/// Check every segment of a request; fill `segs` (and `keep`) only if all pass.
+fn check(
+    inner: &Inner,
+    table: &[u8],
+    segs: &mut Vec<MemSegment>,
+    keep: &mut Vec<RegionRef>,
+) -> Result<(), Refusal> {
+    segs.clear();
+    keep.clear();
+    let regions = inner.regions.read().unwrap();
+    for (i, e) in SegEntry::decode_all(table).enumerate() {
+        let Some(region) = regions.get(&e.key) else {
+            return Err(Refusal {
+                status: wire::ST_BAD_KEY,
+                msg: format!("segment {i}: unknown or forged key"),
+            });
+        };
+        let whole = region.segment();
+        let off = e.addr.checked_sub(whole.addr());
+        let seg = off
+            .and_then(|off| whole.slice(usize::try_from(off).ok()?, usize::try_from(e.len).ok()?));
+        let Some(seg) = seg.filter(|s| !s.is_empty()) else {
+            return Err(Refusal {
+                status: wire::ST_OUT_OF_RANGE,
+                msg: format!(
+                    "segment {i}: {:#x}+{} is outside registration {:#x}+{}",
+                    e.addr,
+                    e.len,
+                    whole.addr(),
+                    whole.len()
+                ),
+            });
+        };
+        segs.push(seg);
+        if !keep.last().is_some_and(|k| k.id() == region.id()) {
+            keep.push(region.clone());
+        }
+    }
+    Ok(())
+}
+
+async fn read_bytes(
+    r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    n: usize,
+) -> std::io::Result<Bytes> {
+    let mut v = vec![0u8; n];
+    r.read_exact(&mut v).await?;
+    Ok(Bytes::from(v))
+}
+
+async fn ack(
+    w: &mut BufWriter<tokio::net::tcp::OwnedWriteHalf>,
+    id: u64,
+    status: u8,
+    msg: &str,
+) -> std::io::Result<()> {
+    let msg = &msg.as_bytes()[..msg.len().min(wire::MAX_ERROR_MSG as usize)];
+    let h = ResponseHeader {
+        kind: wire::RESP_ACK,
+        status,
+        msg_len: msg.len() as u32,
+        id,
+        data_len: 0,
+    };
+    w.write_all(&h.encode()).await?;
+    w.write_all(msg).await?;
+    w.flush().await
+}

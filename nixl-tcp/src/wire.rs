@@ -1,0 +1,193 @@
+//! nixl-tcp's wire format. Little-endian, fixed-size headers, hard limits.
+//!
+//! Connection: the initiator sends a hello (`MAGIC`, version, its agent name); the
+//! target answers with `MAGIC`, version and a status byte. Then the initiator sends
+//! requests and the target answers each with an ACK (READs: DATA first).
+//!
+//! Request header (24 bytes): kind u8, flags u8 (bit 0: carries a notification), 2 zero
+//! bytes, segment count u32, request id u64,
+//! notification length u32, 4 zero bytes. Then `count` segment entries (key u64, addr
+//! u64, len u64), the notification bytes and, for WRITE, the payload (all segments'
+//! bytes in order).
+//!
+//! Response header (24 bytes): kind u8, status u8, 2 zero bytes, message length u32,
+//! request id u64, data length u64. ACK: then `message length` bytes of UTF-8 error
+//! text. DATA: then `data length` bytes.
+
+pub(crate) const MAGIC: [u8; 4] = *b"NXTC";
+pub(crate) const VERSION: u16 = 1;
+pub(crate) const MAX_NAME: usize = 256;
+/// Most segments one request may carry.
+pub(crate) const MAX_SEGMENTS: u32 = 1 << 20;
+/// Longest error message in an ACK.
+pub(crate) const MAX_ERROR_MSG: u32 = 4096;
+pub(crate) const HEADER_LEN: usize = 24;
+pub(crate) const SEG_LEN: usize = 24;
+
+pub(crate) const REQ_WRITE: u8 = 1;
+pub(crate) const REQ_READ: u8 = 2;
+pub(crate) const REQ_NOTIFY: u8 = 3;
+pub(crate) const RESP_ACK: u8 = 0x80;
+pub(crate) const RESP_DATA: u8 = 0x81;
+
+pub(crate) const ST_OK: u8 = 0;
+pub(crate) const ST_BAD_KEY: u8 = 1;
+pub(crate) const ST_OUT_OF_RANGE: u8 = 2;
+pub(crate) const ST_TOO_LARGE: u8 = 3;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RequestHeader {
+    pub(crate) kind: u8,
+    pub(crate) has_notif: bool,
+    pub(crate) segments: u32,
+    pub(crate) id: u64,
+    pub(crate) notif_len: u32,
+}
+
+impl RequestHeader {
+    pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0] = self.kind;
+        b[1] = u8::from(self.has_notif);
+        b[4..8].copy_from_slice(&self.segments.to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.notif_len.to_le_bytes());
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Self {
+        Self {
+            kind: b[0],
+            has_notif: b[1] & 1 == 1,
+            segments: u32_at(b, 4),
+            id: u64_at(b, 8),
+            notif_len: u32_at(b, 16),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ResponseHeader {
+    pub(crate) kind: u8,
+    pub(crate) status: u8,
+    pub(crate) msg_len: u32,
+    pub(crate) id: u64,
+    pub(crate) data_len: u64,
+}
+
+impl ResponseHeader {
+    pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0] = self.kind;
+        b[1] = self.status;
+        b[4..8].copy_from_slice(&self.msg_len.to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.data_len.to_le_bytes());
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Self {
+        Self {
+            kind: b[0],
+            status: b[1],
+            msg_len: u32_at(b, 4),
+            id: u64_at(b, 8),
+            data_len: u64_at(b, 16),
+        }
+    }
+}
+
+/// One segment entry of a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SegEntry {
+    pub(crate) key: u64,
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+}
+
+impl SegEntry {
+    pub(crate) fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.key.to_le_bytes());
+        out.extend_from_slice(&self.addr.to_le_bytes());
+        out.extend_from_slice(&self.len.to_le_bytes());
+    }
+
+    /// Decode entries from exactly `count * SEG_LEN` bytes.
+    pub(crate) fn decode_all(b: &[u8]) -> impl Iterator<Item = Self> + '_ {
+        b.chunks_exact(SEG_LEN).map(|c| Self {
+            key: u64_at(c, 0),
+            addr: u64_at(c, 8),
+            len: u64_at(c, 16),
+        })
+    }
+}
+
+/// Apply keepalive and user-timeout settings so a silent peer is noticed within `dead`.
+pub(crate) fn tune(stream: &tokio::net::TcpStream, dead: std::time::Duration) {
+    use std::time::Duration;
+    let _ = stream.set_nodelay(true);
+    let sock = socket2::SockRef::from(stream);
+    let idle = (dead / 2).max(Duration::from_secs(1));
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(idle)
+        .with_interval(Duration::from_secs(1))
+        .with_retries(3);
+    let _ = sock.set_tcp_keepalive(&ka);
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    let _ = sock.set_tcp_user_timeout(Some(dead));
+}
+
+pub(crate) fn hello(name: &str) -> Vec<u8> {
+    let mut v = Vec::with_capacity(8 + name.len());
+    v.extend_from_slice(&MAGIC);
+    v.extend_from_slice(&VERSION.to_le_bytes());
+    v.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    v.extend_from_slice(name.as_bytes());
+    v
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    let mut x = [0u8; 4];
+    x.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(x)
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip() {
+        let r = RequestHeader {
+            kind: REQ_WRITE,
+            has_notif: true,
+            segments: 7,
+            id: u64::MAX - 3,
+            notif_len: 12,
+        };
+        assert_eq!(RequestHeader::decode(&r.encode()), r);
+        let a = ResponseHeader {
+            kind: RESP_DATA,
+            status: ST_OUT_OF_RANGE,
+            msg_len: 9,
+            id: 42,
+            data_len: 1 << 40,
+        };
+        assert_eq!(ResponseHeader::decode(&a.encode()), a);
+        let mut v = Vec::new();
+        let s = SegEntry {
+            key: 1,
+            addr: 2,
+            len: 3,
+        };
+        s.encode_into(&mut v);
+        s.encode_into(&mut v);
+        assert_eq!(SegEntry::decode_all(&v).collect::<Vec<_>>(), vec![s, s]);
+    }
+}

@@ -1,0 +1,54 @@
+//! # nixl
+//!
+//! An async SDK that moves memory between processes and machines for AI inference
+//! (KV-cache transfer between prefill and decode workers, weight shipping).
+//!
+//! - An [`Agent`] owns backends, memory [`Registration`]s, known peers, a
+//!   [`Notifications`] stream and every background task it starts.
+//! - Peers exchange [metadata](metadata) (versioned, checksummed, size-limited bytes).
+//! - Transfers (READ/WRITE) are futures: one-shot ([`Agent::write`], [`Agent::read`],
+//!   [`Agent::transfer`]) or prepared ([`Agent::prep_local`], [`Agent::prep_remote`],
+//!   [`Agent::make_request`], then [`XferRequest::post`] many times).
+//! - Transports implement the object-safe [`Backend`] trait, one crate each
+//!   (`nixl-tcp` is the embedded default).
+//!
+//! ```no_run
+//! # async fn demo(backend_a: impl nixl::Backend, backend_b: impl nixl::Backend) -> nixl::Result<()> {
+//! use nixl::{Agent, DescList, MemKind};
+//! let a = Agent::builder("prefill").backend(backend_a).build().await?;
+//! let b = Agent::builder("decode").backend(backend_b).build().await?;
+//! let src = a.register(vec![7u8; 4096])?;
+//! let dst = b.register(vec![0u8; 4096])?;
+//! a.load_metadata(&b.metadata()?)?;
+//! let local = DescList::from_descs(MemKind::Dram, [src.whole()]);
+//! let remote = DescList::from_descs(MemKind::Dram, [a.remote_regions("decode")?[0].desc(0, 4096)]);
+//! a.write(&local, "decode", &remote, Some("kv ready".into())).await?;
+//! # Ok(()) }
+//! ```
+#![deny(unsafe_code)]
+
+mod agent;
+mod backend;
+mod descriptor;
+mod error;
+mod memory;
+pub mod metadata;
+mod notification;
+mod region;
+mod transfer;
+
+pub use agent::{
+    Agent, AgentBuilder, AgentOptions, PreparedDescs, RegisterOptions, RequestOptions,
+    ShutdownReport, TaskMonitor,
+};
+pub use backend::{
+    Backend, BackendContext, Capabilities, Completer, NotificationSink, PreparedTransfer, Segment,
+    Target, TransferPlan,
+};
+pub use bytes::Bytes;
+pub use descriptor::{Desc, DescList};
+pub use error::{Error, ErrorKind, Result};
+pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, PAGE_SIZE};
+pub use notification::{Notification, Notifications};
+pub use region::{RegionRef, Registration, RemoteRegionInfo};
+pub use transfer::{Op, Status, Transfer, XferRequest};

@@ -1,0 +1,462 @@
+//! Memory the agent can register: owned buffers (the safe path) and caller-managed
+//! memory (the `unsafe` path).
+//!
+//! This is the crate's one module with `unsafe` code. Everything here upholds one
+//! invariant: a [`Memory`] value's `(ptr, len)` stays valid for reads and writes for as
+//! long as the value lives, because the value owns the buffer (or the caller promised
+//! so through [`Memory::from_raw_parts`]).
+#![allow(unsafe_code)]
+
+use std::alloc::{self, Layout};
+use std::any::Any;
+use std::fmt;
+use std::ptr::NonNull;
+
+use bytes::BytesMut;
+
+use crate::error::{err, ErrorKind, Result};
+
+/// Kind of memory a registration or descriptor refers to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemKind {
+    /// Host memory.
+    Dram,
+    /// GPU memory on the given device.
+    Vram {
+        /// CUDA device ordinal.
+        device: u32,
+    },
+}
+
+impl MemKind {
+    /// The device id descriptors carry for this kind (0 for DRAM).
+    pub fn device(self) -> u32 {
+        match self {
+            Self::Dram => 0,
+            Self::Vram { device } => device,
+        }
+    }
+}
+
+impl fmt::Display for MemKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Dram => f.write_str("DRAM"),
+            Self::Vram { device } => write!(f, "VRAM(device {device})"),
+        }
+    }
+}
+
+/// Alignment of [`AlignedBuf`]: one page on every platform we run on.
+pub const PAGE_SIZE: usize = 4096;
+
+/// A zero-initialised heap buffer aligned to [`PAGE_SIZE`], for registrations that
+/// want page alignment (some NICs and `O_DIRECT` files do).
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    layout: Layout,
+}
+
+// SAFETY: AlignedBuf uniquely owns its allocation, like a Box<[u8]>.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared access only hands out `&[u8]`, like a Box<[u8]>.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Allocate `len` zeroed bytes aligned to a page.
+    ///
+    /// # Panics
+    /// On allocation failure, like `Vec`.
+    pub fn new(len: usize) -> Self {
+        Self::with_alignment(len, PAGE_SIZE).expect("page alignment is a valid alignment")
+    }
+
+    /// Allocate `len` zeroed bytes aligned to `align` (a power of two).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] when `align` is not a power of two or the size
+    /// overflows.
+    pub fn with_alignment(len: usize, align: usize) -> Result<Self> {
+        // A zero-sized allocation is not allowed; keep one byte so the pointer is real.
+        let Ok(layout) = Layout::from_size_align(len.max(1), align) else {
+            return err(
+                ErrorKind::InvalidArgument,
+                "allocate aligned buffer",
+                format!("alignment {align} is not a power of two or size {len} overflows"),
+            );
+        };
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw) else {
+            alloc::handle_alloc_error(layout)
+        };
+        Ok(Self { ptr, len, layout })
+    }
+
+    /// Number of bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Raw pointer to the first byte, derived without creating a reference (for
+    /// [`Memory::from_raw_parts`] over parts of one buffer).
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl std::ops::Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len initialised (zeroed) bytes while self lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in Deref, and &mut self gives unique access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in with_alignment with exactly this layout.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AlignedBuf")
+            .field("addr", &self.ptr)
+            .field("len", &self.len)
+            .field("align", &self.layout.align())
+            .finish()
+    }
+}
+
+enum Owner {
+    Vec(#[allow(dead_code)] Vec<u8>),
+    BytesMut(#[allow(dead_code)] BytesMut),
+    Aligned(#[allow(dead_code)] AlignedBuf),
+    Raw(#[allow(dead_code)] Option<Box<dyn Any + Send + Sync>>),
+}
+
+/// Memory handed to an agent for registration.
+///
+/// Built from an owned buffer (`Vec<u8>`, `Box<[u8]>`, [`BytesMut`], [`AlignedBuf`]),
+/// which the agent keeps alive for as long as any registration handle or in-flight
+/// transfer uses it; or, unsafely, from memory the caller manages
+/// ([`Memory::from_raw_parts`]).
+pub struct Memory {
+    ptr: NonNull<u8>,
+    len: usize,
+    kind: MemKind,
+    // Never read: it exists to keep the buffer alive, and the buffer is never touched
+    // through it again (all access goes through `ptr`).
+    _owner: Owner,
+}
+
+// SAFETY: the owner types are all Send + Sync; the raw pointer only refers to memory
+// the owner keeps alive, and concurrent access is governed by the transfer protocol
+// (see `MemSegment`).
+unsafe impl Send for Memory {}
+// SAFETY: as above.
+unsafe impl Sync for Memory {}
+
+impl Memory {
+    fn from_owner(ptr: *mut u8, len: usize, owner: Owner) -> Self {
+        Self {
+            ptr: NonNull::new(ptr).unwrap_or(NonNull::dangling()),
+            len,
+            kind: MemKind::Dram,
+            _owner: owner,
+        }
+    }
+
+    /// Wrap memory the caller manages.
+    ///
+    /// `kind` says what the pointer refers to: for [`MemKind::Vram`] it is a device
+    /// pointer, which the agent never dereferences itself (only backends that declare
+    /// VRAM support accept it).
+    ///
+    /// # Safety
+    /// For as long as the returned value and every registration made from it live (until
+    /// the agent has deregistered it and no transfer uses it, or the agent is gone),
+    /// `ptr..ptr+len` must stay allocated, and for DRAM be valid for reads and writes.
+    /// While registered, peers may read and write it at any time the application's
+    /// protocol allows; the caller must not hold Rust references into it across such
+    /// transfers.
+    pub unsafe fn from_raw_parts(ptr: *mut u8, len: usize, kind: MemKind) -> Result<Self> {
+        // SAFETY: forwarded contract.
+        unsafe { Self::from_raw_parts_with_owner(ptr, len, kind, None::<()>) }
+    }
+
+    /// Like [`Memory::from_raw_parts`], and keeps `owner` alive alongside (dropped
+    /// once the agent lets go of the memory).
+    ///
+    /// # Safety
+    /// As for [`Memory::from_raw_parts`].
+    pub unsafe fn from_raw_parts_with_owner<O: Any + Send + Sync>(
+        ptr: *mut u8,
+        len: usize,
+        kind: MemKind,
+        owner: Option<O>,
+    ) -> Result<Self> {
+        let Some(ptr) = NonNull::new(ptr) else {
+            return err(
+                ErrorKind::InvalidArgument,
+                "wrap raw memory",
+                "null pointer",
+            );
+        };
+        if (ptr.as_ptr() as u64).checked_add(len as u64).is_none() {
+            return err(
+                ErrorKind::InvalidArgument,
+                "wrap raw memory",
+                "address + length overflows",
+            );
+        }
+        Ok(Self {
+            ptr,
+            len,
+            kind,
+            _owner: Owner::Raw(owner.map(|o| Box::new(o) as Box<dyn Any + Send + Sync>)),
+        })
+    }
+
+    /// Memory kind.
+    pub fn kind(&self) -> MemKind {
+        self.kind
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the memory is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// Copy `dst.len()` bytes starting at `offset` out of host memory; `false` when out
+    /// of range or not host memory.
+    pub(crate) fn copy_out(&self, offset: usize, dst: &mut [u8]) -> bool {
+        match self.host_segment(offset, dst.len()) {
+            // SAFETY: live host memory (our invariant), range checked.
+            Some(seg) => unsafe { seg.read_into(dst) },
+            None => return false,
+        }
+        true
+    }
+
+    /// Copy `src` into host memory at `offset`; `false` when out of range or not host
+    /// memory.
+    pub(crate) fn copy_in(&self, offset: usize, src: &[u8]) -> bool {
+        match self.host_segment(offset, src.len()) {
+            // SAFETY: live host memory (our invariant), range checked.
+            Some(seg) => unsafe { seg.write_from(src) },
+            None => return false,
+        }
+        true
+    }
+
+    fn host_segment(&self, offset: usize, len: usize) -> Option<MemSegment> {
+        (self.kind == MemKind::Dram).then(|| self.segment().slice(offset, len))?
+    }
+
+    pub(crate) fn segment(&self) -> MemSegment {
+        MemSegment {
+            ptr: self.ptr,
+            len: self.len,
+        }
+    }
+}
+
+impl From<Vec<u8>> for Memory {
+    fn from(mut v: Vec<u8>) -> Self {
+        // Moving a Vec does not move its heap buffer, so the pointer stays valid.
+        let (ptr, len) = (v.as_mut_ptr(), v.len());
+        Self::from_owner(ptr, len, Owner::Vec(v))
+    }
+}
+
+impl From<Box<[u8]>> for Memory {
+    fn from(b: Box<[u8]>) -> Self {
+        // Through Vec (no copy): a Box asserts uniqueness when moved, a Vec does not.
+        Self::from(b.into_vec())
+    }
+}
+
+impl From<BytesMut> for Memory {
+    fn from(mut b: BytesMut) -> Self {
+        let (ptr, len) = (b.as_mut_ptr(), b.len());
+        Self::from_owner(ptr, len, Owner::BytesMut(b))
+    }
+}
+
+impl From<AlignedBuf> for Memory {
+    fn from(b: AlignedBuf) -> Self {
+        let (ptr, len) = (b.ptr.as_ptr(), b.len);
+        Self::from_owner(ptr, len, Owner::Aligned(b))
+    }
+}
+
+impl fmt::Debug for Memory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Memory")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+/// A validated `(pointer, length)` inside registered memory, handed to backends.
+///
+/// The agent builds segments only from descriptors it has checked against its
+/// registrations. A segment is plain data: it does not keep the memory alive by itself.
+/// The memory stays alive while the [`Completer`](crate::Completer) of the transfer
+/// that carries the segment (or the [`RegionRef`](crate::RegionRef) it came from) lives.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct MemSegment {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a segment is an address range; access is governed by the unsafe accessors.
+unsafe impl Send for MemSegment {}
+// SAFETY: as above.
+unsafe impl Sync for MemSegment {}
+
+impl MemSegment {
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the segment is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The sub-range `offset..offset+len`, or `None` when it does not fit.
+    pub fn slice(&self, offset: usize, len: usize) -> Option<Self> {
+        let end = offset.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: offset <= self.len, so the result stays inside (or one past) the range.
+        let ptr = unsafe { self.ptr.add(offset) };
+        Some(Self { ptr, len })
+    }
+
+    /// View the bytes.
+    ///
+    /// # Safety
+    /// The memory must be DRAM and alive for `'a` (hold the transfer's completer or the
+    /// region's [`RegionRef`](crate::RegionRef)), and nothing may write these bytes
+    /// through a Rust reference during `'a`. Writes by peers are the application's
+    /// protocol to order, exactly as with RDMA.
+    pub unsafe fn as_slice<'a>(&self) -> &'a [u8] {
+        // SAFETY: forwarded contract.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// View the bytes mutably.
+    ///
+    /// # Safety
+    /// As for [`MemSegment::as_slice`], and no other reference to these bytes may exist
+    /// during `'a`.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice<'a>(&self) -> &'a mut [u8] {
+        // SAFETY: forwarded contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Copy `src` into `self` (`memmove`: overlap allowed).
+    ///
+    /// # Safety
+    /// Both segments must be live DRAM of equal length.
+    pub unsafe fn copy_from(&self, src: &Self) {
+        debug_assert_eq!(self.len, src.len);
+        // SAFETY: forwarded contract; ptr::copy allows overlap.
+        unsafe { std::ptr::copy(src.ptr.as_ptr(), self.ptr.as_ptr(), self.len.min(src.len)) }
+    }
+
+    /// Copy out of the segment into `dst` (which must not be longer).
+    ///
+    /// # Safety
+    /// The segment must be live DRAM.
+    pub(crate) unsafe fn read_into(&self, dst: &mut [u8]) {
+        let n = dst.len().min(self.len);
+        // SAFETY: forwarded contract; dst is a distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), dst.as_mut_ptr(), n) }
+    }
+
+    /// Copy `src` into the segment (which must not be shorter).
+    ///
+    /// # Safety
+    /// The segment must be live DRAM.
+    pub(crate) unsafe fn write_from(&self, src: &[u8]) {
+        let n = src.len().min(self.len);
+        // SAFETY: forwarded contract; src is a distinct Rust buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr(), n) }
+    }
+}
+
+impl fmt::Debug for MemSegment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "MemSegment({:#x}+{})", self.addr(), self.len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_buf_is_page_aligned_and_zeroed() {
+        let b = AlignedBuf::new(10_000);
+        assert_eq!(b.as_ptr() as usize % PAGE_SIZE, 0);
+        assert!(b.iter().all(|&x| x == 0));
+        assert!(AlignedBuf::with_alignment(8, 3).is_err());
+    }
+
+    #[test]
+    fn memory_keeps_owned_pointer() {
+        let v = vec![7u8; 100];
+        let p = v.as_ptr() as u64;
+        let m = Memory::from(v);
+        assert_eq!(m.addr(), p);
+        let seg = m.segment().slice(10, 20).unwrap();
+        let mut out = [0u8; 20];
+        // SAFETY: m is alive DRAM.
+        unsafe { seg.read_into(&mut out) };
+        assert_eq!(out, [7u8; 20]);
+        assert!(m.segment().slice(90, 11).is_none());
+        let b = Memory::from(BytesMut::from(&b"abc"[..]));
+        assert_eq!(b.len(), 3);
+        let bx = Memory::from(vec![1u8; 4].into_boxed_slice());
+        assert_eq!(bx.len(), 4);
+    }
+}

@@ -1,0 +1,47 @@
+//! A target agent in its own process, for the two-process tests.
+//!
+//! `nixl-peer <bytes>`: registers `<bytes>` zeroed bytes with a tcp agent named
+//! `target`, prints `METADATA <hex>` on stdout, then for each notification prints
+//! `NOTIF <text>`; on the notification `done` it prints `CHECKSUM <fnv1a>` of its memory,
+//! shuts down and exits.
+
+use std::io::Write;
+
+use nixl::Agent;
+use nixl_conformance::support::{checksum, hex};
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let size: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1 << 20);
+    let agent = Agent::builder("target")
+        .backend(nixl_tcp::TcpBackend::new())
+        .build()
+        .await
+        .expect("agent");
+    let mem = agent.register(vec![0u8; size]).expect("register");
+    let mut notes = agent.notifications().expect("notifications");
+    let mut out = std::io::stdout();
+    writeln!(
+        out,
+        "METADATA {}",
+        hex(&agent.metadata().expect("metadata"))
+    )
+    .unwrap();
+    out.flush().unwrap();
+    while let Some(n) = notes.recv().await {
+        let text = String::from_utf8_lossy(&n.msg).into_owned();
+        writeln!(out, "NOTIF {text}").unwrap();
+        if text == "done" {
+            writeln!(out, "CHECKSUM {}", checksum(&mem)).unwrap();
+            out.flush().unwrap();
+            break;
+        }
+        out.flush().unwrap();
+    }
+    drop(notes);
+    let report = agent.shutdown().await;
+    assert!(report.is_clean(), "{report:?}");
+}

@@ -1,0 +1,12 @@
+//! The conformance suite on nixl-tcp.
+
+use std::sync::Arc;
+
+use nixl_conformance::{conformance_tests, BackendUnderTest};
+
+const TCP: BackendUnderTest = BackendUnderTest {
+    name: "tcp",
+    make: || Ok(Arc::new(nixl_tcp::TcpBackend::new())),
+};
+
+conformance_tests!(TCP);
