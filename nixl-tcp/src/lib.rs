@@ -177,6 +177,7 @@ impl Backend for TcpBackend {
             notifications: true,
             dram: true,
             vram: false,
+            target_checks: true,
         }
     }
 

@@ -234,7 +234,7 @@ fn check(
             });
         };
         segs.push(seg);
-        if !keep.last().is_some_and(|k| k.id() == region.id()) {
+        if keep.last().is_none_or(|k| k.id() != region.id()) {
             keep.push(region.clone());
         }
     }

@@ -377,6 +377,19 @@ impl Agent {
         self.shared.tracker.len()
     }
 
+    /// A child of the agent's root cancellation token, for tasks the crate starts
+    /// outside backends (metadata exchange listeners, lease keepers).
+    #[allow(dead_code)] // used by the exchange module (next)
+    pub(crate) fn child_token(&self) -> CancellationToken {
+        self.shared.cancel.child_token()
+    }
+
+    /// The agent's task tracker (every task the agent starts goes through it).
+    #[allow(dead_code)] // used by the exchange module (next)
+    pub(crate) fn tracker(&self) -> &TaskTracker {
+        &self.shared.tracker
+    }
+
     /// A handle that watches the agent's tasks and outlives the agent: use it to check
     /// that everything the agent started has ended after shutdown or drop.
     pub fn task_monitor(&self) -> TaskMonitor {

@@ -30,6 +30,11 @@ pub struct Capabilities {
     pub dram: bool,
     /// GPU memory.
     pub vram: bool,
+    /// The target itself checks every incoming request against its registrations and
+    /// refuses forged keys and out-of-range access (two-sided transports such as TCP).
+    /// One-sided RDMA transports cannot: there, only the initiator's checks and the
+    /// NIC's key and bounds checks stand between a peer and registered memory.
+    pub target_checks: bool,
 }
 
 impl Capabilities {

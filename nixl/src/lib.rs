@@ -5,7 +5,7 @@
 //!
 //! - An [`Agent`] owns backends, memory [`Registration`]s, known peers, a
 //!   [`Notifications`] stream and every background task it starts.
-//! - Peers exchange [metadata](metadata) (versioned, checksummed, size-limited bytes).
+//! - Peers exchange [`metadata`] (versioned, checksummed, size-limited bytes).
 //! - Transfers (READ/WRITE) are futures: one-shot ([`Agent::write`], [`Agent::read`],
 //!   [`Agent::transfer`]) or prepared ([`Agent::prep_local`], [`Agent::prep_remote`],
 //!   [`Agent::make_request`], then [`XferRequest::post`] many times).

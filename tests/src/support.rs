@@ -20,10 +20,22 @@ pub struct BackendUnderTest {
 /// Generous bound that catches hangs (never a performance assertion).
 pub const HANG: Duration = Duration::from_secs(30);
 
-/// Print a visible skip line.
+/// Record a visible skip: a `SKIP <case>: <reason>` line on stderr and, when
+/// `NIXL_SKIP_LOG` names a file (`scripts/test` sets it), in that file, which the test
+/// script lists at the end of the run.
 pub fn skip(case: &str, why: &str) {
-    println!("SKIP {case}: {why}");
-    eprintln!("SKIP {case}: {why}");
+    let line = format!("SKIP {case}: {why}");
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os("NIXL_SKIP_LOG") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{line}");
+        }
+    }
 }
 
 impl BackendUnderTest {
