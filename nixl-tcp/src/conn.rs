@@ -295,11 +295,12 @@ impl Task {
 
     /// Fail pending and queued work, stop the reader.
     fn finish(&self, rx: &mut mpsc::UnboundedReceiver<Job>, e: Error) {
-        fail(&self.table, &self.dead, e.cloned());
+        fail(&self.table, &self.dead, e);
         self.cancel.cancel();
         rx.close();
+        // Queued work fails with the first reason the connection died for.
         while let Ok(job) = rx.try_recv() {
-            job.done.complete(Err(e.cloned()));
+            job.done.complete(Err(dead_error(&self.table, &self.peer)));
         }
     }
 

@@ -88,6 +88,16 @@ impl ShutdownReport {
     }
 }
 
+/// A reference to an agent that does not keep it alive.
+#[derive(Clone)]
+pub(crate) struct WeakAgent(std::sync::Weak<Shared>);
+
+impl WeakAgent {
+    pub(crate) fn upgrade(&self) -> Option<Agent> {
+        self.0.upgrade().map(|shared| Agent { shared })
+    }
+}
+
 /// Watches an agent's tasks; see [`Agent::task_monitor`].
 #[derive(Clone, Debug)]
 pub struct TaskMonitor(TaskTracker);
@@ -180,6 +190,8 @@ impl AgentBuilder {
             tracker,
             inflight: Arc::new(InflightCounter::default()),
             notifications: Arc::new(Mutex::new(Some(rx))),
+            labels: Mutex::new(HashMap::new()),
+            shutdown_hooks: Mutex::new(Vec::new()),
         });
         let agent = Agent { shared };
         for b in &agent.shared.backends {
@@ -226,7 +238,15 @@ struct Shared {
     tracker: TaskTracker,
     inflight: Arc<InflightCounter>,
     notifications: Slot,
+    /// Labelled partial metadata served by the exchanges.
+    pub(crate) labels: Mutex<HashMap<String, Bytes>>,
+    /// Run by shutdown after draining, before tasks are cancelled (e.g. revoke an etcd
+    /// lease while the connection still works).
+    pub(crate) shutdown_hooks: Mutex<Vec<ShutdownHook>>,
 }
+
+pub(crate) type ShutdownHook =
+    Box<dyn FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send>;
 
 impl Drop for Shared {
     fn drop(&mut self) {
@@ -379,15 +399,29 @@ impl Agent {
 
     /// A child of the agent's root cancellation token, for tasks the crate starts
     /// outside backends (metadata exchange listeners, lease keepers).
-    #[allow(dead_code)] // used by the exchange module (next)
     pub(crate) fn child_token(&self) -> CancellationToken {
         self.shared.cancel.child_token()
     }
 
     /// The agent's task tracker (every task the agent starts goes through it).
-    #[allow(dead_code)] // used by the exchange module (next)
     pub(crate) fn tracker(&self) -> &TaskTracker {
         &self.shared.tracker
+    }
+
+    /// A handle that does not keep the agent alive (for the agent's own tasks).
+    pub(crate) fn downgrade(&self) -> WeakAgent {
+        WeakAgent(Arc::downgrade(&self.shared))
+    }
+
+    pub(crate) fn labels(&self) -> &Mutex<HashMap<String, Bytes>> {
+        &self.shared.labels
+    }
+
+    /// Run `hook` during shutdown, after in-flight transfers drained and before the
+    /// agent's tasks are cancelled.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn on_shutdown(&self, hook: ShutdownHook) {
+        self.shared.shutdown_hooks.lock().unwrap().push(hook);
     }
 
     /// A handle that watches the agent's tasks and outlives the agent: use it to check
@@ -1240,6 +1274,23 @@ impl Agent {
         {
             report.canceled_transfers = s.inflight.get();
             tracing::warn!(agent = %s.name, n = report.canceled_transfers, "transfers still in flight after the drain timeout; cancelling");
+        }
+        // Exchange hooks (revoke leases, ...) while connections still work.
+        let hooks = std::mem::take(&mut *s.shutdown_hooks.lock().unwrap());
+        for hook in hooks {
+            if tokio::time::timeout(s.options.shutdown_timeout, hook())
+                .await
+                .is_err()
+            {
+                report.backend_errors.push((
+                    "exchange".to_owned(),
+                    Error::new(
+                        ErrorKind::TimedOut,
+                        "shutdown exchange",
+                        "a shutdown hook overran",
+                    ),
+                ));
+            }
         }
         // Stop listeners and tasks, close connections, drop backend state.
         s.cancel.cancel();

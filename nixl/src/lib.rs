@@ -31,6 +31,7 @@ mod agent;
 mod backend;
 mod descriptor;
 mod error;
+pub mod exchange;
 mod memory;
 pub mod metadata;
 mod notification;
@@ -48,6 +49,7 @@ pub use backend::{
 pub use bytes::Bytes;
 pub use descriptor::{Desc, DescList};
 pub use error::{Error, ErrorKind, Result};
+pub use exchange::{SharedSecret, SideChannelOptions};
 pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, PAGE_SIZE};
 pub use notification::{Notification, Notifications};
 pub use region::{RegionRef, Registration, RemoteRegionInfo};

@@ -7,6 +7,8 @@
 //! its native library is absent.
 
 pub mod cases;
+#[cfg(feature = "etcd")]
+pub mod etcd_server;
 pub mod support;
 
 pub use support::BackendUnderTest;

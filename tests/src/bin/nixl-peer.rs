@@ -1,9 +1,10 @@
 //! A target agent in its own process, for the two-process tests.
 //!
-//! `nixl-peer <bytes>`: registers `<bytes>` zeroed bytes with a tcp agent named
-//! `target`, prints `METADATA <hex>` on stdout, then for each notification prints
-//! `NOTIF <text>`; on the notification `done` it prints `CHECKSUM <fnv1a>` of its memory,
-//! shuts down and exits.
+//! `nixl-peer <bytes> [etcd <endpoint> <ttl-secs>]`: registers `<bytes>` zeroed bytes
+//! with a tcp agent named `target`, prints `METADATA <hex>` on stdout (and, with etcd,
+//! publishes it under a lease and prints `PUBLISHED`), then for each notification prints
+//! `NOTIF <text>`; on the notification `done` it prints `CHECKSUM <fnv1a>` of its
+//! memory, shuts down and exits.
 
 use std::io::Write;
 
@@ -12,10 +13,8 @@ use nixl_conformance::support::{checksum, hex};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let size: usize = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1 << 20);
+    let args: Vec<String> = std::env::args().collect();
+    let size: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1 << 20);
     let agent = Agent::builder("target")
         .backend(nixl_tcp::TcpBackend::new())
         .build()
@@ -31,6 +30,23 @@ async fn main() {
     )
     .unwrap();
     out.flush().unwrap();
+    #[cfg(feature = "etcd")]
+    let _etcd = if args.get(2).map(String::as_str) == Some("etcd") {
+        let options = nixl::exchange::EtcdOptions {
+            endpoints: vec![args[3].clone()],
+            lease_ttl: std::time::Duration::from_secs(args[4].parse().expect("ttl")),
+            ..Default::default()
+        };
+        let x = nixl::exchange::EtcdExchange::connect(&agent, options)
+            .await
+            .expect("etcd");
+        x.publish().await.expect("publish");
+        writeln!(out, "PUBLISHED").unwrap();
+        out.flush().unwrap();
+        Some(x)
+    } else {
+        None
+    };
     while let Some(n) = notes.recv().await {
         let text = String::from_utf8_lossy(&n.msg).into_owned();
         writeln!(out, "NOTIF {text}").unwrap();

@@ -1,0 +1,496 @@
+//! Metadata exchange through etcd (cargo feature `etcd`).
+//!
+//! Keys: `/<namespace>/<agent>/full` for full metadata and `/<namespace>/<agent>/<label>`
+//! for labelled partial metadata, all attached to one lease that a tracked task keeps
+//! alive. A crashed agent stops renewing, its lease expires and etcd deletes its keys;
+//! peers that fetched it watch its keys and forget it when they go, which fails their
+//! in-flight transfers to it. When etcd is unreachable, operations fail with clear
+//! errors after their timeout and the background tasks retry with backoff; when the
+//! lease was lost meanwhile, a new one is granted and everything published is put
+//! again.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use etcd_client::{Client, ConnectOptions, DeleteOptions, EventType, PutOptions, WatchOptions};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::side_channel::check_label;
+use super::FULL_LABEL;
+use crate::agent::WeakAgent;
+use crate::error::{err, Error, ErrorKind, Result};
+use crate::region::Registration;
+use crate::Agent;
+
+/// Options for [`EtcdExchange`].
+#[derive(Clone, Debug)]
+pub struct EtcdOptions {
+    /// etcd client URLs, e.g. `http://127.0.0.1:2379`.
+    pub endpoints: Vec<String>,
+    /// Key namespace (default `nixl`): keys are `/<namespace>/<agent>/<label>`.
+    pub namespace: String,
+    /// Lease TTL: how long a crashed agent's keys outlive it.
+    pub lease_ttl: Duration,
+    /// Bound for each etcd operation.
+    pub timeout: Duration,
+    /// Longest wait between retries while etcd is unreachable.
+    pub max_backoff: Duration,
+}
+
+impl Default for EtcdOptions {
+    fn default() -> Self {
+        Self {
+            endpoints: vec!["http://127.0.0.1:2379".into()],
+            namespace: "nixl".into(),
+            lease_ttl: Duration::from_secs(10),
+            timeout: Duration::from_secs(5),
+            max_backoff: Duration::from_secs(2),
+        }
+    }
+}
+
+/// An agent's connection to etcd: publishes its metadata under a lease, fetches peers
+/// and watches them. Cheap to clone.
+#[derive(Clone)]
+pub struct EtcdExchange {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    agent: WeakAgent,
+    name: String,
+    prefix: String,
+    options: EtcdOptions,
+    client: Client,
+    lease: Mutex<i64>,
+    /// label -> bytes, for re-publishing under a new lease.
+    published: Mutex<BTreeMap<String, Bytes>>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl fmt::Debug for EtcdExchange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdExchange")
+            .field("agent", &self.inner.name)
+            .field("prefix", &self.inner.prefix)
+            .field("lease", &self.lease_id())
+            .finish()
+    }
+}
+
+fn etcd_err(op: &'static str, e: etcd_client::Error) -> Error {
+    Error::new(ErrorKind::Backend, op, "etcd request failed").with_source(e)
+}
+
+async fn bounded<T>(
+    timeout: Duration,
+    op: &'static str,
+    f: impl std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
+) -> Result<T> {
+    match tokio::time::timeout(timeout, f).await {
+        Ok(r) => r.map_err(|e| etcd_err(op, e)),
+        Err(_) => err(
+            ErrorKind::TimedOut,
+            op,
+            format!("etcd did not answer within {timeout:?}"),
+        ),
+    }
+}
+
+fn normalize_namespace(ns: &str) -> Result<String> {
+    let ns = ns.trim_matches('/');
+    if ns.is_empty() || ns.contains("//") {
+        return err(
+            ErrorKind::InvalidArgument,
+            "etcd namespace",
+            format!("namespace {ns:?} must be non-empty without empty segments"),
+        );
+    }
+    Ok(ns.to_owned())
+}
+
+impl EtcdExchange {
+    /// Connect `agent` to etcd and grant its lease. The lease keeper runs through the
+    /// agent's task tracker; the agent's shutdown revokes the lease (deleting every key
+    /// published through this exchange).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for a bad namespace or name; [`ErrorKind::TimedOut`]
+    /// or [`ErrorKind::Backend`] when etcd cannot be reached.
+    pub async fn connect(agent: &Agent, options: EtcdOptions) -> Result<Self> {
+        const OP: &str = "connect to etcd";
+        if agent.name().contains('/') {
+            return err(
+                ErrorKind::InvalidArgument,
+                OP,
+                "agent names used with etcd must not contain '/'",
+            );
+        }
+        let ns = normalize_namespace(&options.namespace)?;
+        let connect = ConnectOptions::new()
+            .with_connect_timeout(options.timeout)
+            .with_timeout(options.timeout);
+        let mut client = bounded(
+            options.timeout,
+            OP,
+            Client::connect(&options.endpoints, Some(connect)),
+        )
+        .await?;
+        let ttl = options.lease_ttl.as_secs().max(1) as i64;
+        let lease = bounded(options.timeout, OP, client.lease_grant(ttl, None))
+            .await?
+            .id();
+        let inner = Arc::new(Inner {
+            agent: agent.downgrade(),
+            name: agent.name().to_owned(),
+            prefix: format!("/{ns}/"),
+            options,
+            client,
+            lease: Mutex::new(lease),
+            published: Mutex::new(BTreeMap::new()),
+            cancel: agent.child_token(),
+            tracker: agent.tracker().clone(),
+        });
+        tracing::info!(agent = %inner.name, lease, "etcd: connected");
+        let keeper = inner.clone();
+        inner.tracker.spawn(async move {
+            let cancel = keeper.cancel.clone();
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                _ = keeper.keep_lease() => {}
+            }
+        });
+        let revoker = inner.clone();
+        agent.on_shutdown(Box::new(move || {
+            Box::pin(async move { revoker.revoke().await })
+        }));
+        Ok(Self { inner })
+    }
+
+    /// The current lease id.
+    pub fn lease_id(&self) -> i64 {
+        *self.inner.lease.lock().unwrap()
+    }
+
+    /// The key for `agent` and `label`.
+    pub fn key(&self, agent: &str, label: &str) -> String {
+        format!("{}{agent}/{label}", self.inner.prefix)
+    }
+
+    /// Publish the agent's full metadata (again, after registering more memory).
+    ///
+    /// # Errors
+    /// [`ErrorKind::ShutDown`] when the agent is gone; etcd errors.
+    pub async fn publish(&self) -> Result<()> {
+        let agent = self.inner.agent()?;
+        let md = agent.metadata()?;
+        self.inner.put(FULL_LABEL, md).await
+    }
+
+    /// Publish partial metadata (only `registrations`) under `label`; the side channel
+    /// serves it too.
+    ///
+    /// # Errors
+    /// As [`Agent::publish_partial`]; etcd errors.
+    pub async fn publish_partial(
+        &self,
+        label: &str,
+        registrations: &[Registration],
+        with_conn_info: bool,
+    ) -> Result<()> {
+        let agent = self.inner.agent()?;
+        agent.publish_partial(label, registrations, with_conn_info)?;
+        let md = agent.partial_metadata(registrations, with_conn_info)?;
+        self.inner.put(label, md).await
+    }
+
+    /// Load `peer`'s full metadata, waiting (up to `timeout`) for it to appear; then
+    /// watch the peer: when its keys are deleted or expire it is forgotten, and when it
+    /// publishes again it is reloaded.
+    ///
+    /// # Errors
+    /// [`ErrorKind::TimedOut`] when it did not appear in time; etcd and load errors.
+    pub async fn fetch(&self, peer: &str, timeout: Duration) -> Result<()> {
+        self.fetch_label(peer, FULL_LABEL, timeout).await
+    }
+
+    /// Load `peer`'s partial metadata published under `label` (waiting up to `timeout`).
+    ///
+    /// # Errors
+    /// As [`EtcdExchange::fetch`].
+    pub async fn fetch_partial(&self, peer: &str, label: &str, timeout: Duration) -> Result<()> {
+        check_label(label, "etcd fetch")?;
+        self.fetch_label(peer, label, timeout).await
+    }
+
+    async fn fetch_label(&self, peer: &str, label: &str, timeout: Duration) -> Result<()> {
+        const OP: &str = "etcd fetch";
+        let key = self.key(peer, label);
+        let (value, revision) = match tokio::time::timeout(timeout, self.inner.wait_for(&key)).await
+        {
+            Ok(r) => r?,
+            Err(_) => {
+                return err(
+                    ErrorKind::TimedOut,
+                    OP,
+                    format!("{key} did not appear within {timeout:?}"),
+                )
+            }
+        };
+        let agent = self.inner.agent()?;
+        agent.load_metadata(&value)?;
+        if label == FULL_LABEL {
+            let watcher = self.inner.clone();
+            let peer = peer.to_owned();
+            self.inner.tracker.spawn(async move {
+                let cancel = watcher.cancel.clone();
+                tokio::select! {
+                    _ = cancel.cancelled() => {}
+                    _ = watcher.watch_peer(peer, revision + 1) => {}
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Delete every key this agent published (peers forget it).
+    ///
+    /// # Errors
+    /// etcd errors.
+    pub async fn invalidate(&self) -> Result<()> {
+        self.inner.published.lock().unwrap().clear();
+        let prefix = format!("{}{}/", self.inner.prefix, self.inner.name);
+        let mut c = self.inner.client.clone();
+        bounded(
+            self.inner.options.timeout,
+            "etcd invalidate",
+            c.delete(prefix, Some(DeleteOptions::new().with_prefix())),
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+impl Inner {
+    fn agent(&self) -> Result<Agent> {
+        self.agent
+            .upgrade()
+            .ok_or_else(|| Error::new(ErrorKind::ShutDown, "etcd", "the agent is gone"))
+    }
+
+    async fn put(&self, label: &str, value: Bytes) -> Result<()> {
+        let key = format!("{}{}/{label}", self.prefix, self.name);
+        self.published
+            .lock()
+            .unwrap()
+            .insert(label.to_owned(), value.clone());
+        let lease = *self.lease.lock().unwrap();
+        let mut c = self.client.clone();
+        bounded(
+            self.options.timeout,
+            "etcd publish",
+            c.put(
+                key,
+                value.to_vec(),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// The value of `key` and the revision it was read at, waiting for it to appear.
+    async fn wait_for(&self, key: &str) -> Result<(Vec<u8>, i64)> {
+        const OP: &str = "etcd fetch";
+        let mut c = self.client.clone();
+        let got = bounded(self.options.timeout, OP, c.get(key, None)).await?;
+        let revision = got.header().map_or(0, |h| h.revision());
+        if let Some(kv) = got.kvs().first() {
+            return Ok((kv.value().to_vec(), revision));
+        }
+        let mut stream = bounded(
+            self.options.timeout,
+            OP,
+            c.watch(
+                key,
+                Some(WatchOptions::new().with_start_revision(revision + 1)),
+            ),
+        )
+        .await?;
+        loop {
+            let msg = stream.message().await.map_err(|e| etcd_err(OP, e))?;
+            let Some(msg) = msg else {
+                return err(ErrorKind::Backend, OP, "etcd closed the watch");
+            };
+            for ev in msg.events() {
+                if ev.event_type() == EventType::Put {
+                    if let Some(kv) = ev.kv() {
+                        return Ok((kv.value().to_vec(), kv.mod_revision()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Watch a peer's keys from `revision`; forget it when its full metadata goes,
+    /// reload it when it is published again. Retries with backoff while etcd is away.
+    async fn watch_peer(&self, peer: String, mut revision: i64) {
+        let full = format!("{}{peer}/{FULL_LABEL}", self.prefix);
+        let prefix = format!("{}{peer}/", self.prefix);
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let mut c = self.client.clone();
+            let watched = bounded(
+                self.options.timeout,
+                "etcd watch",
+                c.watch(
+                    prefix.as_str(),
+                    Some(
+                        WatchOptions::new()
+                            .with_prefix()
+                            .with_start_revision(revision),
+                    ),
+                ),
+            )
+            .await;
+            let mut stream = match watched {
+                Ok(w) => w,
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "etcd: cannot watch peer; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(self.options.max_backoff);
+                    continue;
+                }
+            };
+            backoff = Duration::from_millis(100);
+            loop {
+                let msg = match stream.message().await {
+                    Ok(Some(m)) => m,
+                    Ok(None) | Err(_) => break,
+                };
+                if msg.compact_revision() > 0 {
+                    revision = msg.compact_revision();
+                }
+                for ev in msg.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    revision = revision.max(kv.mod_revision() + 1);
+                    let Some(agent) = self.agent.upgrade() else {
+                        return;
+                    };
+                    match ev.event_type() {
+                        EventType::Delete if kv.key() == full.as_bytes() => {
+                            tracing::info!(%peer, "etcd: peer's metadata is gone; forgetting it");
+                            let _ = agent.forget_peer(&peer);
+                            return;
+                        }
+                        EventType::Put => {
+                            if let Err(e) = agent.load_metadata(kv.value()) {
+                                tracing::warn!(%peer, error = %e, "etcd: could not reload peer metadata");
+                            }
+                        }
+                        EventType::Delete => {}
+                    }
+                }
+            }
+            // The watch broke (etcd restarted?): resume from the last revision seen, or
+            // forget the peer if its key is gone meanwhile.
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(self.options.max_backoff);
+            let mut c = self.client.clone();
+            if let Ok(got) = bounded(
+                self.options.timeout,
+                "etcd watch",
+                c.get(full.as_str(), None),
+            )
+            .await
+            {
+                if got.kvs().is_empty() {
+                    if let Some(agent) = self.agent.upgrade() {
+                        tracing::info!(%peer, "etcd: peer's metadata is gone; forgetting it");
+                        let _ = agent.forget_peer(&peer);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Keep the lease alive; after losing it (etcd away longer than the TTL), grant a
+    /// new one and publish everything again.
+    async fn keep_lease(&self) {
+        let period = (self.options.lease_ttl / 3).max(Duration::from_millis(200));
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let lease = *self.lease.lock().unwrap();
+            match self.renew(lease).await {
+                Ok(true) => {
+                    backoff = Duration::from_millis(100);
+                    tokio::time::sleep(period).await;
+                }
+                Ok(false) => {
+                    tracing::warn!(agent = %self.name, lease, "etcd: lease lost; granting a new one and publishing again");
+                    if let Err(e) = self.regrant().await {
+                        tracing::warn!(agent = %self.name, error = %e, "etcd: could not restore publication; retrying");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(self.options.max_backoff);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(agent = %self.name, error = %e, "etcd: lease keep-alive failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(self.options.max_backoff);
+                }
+            }
+        }
+    }
+
+    /// One keep-alive round trip; `Ok(false)` when the lease no longer exists.
+    async fn renew(&self, lease: i64) -> Result<bool> {
+        const OP: &str = "etcd keep-alive";
+        let mut c = self.client.clone();
+        let (mut keeper, mut stream) =
+            bounded(self.options.timeout, OP, c.lease_keep_alive(lease)).await?;
+        bounded(self.options.timeout, OP, keeper.keep_alive()).await?;
+        match bounded(self.options.timeout, OP, stream.message()).await? {
+            Some(r) => Ok(r.ttl() > 0),
+            None => err(ErrorKind::Backend, OP, "etcd closed the keep-alive stream"),
+        }
+    }
+
+    async fn regrant(&self) -> Result<()> {
+        let mut c = self.client.clone();
+        let ttl = self.options.lease_ttl.as_secs().max(1) as i64;
+        let lease = bounded(self.options.timeout, "etcd lease", c.lease_grant(ttl, None))
+            .await?
+            .id();
+        *self.lease.lock().unwrap() = lease;
+        let published: Vec<(String, Bytes)> = self
+            .published
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (label, value) in published {
+            self.put(&label, value).await?;
+        }
+        Ok(())
+    }
+
+    /// Revoke the lease: every key published through it is deleted at once.
+    async fn revoke(&self) {
+        let lease = *self.lease.lock().unwrap();
+        let mut c = self.client.clone();
+        match bounded(self.options.timeout, "etcd revoke", c.lease_revoke(lease)).await {
+            Ok(_) => tracing::info!(agent = %self.name, lease, "etcd: lease revoked"),
+            Err(e) => {
+                tracing::warn!(agent = %self.name, error = %e, "etcd: could not revoke the lease; keys expire with its TTL")
+            }
+        }
+    }
+}

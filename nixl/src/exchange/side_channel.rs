@@ -1,0 +1,481 @@
+//! The direct side channel: an agent listens on a TCP port; peers fetch its metadata
+//! (full or labelled partial), send theirs, or tell it to forget them.
+//!
+//! With a [`SharedSecret`], both ends prove they know it before anything else is read
+//! or served (HMAC-SHA256 challenge-response over fresh nonces from both sides; the
+//! secret never crosses the wire). A client with a secret also refuses a server that
+//! does not authenticate.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+
+use super::frame::{read_frame, write_frame, FrameError, Kind, MAC_LEN, NONCE_LEN};
+use super::FULL_LABEL;
+use crate::agent::WeakAgent;
+use crate::error::{err, Error, ErrorKind, Result};
+use crate::region::Registration;
+use crate::Agent;
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// A shared secret for the side channel. Its `Debug` output never shows the bytes.
+#[derive(Clone)]
+pub struct SharedSecret(Arc<[u8]>);
+
+impl SharedSecret {
+    /// A secret from bytes (use at least 16 random bytes).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for an empty secret.
+    pub fn new(bytes: impl AsRef<[u8]>) -> Result<Self> {
+        let b = bytes.as_ref();
+        if b.is_empty() {
+            return err(
+                ErrorKind::InvalidArgument,
+                "make shared secret",
+                "the secret is empty",
+            );
+        }
+        Ok(Self(b.into()))
+    }
+
+    fn mac(&self, role: &[u8], first: &[u8], second: &[u8]) -> HmacSha256 {
+        let mut m = HmacSha256::new_from_slice(&self.0).expect("HMAC takes keys of any length");
+        m.update(b"nixl side channel v1 ");
+        m.update(role);
+        m.update(first);
+        m.update(second);
+        m
+    }
+}
+
+impl fmt::Debug for SharedSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SharedSecret(..)")
+    }
+}
+
+/// Options for both ends of the side channel.
+#[derive(Clone, Debug)]
+pub struct SideChannelOptions {
+    /// Require (server) and prove (client) knowledge of this secret.
+    pub secret: Option<SharedSecret>,
+    /// Bound for a client operation (connect, handshake, request), and for a server's
+    /// handshake with a new connection.
+    pub timeout: Duration,
+    /// A server closes connections idle for this long.
+    pub idle_timeout: Duration,
+    /// Largest frame payload accepted.
+    pub max_frame: usize,
+    /// Most connections a listener serves at once; more wait to be accepted.
+    pub max_connections: usize,
+}
+
+impl Default for SideChannelOptions {
+    fn default() -> Self {
+        Self {
+            secret: None,
+            timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_frame: crate::metadata::Limits::default().max_total,
+            max_connections: 1024,
+        }
+    }
+}
+
+fn nonce() -> [u8; NONCE_LEN] {
+    let mut n = [0u8; NONCE_LEN];
+    getrandom::getrandom(&mut n).expect("the OS random source works");
+    n
+}
+
+impl Agent {
+    /// Serve this agent's metadata on `addr` (IPv4 or IPv6; port 0 picks one). Returns
+    /// the bound address. The listener runs until shutdown or drop, through the agent's
+    /// task tracker; a malformed, oversized or truncated frame closes only that
+    /// connection.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Backend`] when the address cannot be bound; [`ErrorKind::ShutDown`].
+    pub async fn listen(
+        &self,
+        addr: SocketAddr,
+        options: &SideChannelOptions,
+    ) -> Result<SocketAddr> {
+        const OP: &str = "listen";
+        if !self.is_running() {
+            return err(ErrorKind::ShutDown, OP, "the agent is shutting down");
+        }
+        let listener = TcpListener::bind(addr).await.map_err(|e| {
+            Error::new(ErrorKind::Backend, OP, format!("cannot listen on {addr}")).with_source(e)
+        })?;
+        let bound = listener.local_addr().map_err(|e| {
+            Error::new(ErrorKind::Backend, OP, "listener has no address").with_source(e)
+        })?;
+        let cancel = self.child_token();
+        let tracker = self.tracker().clone();
+        let agent = self.downgrade();
+        let options = Arc::new(options.clone());
+        let slots = Arc::new(Semaphore::new(options.max_connections.max(1)));
+        let name = self.name().to_owned();
+        tracing::info!(agent = %name, %bound, auth = options.secret.is_some(), "side channel listening");
+        self.tracker().spawn(async move {
+            loop {
+                let permit = tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    p = slots.clone().acquire_owned() => p.expect("semaphore never closes"),
+                };
+                let (stream, from) = tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    r = listener.accept() => match r {
+                        Ok(x) => x,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "side channel: accept failed");
+                            tokio::select! {
+                                _ = cancel.cancelled() => break,
+                                _ = tokio::time::sleep(Duration::from_millis(50)) => continue,
+                            }
+                        }
+                    },
+                };
+                let (agent, options, token) =
+                    (agent.clone(), options.clone(), cancel.child_token());
+                tracker.spawn(async move {
+                    let _permit = permit;
+                    tokio::select! {
+                        _ = token.cancelled() => {}
+                        r = serve(agent, stream, &options) => {
+                            if let Err(why) = r {
+                                tracing::info!(%from, %why, "side channel: closed connection");
+                            }
+                        }
+                    }
+                });
+            }
+            tracing::debug!(agent = %name, %bound, "side channel listener stopped");
+        });
+        Ok(bound)
+    }
+
+    /// Store partial metadata (only `registrations`) under `label`, for peers to fetch
+    /// through the side channel (and etcd, where published). Replaces an earlier one.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for an empty label, one with `/`, or the reserved
+    /// label `full`; as [`Agent::partial_metadata`].
+    pub fn publish_partial(
+        &self,
+        label: &str,
+        registrations: &[Registration],
+        with_conn_info: bool,
+    ) -> Result<()> {
+        check_label(label, "publish partial metadata")?;
+        let bytes = self.partial_metadata(registrations, with_conn_info)?;
+        self.labels()
+            .lock()
+            .unwrap()
+            .insert(label.to_owned(), bytes);
+        Ok(())
+    }
+
+    /// Fetch the full metadata of the agent serving at `addr` and load it. Resolves once
+    /// it is loaded; returns the peer's name.
+    ///
+    /// # Errors
+    /// [`ErrorKind::TimedOut`], [`ErrorKind::NotAllowed`] (authentication refused),
+    /// [`ErrorKind::RemoteDisconnected`], and as [`Agent::load_metadata`].
+    pub async fn fetch_metadata(
+        &self,
+        addr: SocketAddr,
+        options: &SideChannelOptions,
+    ) -> Result<String> {
+        self.fetch_label(addr, "", options).await
+    }
+
+    /// Fetch partial metadata published under `label` at `addr` and load it.
+    ///
+    /// # Errors
+    /// As [`Agent::fetch_metadata`]; [`ErrorKind::NotFound`] for an unknown label.
+    pub async fn fetch_partial_metadata(
+        &self,
+        addr: SocketAddr,
+        label: &str,
+        options: &SideChannelOptions,
+    ) -> Result<String> {
+        check_label(label, "fetch partial metadata")?;
+        self.fetch_label(addr, label, options).await
+    }
+
+    async fn fetch_label(
+        &self,
+        addr: SocketAddr,
+        label: &str,
+        options: &SideChannelOptions,
+    ) -> Result<String> {
+        const OP: &str = "fetch metadata";
+        let md = request(addr, options, OP, Kind::Fetch, label.as_bytes()).await?;
+        self.load_metadata(&md)
+    }
+
+    /// Send this agent's full metadata to the agent serving at `addr`, which loads it.
+    ///
+    /// # Errors
+    /// As [`Agent::fetch_metadata`]; the remote's load error as [`ErrorKind::Backend`].
+    pub async fn send_metadata(
+        &self,
+        addr: SocketAddr,
+        options: &SideChannelOptions,
+    ) -> Result<()> {
+        let md = self.metadata()?;
+        request(addr, options, "send metadata", Kind::Send, &md)
+            .await
+            .map(drop)
+    }
+
+    /// Tell the agent serving at `addr` to forget this agent.
+    ///
+    /// # Errors
+    /// As [`Agent::send_metadata`].
+    pub async fn invalidate_at(
+        &self,
+        addr: SocketAddr,
+        options: &SideChannelOptions,
+    ) -> Result<()> {
+        request(
+            addr,
+            options,
+            "invalidate metadata",
+            Kind::Invalidate,
+            self.name().as_bytes(),
+        )
+        .await
+        .map(drop)
+    }
+}
+
+pub(crate) fn check_label(label: &str, op: &'static str) -> Result<()> {
+    if label.is_empty() || label.contains('/') || label == FULL_LABEL || label.len() > 128 {
+        return err(
+            ErrorKind::InvalidArgument,
+            op,
+            format!("label {label:?} must be 1-128 bytes without '/' and not {FULL_LABEL:?}"),
+        );
+    }
+    Ok(())
+}
+
+/// One client request on a fresh connection, bounded by `options.timeout`.
+async fn request(
+    addr: SocketAddr,
+    options: &SideChannelOptions,
+    op: &'static str,
+    kind: Kind,
+    payload: &[u8],
+) -> Result<Vec<u8>> {
+    match tokio::time::timeout(
+        options.timeout,
+        request_inner(addr, options, op, kind, payload),
+    )
+    .await
+    {
+        Ok(r) => r,
+        Err(_) => err(
+            ErrorKind::TimedOut,
+            op,
+            format!("{addr} did not answer within {:?}", options.timeout),
+        ),
+    }
+}
+
+async fn request_inner(
+    addr: SocketAddr,
+    options: &SideChannelOptions,
+    op: &'static str,
+    kind: Kind,
+    payload: &[u8],
+) -> Result<Vec<u8>> {
+    let io = |what: &str, e: std::io::Error| {
+        Error::new(ErrorKind::RemoteDisconnected, op, format!("{addr}: {what}")).with_source(e)
+    };
+    let frame_err =
+        |e: FrameError| Error::new(ErrorKind::RemoteDisconnected, op, format!("{addr}: {e}"));
+    let mut s = TcpStream::connect(addr)
+        .await
+        .map_err(|e| io("connect", e))?;
+    let _ = s.set_nodelay(true);
+    let (k, hello) = read_frame(&mut s, 1024).await.map_err(frame_err)?;
+    if k != Kind::Hello || hello.len() != 1 + NONCE_LEN {
+        return err(
+            ErrorKind::Mismatch,
+            op,
+            format!("{addr} is not a nixl side channel"),
+        );
+    }
+    let auth_required = hello[0] & 1 == 1;
+    let server_nonce = &hello[1..];
+    match (&options.secret, auth_required) {
+        (None, true) => return err(ErrorKind::NotAllowed, op, format!("{addr} requires a shared secret; none is configured")),
+        (Some(_), false) => {
+            return err(ErrorKind::NotAllowed, op, format!("{addr} does not authenticate, but a shared secret is configured; refusing an unauthenticated server"))
+        }
+        (None, false) => {}
+        (Some(secret), true) => {
+            let client_nonce = nonce();
+            let mac = secret.mac(b"client", server_nonce, &client_nonce).finalize().into_bytes();
+            let mut auth = Vec::with_capacity(NONCE_LEN + MAC_LEN);
+            auth.extend_from_slice(&client_nonce);
+            auth.extend_from_slice(&mac);
+            write_frame(&mut s, Kind::Auth, &auth).await.map_err(|e| io("auth", e))?;
+            let (k, reply) = read_frame(&mut s, 4096).await.map_err(frame_err)?;
+            match k {
+                Kind::AuthOk if reply.len() == MAC_LEN => {
+                    secret
+                        .mac(b"server", &client_nonce, server_nonce)
+                        .verify_slice(&reply)
+                        .map_err(|_| Error::new(ErrorKind::NotAllowed, op, format!("{addr} failed to prove it knows the shared secret")))?;
+                }
+                Kind::Error => return err(ErrorKind::NotAllowed, op, format!("{addr} refused: {}", String::from_utf8_lossy(&reply))),
+                _ => return err(ErrorKind::Mismatch, op, format!("{addr} broke the handshake")),
+            }
+        }
+    }
+    write_frame(&mut s, kind, payload)
+        .await
+        .map_err(|e| io("request", e))?;
+    let (k, reply) = read_frame(&mut s, options.max_frame)
+        .await
+        .map_err(frame_err)?;
+    match k {
+        Kind::Metadata | Kind::Ok => Ok(reply),
+        Kind::Error => {
+            let msg = String::from_utf8_lossy(&reply).into_owned();
+            let kind = if msg.starts_with("not found") {
+                ErrorKind::NotFound
+            } else {
+                ErrorKind::Backend
+            };
+            err(kind, op, format!("{addr}: {msg}"))
+        }
+        _ => err(
+            ErrorKind::Mismatch,
+            op,
+            format!("{addr} answered with an unexpected frame"),
+        ),
+    }
+}
+
+/// Serve one connection. Errors are the reason it was closed.
+async fn serve(
+    agent: WeakAgent,
+    mut s: TcpStream,
+    options: &SideChannelOptions,
+) -> std::result::Result<(), String> {
+    let _ = s.set_nodelay(true);
+    let server_nonce = nonce();
+    let mut hello = Vec::with_capacity(1 + NONCE_LEN);
+    hello.push(u8::from(options.secret.is_some()));
+    hello.extend_from_slice(&server_nonce);
+    write_frame(&mut s, Kind::Hello, &hello)
+        .await
+        .map_err(|e| e.to_string())?;
+    if let Some(secret) = &options.secret {
+        let frame = tokio::time::timeout(options.timeout, read_frame(&mut s, 4096))
+            .await
+            .map_err(|_| "handshake timed out".to_owned())?
+            .map_err(|e| e.to_string())?;
+        let ok = match &frame {
+            (Kind::Auth, p) if p.len() == NONCE_LEN + MAC_LEN => {
+                let (client_nonce, mac) = p.split_at(NONCE_LEN);
+                secret
+                    .mac(b"client", &server_nonce, client_nonce)
+                    .verify_slice(mac)
+                    .is_ok()
+            }
+            _ => false,
+        };
+        if !ok {
+            let _ = write_frame(&mut s, Kind::Error, b"authentication failed").await;
+            return Err("authentication failed".into());
+        }
+        let client_nonce = &frame.1[..NONCE_LEN];
+        let mac = secret
+            .mac(b"server", client_nonce, &server_nonce)
+            .finalize()
+            .into_bytes();
+        write_frame(&mut s, Kind::AuthOk, &mac)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    loop {
+        let frame =
+            match tokio::time::timeout(options.idle_timeout, read_frame(&mut s, options.max_frame))
+                .await
+            {
+                Err(_) => return Err("idle timeout".into()),
+                Ok(Err(FrameError::Closed)) => return Ok(()),
+                Ok(Err(e)) => {
+                    if let FrameError::Malformed(m) = &e {
+                        let _ = write_frame(&mut s, Kind::Error, m.as_bytes()).await;
+                    }
+                    return Err(e.to_string());
+                }
+                Ok(Ok(f)) => f,
+            };
+        let Some(agent) = agent.upgrade() else {
+            let _ = write_frame(&mut s, Kind::Error, b"the agent is gone").await;
+            return Err("agent gone".into());
+        };
+        let reply = match frame {
+            (Kind::Fetch, label) if label.is_empty() => {
+                agent.metadata().map(|m| (Kind::Metadata, m.to_vec()))
+            }
+            (Kind::Fetch, label) => {
+                let label = String::from_utf8_lossy(&label).into_owned();
+                match agent.labels().lock().unwrap().get(&label) {
+                    Some(m) => Ok((Kind::Metadata, m.to_vec())),
+                    None => err(
+                        ErrorKind::NotFound,
+                        "serve metadata",
+                        format!("not found: no partial metadata labelled {label:?}"),
+                    ),
+                }
+            }
+            (Kind::Send, md) => agent.load_metadata(&md).map(|_| (Kind::Ok, Vec::new())),
+            (Kind::Invalidate, name) => {
+                let name = String::from_utf8_lossy(&name).into_owned();
+                match agent.forget_peer(&name) {
+                    Ok(()) => Ok((Kind::Ok, Vec::new())),
+                    Err(e) if e.kind() == ErrorKind::UnknownPeer => Ok((Kind::Ok, Vec::new())),
+                    Err(e) => Err(e),
+                }
+            }
+            (k, _) => {
+                let _ = write_frame(&mut s, Kind::Error, b"unexpected frame").await;
+                return Err(format!("unexpected {k:?} frame"));
+            }
+        };
+        drop(agent);
+        match reply {
+            Ok((k, p)) => write_frame(&mut s, k, &p)
+                .await
+                .map_err(|e| e.to_string())?,
+            Err(e) => {
+                let msg = if e.kind() == ErrorKind::NotFound {
+                    e.context().to_owned()
+                } else {
+                    e.to_string()
+                };
+                write_frame(&mut s, Kind::Error, msg.as_bytes())
+                    .await
+                    .map_err(|e| e.to_string())?
+            }
+        }
+    }
+}
