@@ -324,10 +324,14 @@ impl Task {
         s.read_exact(&mut reply)
             .await
             .map_err(|e| io("hello reply", e))?;
-        if reply[..4] != wire::MAGIC
-            || reply[4..6] != wire::VERSION.to_le_bytes()
-            || reply[6] != wire::ST_OK
-        {
+        let refused = |why: String| {
+            Error::new(
+                ErrorKind::NotAllowed,
+                "tcp connect",
+                format!("peer {:?} at {}: {why}", self.peer, self.addr),
+            )
+        };
+        if reply[..4] != wire::MAGIC || reply[4..6] != wire::VERSION.to_le_bytes() {
             return Err(Error::new(
                 ErrorKind::Mismatch,
                 "tcp connect",
@@ -336,6 +340,51 @@ impl Task {
                     self.peer, self.addr
                 ),
             ));
+        }
+        match (reply[6], &self.options.secret) {
+            (wire::ST_OK, None) => {}
+            (wire::ST_OK, Some(_)) => {
+                return Err(refused(
+                    "it does not authenticate, but a shared secret is configured".into(),
+                ))
+            }
+            (wire::ST_AUTH, None) => {
+                return Err(refused(
+                    "it requires a shared secret; none is configured".into(),
+                ))
+            }
+            (wire::ST_AUTH, Some(secret)) => {
+                let mut target_nonce = [0u8; wire::NONCE_LEN];
+                s.read_exact(&mut target_nonce)
+                    .await
+                    .map_err(|e| io("auth", e))?;
+                let ours = wire::nonce();
+                let mac = secret.sign(
+                    wire::CLIENT_CONTEXT,
+                    &[&target_nonce, &ours, self.agent.as_bytes()],
+                );
+                let mut msg = Vec::with_capacity(64);
+                msg.extend_from_slice(&ours);
+                msg.extend_from_slice(&mac);
+                s.write_all(&msg).await.map_err(|e| io("auth", e))?;
+                let mut status = [0u8; 1];
+                s.read_exact(&mut status)
+                    .await
+                    .map_err(|e| io("auth reply", e))?;
+                if status[0] != wire::ST_OK {
+                    return Err(refused("it refused our shared secret".into()));
+                }
+                let mut theirs = [0u8; 32];
+                s.read_exact(&mut theirs)
+                    .await
+                    .map_err(|e| io("auth reply", e))?;
+                if !secret.verify(wire::SERVER_CONTEXT, &[&ours, &target_nonce], &theirs) {
+                    return Err(refused(
+                        "it failed to prove it knows the shared secret".into(),
+                    ));
+                }
+            }
+            (status, _) => return Err(refused(format!("handshake refused (status {status})"))),
         }
         Ok(s)
     }

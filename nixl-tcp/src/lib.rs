@@ -19,6 +19,9 @@
 //! ## Wire security
 //! Keys stop stale or mistaken requests and peers that never saw the metadata; they
 //! are not encryption: anyone who can read the traffic or the metadata can reuse them.
+//! With [`TcpOptions::secret`], every connection is authenticated first, so only
+//! agents that know the secret can reach registered memory at all. Traffic is still
+//! not encrypted: run it on a trusted network.
 #![deny(unsafe_code)]
 
 mod conn;
@@ -57,6 +60,11 @@ pub struct TcpOptions {
     pub dead_peer_timeout: Duration,
     /// Longest notification accepted.
     pub max_notification: usize,
+    /// When set, both ends of every connection prove they know this secret
+    /// (HMAC-SHA256 challenge-response) before any request is read: a client without
+    /// it reaches no registered memory, whatever keys it has. Set the same secret on
+    /// every agent of a deployment.
+    pub secret: Option<nixl::SharedSecret>,
 }
 
 impl Default for TcpOptions {
@@ -67,6 +75,7 @@ impl Default for TcpOptions {
             connect_timeout: Duration::from_secs(5),
             dead_peer_timeout: Duration::from_secs(10),
             max_notification: 1 << 20,
+            secret: None,
         }
     }
 }

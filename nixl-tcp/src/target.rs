@@ -91,14 +91,41 @@ async fn serve(
     let mut name = vec![0u8; name_len];
     r.read_exact(&mut name).await?;
     let peer = String::from_utf8(name).map_err(|_| proto("peer name is not UTF-8"))?;
-    let mut reply = Vec::with_capacity(7);
+    let mut reply = Vec::with_capacity(7 + wire::NONCE_LEN);
     reply.extend_from_slice(&wire::MAGIC);
     reply.extend_from_slice(&wire::VERSION.to_le_bytes());
-    reply.push(if version_ok { wire::ST_OK } else { 1 });
+    let our_nonce = wire::nonce();
+    match (&inner.options.secret, version_ok) {
+        (_, false) => reply.push(1),
+        (None, true) => reply.push(wire::ST_OK),
+        (Some(_), true) => {
+            reply.push(wire::ST_AUTH);
+            reply.extend_from_slice(&our_nonce);
+        }
+    }
     w.write_all(&reply).await?;
     w.flush().await?;
     if !version_ok {
         return Err(proto("unsupported protocol version"));
+    }
+    if let Some(secret) = &inner.options.secret {
+        // Nothing else is read or served before the peer proves it knows the secret.
+        let mut msg = [0u8; wire::NONCE_LEN + 32];
+        r.read_exact(&mut msg).await?;
+        let (their_nonce, mac) = msg.split_at(wire::NONCE_LEN);
+        if !secret.verify(
+            wire::CLIENT_CONTEXT,
+            &[&our_nonce, their_nonce, peer.as_bytes()],
+            mac,
+        ) {
+            w.write_all(&[wire::ST_REFUSED]).await?;
+            w.flush().await?;
+            return Err(proto(format!("peer {peer:?} failed authentication")));
+        }
+        let proof = secret.sign(wire::SERVER_CONTEXT, &[their_nonce, &our_nonce]);
+        w.write_all(&[wire::ST_OK]).await?;
+        w.write_all(&proof).await?;
+        w.flush().await?;
     }
     tracing::debug!(%peer, "tcp: peer connected");
 

@@ -1,7 +1,11 @@
 //! nixl-tcp's wire format. Little-endian, fixed-size headers, hard limits.
 //!
 //! Connection: the initiator sends a hello (`MAGIC`, version, its agent name); the
-//! target answers with `MAGIC`, version and a status byte. Then the initiator sends
+//! target answers with `MAGIC`, version and a status byte. With a shared secret the
+//! status is `ST_AUTH` followed by the target's nonce; the initiator answers with its
+//! nonce and an HMAC over both nonces and its name, and the target with a status byte
+//! and its own HMAC over both nonces (each side proves it knows the secret; the
+//! secret never crosses the wire). Then the initiator sends
 //! requests and the target answers each with an ACK (READs: DATA first).
 //!
 //! Request header (24 bytes): kind u8, flags u8 (bit 0: carries a notification), 2 zero
@@ -34,6 +38,19 @@ pub(crate) const ST_OK: u8 = 0;
 pub(crate) const ST_BAD_KEY: u8 = 1;
 pub(crate) const ST_OUT_OF_RANGE: u8 = 2;
 pub(crate) const ST_TOO_LARGE: u8 = 3;
+/// Hello reply: authentication required; a 32-byte nonce follows.
+pub(crate) const ST_AUTH: u8 = 4;
+/// Authentication refused.
+pub(crate) const ST_REFUSED: u8 = 5;
+pub(crate) const NONCE_LEN: usize = 32;
+pub(crate) const CLIENT_CONTEXT: &str = "nixl-tcp v1 client";
+pub(crate) const SERVER_CONTEXT: &str = "nixl-tcp v1 server";
+
+pub(crate) fn nonce() -> [u8; NONCE_LEN] {
+    let mut n = [0u8; NONCE_LEN];
+    getrandom::getrandom(&mut n).expect("the OS random source works");
+    n
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct RequestHeader {

@@ -249,7 +249,10 @@ mod with_etcd {
         // Recovers: publishing and fetching work again.
         let t0 = Instant::now();
         loop {
-            match xb.publish_partial("after", std::slice::from_ref(&dst), false).await {
+            match xb
+                .publish_partial("after", std::slice::from_ref(&dst), false)
+                .await
+            {
                 Ok(()) => break,
                 Err(e) => assert!(
                     t0.elapsed() < Duration::from_secs(15),

@@ -56,7 +56,8 @@ async fn fetch_send_invalidate_then_transfer() {
 
     // Labelled partial metadata.
     let late = b.register(vec![0u8; 64]).unwrap();
-    b.publish_partial("late", std::slice::from_ref(&late), false).unwrap();
+    b.publish_partial("late", std::slice::from_ref(&late), false)
+        .unwrap();
     assert_eq!(
         a.fetch_partial_metadata(addr, "late", &opts(None))
             .await

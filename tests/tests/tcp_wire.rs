@@ -1,0 +1,393 @@
+//! nixl-tcp's target under hostile input, spoken straight over the wire: forged keys,
+//! out-of-range and stale requests, oversized frames and random bytes are refused, the
+//! target's registered memory stays unchanged (checksummed), and it keeps serving.
+//! Also: the shared-secret handshake.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use nixl::metadata::AgentMetadata;
+use nixl::{Agent, ErrorKind, Registration, SharedSecret};
+use nixl_conformance::support::{bounded, checksum, one, pattern, remote};
+use nixl_tcp::{TcpBackend, TcpOptions};
+use proptest::prelude::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+// The documented wire format (nixl-tcp/src/wire.rs), written independently here.
+const WRITE: u8 = 1;
+const READ: u8 = 2;
+const ST_OK: u8 = 0;
+const ST_BAD_KEY: u8 = 1;
+const ST_OUT_OF_RANGE: u8 = 2;
+const ST_TOO_LARGE: u8 = 3;
+
+struct Raw {
+    s: TcpStream,
+    next: u64,
+}
+
+impl Raw {
+    async fn connect(addr: SocketAddr) -> Self {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let name = b"mallory";
+        let mut hello = b"NXTC".to_vec();
+        hello.extend_from_slice(&1u16.to_le_bytes());
+        hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        hello.extend_from_slice(name);
+        s.write_all(&hello).await.unwrap();
+        let mut reply = [0u8; 7];
+        s.read_exact(&mut reply).await.unwrap();
+        assert_eq!(reply[6], ST_OK, "no secret configured");
+        Self { s, next: 1 }
+    }
+
+    /// Send a request; returns the ACK status and whether DATA came before it.
+    async fn request(
+        &mut self,
+        kind: u8,
+        segs: &[(u64, u64, u64)],
+        notif: Option<&[u8]>,
+        payload: &[u8],
+    ) -> (u8, bool) {
+        self.send_raw(
+            kind,
+            segs.len() as u32,
+            notif.map_or(0, |n| n.len() as u32),
+            notif.is_some(),
+        )
+        .await;
+        let mut body = Vec::new();
+        for (k, a, l) in segs {
+            body.extend_from_slice(&k.to_le_bytes());
+            body.extend_from_slice(&a.to_le_bytes());
+            body.extend_from_slice(&l.to_le_bytes());
+        }
+        body.extend_from_slice(notif.unwrap_or_default());
+        body.extend_from_slice(payload);
+        self.s.write_all(&body).await.unwrap();
+        self.ack().await
+    }
+
+    async fn send_raw(&mut self, kind: u8, segments: u32, notif_len: u32, has_notif: bool) {
+        let mut h = [0u8; 24];
+        h[0] = kind;
+        h[1] = u8::from(has_notif);
+        h[4..8].copy_from_slice(&segments.to_le_bytes());
+        h[8..16].copy_from_slice(&self.next.to_le_bytes());
+        h[16..20].copy_from_slice(&notif_len.to_le_bytes());
+        self.next += 1;
+        self.s.write_all(&h).await.unwrap();
+    }
+
+    async fn ack(&mut self) -> (u8, bool) {
+        let mut data = false;
+        loop {
+            let mut h = [0u8; 24];
+            self.s.read_exact(&mut h).await.unwrap();
+            match h[0] {
+                0x81 => {
+                    data = true;
+                    let len = u64::from_le_bytes(h[16..24].try_into().unwrap());
+                    let mut skip = vec![0u8; len as usize];
+                    self.s.read_exact(&mut skip).await.unwrap();
+                }
+                0x80 => {
+                    let msg_len = u32::from_le_bytes(h[4..8].try_into().unwrap());
+                    let mut msg = vec![0u8; msg_len as usize];
+                    self.s.read_exact(&mut msg).await.unwrap();
+                    return (h[1], data);
+                }
+                k => panic!("unexpected response kind {k:#x}"),
+            }
+        }
+    }
+
+    /// Whether the target closed the connection.
+    async fn closed(&mut self) -> bool {
+        let mut b = [0u8; 64];
+        loop {
+            match bounded("read until close", self.s.read(&mut b)).await {
+                Ok(0) | Err(_) => return true,
+                Ok(_) => continue,
+            }
+        }
+    }
+}
+
+fn key_of(md: &[u8], region: u64) -> u64 {
+    let md = AgentMetadata::decode(md).unwrap();
+    let r = md.regions.iter().find(|r| r.id == region).unwrap();
+    u64::from_le_bytes(r.blobs[0].blob[..8].try_into().unwrap())
+}
+
+async fn target(options: TcpOptions) -> (Agent, SocketAddr) {
+    let b = TcpBackend::with_options(options);
+    let agent = Agent::builder("target")
+        .backend(b.clone())
+        .build()
+        .await
+        .unwrap();
+    (agent, b.local_addr().unwrap())
+}
+
+fn sums(rs: &[&Registration]) -> Vec<u64> {
+    rs.iter().map(|r| checksum(r)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_requests_refused_memory_unchanged() {
+    let (b, addr) = target(TcpOptions::default()).await;
+    let r = b.register(pattern(1, 4096)).unwrap();
+    let guard = b.register(pattern(2, 4096)).unwrap();
+    let stale = b.register(pattern(3, 4096)).unwrap();
+    let md = b.metadata().unwrap();
+    let (key, gkey, skey) = (
+        key_of(&md, r.id()),
+        key_of(&md, guard.id()),
+        key_of(&md, stale.id()),
+    );
+    b.deregister(&stale).unwrap();
+    let before = sums(&[&r, &guard]);
+    let base = r.addr();
+    let mut c = Raw::connect(addr).await;
+    let junk = vec![0xEEu8; 8192];
+    let mut tried = 0;
+    let mut refuse = |status: u8, expect: u8, what: &str| {
+        tried += 1;
+        assert_eq!(status, expect, "{what}");
+    };
+    refuse(
+        c.request(WRITE, &[(key ^ 1, base, 16)], None, &junk[..16])
+            .await
+            .0,
+        ST_BAD_KEY,
+        "forged key",
+    );
+    refuse(
+        c.request(WRITE, &[(gkey, base, 16)], None, &junk[..16])
+            .await
+            .0,
+        ST_OUT_OF_RANGE,
+        "another region's key",
+    );
+    refuse(
+        c.request(WRITE, &[(key, base + 4090, 16)], None, &junk[..16])
+            .await
+            .0,
+        ST_OUT_OF_RANGE,
+        "past the end",
+    );
+    refuse(
+        c.request(WRITE, &[(key, base - 8, 16)], None, &junk[..16])
+            .await
+            .0,
+        ST_OUT_OF_RANGE,
+        "before the start",
+    );
+    refuse(
+        c.request(WRITE, &[(key, base, 0)], None, &[]).await.0,
+        ST_OUT_OF_RANGE,
+        "zero length",
+    );
+    refuse(
+        c.request(WRITE, &[(key, u64::MAX - 4, 16)], None, &junk[..16])
+            .await
+            .0,
+        ST_OUT_OF_RANGE,
+        "address overflow",
+    );
+    refuse(
+        c.request(
+            WRITE,
+            &[(key, base, 100), (key, base + 4000, 200)],
+            Some(b"n"),
+            &junk[..300],
+        )
+        .await
+        .0,
+        ST_OUT_OF_RANGE,
+        "second segment bad: the first must not be written",
+    );
+    refuse(
+        c.request(WRITE, &[(skey, stale.addr(), 16)], None, &junk[..16])
+            .await
+            .0,
+        ST_BAD_KEY,
+        "stale key of a deregistered region",
+    );
+    let (st, data) = c.request(READ, &[(key, base + 4000, 200)], None, &[]).await;
+    refuse(st, ST_OUT_OF_RANGE, "read past the end");
+    assert!(!data, "no data for a refused read");
+    refuse(
+        c.request(READ, &[(key ^ 0xFF00, base, 16)], None, &[])
+            .await
+            .0,
+        ST_BAD_KEY,
+        "read with a forged key",
+    );
+    assert_eq!(sums(&[&r, &guard]), before, "target memory unchanged");
+    // The connection still works after refusals.
+    let (st, _) = c.request(WRITE, &[(key, base, 4)], None, b"good").await;
+    assert_eq!(st, ST_OK);
+    assert_eq!(&r.to_vec().unwrap()[..4], b"good");
+    let before = sums(&[&r, &guard]);
+    // Oversized: a segment count the target will not allocate for, then a notification
+    // over the limit. Each is refused and closes only that connection.
+    let mut big = Raw::connect(addr).await;
+    big.send_raw(WRITE, u32::MAX, 0, false).await;
+    assert_eq!(big.ack().await.0, ST_TOO_LARGE);
+    assert!(big.closed().await);
+    let mut big = Raw::connect(addr).await;
+    big.send_raw(WRITE, 1, u32::MAX, true).await;
+    assert_eq!(big.ack().await.0, ST_TOO_LARGE);
+    assert!(big.closed().await);
+    // Unknown request kind: closed.
+    let mut odd = Raw::connect(addr).await;
+    odd.send_raw(0x42, 0, 0, false).await;
+    assert!(odd.closed().await);
+    tried += 3;
+    assert_eq!(sums(&[&r, &guard]), before, "target memory unchanged");
+    // A real agent still works.
+    let a = Agent::builder("a")
+        .backend(TcpBackend::new())
+        .build()
+        .await
+        .unwrap();
+    let src = a.register(vec![1u8; 4096]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    a.write(
+        &one(src.whole()),
+        "target",
+        &one(remote(&a, "target", r.id()).desc(0, 4096)),
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.to_vec().unwrap(), vec![1u8; 4096]);
+    println!("FIGURE bad_wire_inputs_refused={tried}");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+fn with_secret(s: Option<&str>) -> TcpOptions {
+    TcpOptions {
+        secret: s.map(|s| SharedSecret::new(s).unwrap()),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_secret_gates_every_connection() {
+    let (b, addr) = target(with_secret(Some("deployment-secret"))).await;
+    let mem = b.register(pattern(9, 4096)).unwrap();
+    let before = checksum(&mem);
+    let md = b.metadata().unwrap();
+    for (secret, what) in [(None, "no secret"), (Some("wrong"), "wrong secret")] {
+        let a = Agent::builder("a")
+            .backend(TcpBackend::with_options(with_secret(secret)))
+            .build()
+            .await
+            .unwrap();
+        let src = a.register(vec![0u8; 4096]).unwrap();
+        a.load_metadata(&md).unwrap();
+        let rd = remote(&a, "target", mem.id());
+        let e = bounded(
+            what,
+            a.write(&one(src.whole()), "target", &one(rd.desc(0, 4096)), None),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotAllowed, "{what}: {e}");
+        let e = bounded(
+            what,
+            a.read(&one(src.whole()), "target", &one(rd.desc(0, 4096)), None),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotAllowed, "{what}: {e}");
+        assert_eq!(
+            src.to_vec().unwrap(),
+            vec![0u8; 4096],
+            "{what}: nothing was read"
+        );
+        a.shutdown().await;
+    }
+    // A raw client that guesses a MAC is refused before any request is read.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"NXTC\x01\x00\x01\x00m").await.unwrap();
+    let mut reply = [0u8; 7 + 32];
+    s.read_exact(&mut reply).await.unwrap();
+    assert_eq!(reply[6], 4, "authentication required");
+    s.write_all(&[0u8; 64]).await.unwrap();
+    let mut status = [0u8; 1];
+    s.read_exact(&mut status).await.unwrap();
+    assert_eq!(status[0], 5, "refused");
+    assert_eq!(checksum(&mem), before);
+    // The right secret works; a client with a secret refuses a target without one.
+    let a = Agent::builder("a")
+        .backend(TcpBackend::with_options(with_secret(Some(
+            "deployment-secret",
+        ))))
+        .build()
+        .await
+        .unwrap();
+    let src = a.register(vec![5u8; 4096]).unwrap();
+    a.load_metadata(&md).unwrap();
+    a.write(
+        &one(src.whole()),
+        "target",
+        &one(remote(&a, "target", mem.id()).desc(0, 4096)),
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(mem.to_vec().unwrap(), vec![5u8; 4096]);
+    let open = Agent::builder("open")
+        .backend(TcpBackend::new())
+        .build()
+        .await
+        .unwrap();
+    let om = open.register(vec![0u8; 64]).unwrap();
+    a.load_metadata(&open.metadata().unwrap()).unwrap();
+    let e = a
+        .write(
+            &one(src.desc(0, 64)),
+            "open",
+            &one(remote(&a, "open", om.id()).desc(0, 64)),
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+    for x in [a, b, open] {
+        x.shutdown().await;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Random bytes after a valid hello never crash the target or touch its memory.
+    #[test]
+    fn random_wire_bytes(chunks in prop::collection::vec(prop::collection::vec(any::<u8>(), 1..300), 1..5)) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(async {
+            let (b, addr) = target(TcpOptions::default()).await;
+            let mem = b.register(pattern(4, 4096)).unwrap();
+            let before = checksum(&mem);
+            for c in &chunks {
+                let mut raw = Raw::connect(addr).await;
+                let _ = raw.s.write_all(c).await;
+                let _ = raw.s.shutdown().await;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            assert_eq!(checksum(&mem), before);
+            // Still serving.
+            let mut ok = Raw::connect(addr).await;
+            let key = key_of(&b.metadata().unwrap(), mem.id());
+            assert_eq!(ok.request(READ, &[(key, mem.addr(), 8)], None, &[]).await, (ST_OK, true));
+            b.shutdown().await;
+        });
+    }
+}
