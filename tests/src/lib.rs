@@ -10,6 +10,7 @@ pub mod cases;
 #[cfg(feature = "etcd")]
 pub mod etcd_server;
 pub mod support;
+pub mod torture;
 
 pub use support::BackendUnderTest;
 

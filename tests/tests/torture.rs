@@ -1,0 +1,53 @@
+//! Teardown torture on nixl-tcp: randomized lifecycles with watchdogs.
+//!
+//! `lifecycle_torture_tcp` runs 1,000 seeded lifecycles (the base seed is printed;
+//! `NIXL_TORTURE_SEED` fixes it, `NIXL_TORTURE_RUNS` changes the count).
+//! `stress_lifecycle_tcp` is ignored by default: run it with
+//! `NIXL_STRESS_RUNS=100000 cargo nextest run -p nixl-conformance --test torture --run-ignored only`.
+
+use std::sync::Arc;
+
+use nixl_conformance::torture::run_lifecycles;
+use nixl_conformance::BackendUnderTest;
+
+const TCP: BackendUnderTest = BackendUnderTest {
+    name: "tcp",
+    make: || Ok(Arc::new(nixl_tcp::TcpBackend::new())),
+};
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+fn base_seed() -> u64 {
+    env_u64("NIXL_TORTURE_SEED").unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_torture_tcp() {
+    let base = base_seed();
+    let runs = env_u64("NIXL_TORTURE_RUNS").unwrap_or(1000);
+    println!("torture: base seed {base}, {runs} runs (NIXL_TORTURE_SEED={base} reproduces)");
+    let t0 = std::time::Instant::now();
+    let r = run_lifecycles(&TCP, base, runs).await;
+    println!("FIGURE torture {r:?} in {:?}", t0.elapsed());
+    assert_eq!(r.runs, runs);
+    assert_eq!(r.bytes_lost, 0);
+    assert!(r.posted > runs, "the driver must actually post transfers");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: set NIXL_STRESS_RUNS and run with --run-ignored only"]
+async fn stress_lifecycle_tcp() {
+    let base = base_seed();
+    let runs = env_u64("NIXL_STRESS_RUNS").unwrap_or(10_000);
+    println!("stress: base seed {base}, {runs} runs");
+    let r = run_lifecycles(&TCP, base, runs).await;
+    println!("FIGURE stress {r:?}");
+    assert_eq!(r.bytes_lost, 0);
+}
