@@ -148,3 +148,28 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
         .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
         .collect()
 }
+
+/// `TcpOptions` from `NIXL_TCP_LISTEN`, `NIXL_TCP_DEAD_PEER_MS` and
+/// `NIXL_TCP_CONNECT_MS` (for test processes started in network namespaces).
+pub fn tcp_options_from_env() -> nixl_tcp::TcpOptions {
+    let mut o = nixl_tcp::TcpOptions::default();
+    if let Some(a) = std::env::var("NIXL_TCP_LISTEN")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        o.listen = a;
+    }
+    let ms = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis)
+    };
+    if let Some(d) = ms("NIXL_TCP_DEAD_PEER_MS") {
+        o.dead_peer_timeout = d;
+    }
+    if let Some(d) = ms("NIXL_TCP_CONNECT_MS") {
+        o.connect_timeout = d;
+    }
+    o
+}

@@ -4,7 +4,8 @@
 //! with a tcp agent named `target`, prints `METADATA <hex>` on stdout (and, with etcd,
 //! publishes it under a lease and prints `PUBLISHED`), then for each notification prints
 //! `NOTIF <text>`; on the notification `done` it prints `CHECKSUM <fnv1a>` of its
-//! memory, shuts down and exits.
+//! memory, shuts down and exits. TCP options come from `NIXL_TCP_LISTEN`,
+//! `NIXL_TCP_DEAD_PEER_MS` and `NIXL_TCP_CONNECT_MS` when set.
 
 use std::io::Write;
 
@@ -16,7 +17,9 @@ async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let size: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(1 << 20);
     let agent = Agent::builder("target")
-        .backend(nixl_tcp::TcpBackend::new())
+        .backend(nixl_tcp::TcpBackend::with_options(
+            nixl_conformance::support::tcp_options_from_env(),
+        ))
         .build()
         .await
         .expect("agent");

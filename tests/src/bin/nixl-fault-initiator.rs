@@ -1,0 +1,71 @@
+//! An initiator that writes to a peer in a loop, for network-fault tests.
+//!
+//! Reads the target's metadata (hex) as the first line of stdin, then posts 4 MiB
+//! WRITEs back to back, printing `OK <ms>` or `ERR <kind> <ms>` for each, until stdin
+//! says `stop` (or closes); then shuts down and prints `STOPPED`. TCP options come from
+//! the `NIXL_TCP_*` variables (see `tcp_options_from_env`).
+
+use std::io::{BufRead, Write};
+use std::time::{Duration, Instant};
+
+use nixl::{Agent, DescList, MemKind, Op};
+use nixl_conformance::support::{tcp_options_from_env, unhex};
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let md = unhex(rx.recv().await.expect("metadata line").trim()).expect("hex");
+    let agent = Agent::builder("initiator")
+        .backend(nixl_tcp::TcpBackend::with_options(tcp_options_from_env()))
+        .build()
+        .await
+        .expect("agent");
+    let peer = agent.load_metadata(&md).expect("metadata");
+    const LEN: u64 = 4 << 20;
+    let src = agent
+        .register(vec![0x3Cu8; LEN as usize])
+        .expect("register");
+    let remote = agent.remote_regions(&peer).unwrap()[0].clone();
+    let local = DescList::from_descs(MemKind::Dram, [src.whole()]);
+    let target = DescList::from_descs(MemKind::Dram, [remote.desc(0, LEN)]);
+    let mut out = std::io::stdout();
+    loop {
+        match rx.try_recv() {
+            Ok(l) if l.trim() == "stop" => break,
+            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => break,
+            _ => {}
+        }
+        let t0 = Instant::now();
+        let r = match agent.transfer(Op::Write, &local, &peer, &target, None) {
+            Ok(t) => tokio::time::timeout(Duration::from_secs(60), t)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(nixl::Error::new(
+                        nixl::ErrorKind::TimedOut,
+                        "fault test",
+                        "hung for 60 s",
+                    ))
+                }),
+            Err(e) => Err(e),
+        };
+        let ms = t0.elapsed().as_millis();
+        match r {
+            Ok(()) => writeln!(out, "OK {ms}").unwrap(),
+            Err(e) => {
+                writeln!(out, "ERR {:?} {ms} {e}", e.kind()).unwrap();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        out.flush().unwrap();
+    }
+    let report = agent.shutdown().await;
+    writeln!(out, "STOPPED clean={}", report.is_clean()).unwrap();
+}
