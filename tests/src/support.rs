@@ -20,6 +20,25 @@ pub struct BackendUnderTest {
 /// Generous bound that catches hangs (never a performance assertion).
 pub const HANG: Duration = Duration::from_secs(30);
 
+/// Record a reliability figure: a `FIGURE <name>: <value>` line on stderr and, when
+/// `NIXL_FIGURE_LOG` names a file (`scripts/test` sets it), in that file, which the
+/// test script prints at the end of the run (the README's Reliability table comes
+/// from it).
+pub fn figure(name: &str, value: impl std::fmt::Display) {
+    let line = format!("FIGURE {name}: {value}");
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os("NIXL_FIGURE_LOG") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}
+
 /// Record a visible skip: a `SKIP <case>: <reason>` line on stderr and, when
 /// `NIXL_SKIP_LOG` names a file (`scripts/test` sets it), in that file, which the test
 /// script lists at the end of the run.

@@ -130,6 +130,10 @@ async fn secret_required_and_checked() {
         assert_eq!(e.kind(), ErrorKind::NotAllowed, "{why}: {e}");
     }
     assert!(a.peers().is_empty(), "nothing was served");
+    nixl_conformance::support::figure(
+        "side channel: clients without the secret",
+        "4 tried (fetch and send, missing and wrong secret), 4 refused, nothing served or loaded",
+    );
     assert!(b.peers().is_empty(), "nothing was loaded");
     // The right secret works, both ways.
     assert_eq!(

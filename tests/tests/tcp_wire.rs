@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use nixl::metadata::AgentMetadata;
 use nixl::{Agent, ErrorKind, Registration, SharedSecret};
-use nixl_conformance::support::{bounded, checksum, one, pattern, remote};
+use nixl_conformance::support::{bounded, checksum, figure, one, pattern, remote};
 use nixl_tcp::{TcpBackend, TcpOptions};
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -265,7 +265,10 @@ async fn hostile_requests_refused_memory_unchanged() {
     .await
     .unwrap();
     assert_eq!(r.to_vec().unwrap(), vec![1u8; 4096]);
-    println!("FIGURE bad_wire_inputs_refused={tried}");
+    figure(
+        "hostile nixl-tcp requests sent over the wire",
+        format!("{tried} tried, {tried} refused, target memory unchanged"),
+    );
     a.shutdown().await;
     b.shutdown().await;
 }
