@@ -190,6 +190,10 @@ mod with_etcd {
             "killed peer forgotten {:?} after SIGKILL (lease TTL {TTL} s)",
             killed.elapsed()
         );
+        nixl_conformance::support::figure(
+            "etcd: SIGKILLed peer forgotten through lease expiry",
+            format!("after {:?} (lease TTL {TTL} s)", killed.elapsed()),
+        );
         let e = a
             .transfer(
                 Op::Write,
@@ -264,6 +268,13 @@ mod with_etcd {
         xa.fetch_partial("b", "after", Duration::from_secs(5))
             .await
             .unwrap();
+        nixl_conformance::support::figure(
+            "etcd killed and restarted under running agents",
+            format!(
+                "1 restart survived; publishing worked again {:?} after restart",
+                t0.elapsed()
+            ),
+        );
         assert!(a.peers().contains(&"b".to_string()));
         // b's full metadata is (again) in etcd under a live lease.
         let c = agent("c").await;
