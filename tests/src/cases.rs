@@ -459,7 +459,7 @@ impl WholeDesc for nixl::RemoteRegionInfo {
 
 /// Every invalid input gets its own error kind and nothing is transferred.
 pub async fn invalid_inputs_rejected(but: &BackendUnderTest) {
-    need!(but, "invalid_inputs_rejected", remote, dram);
+    let caps = need!(but, "invalid_inputs_rejected", remote, dram);
     let (a, b) = but.pair().await;
     let src = a.register(pattern(1, 16384)).unwrap();
     // Two adjacent target regions carved out of one buffer (the raw registration path).
@@ -545,6 +545,20 @@ pub async fn invalid_inputs_rejected(but: &BackendUnderTest) {
     );
     // Zero-length registration.
     assert_eq!(kind(a.register(Vec::new())), ErrorKind::ZeroLength);
+    // GPU memory on a backend without VRAM support: a clear NotSupported. The
+    // pointer is never dereferenced: registration is refused first.
+    if !caps.vram {
+        // SAFETY: the region is refused before anything could touch it.
+        let vram = unsafe {
+            Memory::from_raw_parts(
+                0x7000_0000_0000 as *mut u8,
+                4096,
+                MemKind::Vram { device: 0 },
+            )
+        }
+        .unwrap();
+        assert_eq!(kind(a.register(vram)), ErrorKind::NotSupported);
+    }
     assert_eq!(
         (checksum(&r1), checksum(&r2)),
         before,
