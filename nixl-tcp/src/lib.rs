@@ -43,6 +43,9 @@ use tokio_util::sync::CancellationToken;
 
 use conn::{Conn, Job};
 
+/// Version of this crate.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 /// Options for [`TcpBackend`].
 #[derive(Clone, Debug)]
 pub struct TcpOptions {

@@ -876,10 +876,9 @@ impl Agent {
             .iter()
             .enumerate()
             .map(|(i, d)| {
-                let (region, offset) =
-                    regions
-                        .index
-                        .lookup(descs.kind(), d, OP, &format!("local descriptor {i}"))?;
+                let (region, offset) = regions
+                    .index
+                    .lookup(descs.kind(), d, OP, || format!("local descriptor {i}"))?;
                 Ok(Resolved::Local {
                     region,
                     offset,
@@ -911,12 +910,9 @@ impl Agent {
             .iter()
             .enumerate()
             .map(|(i, d)| {
-                let (region, offset) = p.regions.lookup(
-                    descs.kind(),
-                    d,
-                    OP,
-                    &format!("remote descriptor {i} of {peer:?}"),
-                )?;
+                let (region, offset) = p.regions.lookup(descs.kind(), d, OP, || {
+                    format!("remote descriptor {i} of {peer:?}")
+                })?;
                 Ok(Resolved::Remote {
                     region,
                     offset,

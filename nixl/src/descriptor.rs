@@ -159,27 +159,27 @@ impl<T: Ranged + Clone> RangeIndex<T> {
         kind: MemKind,
         d: &Desc,
         op: &'static str,
-        what: &str,
+        what: impl Fn() -> String,
     ) -> Result<(T, u64)> {
         if d.len == 0 {
             return err(
                 ErrorKind::ZeroLength,
                 op,
-                format!("{what}: descriptor at {:#x} has length 0", d.addr),
+                format!("{}: descriptor at {:#x} has length 0", what(), d.addr),
             );
         }
         if d.dev != kind.device() {
             return err(
                 ErrorKind::Mismatch,
                 op,
-                format!("{what}: descriptor device {} in a {kind} list", d.dev),
+                format!("{}: descriptor device {} in a {kind} list", what(), d.dev),
             );
         }
         let Some(end) = d.end() else {
             return err(
                 ErrorKind::OutOfRange,
                 op,
-                format!("{what}: {:#x}+{} overflows", d.addr, d.len),
+                format!("{}: {:#x}+{} overflows", what(), d.addr, d.len),
             );
         };
         let found = self
@@ -192,8 +192,10 @@ impl<T: Ranged + Clone> RangeIndex<T> {
                 ErrorKind::OutOfRange,
                 op,
                 format!(
-                    "{what}: {:#x}+{} is not inside any registered region",
-                    d.addr, d.len
+                    "{}: {:#x}+{} is not inside any registered region",
+                    what(),
+                    d.addr,
+                    d.len
                 ),
             );
         };
@@ -201,7 +203,7 @@ impl<T: Ranged + Clone> RangeIndex<T> {
             return err(
                 ErrorKind::Mismatch,
                 op,
-                format!("{what}: region is {}, list is {kind}", r.kind()),
+                format!("{}: region is {}, list is {kind}", what(), r.kind()),
             );
         }
         let r_end = r.start() + r.len();
@@ -221,7 +223,8 @@ impl<T: Ranged + Clone> RangeIndex<T> {
                 kind,
                 op,
                 format!(
-                    "{what}: {:#x}+{} runs past the end of region {:#x}+{}{}",
+                    "{}: {:#x}+{} runs past the end of region {:#x}+{}{}",
+                    what(),
                     d.addr,
                     d.len,
                     r.start(),
@@ -261,7 +264,7 @@ mod tests {
     }
 
     fn kind_of(i: &RangeIndex<R>, a: u64, l: u64) -> std::result::Result<u64, ErrorKind> {
-        i.lookup(MemKind::Dram, &Desc::new(a, l, 0), "t", "d")
+        i.lookup(MemKind::Dram, &Desc::new(a, l, 0), "t", || "d".into())
             .map(|(_, off)| off)
             .map_err(|e| e.kind())
     }
@@ -279,7 +282,7 @@ mod tests {
         assert_eq!(kind_of(&i, 150, 0), Err(ErrorKind::ZeroLength));
         assert_eq!(kind_of(&i, u64::MAX - 1, 10), Err(ErrorKind::OutOfRange));
         assert_eq!(
-            i.lookup(MemKind::Dram, &Desc::new(100, 1, 3), "t", "d")
+            i.lookup(MemKind::Dram, &Desc::new(100, 1, 3), "t", || "d".into())
                 .map_err(|e| e.kind())
                 .err(),
             Some(ErrorKind::Mismatch)

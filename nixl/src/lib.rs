@@ -54,3 +54,6 @@ pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, PAGE_SIZE};
 pub use notification::{Notification, Notifications};
 pub use region::{RegionRef, Registration, RemoteRegionInfo};
 pub use transfer::{Op, Status, Transfer, XferRequest};
+
+/// Version of this crate.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

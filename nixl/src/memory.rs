@@ -7,7 +7,6 @@
 //! so through [`Memory::from_raw_parts`]).
 #![allow(unsafe_code)]
 
-use std::alloc::{self, Layout};
 use std::any::Any;
 use std::fmt;
 use std::ptr::NonNull;
@@ -52,10 +51,15 @@ pub const PAGE_SIZE: usize = 4096;
 
 /// A zero-initialised heap buffer aligned to [`PAGE_SIZE`], for registrations that
 /// want page alignment (some NICs and `O_DIRECT` files do).
+///
+/// Large buffers are zeroed lazily by the OS (the allocation comes from `calloc`), so
+/// an 8 GiB buffer costs no resident memory until it is touched.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
-    layout: Layout,
+    align: usize,
+    // Owns the allocation; only reached through `ptr`, which points into it.
+    _storage: Vec<u8>,
 }
 
 // SAFETY: AlignedBuf uniquely owns its allocation, like a Box<[u8]>.
@@ -78,20 +82,29 @@ impl AlignedBuf {
     /// [`ErrorKind::InvalidArgument`] when `align` is not a power of two or the size
     /// overflows.
     pub fn with_alignment(len: usize, align: usize) -> Result<Self> {
-        // A zero-sized allocation is not allowed; keep one byte so the pointer is real.
-        let Ok(layout) = Layout::from_size_align(len.max(1), align) else {
+        let total = len.checked_add(align);
+        let (true, Some(total)) = (align.is_power_of_two(), total) else {
             return err(
                 ErrorKind::InvalidArgument,
                 "allocate aligned buffer",
                 format!("alignment {align} is not a power of two or size {len} overflows"),
             );
         };
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(raw) else {
-            alloc::handle_alloc_error(layout)
-        };
-        Ok(Self { ptr, len, layout })
+        // Over-allocate by `align` and start at the first aligned byte: a plain zeroed
+        // Vec comes from calloc, which the OS zeroes lazily (an aligned zeroed
+        // allocation would memset every page up front).
+        let mut storage = vec![0u8; total];
+        let base = storage.as_mut_ptr();
+        let offset = base.align_offset(align);
+        debug_assert!(offset < align);
+        // SAFETY: offset < align, so base + offset + len <= base + total.
+        let ptr = unsafe { NonNull::new_unchecked(base.add(offset)) };
+        Ok(Self {
+            ptr,
+            len,
+            align,
+            _storage: storage,
+        })
     }
 
     /// Number of bytes.
@@ -126,19 +139,12 @@ impl std::ops::DerefMut for AlignedBuf {
     }
 }
 
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in with_alignment with exactly this layout.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
-    }
-}
-
 impl fmt::Debug for AlignedBuf {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AlignedBuf")
             .field("addr", &self.ptr)
             .field("len", &self.len)
-            .field("align", &self.layout.align())
+            .field("align", &self.align)
             .finish()
     }
 }

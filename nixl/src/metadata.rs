@@ -607,32 +607,9 @@ fn narrow<T: TryFrom<usize>>(n: usize, what: &str) -> Result<T> {
     T::try_from(n).map_err(|_| invalid(format!("{what} {n} does not fit its wire field")))
 }
 
-/// CRC-32 (IEEE 802.3, reflected, as zlib and crc32fast compute it), one table entry
-/// per byte value.
-const CRC_TABLE: [u32; 256] = {
-    let mut table = [0u32; 256];
-    let mut i = 0;
-    while i < 256 {
-        let mut c = i as u32;
-        let mut k = 0;
-        while k < 8 {
-            c = if c & 1 != 0 {
-                0xEDB8_8320 ^ (c >> 1)
-            } else {
-                c >> 1
-            };
-            k += 1;
-        }
-        table[i] = c;
-        i += 1;
-    }
-    table
-};
-
+/// CRC-32 (IEEE, reflected polynomial 0xEDB88320), the zlib checksum.
 fn crc32(bytes: &[u8]) -> u32 {
-    !bytes.iter().fold(!0u32, |crc, &b| {
-        CRC_TABLE[usize::from(crc as u8 ^ b)] ^ (crc >> 8)
-    })
+    crc32fast::hash(bytes)
 }
 
 #[cfg(test)]
