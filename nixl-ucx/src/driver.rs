@@ -1,0 +1,889 @@
+//! The progress driver: the only code that calls into UCX after setup.
+//!
+//! [`Core`] holds the [`Ucx`] owner and the backend's connection state behind one mutex.
+//! Posting a transfer only enqueues a [`Cmd`] and wakes the driver; the driver (a tokio
+//! task waiting on the worker's event fd, or a dedicated thread) drains the queue,
+//! issues UCX operations, progresses the worker and completes requests. Setup calls
+//! that must answer synchronously (`register`, `add_peer`, `prepare`) take the same
+//! mutex briefly, so UCX is never entered by two threads at once.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use nixl::{Completer, Error, ErrorKind, NotificationSink, Result};
+use tokio::sync::{oneshot, Notify};
+use tokio_util::sync::CancellationToken;
+
+use crate::ffi::{EpId, FlightId, HoldsMemory, RkeyId, RmaSeg, Ucx, UcxError, WakeFd};
+use crate::wire::{self, Kind};
+
+/// What a flight keeps until UCX is done with it.
+#[derive(Debug)]
+pub(crate) enum Work {
+    /// A transfer or notification: its completer (which keeps its memory alive).
+    Done(Completer),
+    /// `connect()` waiting for its flush.
+    Connect(oneshot::Sender<Result<()>>),
+    /// Internal messages (HELLO, BYE).
+    Internal,
+}
+
+impl HoldsMemory for Work {
+    fn completer(&self) -> Option<&Completer> {
+        match self {
+            Self::Done(c) => Some(c),
+            _ => None,
+        }
+    }
+}
+
+/// A remote transfer, resolved once at prepare time.
+#[derive(Debug)]
+pub(crate) struct RemoteXfer {
+    pub(crate) peer: Arc<str>,
+    pub(crate) epoch: u64,
+    pub(crate) write: bool,
+    pub(crate) segs: Vec<RmaSeg>,
+}
+
+/// Work posted to the driver.
+#[derive(Debug)]
+pub(crate) enum Cmd {
+    Transfer {
+        xfer: Arc<RemoteXfer>,
+        notif: Option<Bytes>,
+        done: Completer,
+    },
+    Notify {
+        peer: String,
+        msg: Bytes,
+        done: Completer,
+    },
+    Connect {
+        peer: String,
+        tx: oneshot::Sender<Result<()>>,
+    },
+}
+
+#[derive(Debug)]
+struct InFlight {
+    flight: FlightId,
+    /// Notification to send once the data is in place.
+    notif: Option<Bytes>,
+}
+
+#[derive(Debug)]
+pub(crate) struct PeerConn {
+    /// Unique per connection; also the stream id in our message headers.
+    pub(crate) epoch: u64,
+    pub(crate) address: Vec<u8>,
+    pub(crate) ep: std::result::Result<EpId, String>,
+    /// Why the connection is dead, once it is.
+    pub(crate) failed: Option<String>,
+    hello_sent: bool,
+    next_seq: u64,
+    /// Remote keys unpacked on this connection, by the peer's region id.
+    rkeys: HashMap<u64, (Bytes, RkeyId)>,
+    queue: VecDeque<InFlight>,
+}
+
+#[derive(Debug)]
+struct AmEvent {
+    header: wire::Header,
+    data: Bytes,
+}
+
+#[derive(Debug, Default)]
+struct Reorder {
+    next: u64,
+    held: BTreeMap<u64, Bytes>,
+}
+
+/// Most notifications held back waiting for an earlier one, per sender stream.
+const MAX_HELD: usize = 1 << 16;
+
+/// Connection state and the UCX owner; always behind [`Shared::core`].
+#[derive(Debug)]
+pub(crate) struct Core {
+    pub(crate) ucx: Ucx<Work>,
+    rx: mpsc::Receiver<Cmd>,
+    pub(crate) peers: HashMap<Arc<str>, PeerConn>,
+    /// Flights of connections that were replaced or forgotten.
+    orphans: Vec<(InFlight, String)>,
+    events: Arc<Mutex<Vec<AmEvent>>>,
+    reorder: HashMap<(String, u64), Reorder>,
+    /// Peers that said HELLO to us: name -> their worker address.
+    inbound: HashMap<String, Vec<u8>>,
+    pub(crate) agent: String,
+    pub(crate) sink: Option<NotificationSink>,
+    max_notification: usize,
+}
+
+/// How the driver is woken when work is posted.
+#[derive(Debug)]
+pub(crate) enum Wake {
+    Task(Notify),
+    Thread { fd: WakeFd, sleeping: AtomicBool },
+}
+
+/// What the backend and the driver share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) core: Mutex<Option<Core>>,
+    pub(crate) tx: mpsc::Sender<Cmd>,
+    pub(crate) wake: Wake,
+    /// Set when the driver has torn UCX down.
+    pub(crate) stopped: AtomicBool,
+    pub(crate) stopped_notify: Notify,
+    pub(crate) spin: Duration,
+    pub(crate) bye_bound: Duration,
+}
+
+impl Shared {
+    /// Hand a command to the driver. Never blocks.
+    pub(crate) fn submit(&self, cmd: Cmd) {
+        if let Err(mpsc::SendError(cmd)) = self.tx.send(cmd) {
+            fail_cmd(cmd, ErrorKind::ShutDown, "the ucx backend has stopped");
+            return;
+        }
+        match &self.wake {
+            Wake::Task(n) => n.notify_one(),
+            Wake::Thread { fd, sleeping } => {
+                if sleeping.swap(false, Ordering::SeqCst) {
+                    fd.wake();
+                }
+            }
+        }
+    }
+
+    pub(crate) fn mark_stopped(&self) {
+        self.stopped.store(true, Ordering::Release);
+        self.stopped_notify.notify_waiters();
+    }
+
+    /// Wait until the driver has stopped.
+    pub(crate) async fn wait_stopped(&self) {
+        loop {
+            let n = self.stopped_notify.notified();
+            if self.stopped.load(Ordering::Acquire) {
+                return;
+            }
+            n.await;
+        }
+    }
+}
+
+fn fail_cmd(cmd: Cmd, kind: ErrorKind, why: &str) {
+    let e = || Error::new(kind, "ucx transfer", why);
+    match cmd {
+        Cmd::Transfer { done, .. } | Cmd::Notify { done, .. } => done.complete(Err(e())),
+        Cmd::Connect { tx, .. } => {
+            let _ = tx.send(Err(e()));
+        }
+    }
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    getrandom::getrandom(&mut b).expect("the OS random source works");
+    u64::from_le_bytes(b)
+}
+
+fn disconnected(peer: &str, why: &str) -> Error {
+    Error::new(
+        ErrorKind::RemoteDisconnected,
+        "ucx transfer",
+        format!("peer {peer:?}: {why}"),
+    )
+}
+
+impl Core {
+    pub(crate) fn new(
+        mut ucx: Ucx<Work>,
+        rx: mpsc::Receiver<Cmd>,
+        max_notification: usize,
+    ) -> std::result::Result<Self, UcxError> {
+        let events: Arc<Mutex<Vec<AmEvent>>> = Arc::default();
+        let ev = events.clone();
+        ucx.set_am_handler(
+            wire::AM_ID,
+            Box::new(move |m| {
+                let Some(header) = wire::decode_header(m.header) else {
+                    tracing::warn!(
+                        len = m.header.len(),
+                        "ucx: dropping an active message with a malformed header"
+                    );
+                    return;
+                };
+                let Some(data) = m.data else {
+                    tracing::warn!(from = %header.name, "ucx: dropping a rendezvous active message (never requested)");
+                    return;
+                };
+                ev.lock().unwrap().push(AmEvent {
+                    header,
+                    data: Bytes::copy_from_slice(data),
+                });
+            }),
+        )?;
+        Ok(Self {
+            ucx,
+            rx,
+            peers: HashMap::new(),
+            orphans: Vec::new(),
+            events,
+            reorder: HashMap::new(),
+            inbound: HashMap::new(),
+            agent: String::new(),
+            sink: None,
+            max_notification,
+        })
+    }
+
+    /// Learn a peer's worker address; keeps a healthy connection to the same address.
+    pub(crate) fn add_peer(&mut self, peer: &str, address: &[u8]) {
+        if let Some(p) = self.peers.get(peer) {
+            if p.address == address && p.failed.is_none() && p.ep.is_ok() {
+                return;
+            }
+        }
+        self.remove_peer(peer, "the peer's connection info changed");
+        let mut peer_failure = true;
+        let ep = match self.ucx.ep_create(address, true) {
+            Err(e) if Ucx::<Work>::is_unreachable(&e) => {
+                // UCX 1.13-1.22 shared-memory transports handle peer failure only
+                // with UCX_POSIX_ERROR_HANDLING=y / UCX_SYSV_ERROR_HANDLING=y; without
+                // them, peer error handling makes a shm-only peer unreachable.
+                tracing::warn!(
+                    peer,
+                    error = %e,
+                    "ucx: no transport to the peer supports peer-failure handling; connecting without it (set UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y for shared memory); a crashed peer is then noticed only by its transfers' errors"
+                );
+                peer_failure = false;
+                self.ucx.ep_create(address, false)
+            }
+            r => r,
+        }
+        .map_err(|e| {
+            tracing::warn!(peer, error = %e, "ucx: cannot create an endpoint to the peer");
+            e.to_string()
+        });
+        tracing::debug!(peer, ok = ep.is_ok(), peer_failure, "ucx endpoint created");
+        self.peers.insert(
+            Arc::from(peer),
+            PeerConn {
+                epoch: random_u64(),
+                address: address.to_vec(),
+                ep,
+                failed: None,
+                hello_sent: false,
+                next_seq: 0,
+                rkeys: HashMap::new(),
+                queue: VecDeque::new(),
+            },
+        );
+    }
+
+    /// Forget a peer: close its endpoint; its in-flight work fails.
+    pub(crate) fn remove_peer(&mut self, peer: &str, why: &str) {
+        if let Some(mut p) = self.peers.remove(peer) {
+            if let Ok(ep) = p.ep {
+                self.ucx.ep_close(ep);
+            }
+            for f in p.queue.drain(..) {
+                self.orphans.push((f, format!("peer {peer:?}: {why}")));
+            }
+        }
+    }
+
+    /// Resolve a remote key for `region` of `peer`, unpacking it once per connection.
+    pub(crate) fn rkey(
+        &mut self,
+        peer: &str,
+        region: u64,
+        blob: &Bytes,
+        packed: &[u8],
+    ) -> Result<(u64, RkeyId)> {
+        const OP: &str = "ucx prepare";
+        let Some(p) = self.peers.get_mut(peer) else {
+            return Err(Error::new(
+                ErrorKind::UnknownPeer,
+                OP,
+                format!("ucx: no connection info for peer {peer:?}"),
+            ));
+        };
+        if let Some(why) = &p.failed {
+            return Err(disconnected(peer, why));
+        }
+        let ep = match &p.ep {
+            Ok(ep) => *ep,
+            Err(e) => {
+                return Err(Error::new(
+                    ErrorKind::RemoteDisconnected,
+                    OP,
+                    format!("peer {peer:?} is unreachable over UCX: {e}"),
+                ))
+            }
+        };
+        if let Some((b, k)) = p.rkeys.get(&region) {
+            if b == blob {
+                return Ok((p.epoch, *k));
+            }
+        }
+        let k = self.ucx.rkey_unpack(ep, packed).map_err(|e| {
+            Error::new(
+                ErrorKind::Corrupt,
+                OP,
+                format!("peer {peer:?} region {region}: the remote key does not unpack"),
+            )
+            .with_source(e)
+        })?;
+        p.rkeys.insert(region, (blob.clone(), k));
+        Ok((p.epoch, k))
+    }
+
+    fn ensure_hello(&mut self, peer: &str) {
+        let Some(p) = self.peers.get_mut(peer) else {
+            return;
+        };
+        let (false, Ok(ep)) = (p.hello_sent, p.ep.clone()) else {
+            return;
+        };
+        p.hello_sent = true;
+        let h = wire::encode_header(Kind::Hello, p.epoch, 0, &self.agent);
+        let data = Bytes::copy_from_slice(self.ucx.address());
+        let flight = self.ucx.am_send(ep, wire::AM_ID, h, data, Work::Internal);
+        p.queue.push_back(InFlight {
+            flight,
+            notif: None,
+        });
+    }
+
+    fn exec(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Transfer { xfer, notif, done } => {
+                let Some(p) = self.peers.get(&*xfer.peer) else {
+                    return done.complete(Err(Error::new(
+                        ErrorKind::UnknownPeer,
+                        "ucx transfer",
+                        format!("peer {:?} was forgotten", xfer.peer),
+                    )));
+                };
+                if p.epoch != xfer.epoch {
+                    return done.complete(Err(Error::new(
+                        ErrorKind::StaleGeneration,
+                        "ucx transfer",
+                        format!(
+                            "the connection to {:?} was replaced since this request was prepared; prepare it again",
+                            xfer.peer
+                        ),
+                    )));
+                }
+                if let Some(why) = &p.failed {
+                    return done.complete(Err(disconnected(&xfer.peer, why)));
+                }
+                if done.is_canceled() {
+                    return done.complete(Err(Error::new(
+                        ErrorKind::Canceled,
+                        "ucx transfer",
+                        "dropped before it started",
+                    )));
+                }
+                let Ok(ep) = p.ep else {
+                    return done.complete(Err(disconnected(&xfer.peer, "unreachable")));
+                };
+                self.ensure_hello(&xfer.peer);
+                let flight = self.ucx.rma(ep, xfer.write, &xfer.segs, Work::Done(done));
+                if let Some(p) = self.peers.get_mut(&*xfer.peer) {
+                    p.queue.push_back(InFlight { flight, notif });
+                }
+            }
+            Cmd::Notify { peer, msg, done } => {
+                if msg.len() > self.max_notification {
+                    return done.complete(Err(Error::new(
+                        ErrorKind::InvalidArgument,
+                        "ucx notify",
+                        format!(
+                            "notification of {} bytes exceeds the limit of {}",
+                            msg.len(),
+                            self.max_notification
+                        ),
+                    )));
+                }
+                match self.peers.get(peer.as_str()) {
+                    None => done.complete(Err(Error::new(
+                        ErrorKind::UnknownPeer,
+                        "ucx notify",
+                        format!("ucx: no connection info for peer {peer:?}"),
+                    ))),
+                    Some(p) if p.failed.is_some() || p.ep.is_err() => {
+                        let why = p.failed.clone().unwrap_or_else(|| "unreachable".into());
+                        done.complete(Err(disconnected(&peer, &why)))
+                    }
+                    Some(_) => {
+                        self.ensure_hello(&peer);
+                        let f = self.send_notif(&peer, msg, done);
+                        if let (Some(p), Some(f)) = (self.peers.get_mut(peer.as_str()), f) {
+                            p.queue.push_back(InFlight {
+                                flight: f,
+                                notif: None,
+                            });
+                        }
+                    }
+                }
+            }
+            Cmd::Connect { peer, tx } => match self.peers.get(peer.as_str()) {
+                None => {
+                    let _ = tx.send(Err(Error::new(
+                        ErrorKind::UnknownPeer,
+                        "ucx connect",
+                        format!("ucx: no connection info for peer {peer:?}"),
+                    )));
+                }
+                Some(p) if p.failed.is_some() || p.ep.is_err() => {
+                    let why = p
+                        .failed
+                        .clone()
+                        .unwrap_or_else(|| p.ep.as_ref().err().cloned().unwrap_or_default());
+                    let _ = tx.send(Err(disconnected(&peer, &why)));
+                }
+                Some(p) => {
+                    let ep = p.ep.clone().expect("checked above");
+                    self.ensure_hello(&peer);
+                    let flight = self.ucx.flush(ep, Work::Connect(tx));
+                    if let Some(p) = self.peers.get_mut(peer.as_str()) {
+                        p.queue.push_back(InFlight {
+                            flight,
+                            notif: None,
+                        });
+                    }
+                }
+            },
+        }
+    }
+
+    /// Send a notification on `peer`'s connection; `None` if the peer is gone (then
+    /// `done` was completed).
+    fn send_notif(&mut self, peer: &str, msg: Bytes, done: Completer) -> Option<FlightId> {
+        let Some(p) = self.peers.get_mut(peer) else {
+            done.complete(Err(disconnected(peer, "forgotten")));
+            return None;
+        };
+        let Ok(ep) = p.ep else {
+            done.complete(Err(disconnected(peer, "unreachable")));
+            return None;
+        };
+        let h = wire::encode_header(Kind::Notif, p.epoch, p.next_seq, &self.agent);
+        p.next_seq += 1;
+        Some(self.ucx.am_send(ep, wire::AM_ID, h, msg, Work::Done(done)))
+    }
+
+    /// One round: commands, progress, incoming messages, failures, completions.
+    /// Returns the number of commands executed.
+    pub(crate) fn step(&mut self) -> usize {
+        let mut n = self.drain_inbox();
+        for _ in 0..64 {
+            let p = self.ucx.progress() as usize;
+            n += p;
+            if p == 0 {
+                break;
+            }
+        }
+        self.handle_events();
+        self.check_failures();
+        self.reap();
+        self.ucx.reap_closed();
+        n
+    }
+
+    /// Run every queued command; returns how many.
+    pub(crate) fn drain_inbox(&mut self) -> usize {
+        let mut n = 0;
+        while let Ok(cmd) = self.rx.try_recv() {
+            self.exec(cmd);
+            n += 1;
+        }
+        n
+    }
+
+    /// Operations in flight (the driver keeps progressing while this holds).
+    pub(crate) fn busy(&self) -> bool {
+        self.ucx.busy()
+    }
+
+    fn handle_events(&mut self) {
+        let events = std::mem::take(&mut *self.events.lock().unwrap());
+        for ev in events {
+            let h = ev.header;
+            match h.kind {
+                Kind::Notif => self.deliver(h.name, h.stream, h.seq, ev.data),
+                Kind::Hello => {
+                    tracing::debug!(peer = %h.name, "ucx: peer connected");
+                    self.inbound.insert(h.name, ev.data.to_vec());
+                }
+                Kind::Bye => {
+                    tracing::debug!(peer = %h.name, "ucx: peer said goodbye");
+                    self.reorder.retain(|(n, _), _| *n != h.name);
+                    if self
+                        .inbound
+                        .get(&h.name)
+                        .is_some_and(|a| **a == ev.data[..])
+                    {
+                        self.inbound.remove(&h.name);
+                    }
+                    if let Some(p) = self.peers.get_mut(h.name.as_str()) {
+                        if p.address == ev.data[..] && p.failed.is_none() {
+                            p.failed = Some("the peer shut down".into());
+                            p.rkeys.clear();
+                            if let Ok(ep) = p.ep {
+                                self.ucx.ep_close(ep);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn deliver(&mut self, name: String, stream: u64, seq: u64, data: Bytes) {
+        let Some(sink) = &self.sink else { return };
+        let r = self.reorder.entry((name.clone(), stream)).or_default();
+        if seq <= r.next || r.held.len() >= MAX_HELD {
+            if seq > r.next {
+                tracing::warn!(peer = %name, "ucx: too many notifications held back; delivering out of order");
+            }
+            sink.deliver(&name, data);
+            r.next = r.next.max(seq + 1);
+            while let Some(d) = r.held.remove(&r.next) {
+                sink.deliver(&name, d);
+                r.next += 1;
+            }
+        } else {
+            r.held.insert(seq, data);
+        }
+    }
+
+    fn check_failures(&mut self) {
+        for (name, p) in self.peers.iter_mut() {
+            if p.failed.is_some() {
+                continue;
+            }
+            let Ok(ep) = p.ep else { continue };
+            if let Some(e) = self.ucx.ep_error(ep) {
+                tracing::debug!(peer = %name, error = %e, "ucx: peer failed");
+                p.failed = Some(format!("connection failed: {e}"));
+                p.rkeys.clear();
+                self.ucx.ep_close(ep);
+            }
+        }
+    }
+
+    fn finish(
+        &mut self,
+        peer: &str,
+        f: InFlight,
+        work: Work,
+        res: std::result::Result<(), UcxError>,
+    ) -> Option<InFlight> {
+        let failed = self.peers.get(peer).and_then(|p| p.failed.clone());
+        let err = |e: UcxError| match &failed {
+            Some(why) => disconnected(peer, why).with_source(e),
+            None if e.is_disconnect() => disconnected(peer, "connection lost").with_source(e),
+            None => Error::new(ErrorKind::Backend, "ucx transfer", format!("peer {peer:?}"))
+                .with_source(e),
+        };
+        match work {
+            Work::Done(done) => match (res, f.notif) {
+                (Ok(()), Some(msg)) => {
+                    // The data is in place at the target: now the notification.
+                    self.send_notif(peer, msg, done).map(|flight| InFlight {
+                        flight,
+                        notif: None,
+                    })
+                }
+                (Ok(()), None) => {
+                    done.complete(Ok(()));
+                    None
+                }
+                (Err(e), _) => {
+                    done.complete(Err(err(e)));
+                    None
+                }
+            },
+            Work::Connect(tx) => {
+                let _ = tx.send(res.map_err(err));
+                None
+            }
+            Work::Internal => {
+                if let Err(e) = res {
+                    tracing::debug!(peer, error = %e, "ucx: control message failed");
+                }
+                None
+            }
+        }
+    }
+
+    fn reap(&mut self) {
+        let names: Vec<Arc<str>> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !p.queue.is_empty())
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in names {
+            while let Some(p) = self.peers.get_mut(&name) {
+                let Some(head) = p.queue.front() else { break };
+                let Some((work, res)) = self.ucx.poll(head.flight) else {
+                    break;
+                };
+                let head = self
+                    .peers
+                    .get_mut(&name)
+                    .and_then(|p| p.queue.pop_front())
+                    .expect("head exists");
+                if let Some(next) = self.finish(&name, head, work, res) {
+                    if let Some(p) = self.peers.get_mut(&name) {
+                        p.queue.push_front(next);
+                    }
+                }
+            }
+        }
+        let mut i = 0;
+        while i < self.orphans.len() {
+            if let Some((work, _)) = self.ucx.poll(self.orphans[i].0.flight) {
+                let (_, why) = self.orphans.swap_remove(i);
+                match work {
+                    Work::Done(done) => done.complete(Err(Error::new(
+                        ErrorKind::RemoteDisconnected,
+                        "ucx transfer",
+                        why,
+                    ))),
+                    Work::Connect(tx) => {
+                        let _ = tx.send(Err(Error::new(
+                            ErrorKind::RemoteDisconnected,
+                            "ucx connect",
+                            why,
+                        )));
+                    }
+                    Work::Internal => {}
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Shutdown, part one: refuse queued work and say goodbye to every peer that talked
+    /// to us or that we talked to. Returns the flights to wait for (bounded).
+    fn say_goodbye(&mut self) -> Vec<FlightId> {
+        while let Ok(cmd) = self.rx.try_recv() {
+            fail_cmd(cmd, ErrorKind::ShutDown, "the ucx backend is shutting down");
+        }
+        let mut targets: Vec<(String, Vec<u8>)> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.hello_sent && p.failed.is_none() && p.ep.is_ok())
+            .map(|(n, p)| (n.to_string(), p.address.clone()))
+            .collect();
+        for (n, a) in &self.inbound {
+            if !targets.iter().any(|(tn, ta)| tn == n && ta == a) {
+                targets.push((n.clone(), a.clone()));
+            }
+        }
+        let mut flights = Vec::new();
+        let me = Bytes::copy_from_slice(self.ucx.address());
+        for (name, addr) in targets {
+            let ep = match self.peers.get(name.as_str()) {
+                Some(p) if p.address == addr && p.failed.is_none() => p.ep.clone().ok(),
+                _ => self
+                    .ucx
+                    .ep_create(&addr, true)
+                    .or_else(|_| self.ucx.ep_create(&addr, false))
+                    .ok(),
+            };
+            let Some(ep) = ep else { continue };
+            let h = wire::encode_header(Kind::Bye, 0, 0, &self.agent);
+            flights.push(
+                self.ucx
+                    .am_send(ep, wire::AM_ID, h, me.clone(), Work::Internal),
+            );
+            flights.push(self.ucx.flush(ep, Work::Internal));
+        }
+        flights
+    }
+}
+
+/// Tear down: goodbyes (bounded), then drop UCX (which fails what is left and releases
+/// everything in order). Runs on the driver.
+pub(crate) fn teardown(shared: &Shared) {
+    let core = shared.core.lock().unwrap().take();
+    if let Some(mut core) = core {
+        let flights = core.say_goodbye();
+        let deadline = Instant::now() + shared.bye_bound;
+        let mut left = flights;
+        while !left.is_empty() && Instant::now() < deadline {
+            core.ucx.progress();
+            left.retain(|f| core.ucx.poll(*f).is_none());
+            if !left.is_empty() {
+                std::thread::yield_now();
+            }
+        }
+        // Complete what finished, then let Drop fail the rest.
+        core.handle_events();
+        core.reap();
+        drop(core);
+    }
+    shared.mark_stopped();
+}
+
+/// When the driver may sleep, and for how long.
+///
+/// Not everything UCX still has to do raises an event: a sender whose shared-memory
+/// queue was full retries only when progressed. So after activity the driver first
+/// spins (`spin`), then wakes on a short tick for a while (`LINGER`), and only then
+/// sleeps on the event fd alone.
+#[derive(Debug)]
+struct Pace {
+    spin: Duration,
+    last_active: Instant,
+}
+
+/// How long after the last activity the driver keeps a short wake-up tick.
+const LINGER: Duration = Duration::from_millis(500);
+/// The short tick.
+const TICK: Duration = Duration::from_millis(1);
+
+impl Pace {
+    fn new(spin: Duration) -> Self {
+        Self {
+            spin,
+            last_active: Instant::now(),
+        }
+    }
+
+    /// Record a round; returns whether to go round again at once (no sleeping).
+    fn hot(&mut self, activity: usize, busy: bool) -> bool {
+        let now = Instant::now();
+        if activity > 0 {
+            self.last_active = now;
+            return true;
+        }
+        busy && now.duration_since(self.last_active) < self.spin
+    }
+
+    /// How long to sleep on the event fd at most.
+    fn tick(&self, busy: bool, idle: Duration) -> Duration {
+        if busy || self.last_active.elapsed() < LINGER {
+            TICK
+        } else {
+            idle
+        }
+    }
+}
+
+/// The tokio progress task: sleeps on the worker's event fd when idle.
+pub(crate) async fn run_task(shared: Arc<Shared>, cancel: CancellationToken) {
+    let afd = match shared.core.lock().unwrap().as_ref() {
+        Some(c) => crate::ffi::watch_event_fd(&c.ucx),
+        None => return shared.mark_stopped(),
+    };
+    let afd = match afd {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::error!(error = %e, "ucx: cannot watch the worker's event fd; stopping");
+            teardown(&shared);
+            return;
+        }
+    };
+    let Wake::Task(notify) = &shared.wake else {
+        unreachable!("task mode uses a Notify")
+    };
+    let mut pace = Pace::new(shared.spin);
+    loop {
+        if cancel.is_cancelled() {
+            break;
+        }
+        let (activity, busy) = {
+            let mut g = shared.core.lock().unwrap();
+            let Some(core) = g.as_mut() else { break };
+            let a = core.step();
+            (a, core.busy())
+        };
+        if pace.hot(activity, busy) {
+            // Let other tasks (the ones awaiting our completions) run.
+            tokio::task::yield_now().await;
+            continue;
+        }
+        let armed = {
+            let mut g = shared.core.lock().unwrap();
+            let Some(core) = g.as_mut() else { break };
+            match core.ucx.arm() {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "ucx: arming the worker failed; polling");
+                    false
+                }
+            }
+        };
+        if !armed {
+            tokio::task::yield_now().await;
+            continue;
+        }
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => break,
+            r = afd.readable() => {
+                if let Ok(mut g) = r {
+                    g.clear_ready();
+                }
+            }
+            _ = notify.notified() => {}
+            _ = tokio::time::sleep(pace.tick(busy, Duration::from_secs(3600))) => {}
+        }
+    }
+    drop(afd);
+    teardown(&shared);
+}
+
+/// The dedicated progress thread: sleeps in `poll` on the event fd and a wake fd.
+pub(crate) fn run_thread(shared: Arc<Shared>, stop: Arc<AtomicBool>) {
+    let Wake::Thread { fd, sleeping } = &shared.wake else {
+        unreachable!("thread mode uses a wake fd")
+    };
+    let efd = match shared.core.lock().unwrap().as_ref() {
+        Some(c) => c.ucx.event_fd(),
+        None => return shared.mark_stopped(),
+    };
+    let mut pace = Pace::new(shared.spin);
+    while !stop.load(Ordering::Acquire) {
+        let (activity, busy) = {
+            let mut g = shared.core.lock().unwrap();
+            let Some(core) = g.as_mut() else { break };
+            let a = core.step();
+            (a, core.busy())
+        };
+        if pace.hot(activity, busy) {
+            std::hint::spin_loop();
+            continue;
+        }
+        let mut g = shared.core.lock().unwrap();
+        let Some(core) = g.as_mut() else { break };
+        if !core.ucx.arm().unwrap_or(false) {
+            continue;
+        }
+        sleeping.store(true, Ordering::SeqCst);
+        // Anything posted before `sleeping` was visible must be run now, not slept on.
+        if core.drain_inbox() > 0 {
+            sleeping.store(false, Ordering::SeqCst);
+            continue;
+        }
+        drop(g);
+        // The stop flag comes with a wake, so the idle wait can be long.
+        fd.wait_with(efd, pace.tick(busy, Duration::from_secs(3600)));
+        sleeping.store(false, Ordering::SeqCst);
+        fd.drain();
+    }
+    teardown(&shared);
+}

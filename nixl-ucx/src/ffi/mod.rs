@@ -1,0 +1,1119 @@
+//! Everything that touches UCX, and the crate's only `unsafe` code, in three layers:
+//!
+//! 1. [`sys`]: our own declarations of the UCP structs, constants and function types;
+//!    [`loader`]: `dlopen` of libucp and the function table resolved from it.
+//! 2. A thin layer turning `ucs_status_t` and status pointers into `Result`s.
+//! 3. [`Ucx`]: the safe owner of one context and one worker and of everything made from
+//!    them (endpoints, remote keys, memory mappings, requests). It hands out plain ids,
+//!    never raw handles, and its `Drop` releases in UCX's order: remote keys, then
+//!    endpoints (force-closed, with bounded progress until they are gone), then memory
+//!    mappings, then the worker, then the context. Work that keeps application memory
+//!    alive (a [`Completer`] inside `K`) is handed back only once UCX can no longer touch
+//!    that memory.
+//!
+//! Threading: the worker is created in `UCS_THREAD_MODE_SERIALIZED`; `Ucx` is `Send` but
+//! not `Sync`, and every method takes `&mut self`, so calls never overlap.
+#![allow(unsafe_code)]
+
+mod loader;
+mod sys;
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::fmt;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicI8, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use nixl::{Completer, MemSegment, RegionRef};
+
+pub(crate) use loader::{is_loaded, open, LoadError, Loaded};
+
+/// A UCX call that failed.
+#[derive(Debug, Clone)]
+pub(crate) struct UcxError {
+    /// What we called.
+    pub(crate) what: &'static str,
+    /// The raw `ucs_status_t`.
+    pub(crate) status: i8,
+    /// `ucs_status_string` of it.
+    pub(crate) text: String,
+}
+
+impl UcxError {
+    /// The peer is gone or unreachable (endpoint and link failures, resets).
+    pub(crate) fn is_disconnect(&self) -> bool {
+        matches!(
+            self.status,
+            sys::UCS_ERR_CONNECTION_RESET
+                | sys::UCS_ERR_NOT_CONNECTED
+                | sys::UCS_ERR_UNREACHABLE
+                | sys::UCS_ERR_TIMED_OUT
+                | sys::UCS_ERR_CANCELED
+        ) || (sys::UCS_ERR_LAST_ENDPOINT_FAILURE..=sys::UCS_ERR_FIRST_LINK_FAILURE)
+            .contains(&self.status)
+    }
+}
+
+impl fmt::Display for UcxError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {} ({})", self.what, self.text, self.status)
+    }
+}
+
+impl std::error::Error for UcxError {}
+
+fn check(api: &sys::Api, what: &'static str, status: sys::Status) -> Result<(), UcxError> {
+    if status == sys::UCS_OK {
+        Ok(())
+    } else {
+        Err(UcxError {
+            what,
+            status,
+            text: loader::status_text(api, status),
+        })
+    }
+}
+
+/// What a non-blocking call returned.
+enum Posted {
+    Done(sys::Status),
+    Pending(*mut c_void),
+}
+
+fn posted(p: sys::StatusPtr) -> Posted {
+    if sys::ptr_is_ptr(p) {
+        Posted::Pending(p)
+    } else if sys::ptr_is_err(p) {
+        Posted::Done(sys::ptr_status(p))
+    } else {
+        Posted::Done(sys::UCS_OK)
+    }
+}
+
+/// An endpoint, as handed out by [`Ucx`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct EpId {
+    idx: u32,
+    gen: u32,
+}
+
+/// A remote key unpacked on one endpoint (an index into that endpoint's keys).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RkeyId(u32);
+
+/// An operation in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FlightId(u32);
+
+/// One segment of a one-sided transfer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RmaSeg {
+    /// Local memory (source of a put, destination of a get).
+    pub(crate) local: MemSegment,
+    /// Address in the peer's address space.
+    pub(crate) remote: u64,
+    /// The peer region's key, unpacked on the endpoint the transfer uses.
+    pub(crate) rkey: RkeyId,
+}
+
+/// Work whose memory must stay alive while UCX may touch it: it carries the
+/// transfer's [`Completer`], which keeps the transfer's registrations alive.
+pub(crate) trait HoldsMemory {
+    /// The completer that keeps the memory of every segment posted with this value.
+    fn completer(&self) -> Option<&Completer>;
+}
+
+enum EpState {
+    Free,
+    Open {
+        raw: sys::Ep,
+        err: *mut AtomicI8,
+        rkeys: Vec<sys::RKey>,
+    },
+    Closing {
+        req: *mut c_void,
+        err: *mut AtomicI8,
+    },
+}
+
+struct EpSlot {
+    gen: u32,
+    state: EpState,
+}
+
+struct Flight<K> {
+    /// Null once finished (then `status` holds the outcome).
+    req: *mut c_void,
+    status: sys::Status,
+    keep: Option<K>,
+    /// Buffers UCX reads until the request finishes (active message header and data).
+    _header: Vec<u8>,
+    _data: Bytes,
+}
+
+struct MemEntry {
+    memh: sys::MemH,
+    /// Keeps the memory alive for as long as it is mapped.
+    _region: RegionRef,
+}
+
+/// An incoming active message, as the handler sees it.
+#[derive(Debug)]
+pub(crate) struct AmIn<'a> {
+    /// Our header.
+    pub(crate) header: &'a [u8],
+    /// The payload; `None` when UCX offered it by rendezvous (we never ask for that, so
+    /// it was released unread).
+    pub(crate) data: Option<&'a [u8]>,
+}
+
+type AmFn = Box<dyn FnMut(AmIn<'_>) + Send>;
+
+struct AmSlot {
+    f: AmFn,
+    api: sys::Api,
+    worker: sys::Worker,
+}
+
+/// Options for [`Ucx::new`].
+#[derive(Debug, Clone, Default)]
+pub(crate) struct UcxInit {
+    /// `ucp_config_modify` pairs (`("TLS", "shm,self")`).
+    pub(crate) config: Vec<(String, String)>,
+}
+
+/// The owner of one UCP context and one worker (see the module docs).
+pub(crate) struct Ucx<K> {
+    api: sys::Api,
+    context: sys::Context,
+    worker: sys::Worker,
+    address: Vec<u8>,
+    efd: RawFd,
+    memory_types: u64,
+    eps: Vec<EpSlot>,
+    free_eps: Vec<u32>,
+    flights: Vec<Option<Flight<K>>>,
+    free_flights: Vec<u32>,
+    mems: HashMap<u64, MemEntry>,
+    am: Option<*mut AmSlot>,
+    /// How long teardown progresses the worker waiting for closes and requests.
+    pub(crate) teardown_bound: Duration,
+}
+
+// SAFETY: the worker is created in UCS_THREAD_MODE_SERIALIZED (any thread may call it,
+// one at a time) and the context is not shared between workers; `Ucx` is not `Sync`
+// and every call goes through `&mut self`, so no two threads ever call UCX on these
+// objects at once. The raw pointers it holds are owned by it alone. `K` and the AM
+// closure are `Send`.
+unsafe impl<K: Send> Send for Ucx<K> {}
+
+impl<K> fmt::Debug for Ucx<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Ucx")
+            .field("eps", &(self.eps.len() - self.free_eps.len()))
+            .field("flights", &(self.flights.len() - self.free_flights.len()))
+            .field("mems", &self.mems.len())
+            .finish_non_exhaustive()
+    }
+}
+
+unsafe extern "C" fn err_trampoline(arg: *mut c_void, _ep: sys::Ep, status: sys::Status) {
+    // SAFETY: `arg` is the AtomicI8 we boxed for this endpoint; it is freed only after
+    // the endpoint is fully closed or the worker destroyed, after which UCX calls no
+    // handler of it.
+    let slot = unsafe { &*(arg as *const AtomicI8) };
+    let s = if status == sys::UCS_OK {
+        sys::UCS_ERR_CONNECTION_RESET
+    } else {
+        status
+    };
+    slot.store(s, Ordering::Release);
+}
+
+unsafe extern "C" fn am_trampoline(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::AmRecvParam,
+) -> sys::Status {
+    // SAFETY: `arg` is the AmSlot we registered; it lives until after the worker is
+    // destroyed, and UCX calls this only from inside `ucp_worker_progress`, which only
+    // `Ucx::progress` (and teardown) call while no other reference to the slot exists.
+    let slot = unsafe { &mut *(arg as *mut AmSlot) };
+    let attr = if param.is_null() {
+        0
+    } else {
+        // SAFETY: UCX passes a valid parameter struct for the duration of the call.
+        unsafe { (*param).recv_attr }
+    };
+    let header = if header.is_null() || header_length == 0 {
+        &[][..]
+    } else {
+        // SAFETY: UCX guarantees `header_length` readable bytes for the call.
+        unsafe { std::slice::from_raw_parts(header as *const u8, header_length) }
+    };
+    let rndv = attr & sys::AM_RECV_ATTR_FLAG_RNDV != 0;
+    let body = if rndv {
+        None
+    } else if data.is_null() || length == 0 {
+        Some(&[][..])
+    } else {
+        // SAFETY: for eager data UCX guarantees `length` readable bytes for the call.
+        Some(unsafe { std::slice::from_raw_parts(data as *const u8, length) })
+    };
+    let f = &mut slot.f;
+    // A panic must not unwind into C.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        f(AmIn { header, data: body })
+    }));
+    if rndv {
+        // SAFETY: `data` is the rendezvous descriptor UCX just gave us; releasing it
+        // declines the payload.
+        unsafe { (slot.api.am_data_release)(slot.worker, data) };
+    }
+    sys::UCS_OK
+}
+
+impl<K: HoldsMemory> Ucx<K> {
+    /// Create a context (RMA, active messages, wakeup) and one worker.
+    ///
+    /// # Errors
+    /// The failing UCX call.
+    pub(crate) fn new(lib: &'static Loaded, init: &UcxInit) -> Result<Self, UcxError> {
+        let api = lib.api;
+        let mut config: sys::Config = std::ptr::null_mut();
+        // SAFETY: null prefix and file mean "UCX_ environment variables, default
+        // file"; `config` is a valid out-pointer.
+        check(&api, "ucp_config_read", unsafe {
+            (api.config_read)(std::ptr::null(), std::ptr::null(), &mut config)
+        })?;
+        for (k, v) in &init.config {
+            let (Ok(ck), Ok(cv)) = (CString::new(k.as_str()), CString::new(v.as_str())) else {
+                continue;
+            };
+            // SAFETY: `config` is live; both strings are valid C strings.
+            let st = unsafe { (api.config_modify)(config, ck.as_ptr(), cv.as_ptr()) };
+            if let Err(e) = check(&api, "ucp_config_modify", st) {
+                tracing::warn!(key = %k, value = %v, error = %e, "UCX refused a configuration setting; ignoring it");
+            }
+        }
+        let params = sys::Params {
+            field_mask: sys::PARAM_FIELD_FEATURES | sys::PARAM_FIELD_MT_WORKERS_SHARED,
+            features: sys::FEATURE_RMA | sys::FEATURE_AM | sys::FEATURE_WAKEUP,
+            mt_workers_shared: 0,
+            ..Default::default()
+        };
+        let mut context: sys::Context = std::ptr::null_mut();
+        // SAFETY: params and config are valid for the call; 1.13 is the API version
+        // our declarations were checked against (and the oldest we accept).
+        let st = unsafe { (api.init_version)(1, 13, &params, config, &mut context) };
+        // SAFETY: the config is no longer needed once the context exists (or failed).
+        unsafe { (api.config_release)(config) };
+        check(&api, "ucp_init", st)?;
+        let mut attr = sys::ContextAttr {
+            field_mask: sys::ATTR_FIELD_MEMORY_TYPES,
+            ..Default::default()
+        };
+        // SAFETY: live context, valid out struct.
+        let memory_types = match unsafe { (api.context_query)(context, &mut attr) } {
+            sys::UCS_OK => attr.memory_types,
+            _ => 1 << sys::MEMORY_TYPE_HOST,
+        };
+        let wparams = sys::WorkerParams {
+            field_mask: sys::WORKER_PARAM_FIELD_THREAD_MODE,
+            thread_mode: sys::THREAD_MODE_SERIALIZED,
+            ..Default::default()
+        };
+        let mut worker: sys::Worker = std::ptr::null_mut();
+        // SAFETY: live context, valid params and out-pointer.
+        let st = unsafe { (api.worker_create)(context, &wparams, &mut worker) };
+        if let Err(e) = check(&api, "ucp_worker_create", st) {
+            // SAFETY: the context is live and nothing else uses it.
+            unsafe { (api.cleanup)(context) };
+            return Err(e);
+        }
+        let mut me = Self {
+            api,
+            context,
+            worker,
+            address: Vec::new(),
+            efd: -1,
+            memory_types,
+            eps: Vec::new(),
+            free_eps: Vec::new(),
+            flights: Vec::new(),
+            free_flights: Vec::new(),
+            mems: HashMap::new(),
+            am: None,
+            teardown_bound: Duration::from_secs(2),
+        };
+        // From here on, Drop cleans up whatever fails.
+        let mut addr: *mut sys::Address = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: live worker, valid out-pointers.
+        check(&api, "ucp_worker_get_address", unsafe {
+            (api.worker_get_address)(worker, &mut addr, &mut len)
+        })?;
+        // SAFETY: UCX returned `len` readable bytes at `addr`, ours until released.
+        me.address = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
+        // SAFETY: releasing exactly what get_address returned, once.
+        unsafe { (api.worker_release_address)(worker, addr) };
+        let mut efd = -1;
+        // SAFETY: live worker created with the WAKEUP feature; valid out-pointer.
+        check(&api, "ucp_worker_get_efd", unsafe {
+            (api.worker_get_efd)(worker, &mut efd)
+        })?;
+        me.efd = efd;
+        Ok(me)
+    }
+
+    /// Bitmask of `ucs_memory_type_t` the context supports.
+    pub(crate) fn cuda_supported(&self) -> bool {
+        self.memory_types & (1 << sys::MEMORY_TYPE_CUDA) != 0
+    }
+
+    /// The worker address peers connect to.
+    pub(crate) fn address(&self) -> &[u8] {
+        &self.address
+    }
+
+    /// The worker's event file descriptor (owned by UCX; valid while `self` lives).
+    pub(crate) fn event_fd(&self) -> RawFd {
+        self.efd
+    }
+
+    /// Install the active-message handler for `id`. Called from inside
+    /// [`Ucx::progress`] only.
+    ///
+    /// # Errors
+    /// The failing UCX call.
+    pub(crate) fn set_am_handler(&mut self, id: u32, f: AmFn) -> Result<(), UcxError> {
+        let slot = Box::into_raw(Box::new(AmSlot {
+            f,
+            api: self.api,
+            worker: self.worker,
+        }));
+        let param = sys::AmHandlerParam {
+            field_mask: sys::AM_HANDLER_PARAM_FIELD_ID
+                | sys::AM_HANDLER_PARAM_FIELD_FLAGS
+                | sys::AM_HANDLER_PARAM_FIELD_CB
+                | sys::AM_HANDLER_PARAM_FIELD_ARG,
+            id,
+            flags: sys::AM_FLAG_WHOLE_MSG,
+            cb: Some(am_trampoline),
+            arg: slot as *mut c_void,
+            ..Default::default()
+        };
+        // SAFETY: live worker; the slot outlives the worker (freed in Drop after
+        // ucp_worker_destroy).
+        let st = unsafe { (self.api.worker_set_am_recv_handler)(self.worker, &param) };
+        if let Err(e) = check(&self.api, "ucp_worker_set_am_recv_handler", st) {
+            // SAFETY: UCX did not take the slot; we still own it.
+            drop(unsafe { Box::from_raw(slot) });
+            return Err(e);
+        }
+        if let Some(old) = self.am.replace(slot) {
+            // The handler for `id` was replaced; UCX no longer calls the old slot.
+            // SAFETY: we own it and UCX dropped its reference above.
+            drop(unsafe { Box::from_raw(old) });
+        }
+        Ok(())
+    }
+
+    /// `ucp_worker_progress`: run callbacks (incoming messages) and complete requests.
+    pub(crate) fn progress(&mut self) -> u32 {
+        // SAFETY: live worker, serialized access (`&mut self`).
+        unsafe { (self.api.worker_progress)(self.worker) }
+    }
+
+    /// `ucp_worker_arm`: `Ok(true)` when armed (sleep on the event fd), `Ok(false)` when
+    /// events are pending (progress again).
+    ///
+    /// # Errors
+    /// The failing UCX call.
+    pub(crate) fn arm(&mut self) -> Result<bool, UcxError> {
+        // SAFETY: live worker, serialized access.
+        match unsafe { (self.api.worker_arm)(self.worker) } {
+            sys::UCS_OK => Ok(true),
+            sys::UCS_ERR_BUSY => Ok(false),
+            st => check(&self.api, "ucp_worker_arm", st).map(|_| false),
+        }
+    }
+
+    /// Map a region for remote access; returns the packed remote key.
+    ///
+    /// # Errors
+    /// The failing UCX call.
+    pub(crate) fn mem_map(&mut self, region: &RegionRef, cuda: bool) -> Result<Vec<u8>, UcxError> {
+        let seg = region.segment();
+        let params = sys::MemMapParams {
+            field_mask: sys::MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::MEM_MAP_PARAM_FIELD_PROT
+                | sys::MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+            address: seg.addr() as *mut c_void,
+            length: seg.len(),
+            prot: sys::MEM_MAP_PROT_LOCAL_READ
+                | sys::MEM_MAP_PROT_LOCAL_WRITE
+                | sys::MEM_MAP_PROT_REMOTE_READ
+                | sys::MEM_MAP_PROT_REMOTE_WRITE,
+            memory_type: if cuda {
+                sys::MEMORY_TYPE_CUDA
+            } else {
+                sys::MEMORY_TYPE_HOST
+            },
+            ..Default::default()
+        };
+        let mut memh: sys::MemH = std::ptr::null_mut();
+        // SAFETY: live context; the address range is registered memory that the
+        // RegionRef we store below keeps alive until after ucp_mem_unmap.
+        check(&self.api, "ucp_mem_map", unsafe {
+            (self.api.mem_map)(self.context, &params, &mut memh)
+        })?;
+        let mut buf: *mut c_void = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: live context and memh; valid out-pointers.
+        let st = unsafe { (self.api.rkey_pack)(self.context, memh, &mut buf, &mut len) };
+        if let Err(e) = check(&self.api, "ucp_rkey_pack", st) {
+            // SAFETY: the mapping we just made, unmapped once.
+            unsafe { (self.api.mem_unmap)(self.context, memh) };
+            return Err(e);
+        }
+        // SAFETY: UCX returned `len` readable bytes at `buf`, ours until released.
+        let packed = unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec();
+        // SAFETY: releasing exactly the buffer rkey_pack returned, once.
+        unsafe { (self.api.rkey_buffer_release)(buf) };
+        if let Some(old) = self.mems.insert(
+            region.id(),
+            MemEntry {
+                memh,
+                _region: region.clone(),
+            },
+        ) {
+            self.unmap(old);
+        }
+        Ok(packed)
+    }
+
+    /// Unmap a region mapped by [`Ucx::mem_map`] (no-op if unknown).
+    pub(crate) fn mem_unmap(&mut self, region_id: u64) {
+        if let Some(m) = self.mems.remove(&region_id) {
+            self.unmap(m);
+        }
+    }
+
+    /// Create an endpoint to the worker at `address`, with peer-failure handling
+    /// (`UCP_ERR_HANDLING_MODE_PEER`) or without.
+    ///
+    /// # Errors
+    /// The failing UCX call.
+    pub(crate) fn ep_create(
+        &mut self,
+        address: &[u8],
+        peer_failure: bool,
+    ) -> Result<EpId, UcxError> {
+        let err = Box::into_raw(Box::new(AtomicI8::new(0)));
+        let params = sys::EpParams {
+            field_mask: sys::EP_PARAM_FIELD_REMOTE_ADDRESS
+                | sys::EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | sys::EP_PARAM_FIELD_ERR_HANDLER,
+            address: address.as_ptr() as *const sys::Address,
+            err_mode: if peer_failure {
+                sys::ERR_HANDLING_MODE_PEER
+            } else {
+                sys::ERR_HANDLING_MODE_NONE
+            },
+            err_cb: Some(err_trampoline),
+            err_arg: err as *mut c_void,
+            ..Default::default()
+        };
+        let mut ep: sys::Ep = std::ptr::null_mut();
+        // SAFETY: live worker; `address` holds a worker address (UCX validates its
+        // contents and fails cleanly on garbage) for the duration of the call; the
+        // error slot outlives the endpoint (freed only after it is closed).
+        let st = unsafe { (self.api.ep_create)(self.worker, &params, &mut ep) };
+        if let Err(e) = check(&self.api, "ucp_ep_create", st) {
+            // SAFETY: UCX did not keep the slot.
+            drop(unsafe { Box::from_raw(err) });
+            return Err(e);
+        }
+        let state = EpState::Open {
+            raw: ep,
+            err,
+            rkeys: Vec::new(),
+        };
+        let idx = match self.free_eps.pop() {
+            Some(i) => {
+                let s = &mut self.eps[i as usize];
+                s.gen = s.gen.wrapping_add(1);
+                s.state = state;
+                i
+            }
+            None => {
+                self.eps.push(EpSlot { gen: 0, state });
+                (self.eps.len() - 1) as u32
+            }
+        };
+        Ok(EpId {
+            idx,
+            gen: self.eps[idx as usize].gen,
+        })
+    }
+
+    fn open_ep(&self, id: EpId) -> Option<(sys::Ep, &Vec<sys::RKey>)> {
+        match self.eps.get(id.idx as usize) {
+            Some(EpSlot {
+                gen,
+                state: EpState::Open { raw, rkeys, .. },
+            }) if *gen == id.gen => Some((*raw, rkeys)),
+            _ => None,
+        }
+    }
+
+    /// Whether `e` is "no transport can reach the peer".
+    pub(crate) fn is_unreachable(e: &UcxError) -> bool {
+        e.status == sys::UCS_ERR_UNREACHABLE
+    }
+
+    /// The error UCX reported for this endpoint (peer failure), or a "not connected"
+    /// error once it is closed; `None` while healthy.
+    pub(crate) fn ep_error(&self, id: EpId) -> Option<UcxError> {
+        let st = match self.eps.get(id.idx as usize) {
+            Some(EpSlot {
+                gen,
+                state: EpState::Open { err, .. },
+            }) if *gen == id.gen => {
+                // SAFETY: the slot lives while the endpoint is open.
+                unsafe { &**err }.load(Ordering::Acquire)
+            }
+            _ => sys::UCS_ERR_NOT_CONNECTED,
+        };
+        (st != 0).then(|| UcxError {
+            what: "endpoint",
+            status: st,
+            text: loader::status_text(&self.api, st),
+        })
+    }
+
+    /// Unpack a packed remote key on an endpoint.
+    ///
+    /// # Errors
+    /// The failing UCX call, or "not connected" for a closed endpoint.
+    pub(crate) fn rkey_unpack(&mut self, id: EpId, packed: &[u8]) -> Result<RkeyId, UcxError> {
+        let Some((ep, _)) = self.open_ep(id) else {
+            return Err(self.not_connected("ucp_ep_rkey_unpack"));
+        };
+        let mut rkey: sys::RKey = std::ptr::null_mut();
+        // SAFETY: live endpoint; `packed` is readable for the call. UCX parses the
+        // buffer (it came from a peer's metadata, which passed our checksum), and
+        // fails cleanly on what it does not understand.
+        check(&self.api, "ucp_ep_rkey_unpack", unsafe {
+            (self.api.ep_rkey_unpack)(ep, packed.as_ptr() as *const c_void, &mut rkey)
+        })?;
+        let Some(EpSlot {
+            state: EpState::Open { rkeys, .. },
+            ..
+        }) = self.eps.get_mut(id.idx as usize)
+        else {
+            unreachable!("checked open above");
+        };
+        rkeys.push(rkey);
+        Ok(RkeyId((rkeys.len() - 1) as u32))
+    }
+
+    fn not_connected(&self, what: &'static str) -> UcxError {
+        UcxError {
+            what,
+            status: sys::UCS_ERR_NOT_CONNECTED,
+            text: loader::status_text(&self.api, sys::UCS_ERR_NOT_CONNECTED),
+        }
+    }
+
+    /// Close an endpoint at once (pending operations on it fail), after destroying
+    /// its remote keys. Completes in later progress calls.
+    pub(crate) fn ep_close(&mut self, id: EpId) {
+        let Some(slot) = self.eps.get_mut(id.idx as usize) else {
+            return;
+        };
+        if slot.gen != id.gen || !matches!(slot.state, EpState::Open { .. }) {
+            return;
+        }
+        let EpState::Open { raw, err, rkeys } = std::mem::replace(&mut slot.state, EpState::Free)
+        else {
+            unreachable!("checked open above");
+        };
+        for k in rkeys {
+            // SAFETY: keys unpacked on this endpoint, destroyed once, before it is
+            // closed (as UCX requires).
+            unsafe { (self.api.rkey_destroy)(k) };
+        }
+        let param = sys::RequestParam {
+            op_attr_mask: sys::OP_ATTR_FIELD_FLAGS,
+            flags: sys::EP_CLOSE_FLAG_FORCE,
+            ..Default::default()
+        };
+        // SAFETY: a live endpoint, closed once.
+        let p = unsafe { (self.api.ep_close_nbx)(raw, &param) };
+        let slot = &mut self.eps[id.idx as usize];
+        match posted(p) {
+            Posted::Pending(req) => slot.state = EpState::Closing { req, err },
+            Posted::Done(_) => {
+                // SAFETY: the endpoint is gone; UCX calls its handler no more.
+                drop(unsafe { Box::from_raw(err) });
+                self.free_eps.push(id.idx);
+            }
+        }
+    }
+
+    /// Move finished endpoint closes to free slots; returns how many are still closing.
+    pub(crate) fn reap_closed(&mut self) -> usize {
+        let mut left = 0;
+        for (i, slot) in self.eps.iter_mut().enumerate() {
+            if let EpState::Closing { req, err } = slot.state {
+                // SAFETY: a live request returned by ep_close_nbx.
+                let st = unsafe { (self.api.request_check_status)(req) };
+                if st == sys::UCS_INPROGRESS {
+                    left += 1;
+                    continue;
+                }
+                // SAFETY: a finished request, freed once; the endpoint is gone, so
+                // its error slot can go too.
+                unsafe {
+                    (self.api.request_free)(req);
+                    drop(Box::from_raw(err));
+                }
+                slot.state = EpState::Free;
+                self.free_eps.push(i as u32);
+            }
+        }
+        left
+    }
+
+    fn flight(&mut self, f: Flight<K>) -> FlightId {
+        match self.free_flights.pop() {
+            Some(i) => {
+                self.flights[i as usize] = Some(f);
+                FlightId(i)
+            }
+            None => {
+                self.flights.push(Some(f));
+                FlightId((self.flights.len() - 1) as u32)
+            }
+        }
+    }
+
+    fn done_flight(&mut self, status: sys::Status, keep: K) -> FlightId {
+        self.flight(Flight {
+            req: std::ptr::null_mut(),
+            status,
+            keep: Some(keep),
+            _header: Vec::new(),
+            _data: Bytes::new(),
+        })
+    }
+
+    fn flush_ep(&self, ep: sys::Ep) -> Posted {
+        let param = sys::RequestParam::default();
+        // SAFETY: live endpoint; no callback (we poll the request).
+        posted(unsafe { (self.api.ep_flush_nbx)(ep, &param) })
+    }
+
+    /// Post a put (`write`) or get per segment, then an endpoint flush; the flight
+    /// finishes when every segment is complete at both ends.
+    ///
+    /// The segments must come from the transfer whose [`Completer`] `keep` carries:
+    /// that keeps their memory alive, and `keep` is handed back (from
+    /// [`Ucx::poll`] or teardown) only once UCX no longer touches it. Posting never
+    /// allocates per segment.
+    pub(crate) fn rma(&mut self, id: EpId, write: bool, segs: &[RmaSeg], keep: K) -> FlightId {
+        debug_assert!(keep.completer().is_some() || segs.is_empty());
+        let Some((ep, rkeys)) = self.open_ep(id) else {
+            return self.done_flight(sys::UCS_ERR_NOT_CONNECTED, keep);
+        };
+        let param = sys::RequestParam::default();
+        let mut first_err = sys::UCS_OK;
+        for s in segs {
+            let Some(&rkey) = rkeys.get(s.rkey.0 as usize) else {
+                first_err = sys::UCS_ERR_NOT_CONNECTED;
+                break;
+            };
+            let ptr = s.local.addr() as *mut c_void;
+            // SAFETY: live endpoint and a key unpacked on it; the local range is
+            // registered memory kept alive by `keep`'s completer until this flight is
+            // handed back, which happens only after the flush below completes (so
+            // after this operation), or after the worker is destroyed. No callback
+            // (request polled through the flush).
+            let p = unsafe {
+                if write {
+                    (self.api.put_nbx)(ep, ptr, s.local.len(), s.remote, rkey, &param)
+                } else {
+                    (self.api.get_nbx)(ep, ptr, s.local.len(), s.remote, rkey, &param)
+                }
+            };
+            match posted(p) {
+                Posted::Done(sys::UCS_OK) => {}
+                // Completion is tracked by the flush; UCX frees it when it is done.
+                // SAFETY: a live request handed to us, freed once.
+                Posted::Pending(req) => unsafe { (self.api.request_free)(req) },
+                Posted::Done(st) => {
+                    first_err = st;
+                    break;
+                }
+            }
+        }
+        // Always flush, even after an error, so earlier segments are finished before
+        // the memory is handed back.
+        let (req, status) = match self.flush_ep(ep) {
+            Posted::Pending(req) => (req, first_err),
+            Posted::Done(st) => (
+                std::ptr::null_mut(),
+                if first_err != sys::UCS_OK {
+                    first_err
+                } else {
+                    st
+                },
+            ),
+        };
+        self.flight(Flight {
+            req,
+            status,
+            keep: Some(keep),
+            _header: Vec::new(),
+            _data: Bytes::new(),
+        })
+    }
+
+    /// Flush an endpoint (everything posted on it before completes remotely).
+    pub(crate) fn flush(&mut self, id: EpId, keep: K) -> FlightId {
+        let Some((ep, _)) = self.open_ep(id) else {
+            return self.done_flight(sys::UCS_ERR_NOT_CONNECTED, keep);
+        };
+        match self.flush_ep(ep) {
+            Posted::Pending(req) => self.flight(Flight {
+                req,
+                status: sys::UCS_OK,
+                keep: Some(keep),
+                _header: Vec::new(),
+                _data: Bytes::new(),
+            }),
+            Posted::Done(st) => self.done_flight(st, keep),
+        }
+    }
+
+    /// Send an active message (eager protocol, so the receiver always gets the data
+    /// inline). `header` and `data` stay owned by the flight until UCX is done.
+    pub(crate) fn am_send(
+        &mut self,
+        id: EpId,
+        am_id: u32,
+        header: Vec<u8>,
+        data: Bytes,
+        keep: K,
+    ) -> FlightId {
+        let Some((ep, _)) = self.open_ep(id) else {
+            return self.done_flight(sys::UCS_ERR_NOT_CONNECTED, keep);
+        };
+        let param = sys::RequestParam {
+            op_attr_mask: sys::OP_ATTR_FIELD_FLAGS,
+            flags: sys::AM_SEND_FLAG_EAGER,
+            ..Default::default()
+        };
+        // SAFETY: live endpoint; header and data are heap buffers moved into the
+        // flight below, which keeps them until the request finishes (or the worker is
+        // destroyed).
+        let p = unsafe {
+            (self.api.am_send_nbx)(
+                ep,
+                am_id,
+                header.as_ptr() as *const c_void,
+                header.len(),
+                data.as_ptr() as *const c_void,
+                data.len(),
+                &param,
+            )
+        };
+        let (req, status) = match posted(p) {
+            Posted::Pending(r) => (r, sys::UCS_OK),
+            Posted::Done(st) => (std::ptr::null_mut(), st),
+        };
+        self.flight(Flight {
+            req,
+            status,
+            keep: Some(keep),
+            _header: header,
+            _data: data,
+        })
+    }
+
+    /// Whether a flight has finished, without taking it.
+    pub(crate) fn is_done(&mut self, id: FlightId) -> bool {
+        let api = self.api;
+        let Some(Some(f)) = self.flights.get_mut(id.0 as usize) else {
+            return true;
+        };
+        if f.req.is_null() {
+            return true;
+        }
+        // SAFETY: a live request of ours, not yet freed.
+        let st = unsafe { (api.request_check_status)(f.req) };
+        if st == sys::UCS_INPROGRESS {
+            return false;
+        }
+        // SAFETY: finished; freed once (then forgotten).
+        unsafe { (api.request_free)(f.req) };
+        f.req = std::ptr::null_mut();
+        if f.status == sys::UCS_OK {
+            f.status = st;
+        }
+        true
+    }
+
+    /// Take a finished flight: its `keep` and outcome. `None` while in flight.
+    pub(crate) fn poll(&mut self, id: FlightId) -> Option<(K, Result<(), UcxError>)> {
+        if !self.is_done(id) {
+            return None;
+        }
+        let f = self.flights.get_mut(id.0 as usize)?.take()?;
+        self.free_flights.push(id.0);
+        let keep = f.keep?;
+        Some((keep, check(&self.api, "transfer", f.status)))
+    }
+
+    /// Operations or closes still in flight.
+    pub(crate) fn busy(&self) -> bool {
+        self.flights.len() > self.free_flights.len()
+            || self
+                .eps
+                .iter()
+                .any(|s| matches!(s.state, EpState::Closing { .. }))
+    }
+}
+
+impl<K> Ucx<K> {
+    fn unmap(&mut self, m: MemEntry) {
+        // SAFETY: a mapping of this context, unmapped once; the region it covers is
+        // dropped (by dropping `m`) only afterwards.
+        let st = unsafe { (self.api.mem_unmap)(self.context, m.memh) };
+        if let Err(e) = check(&self.api, "ucp_mem_unmap", st) {
+            tracing::warn!(error = %e, "unmapping registered memory failed");
+        }
+        drop(m);
+    }
+}
+
+impl<K> Drop for Ucx<K> {
+    fn drop(&mut self) {
+        let api = self.api;
+        // 1. Remote keys, then endpoints (forced: pending operations fail).
+        for i in 0..self.eps.len() {
+            if let EpState::Open { raw, err, rkeys } =
+                std::mem::replace(&mut self.eps[i].state, EpState::Free)
+            {
+                for k in rkeys {
+                    // SAFETY: keys of this endpoint, destroyed once, before it closes.
+                    unsafe { (api.rkey_destroy)(k) };
+                }
+                let param = sys::RequestParam {
+                    op_attr_mask: sys::OP_ATTR_FIELD_FLAGS,
+                    flags: sys::EP_CLOSE_FLAG_FORCE,
+                    ..Default::default()
+                };
+                // SAFETY: a live endpoint, closed once.
+                match posted(unsafe { (api.ep_close_nbx)(raw, &param) }) {
+                    Posted::Pending(req) => self.eps[i].state = EpState::Closing { req, err },
+                    // SAFETY: the endpoint is gone; its handler is never called again.
+                    Posted::Done(_) => drop(unsafe { Box::from_raw(err) }),
+                }
+            }
+        }
+        // 2. Bounded progress until closes and requests are finished.
+        let deadline = Instant::now() + self.teardown_bound;
+        let mut handed_back: Vec<K> = Vec::new();
+        loop {
+            // SAFETY: live worker, exclusive access (we are in Drop).
+            unsafe { (api.worker_progress)(self.worker) };
+            let mut closing = 0;
+            for slot in &mut self.eps {
+                if let EpState::Closing { req, err } = slot.state {
+                    // SAFETY: a live request of ep_close_nbx.
+                    if unsafe { (api.request_check_status)(req) } == sys::UCS_INPROGRESS {
+                        closing += 1;
+                        continue;
+                    }
+                    // SAFETY: finished request freed once; endpoint gone with it.
+                    unsafe {
+                        (api.request_free)(req);
+                        drop(Box::from_raw(err));
+                    }
+                    slot.state = EpState::Free;
+                }
+            }
+            let mut pending = 0;
+            for f in self.flights.iter_mut() {
+                let Some(fl) = f else { continue };
+                if !fl.req.is_null() {
+                    // SAFETY: a live request of ours.
+                    if unsafe { (api.request_check_status)(fl.req) } == sys::UCS_INPROGRESS {
+                        pending += 1;
+                        continue;
+                    }
+                    // SAFETY: finished, freed once.
+                    unsafe { (api.request_free)(fl.req) };
+                    fl.req = std::ptr::null_mut();
+                }
+                if let Some(k) = f.take().and_then(|f| f.keep) {
+                    handed_back.push(k);
+                }
+            }
+            if closing + pending == 0 {
+                break;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    closing,
+                    pending,
+                    "UCX teardown: endpoints or requests still busy after {:?}; destroying the worker",
+                    self.teardown_bound
+                );
+                break;
+            }
+            std::thread::yield_now();
+        }
+        // 3. Memory mappings.
+        for (_, m) in std::mem::take(&mut self.mems) {
+            self.unmap(m);
+        }
+        // 4. The worker: this ends every endpoint and request still left.
+        // SAFETY: live worker, destroyed once; nothing uses it afterwards.
+        unsafe { (api.worker_destroy)(self.worker) };
+        for slot in &mut self.eps {
+            if let EpState::Closing { err, .. } = slot.state {
+                // SAFETY: the worker is gone, so no handler can run any more.
+                drop(unsafe { Box::from_raw(err) });
+                slot.state = EpState::Free;
+            }
+        }
+        if let Some(am) = self.am.take() {
+            // SAFETY: the worker that could call it is destroyed.
+            drop(unsafe { Box::from_raw(am) });
+        }
+        // 5. The context.
+        // SAFETY: live context, all its workers and mappings are gone.
+        unsafe { (api.cleanup)(self.context) };
+        // Requests left are gone with the worker: UCX will not touch their memory any
+        // more, so their completers may now release it.
+        for f in self.flights.drain(..).flatten() {
+            if let Some(k) = f.keep {
+                handed_back.push(k);
+            }
+        }
+        drop(handed_back);
+    }
+}
+
+/// Copy between two regions of this process: `memmove` per pair, `(local, target)`.
+/// `done` is the completer of the transfer the segments belong to: it keeps them alive.
+pub(crate) fn copy_local(write: bool, pairs: &[(MemSegment, MemSegment)], done: &Completer) {
+    let _ = done;
+    for (local, target) in pairs {
+        // SAFETY: both segments were checked by the agent against this agent's DRAM
+        // registrations (this backend registers nothing else), are of equal length,
+        // and stay alive while `done` (the transfer's completer) lives.
+        unsafe {
+            if write {
+                target.copy_from(local)
+            } else {
+                local.copy_from(target)
+            }
+        }
+    }
+}
+
+/// The worker's event fd, for tokio's reactor. It does not own the fd (UCX does).
+#[derive(Debug)]
+pub(crate) struct EventFd(RawFd);
+
+impl AsRawFd for EventFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+/// Watch a worker's event fd with tokio.
+///
+/// The returned value must be dropped before the [`Ucx`] that owns the fd (the driver
+/// drops it before tearing UCX down).
+///
+/// # Errors
+/// Registration with the reactor failed.
+pub(crate) fn watch_event_fd<K>(
+    ucx: &Ucx<K>,
+) -> std::io::Result<tokio::io::unix::AsyncFd<EventFd>> {
+    // SAFETY: the fd belongs to the UCX worker, which stays alive (and keeps the fd
+    // open, never replacing it) until after the driver drops this AsyncFd: the driver
+    // drops it before it tears UCX down, and nothing else closes the fd.
+    unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(
+            EventFd(ucx.efd),
+            tokio::io::Interest::READABLE,
+        )
+    }
+    .map_err(std::io::Error::from)
+}
+
+/// An eventfd that wakes a dedicated progress thread.
+#[derive(Debug)]
+pub(crate) struct WakeFd(OwnedFd);
+
+impl WakeFd {
+    /// A non-blocking, close-on-exec eventfd.
+    ///
+    /// # Errors
+    /// The OS error.
+    pub(crate) fn new() -> std::io::Result<Self> {
+        // SAFETY: plain syscall; no pointers.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor that nothing else owns.
+        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Make the fd readable.
+    pub(crate) fn wake(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to our own fd.
+        unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr() as *const c_void, 8) };
+    }
+
+    /// Reset it.
+    pub(crate) fn drain(&self) {
+        let mut b = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live buffer from our own (non-blocking) fd.
+        unsafe { libc::read(self.0.as_raw_fd(), b.as_mut_ptr() as *mut c_void, 8) };
+    }
+
+    /// Wait until `other` or this fd is readable, or `timeout` passes.
+    pub(crate) fn wait_with(&self, other: RawFd, timeout: Duration) {
+        let mut fds = [
+            libc::pollfd {
+                fd: other,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.0.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: two valid pollfd entries in a live array.
+        unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+    }
+}

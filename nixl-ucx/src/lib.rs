@@ -1,0 +1,629 @@
+//! # nixl-ucx
+//!
+//! A [`nixl`] backend over UCX, with `libucp` loaded at run time (never linked at build
+//! time, no C headers needed to build).
+//!
+//! - **Loading.** An explicit library ([`UcxOptions::library`] or `NIXL_UCX_LIB`), else
+//!   the soname `libucp.so.0`. Before loading, UCX objects already in the process (MPI,
+//!   a Python wheel) are detected; after loading, the real paths of the libucp, libucs
+//!   and libuct actually bound are found with `dladdr` and checked to come from one
+//!   installation. The outcome is logged and kept in [`UcxBackend::library_report`].
+//!   A mixture warns, or fails in strict mode (`NIXL_UCX_STRICT=1`); an expected library
+//!   (`NIXL_UCX_EXPECT` = path or version) that is not met refuses to start. A missing
+//!   library is an [`ErrorKind::UnavailableLibrary`] error, never a panic.
+//! - **Data path.** One UCP context (RMA, active messages, wakeup) and one worker.
+//!   Each registration is mapped with `ucp_mem_map`; its packed remote key travels in
+//!   the registration's metadata blob and is unpacked once per (peer, region). The
+//!   connection info is the worker address; endpoints are made on `add_peer`. WRITE and
+//!   READ are one `ucp_put_nbx`/`ucp_get_nbx` per segment, then an endpoint flush; the
+//!   transfer completes when the flush does. A notification is an active message sent
+//!   after that flush, so the target sees the data first; it names the sender and
+//!   carries a sequence number so the target delivers notifications in posting order.
+//! - **Progress.** Posting only enqueues; a driver owns all UCX calls: by default a
+//!   tokio task that sleeps on the worker's event fd when idle (`ucp_worker_arm`), and
+//!   spins briefly ([`UcxOptions::spin`]) while transfers are in flight; optionally a
+//!   dedicated thread ([`ProgressMode::Thread`]) joined within a bound at shutdown.
+//! - **Failures.** Endpoints use `UCP_ERR_HANDLING_MODE_PEER`; a peer that fails (UCX's
+//!   error handler, or its goodbye message at shutdown) fails its in-flight transfers
+//!   with [`ErrorKind::RemoteDisconnected`], and later posts fail fast. UCX's keepalive
+//!   ([`UcxOptions::keepalive_interval`]) bounds how long a silently dead peer goes
+//!   unnoticed.
+//! - **One-sided.** The target does not see requests, so it cannot refuse forged keys
+//!   or out-of-range access itself: [`Capabilities::target_checks`] is `false`; the
+//!   initiating agent checks every descriptor, and the transport checks keys and
+//!   bounds as far as it can (shared memory via CMA checks neither).
+//! - **VRAM** is refused with [`ErrorKind::NotSupported`]: mapping device memory needs
+//!   a CUDA context current on the progress thread and device-pointer plumbing (cudarc)
+//!   that this crate does not have yet; see [`UcxBackend::cuda_supported`].
+#![deny(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod driver;
+mod ffi;
+mod library;
+mod wire;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use nixl::{
+    Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, MemSegment, Op,
+    PreparedTransfer, RegionRef, Result, Target, TransferPlan,
+};
+use tokio_util::sync::CancellationToken;
+
+use driver::{Cmd, Core, RemoteXfer, Shared, Wake};
+use ffi::{RmaSeg, Ucx, UcxInit};
+pub use library::{
+    LibrarySource, UcxLibraryReport, DEFAULT_SONAME, ENV_EXPECT, ENV_LIB, ENV_STRICT, MIN_VERSION,
+};
+
+/// Environment variable giving the default [`UcxOptions::progress`]: `task` or `thread`.
+pub const ENV_PROGRESS: &str = "NIXL_UCX_PROGRESS";
+/// Environment variable giving the default [`UcxOptions::spin`] in microseconds.
+pub const ENV_SPIN_US: &str = "NIXL_UCX_SPIN_US";
+
+/// Who drives UCX progress.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ProgressMode {
+    /// A tokio task on the agent's runtime, woken by the worker's event fd.
+    #[default]
+    Task,
+    /// A dedicated OS thread (`nixl-ucx-progress`), joined at shutdown within
+    /// [`UcxOptions::join_bound`].
+    Thread,
+}
+
+/// Options for [`UcxBackend`].
+#[derive(Clone, Debug)]
+pub struct UcxOptions {
+    /// libucp to load: a path or a soname. Default: `NIXL_UCX_LIB`, else
+    /// [`DEFAULT_SONAME`].
+    pub library: Option<PathBuf>,
+    /// Refuse to start unless the bound libucp matches: a path (the file or its
+    /// directory) or a version prefix (`"1.22"`). Default: `NIXL_UCX_EXPECT`.
+    pub expect: Option<String>,
+    /// Fail (instead of warning) when UCX libraries come from more than one
+    /// installation. Default: `NIXL_UCX_STRICT` is `1`, `true` or `yes`.
+    pub strict: Option<bool>,
+    /// UCX configuration settings (`("TLS", "shm,self")`), applied over the `UCX_*`
+    /// environment variables.
+    pub ucx_config: Vec<(String, String)>,
+    /// UCX keepalive interval: bounds how long a dead peer with transfers in flight can
+    /// go unnoticed. `None` keeps UCX's default (20 s in 1.13).
+    pub keepalive_interval: Option<Duration>,
+    /// Progress driver.
+    pub progress: ProgressMode,
+    /// How long the driver keeps polling (instead of sleeping on the event fd) while
+    /// transfers are in flight.
+    pub spin: Duration,
+    /// Bound on joining the progress thread at shutdown.
+    pub join_bound: Duration,
+    /// Bound on saying goodbye to peers at shutdown and on closing endpoints.
+    pub teardown_bound: Duration,
+    /// Longest notification accepted.
+    pub max_notification: usize,
+}
+
+impl Default for UcxOptions {
+    fn default() -> Self {
+        Self {
+            library: None,
+            expect: None,
+            strict: None,
+            ucx_config: Vec::new(),
+            keepalive_interval: Some(Duration::from_secs(5)),
+            progress: match std::env::var(ENV_PROGRESS).as_deref() {
+                Ok("thread") => ProgressMode::Thread,
+                _ => ProgressMode::Task,
+            },
+            spin: std::env::var(ENV_SPIN_US)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map_or(Duration::from_micros(50), Duration::from_micros),
+            join_bound: Duration::from_secs(5),
+            teardown_bound: Duration::from_millis(500),
+            max_notification: 1 << 20,
+        }
+    }
+}
+
+impl UcxOptions {
+    fn request(&self) -> (String, LibrarySource) {
+        if let Some(p) = &self.library {
+            return (p.display().to_string(), LibrarySource::Option);
+        }
+        match std::env::var(ENV_LIB) {
+            Ok(v) if !v.is_empty() => (v, LibrarySource::Env),
+            _ => (DEFAULT_SONAME.to_owned(), LibrarySource::Default),
+        }
+    }
+
+    fn expectations(&self) -> library::Expectations {
+        let expect = self
+            .expect
+            .clone()
+            .or_else(|| std::env::var(ENV_EXPECT).ok().filter(|v| !v.is_empty()));
+        let strict = self.strict.unwrap_or_else(|| {
+            std::env::var(ENV_STRICT)
+                .map(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
+                .unwrap_or(false)
+        });
+        library::Expectations { expect, strict }
+    }
+}
+
+/// Load libucp as `options` say and report what was bound, without creating a UCX
+/// context. The library stays loaded (UCX is never unloaded).
+///
+/// # Errors
+/// [`ErrorKind::UnavailableLibrary`] when it cannot be loaded or is too old;
+/// [`ErrorKind::Mismatch`] when the expectation or strict mode is not met, or another
+/// libucp is already bound by this crate in the process.
+pub fn probe(options: &UcxOptions) -> Result<UcxLibraryReport> {
+    let (req, src) = options.request();
+    library::bind(&req, src, &options.expectations()).map(|(_, r)| r)
+}
+
+#[derive(Debug)]
+struct Started {
+    agent: String,
+    sink: nixl::NotificationSink,
+    cancel: CancellationToken,
+}
+
+#[derive(Debug)]
+struct Inner {
+    options: UcxOptions,
+    report: UcxLibraryReport,
+    address: Bytes,
+    cuda: bool,
+    shared: Arc<Shared>,
+    started: OnceLock<Started>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(s) = self.started.get() {
+            s.cancel.cancel();
+        }
+    }
+}
+
+/// The UCX backend. Attach it to an agent with
+/// [`AgentBuilder::backend`](nixl::AgentBuilder::backend).
+#[derive(Debug, Clone)]
+pub struct UcxBackend {
+    inner: Arc<Inner>,
+}
+
+impl UcxBackend {
+    /// Load UCX (as the environment says) and create a context and a worker.
+    ///
+    /// # Errors
+    /// As [`UcxBackend::with_options`].
+    pub fn new() -> Result<Self> {
+        Self::with_options(UcxOptions::default())
+    }
+
+    /// Load UCX and create a context and a worker.
+    ///
+    /// # Errors
+    /// [`ErrorKind::UnavailableLibrary`] when libucp cannot be loaded (the message
+    /// names the library and how to get it); [`ErrorKind::Mismatch`] when
+    /// [`UcxOptions::expect`] or strict mode is not met; [`ErrorKind::Backend`] when
+    /// UCX fails to initialise.
+    pub fn with_options(options: UcxOptions) -> Result<Self> {
+        const OP: &str = "create ucx backend";
+        let (req, src) = options.request();
+        let (lib, report) = library::bind(&req, src, &options.expectations())?;
+        let mut init = UcxInit {
+            config: options.ucx_config.clone(),
+        };
+        if let Some(k) = options.keepalive_interval {
+            init.config.push((
+                "KEEPALIVE_INTERVAL".into(),
+                format!("{}ms", k.as_millis().max(1)),
+            ));
+        }
+        let mut ucx = Ucx::new(lib, &init).map_err(|e| {
+            Error::new(
+                ErrorKind::Backend,
+                OP,
+                format!("UCX {} failed to initialise", report.version_string()),
+            )
+            .with_source(e)
+        })?;
+        ucx.teardown_bound = options.teardown_bound;
+        let address = Bytes::copy_from_slice(ucx.address());
+        let cuda = ucx.cuda_supported();
+        let (tx, rx) = mpsc::channel();
+        let core = Core::new(ucx, rx, options.max_notification)
+            .map_err(|e| Error::new(ErrorKind::Backend, OP, "UCX setup failed").with_source(e))?;
+        let wake = match options.progress {
+            ProgressMode::Task => Wake::Task(tokio::sync::Notify::new()),
+            ProgressMode::Thread => Wake::Thread {
+                fd: ffi::WakeFd::new().map_err(|e| {
+                    Error::new(ErrorKind::Backend, OP, "cannot create an eventfd").with_source(e)
+                })?,
+                sleeping: AtomicBool::new(false),
+            },
+        };
+        let shared = Arc::new(Shared {
+            core: Mutex::new(Some(core)),
+            tx,
+            wake,
+            stopped: AtomicBool::new(false),
+            stopped_notify: tokio::sync::Notify::new(),
+            spin: options.spin,
+            bye_bound: options.teardown_bound,
+        });
+        Ok(Self {
+            inner: Arc::new(Inner {
+                options,
+                report,
+                address,
+                cuda,
+                shared,
+                started: OnceLock::new(),
+            }),
+        })
+    }
+
+    /// Which UCX was loaded, from where, and whether it is one installation.
+    pub fn library_report(&self) -> &UcxLibraryReport {
+        &self.inner.report
+    }
+
+    /// Whether the bound UCX reports CUDA memory support. VRAM registration is still
+    /// refused (see the crate docs).
+    pub fn cuda_supported(&self) -> bool {
+        self.inner.cuda
+    }
+
+    fn started(&self, op: &'static str) -> Result<&Started> {
+        self.inner.started.get().ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotAllowed,
+                op,
+                "the ucx backend is not attached to an agent",
+            )
+        })
+    }
+
+    fn with_core<T>(&self, op: &'static str, f: impl FnOnce(&mut Core) -> Result<T>) -> Result<T> {
+        let mut g = self.inner.shared.core.lock().unwrap();
+        match g.as_mut() {
+            Some(core) => f(core),
+            None => Err(Error::new(
+                ErrorKind::ShutDown,
+                op,
+                "the ucx backend has shut down",
+            )),
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for UcxBackend {
+    fn name(&self) -> &str {
+        "ucx"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            local: true,
+            remote: true,
+            notifications: true,
+            dram: true,
+            vram: false,
+            target_checks: false,
+        }
+    }
+
+    async fn start(&self, ctx: BackendContext) -> Result<()> {
+        const OP: &str = "start ucx backend";
+        let cancel = ctx.cancel.child_token();
+        let started = Started {
+            agent: ctx.agent_name.clone(),
+            sink: ctx.notifications.clone(),
+            cancel: cancel.clone(),
+        };
+        self.inner.started.set(started).map_err(|_| {
+            Error::new(
+                ErrorKind::NotAllowed,
+                OP,
+                "the ucx backend is already attached to an agent",
+            )
+        })?;
+        self.with_core(OP, |core| {
+            core.agent = ctx.agent_name.clone();
+            core.sink = Some(ctx.notifications.clone());
+            Ok(())
+        })?;
+        let shared = self.inner.shared.clone();
+        match self.inner.options.progress {
+            ProgressMode::Task => {
+                ctx.tracker.spawn(driver::run_task(shared, cancel));
+            }
+            ProgressMode::Thread => {
+                let stop = Arc::new(AtomicBool::new(false));
+                let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+                let s2 = shared.clone();
+                let stop2 = stop.clone();
+                let handle = std::thread::Builder::new()
+                    .name("nixl-ucx-progress".into())
+                    .spawn(move || {
+                        driver::run_thread(s2, stop2);
+                        let _ = done_tx.send(());
+                    })
+                    .map_err(|e| {
+                        Error::new(ErrorKind::Backend, OP, "cannot start the progress thread")
+                            .with_source(e)
+                    })?;
+                let bound = self.inner.options.join_bound;
+                ctx.tracker.spawn(async move {
+                    cancel.cancelled().await;
+                    stop.store(true, Ordering::Release);
+                    if let Wake::Thread { fd, .. } = &shared.wake {
+                        fd.wake();
+                    }
+                    match tokio::time::timeout(bound, done_rx).await {
+                        // The thread has finished its work and is returning.
+                        Ok(_) => {
+                            let _ = handle.join();
+                        }
+                        Err(_) => tracing::error!(
+                            ?bound,
+                            "ucx progress thread did not stop in time; leaving it detached"
+                        ),
+                    }
+                });
+            }
+        }
+        tracing::debug!(agent = %ctx.agent_name, report = %self.inner.report, "ucx backend started");
+        Ok(())
+    }
+
+    fn connection_info(&self) -> Bytes {
+        self.inner.address.clone()
+    }
+
+    fn register(&self, region: &RegionRef) -> Result<Bytes> {
+        const OP: &str = "ucx register";
+        if let MemKind::Vram { device } = region.kind() {
+            let why = if self.inner.cuda {
+                "the bound UCX supports CUDA memory, but this backend does not map VRAM yet (it needs a CUDA context on the progress thread)"
+            } else {
+                "the bound UCX has no CUDA support"
+            };
+            return Err(Error::new(
+                ErrorKind::NotSupported,
+                OP,
+                format!("VRAM on device {device}: {why}"),
+            ));
+        }
+        let seg = region.segment();
+        self.with_core(OP, |core| {
+            let packed = core.ucx.mem_map(region, false).map_err(|e| {
+                Error::new(
+                    ErrorKind::Backend,
+                    OP,
+                    format!("mapping {} bytes failed", seg.len()),
+                )
+                .with_source(e)
+            })?;
+            Ok(wire::encode_blob(seg.addr(), seg.len() as u64, &packed))
+        })
+    }
+
+    fn deregister(&self, region_id: u64) {
+        let _ = self.with_core("ucx deregister", |core| {
+            core.ucx.mem_unmap(region_id);
+            Ok(())
+        });
+    }
+
+    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+        if conn_info.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                "ucx add peer",
+                format!("peer {peer:?}: empty worker address"),
+            ));
+        }
+        self.with_core("ucx add peer", |core| {
+            core.add_peer(peer, conn_info);
+            Ok(())
+        })
+    }
+
+    async fn connect(&self, peer: &str) -> Result<()> {
+        const OP: &str = "ucx connect";
+        self.started(OP)?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.inner.shared.submit(Cmd::Connect {
+            peer: peer.to_owned(),
+            tx,
+        });
+        rx.await.unwrap_or_else(|_| {
+            Err(Error::new(
+                ErrorKind::ShutDown,
+                OP,
+                "the ucx backend stopped",
+            ))
+        })
+    }
+
+    fn remove_peer(&self, peer: &str) {
+        let _ = self.with_core("ucx remove peer", |core| {
+            core.remove_peer(peer, "the peer was forgotten");
+            Ok(())
+        });
+    }
+
+    fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
+        const OP: &str = "ucx prepare";
+        let started = self.started(OP)?;
+        let write = plan.op == Op::Write;
+        let Some(peer) = plan.peer else {
+            let mut pairs = Vec::with_capacity(plan.segments.len());
+            for s in plan.segments {
+                let Target::Local(t) = s.target else {
+                    return Err(Error::new(
+                        ErrorKind::InvalidArgument,
+                        OP,
+                        "local transfer with a remote target",
+                    ));
+                };
+                pairs.push((s.local, t));
+            }
+            return Ok(Box::new(LocalPrepared {
+                write,
+                pairs,
+                agent: started.agent.clone(),
+                sink: started.sink.clone(),
+            }));
+        };
+        let peer: Arc<str> = Arc::from(peer);
+        let mut segs = Vec::with_capacity(plan.segments.len());
+        let mut epoch = 0;
+        self.with_core(OP, |core| {
+            for s in &plan.segments {
+                let Target::Remote {
+                    addr,
+                    len,
+                    region,
+                    blob,
+                } = &s.target
+                else {
+                    return Err(Error::new(
+                        ErrorKind::InvalidArgument,
+                        OP,
+                        "remote transfer with a local target",
+                    ));
+                };
+                let Some(b) = wire::decode_blob(blob) else {
+                    return Err(Error::new(
+                        ErrorKind::Corrupt,
+                        OP,
+                        format!("peer {peer:?} region {region}: malformed ucx blob"),
+                    ));
+                };
+                // The agent checked this against the peer's advertised region; the
+                // blob's own bounds are a second, independent check.
+                let end = addr.checked_add(*len);
+                if *addr < b.base || end.is_none_or(|e| e > b.base.saturating_add(b.len)) {
+                    return Err(Error::new(
+                        ErrorKind::OutOfRange,
+                        OP,
+                        format!("peer {peer:?} region {region}: {addr:#x}+{len} is outside the mapped range"),
+                    ));
+                }
+                let (ep_epoch, rkey) = core.rkey(&peer, *region, blob, b.rkey)?;
+                epoch = ep_epoch;
+                segs.push(RmaSeg {
+                    local: s.local,
+                    remote: *addr,
+                    rkey,
+                });
+            }
+            Ok(())
+        })?;
+        Ok(Box::new(RemotePrepared {
+            shared: self.inner.shared.clone(),
+            max_notification: self.inner.options.max_notification,
+            xfer: Arc::new(RemoteXfer {
+                peer,
+                epoch,
+                write,
+                segs,
+            }),
+        }))
+    }
+
+    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
+        if let Err(e) = self.started("ucx notify") {
+            return done.complete(Err(e));
+        }
+        self.inner.shared.submit(Cmd::Notify {
+            peer: peer.to_owned(),
+            msg,
+            done,
+        });
+    }
+
+    async fn shutdown(&self, timeout: Duration) -> Result<()> {
+        match self.inner.started.get() {
+            Some(s) => {
+                s.cancel.cancel();
+                if tokio::time::timeout(timeout, self.inner.shared.wait_stopped())
+                    .await
+                    .is_err()
+                {
+                    return Err(Error::new(
+                        ErrorKind::TimedOut,
+                        "ucx shutdown",
+                        format!("the progress driver did not stop within {timeout:?}"),
+                    ));
+                }
+            }
+            None => driver::teardown(&self.inner.shared),
+        }
+        Ok(())
+    }
+}
+
+/// A same-agent transfer: `memmove` per pair.
+#[derive(Debug)]
+struct LocalPrepared {
+    write: bool,
+    pairs: Vec<(MemSegment, MemSegment)>,
+    agent: String,
+    sink: nixl::NotificationSink,
+}
+
+impl PreparedTransfer for LocalPrepared {
+    fn post(&self, notif: Option<Bytes>, done: Completer) {
+        ffi::copy_local(self.write, &self.pairs, &done);
+        if let Some(n) = notif {
+            self.sink.deliver(&self.agent, n);
+        }
+        done.complete(Ok(()));
+    }
+}
+
+/// A transfer to a peer: keys resolved, segments listed; posting enqueues one command.
+#[derive(Debug)]
+struct RemotePrepared {
+    shared: Arc<Shared>,
+    max_notification: usize,
+    xfer: Arc<RemoteXfer>,
+}
+
+impl PreparedTransfer for RemotePrepared {
+    fn post(&self, notif: Option<Bytes>, done: Completer) {
+        if notif
+            .as_ref()
+            .is_some_and(|n| n.len() > self.max_notification)
+        {
+            return done.complete(Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "ucx post",
+                format!(
+                    "notification exceeds the limit of {} bytes",
+                    self.max_notification
+                ),
+            )));
+        }
+        self.shared.submit(Cmd::Transfer {
+            xfer: self.xfer.clone(),
+            notif,
+            done,
+        });
+    }
+}
