@@ -1,2 +1,199 @@
-//! nixl-bench (work in progress).
-fn main() {}
+//! # nixl-bench
+//!
+//! Measures nixl transfers between two agents and prints nixlbench's table (or JSON,
+//! CSV, an SVG plot). With no arguments it runs a quick sweep from this process to a
+//! target agent in a child process, over the embedded tcp backend on loopback:
+//!
+//! ```sh
+//! cargo run --release -p nixl-bench
+//! ```
+//!
+//! On two hosts, run `--role target --listen ADDR` on one and
+//! `--role initiator --peer ADDR` on the other. See `--help` for every parameter
+//! (nixlbench's names, with dashes or underscores).
+//!
+//! Every phase has a time limit, so a dead or hung peer ends the run with an error and a
+//! non-zero exit status; the child target is always stopped and reaped, also on Ctrl-C.
+#![forbid(unsafe_code)]
+
+mod backend;
+mod buffer;
+mod child;
+mod cli;
+mod control;
+mod error;
+mod initiator;
+mod plot;
+mod progress;
+mod report;
+mod runner;
+mod stats;
+mod target;
+
+use std::io::{IsTerminal, Write};
+use std::net::{IpAddr, Ipv4Addr};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::child::TargetProcess;
+use crate::cli::{Cli, Config, Role};
+use crate::control::Channel;
+use crate::error::{fail, Context, Result};
+use crate::initiator::TargetInfo;
+use crate::report::RunInfo;
+use crate::stats::Row;
+
+/// Exit status after Ctrl-C, as shells report a SIGINT death.
+const INTERRUPTED: u8 = 130;
+
+fn main() -> ExitCode {
+    // Usage errors (including an unknown backend or parameter) exit with 2, like clap's.
+    let config = Cli::parse().into_config().and_then(|c| {
+        backend::make(
+            &c.backend,
+            &c.backend_params,
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+        )?;
+        Ok(c)
+    });
+    let config = match config {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("nixl-bench: error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("nixl-bench: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(async {
+        tokio::select! {
+            r = run(&config) => Some(r),
+            () = interrupted() => None,
+        }
+    });
+    // Agents and the child were already stopped within their bounds (or dropped, which
+    // cancels them); don't let a stray blocking read hold the exit.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match outcome {
+        Some(Ok(())) => ExitCode::SUCCESS,
+        Some(Err(e)) => {
+            let who = if config.role == Role::Target {
+                "nixl-bench target"
+            } else {
+                "nixl-bench"
+            };
+            eprintln!("{who}: error: {e}");
+            ExitCode::FAILURE
+        }
+        None => {
+            eprintln!("nixl-bench: interrupted");
+            ExitCode::from(INTERRUPTED)
+        }
+    }
+}
+
+/// Resolves on Ctrl-C (never, if the handler cannot be installed).
+async fn interrupted() {
+    if tokio::signal::ctrl_c().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+async fn run(config: &Config) -> Result<()> {
+    match config.role {
+        Role::Local => local(config).await,
+        Role::Initiator => remote_initiator(config).await,
+        Role::Target if config.stdio => {
+            let channel = Channel::new(
+                tokio::io::stdin(),
+                tokio::io::stdout(),
+                "the initiator (parent process)",
+                config.timeouts.exchange,
+            );
+            target::serve(config, channel, IpAddr::V4(Ipv4Addr::LOCALHOST)).await
+        }
+        Role::Target => remote_target(config).await,
+    }
+}
+
+/// Initiator here, target in a child process, both on loopback.
+async fn local(config: &Config) -> Result<()> {
+    if let Some(addr) = backend::fixed_port(&config.backend, &config.backend_params) {
+        return fail(format!(
+            "--backend-param listen={addr}: both agents run on this host and cannot share a fixed port; use port 0"
+        ));
+    }
+    let host = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let (child, channel) = TargetProcess::spawn(config)?;
+    let target = TargetInfo {
+        mode: "local",
+        process: format!("child process {} on this host", child.id()),
+    };
+    // On error, dropping `child` kills and reaps it.
+    let (run, rows) = initiator::run(config, channel, host, target).await?;
+    child.wait(config.timeouts.teardown).await?;
+    plot(config, &run, &rows)
+}
+
+/// Initiator only: the target runs elsewhere.
+async fn remote_initiator(config: &Config) -> Result<()> {
+    let peer = config.peer.as_deref().unwrap_or_default();
+    let stream = control::connect(peer, config.timeouts.connect).await?;
+    let host = stream.local_addr()?.ip();
+    let remote = stream.peer_addr()?;
+    let channel = Channel::tcp(
+        stream,
+        format!("the target at {remote}"),
+        config.timeouts.exchange,
+    );
+    let target = TargetInfo {
+        mode: "two-host",
+        process: format!("peer at {remote}"),
+    };
+    let (run, rows) = initiator::run(config, channel, host, target).await?;
+    plot(config, &run, &rows)
+}
+
+/// Target only: wait for one initiator, serve it, exit.
+async fn remote_target(config: &Config) -> Result<()> {
+    let (stream, from) = control::accept(config.listen, config.timeouts.connect, |addr| {
+        println!("listening on {addr}");
+        let _ = std::io::stdout().flush();
+    })
+    .await?;
+    eprintln!("nixl-bench target: initiator connected from {from}");
+    let host = stream.local_addr()?.ip();
+    let channel = Channel::tcp(
+        stream,
+        format!("the initiator at {from}"),
+        config.timeouts.exchange,
+    );
+    target::serve(config, channel, host).await?;
+    eprintln!("nixl-bench target: done");
+    Ok(())
+}
+
+fn plot(config: &Config, run: &RunInfo, rows: &[Row]) -> Result<()> {
+    match &config.plot {
+        Some(path) => plot::write(path, run, rows).context("plot"),
+        None => Ok(()),
+    }
+}

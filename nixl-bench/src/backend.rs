@@ -1,0 +1,262 @@
+//! The one place that maps backend names to the transports compiled into this binary
+//! (one cargo feature per transport crate), and turns `--backend-param KEY=VALUE` into
+//! each backend's options.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use nixl::Backend;
+
+use crate::error::{fail, Result};
+
+/// Every backend name the bench knows, built in or not.
+pub(crate) const NAMES: &[&str] = &["tcp", "ucx", "verbs", "uccl"];
+
+/// Build backend `name` from its parameters. `host` is the address peers reach this
+/// machine on, for backends that listen (tcp's default `listen` is `host:0`).
+///
+/// # Errors
+/// An unknown name, a backend that is not compiled in (saying how to get it), or a bad
+/// or unknown parameter.
+#[cfg_attr(not(feature = "tcp"), allow(unused_variables))]
+pub(crate) fn make(
+    name: &str,
+    params: &[(String, String)],
+    host: IpAddr,
+) -> Result<Arc<dyn Backend>> {
+    match name {
+        #[cfg(feature = "tcp")]
+        "tcp" => tcp::make(params, host),
+        #[cfg(not(feature = "tcp"))]
+        "tcp" => fail("backend tcp is not compiled in; rebuild nixl-bench with `--features tcp` (a default feature)"),
+        #[cfg(feature = "ucx")]
+        "ucx" => ucx::make(params),
+        #[cfg(not(feature = "ucx"))]
+        "ucx" => fail("backend ucx is not compiled in; rebuild nixl-bench with `--features ucx` (it loads libucp from the host at run time: apt-get install libucx0, or set NIXL_UCX_LIB)"),
+        "verbs" | "uccl" => fail(format!(
+            "backend {name} is not available yet: its crate (nixl-{name}) is not implemented; once it lands, rebuild nixl-bench with `--features {name}`"
+        )),
+        _ => fail(format!(
+            "unknown backend {name:?}; known backends: {}",
+            NAMES.join(", ")
+        )),
+    }
+}
+
+/// A one-line report of the native library a backend bound (version and real paths),
+/// for the header and JSON; `None` for pure-Rust backends.
+#[cfg_attr(not(feature = "ucx"), allow(unused_variables))]
+pub(crate) fn library_report(name: &str, params: &[(String, String)]) -> Option<String> {
+    match name {
+        #[cfg(feature = "ucx")]
+        "ucx" => ucx::report(params),
+        _ => None,
+    }
+}
+
+/// Whether `params` pin the backend to a fixed port, which two agents on one machine
+/// cannot share.
+pub(crate) fn fixed_port(name: &str, params: &[(String, String)]) -> Option<String> {
+    match name {
+        "tcp" => params
+            .iter()
+            .filter(|(k, _)| k == "listen")
+            .find(|(_, v)| {
+                v.parse::<std::net::SocketAddr>()
+                    .is_ok_and(|a| a.port() != 0)
+            })
+            .map(|(_, v)| v.clone()),
+        _ => None,
+    }
+}
+
+#[cfg(feature = "tcp")]
+mod tcp {
+    use std::net::{IpAddr, SocketAddr};
+    use std::sync::Arc;
+
+    use nixl::Backend;
+    use nixl_tcp::{TcpBackend, TcpOptions};
+
+    use crate::cli::{parse_duration, parse_size};
+    use crate::error::{fail, Result};
+
+    const KEYS: &[&str] = &[
+        "listen",
+        "advertise",
+        "connect_timeout",
+        "dead_peer_timeout",
+        "max_notification",
+    ];
+
+    pub(super) fn make(params: &[(String, String)], host: IpAddr) -> Result<Arc<dyn Backend>> {
+        let mut o = TcpOptions {
+            listen: SocketAddr::new(host, 0),
+            ..TcpOptions::default()
+        };
+        for (i, (key, value)) in params.iter().enumerate() {
+            if params[..i].iter().any(|(k, _)| k == key) {
+                return fail(format!("tcp backend parameter {key:?} given twice"));
+            }
+            let bad = |what: &str| {
+                fail(format!(
+                    "tcp backend parameter {key}={value:?}: expected {what}"
+                ))
+            };
+            match key.as_str() {
+                "listen" => match value.parse() {
+                    Ok(a) => o.listen = a,
+                    Err(_) => return bad("an IP:PORT address"),
+                },
+                "advertise" => match value.parse() {
+                    Ok(a) => o.advertise = Some(a),
+                    Err(_) => return bad("an IP:PORT address"),
+                },
+                "connect_timeout" => match parse_duration(value) {
+                    Ok(d) => o.connect_timeout = d,
+                    Err(_) => return bad("a duration such as 5s"),
+                },
+                "dead_peer_timeout" => match parse_duration(value) {
+                    Ok(d) => o.dead_peer_timeout = d,
+                    Err(_) => return bad("a duration such as 10s"),
+                },
+                "max_notification" => match parse_size(value).map(usize::try_from) {
+                    Ok(Ok(n)) => o.max_notification = n,
+                    _ => return bad("a size such as 1M"),
+                },
+                _ => {
+                    return fail(format!(
+                        "unknown tcp backend parameter {key:?}; known: {}",
+                        KEYS.join(", ")
+                    ))
+                }
+            }
+        }
+        Ok(Arc::new(TcpBackend::with_options(o)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(kv: &[(&str, &str)]) -> Vec<(String, String)> {
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    const LO: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
+    #[cfg(feature = "tcp")]
+    #[test]
+    fn tcp_takes_its_options() {
+        let b = make(
+            "tcp",
+            &p(&[
+                ("listen", "127.0.0.1:0"),
+                ("connect_timeout", "2s"),
+                ("max_notification", "4K"),
+            ]),
+            LO,
+        )
+        .unwrap();
+        assert_eq!(b.name(), "tcp");
+        assert!(b.capabilities().remote);
+    }
+
+    #[cfg(feature = "tcp")]
+    #[test]
+    fn bad_tcp_parameters_are_refused() {
+        for (params, needle) in [
+            (
+                p(&[("bogus", "1")]),
+                "unknown tcp backend parameter \"bogus\"",
+            ),
+            (p(&[("listen", "nowhere")]), "expected an IP:PORT"),
+            (
+                p(&[("listen", "127.0.0.1:0"), ("listen", "127.0.0.1:0")]),
+                "given twice",
+            ),
+        ] {
+            let e = make("tcp", &params, LO).unwrap_err().to_string();
+            assert!(e.contains(needle), "{params:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn unavailable_backends_say_why_and_how() {
+        for (name, needle) in [
+            ("ucx", "rebuild nixl-bench with `--features ucx`"),
+            ("verbs", "not available yet"),
+            ("gds", "unknown backend \"gds\""),
+        ] {
+            let e = make(name, &[], LO).unwrap_err().to_string();
+            assert!(e.contains(needle), "{name}: {e}");
+        }
+    }
+
+    #[test]
+    fn fixed_ports_are_spotted() {
+        assert_eq!(fixed_port("tcp", &p(&[("listen", "127.0.0.1:0")])), None);
+        assert_eq!(
+            fixed_port("tcp", &p(&[("listen", "127.0.0.1:7000")])).as_deref(),
+            Some("127.0.0.1:7000")
+        );
+    }
+}
+
+#[cfg(feature = "ucx")]
+mod ucx {
+    use std::sync::Arc;
+
+    use nixl::Backend;
+    use nixl_ucx::{ProgressMode, UcxBackend, UcxOptions};
+
+    use crate::error::{fail, Result};
+
+    const KEYS: &[&str] = &["lib", "expect", "strict", "progress", "spin_us", "tls"];
+
+    fn options(params: &[(String, String)]) -> Result<UcxOptions> {
+        let mut o = UcxOptions::default();
+        for (k, v) in params {
+            match k.as_str() {
+                "lib" => o.library = Some(v.into()),
+                "expect" => o.expect = Some(v.clone()),
+                "strict" => o.strict = Some(matches!(v.as_str(), "1" | "true" | "yes")),
+                "progress" => {
+                    o.progress = match v.as_str() {
+                        "task" => ProgressMode::Task,
+                        "thread" => ProgressMode::Thread,
+                        _ => return fail(format!("ucx progress={v}: expected task or thread")),
+                    }
+                }
+                "spin_us" => match v.parse::<u64>() {
+                    Ok(us) => o.spin = std::time::Duration::from_micros(us),
+                    Err(_) => return fail(format!("ucx spin_us={v}: expected microseconds")),
+                },
+                "tls" => o.ucx_config.push(("TLS".into(), v.clone())),
+                _ => {
+                    return fail(format!(
+                        "unknown ucx backend parameter {k:?}; known: {}",
+                        KEYS.join(", ")
+                    ))
+                }
+            }
+        }
+        Ok(o)
+    }
+
+    pub(super) fn make(params: &[(String, String)]) -> Result<Arc<dyn Backend>> {
+        let o = options(params)?;
+        match UcxBackend::with_options(o) {
+            Ok(b) => Ok(Arc::new(b)),
+            Err(e) => fail(format!("backend ucx is unavailable: {e}")),
+        }
+    }
+
+    pub(super) fn report(params: &[(String, String)]) -> Option<String> {
+        let o = options(params).ok()?;
+        nixl_ucx::probe(&o).ok().map(|r| r.to_string())
+    }
+}

@@ -1,0 +1,735 @@
+//! Command line: nixlbench's parameter names (dashes, with the underscore spellings as
+//! aliases), value parsers, presets, and the checked [`Config`] the rest of the bench runs.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use nixl::Op;
+use serde::{Deserialize, Serialize, Serializer};
+
+use crate::error::{fail, BenchError, Result};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// Blocks larger than this run `num_iter / large_blk_iter_ftr` iterations (nixlbench's
+/// `LARGE_BLOCK_SIZE`).
+pub(crate) const LARGE_BLOCK_SIZE: u64 = MIB;
+
+const AFTER_HELP: &str = "\
+With no arguments: a quick sweep of WRITEs from this process to a target agent in a child
+process, over the embedded tcp backend on loopback: block sizes 4 KiB to 64 MiB, batch 1,
+512 iterations and 64 warmup per point (1/16 of that above 1 MiB). `--full` switches to
+nixlbench's defaults (1000 iterations, 100 warmup, 8 GiB buffers); explicit flags override
+either.
+
+Sizes take binary suffixes: 4K, 64M, 1G (also KiB, MiB, GiB). Durations: 500ms, 30s, 2m.
+Bandwidth is in GB/s with GB = 10^9 bytes; times are in microseconds.
+
+Two hosts:
+  host A: nixl-bench --role target --listen 0.0.0.0:5555
+  host B: nixl-bench --role initiator --peer A:5555 [sweep flags]";
+
+/// Benchmark nixl transfers between two agents (nixlbench's counterpart).
+#[derive(Debug, Parser)]
+#[command(name = "nixl-bench", version, about, after_help = AFTER_HELP)]
+pub(crate) struct Cli {
+    /// `local`: run the target as a child process on this machine and measure from here.
+    /// `target`/`initiator`: one side each, on two hosts (see --listen and --peer).
+    #[arg(long, value_enum, default_value_t = Role::Local)]
+    pub(crate) role: Role,
+
+    /// Target's address (HOST:PORT of its --listen), for --role initiator.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub(crate) peer: Option<String>,
+
+    /// Where the target waits for the initiator (--role target); the bound address is
+    /// printed on stdout.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:0")]
+    pub(crate) listen: SocketAddr,
+
+    /// Exchange metadata through etcd instead (needs the `etcd` feature: not available
+    /// yet).
+    #[arg(long = "etcd-endpoints", alias = "etcd_endpoints", value_name = "URLS")]
+    pub(crate) etcd_endpoints: Option<String>,
+
+    /// Internal: serve as the target over stdin/stdout (set when the bench starts its
+    /// own child).
+    #[arg(long, hide = true)]
+    pub(crate) stdio: bool,
+
+    /// Transport: tcp (built in); ucx, verbs, uccl once their crates exist.
+    #[arg(long, default_value = "tcp")]
+    pub(crate) backend: String,
+
+    /// Backend parameter KEY=VALUE (repeatable). tcp: listen, advertise,
+    /// connect_timeout, dead_peer_timeout, max_notification.
+    #[arg(
+        long = "backend-param",
+        alias = "backend_param",
+        value_name = "KEY=VALUE",
+        value_parser = parse_backend_param
+    )]
+    pub(crate) backend_params: Vec<(String, String)>,
+
+    /// READ or WRITE (case-insensitive); a comma-separated list runs one sweep each.
+    #[arg(
+        long = "op-type",
+        alias = "op_type",
+        value_name = "OP",
+        value_delimiter = ',',
+        default_value = "WRITE",
+        value_parser = parse_op
+    )]
+    pub(crate) op_type: Vec<Op>,
+
+    /// Initiator memory: DRAM (VRAM is not supported yet).
+    #[arg(long = "initiator-seg-type", alias = "initiator_seg_type", value_enum, ignore_case = true, default_value_t = SegType::Dram)]
+    pub(crate) initiator_seg_type: SegType,
+
+    /// Target memory: DRAM (VRAM is not supported yet).
+    #[arg(long = "target-seg-type", alias = "target_seg_type", value_enum, ignore_case = true, default_value_t = SegType::Dram)]
+    pub(crate) target_seg_type: SegType,
+
+    /// First block size [default: 4K].
+    #[arg(long = "start-block-size", alias = "start_block_size", value_name = "SIZE", value_parser = parse_size)]
+    pub(crate) start_block_size: Option<u64>,
+
+    /// Largest block size; the sweep doubles up to it [default: 64M].
+    #[arg(long = "max-block-size", alias = "max_block_size", value_name = "SIZE", value_parser = parse_size)]
+    pub(crate) max_block_size: Option<u64>,
+
+    /// First batch size (descriptors per request) [default: 1].
+    #[arg(
+        long = "start-batch-size",
+        alias = "start_batch_size",
+        value_name = "N"
+    )]
+    pub(crate) start_batch_size: Option<usize>,
+
+    /// Largest batch size; the sweep doubles up to it [default: 1].
+    #[arg(long = "max-batch-size", alias = "max_batch_size", value_name = "N")]
+    pub(crate) max_batch_size: Option<usize>,
+
+    /// Measured iterations per sweep point, across all threads [default: 512; --full: 1000].
+    #[arg(long = "num-iter", alias = "num_iter", value_name = "N")]
+    pub(crate) num_iter: Option<usize>,
+
+    /// Warmup iterations before each measurement [default: 64; --full: 100].
+    #[arg(long = "warmup-iter", alias = "warmup_iter", value_name = "N")]
+    pub(crate) warmup_iter: Option<usize>,
+
+    /// Blocks above 1 MiB run num_iter / this many iterations (and warmup likewise)
+    /// [default: 16].
+    #[arg(
+        long = "large-blk-iter-ftr",
+        alias = "large_blk_iter_ftr",
+        value_name = "N"
+    )]
+    pub(crate) large_blk_iter_ftr: Option<usize>,
+
+    /// Initiator tasks, each with its own part of the buffer and its own requests.
+    #[arg(
+        long = "num-threads",
+        alias = "num_threads",
+        value_name = "N",
+        default_value_t = 1
+    )]
+    pub(crate) num_threads: usize,
+
+    /// Requests in flight per task.
+    #[arg(
+        long = "pipeline-depth",
+        alias = "pipeline_depth",
+        value_name = "N",
+        default_value_t = 1
+    )]
+    pub(crate) pipeline_depth: usize,
+
+    /// Create a new request for every iteration instead of reposting prepared ones.
+    #[arg(long = "recreate-xfer", alias = "recreate_xfer", num_args = 0..=1, default_missing_value = "true", default_value = "false", value_parser = parse_bool, value_name = "BOOL")]
+    pub(crate) recreate_xfer: bool,
+
+    /// Fill a pattern and verify every byte that arrived after each sweep point.
+    #[arg(long = "check-consistency", alias = "check_consistency", num_args = 0..=1, default_missing_value = "true", default_value = "false", value_parser = parse_bool, value_name = "BOOL")]
+    pub(crate) check_consistency: bool,
+
+    /// Memory each side registers, split evenly between threads
+    /// [default: just enough for the sweep; --full: 8G].
+    #[arg(long = "total-buffer-size", alias = "total_buffer_size", value_name = "SIZE", value_parser = parse_size)]
+    pub(crate) total_buffer_size: Option<u64>,
+
+    /// Use nixlbench's defaults (1000 iterations, 100 warmup, 8 GiB buffers).
+    #[arg(long)]
+    pub(crate) full: bool,
+
+    /// Print one JSON object instead of the table.
+    #[arg(long, conflicts_with = "csv")]
+    pub(crate) json: bool,
+
+    /// Print CSV instead of the table.
+    #[arg(long)]
+    pub(crate) csv: bool,
+
+    /// Also write bandwidth and latency against block size to this SVG file.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) plot: Option<PathBuf>,
+
+    /// Limit for starting the target and connecting to it (the target: for the
+    /// initiator to arrive).
+    #[arg(long = "connect-timeout", value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) connect_timeout: Duration,
+
+    /// Limit for each exchange with the peer (metadata, fills, checks).
+    #[arg(long = "exchange-timeout", value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) exchange_timeout: Duration,
+
+    /// Limit for each request to complete; the target also gives up on an initiator
+    /// silent for this long.
+    #[arg(long = "xfer-timeout", value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) xfer_timeout: Duration,
+
+    /// Limit for shutting agents and the child down.
+    #[arg(long = "teardown-timeout", value_name = "DURATION", default_value = "10s", value_parser = parse_duration)]
+    pub(crate) teardown_timeout: Duration,
+}
+
+/// Which side(s) this process plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Role {
+    /// Initiator here, target in a child process.
+    Local,
+    /// Initiator only; the target runs elsewhere (--peer).
+    Initiator,
+    /// Target only; waits for an initiator (--listen).
+    Target,
+}
+
+/// Kind of memory each side transfers from or into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub(crate) enum SegType {
+    /// Host memory.
+    #[value(name = "DRAM")]
+    Dram,
+    /// GPU memory.
+    #[value(name = "VRAM")]
+    Vram,
+}
+
+/// Limits for every phase, so a dead or hung peer ends the run instead of hanging it.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub(crate) struct Timeouts {
+    #[serde(serialize_with = "secs")]
+    pub(crate) connect: Duration,
+    #[serde(serialize_with = "secs")]
+    pub(crate) exchange: Duration,
+    #[serde(serialize_with = "secs")]
+    pub(crate) xfer: Duration,
+    #[serde(serialize_with = "secs")]
+    pub(crate) teardown: Duration,
+}
+
+/// How results are printed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Format {
+    Table,
+    Json,
+    Csv,
+}
+
+/// The checked sweep parameters; the same on both sides of a run.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct Sweep {
+    /// `quick` (the default) or `full` (nixlbench's defaults).
+    pub(crate) preset: &'static str,
+    #[serde(serialize_with = "op_names")]
+    pub(crate) op_types: Vec<Op>,
+    pub(crate) initiator_seg_type: SegType,
+    pub(crate) target_seg_type: SegType,
+    pub(crate) start_block_size: u64,
+    pub(crate) max_block_size: u64,
+    pub(crate) start_batch_size: usize,
+    pub(crate) max_batch_size: usize,
+    /// After rounding up to a multiple of `num_threads * large_blk_iter_ftr`.
+    pub(crate) num_iter: usize,
+    /// After the same rounding.
+    pub(crate) warmup_iter: usize,
+    pub(crate) large_blk_iter_ftr: usize,
+    pub(crate) num_threads: usize,
+    pub(crate) pipeline_depth: usize,
+    pub(crate) recreate_xfer: bool,
+    pub(crate) check_consistency: bool,
+    /// Bytes each side registers.
+    pub(crate) total_buffer_size: u64,
+}
+
+/// One point of the sweep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Point {
+    pub(crate) op: Op,
+    pub(crate) block_size: u64,
+    pub(crate) batch_size: usize,
+}
+
+impl Sweep {
+    /// Every (op, block size, batch size), in run order.
+    pub(crate) fn points(&self) -> Vec<Point> {
+        let mut out = Vec::new();
+        for &op in &self.op_types {
+            let mut block_size = self.start_block_size;
+            while block_size <= self.max_block_size {
+                let mut batch_size = self.start_batch_size;
+                while batch_size <= self.max_batch_size {
+                    out.push(Point {
+                        op,
+                        block_size,
+                        batch_size,
+                    });
+                    batch_size *= 2;
+                }
+                block_size *= 2;
+            }
+        }
+        out
+    }
+
+    /// (warmup, measured) iterations per thread for a block size: nixlbench divides
+    /// both by `large_blk_iter_ftr` for blocks above [`LARGE_BLOCK_SIZE`].
+    pub(crate) fn iterations(&self, block_size: u64) -> (usize, usize) {
+        let ftr = if block_size > LARGE_BLOCK_SIZE {
+            self.large_blk_iter_ftr
+        } else {
+            1
+        };
+        (
+            self.warmup_iter / ftr / self.num_threads,
+            self.num_iter / ftr / self.num_threads,
+        )
+    }
+
+    /// Bytes of the buffer each thread owns (thread buffers start on page boundaries).
+    pub(crate) fn thread_buffer_size(&self) -> u64 {
+        self.total_buffer_size / self.num_threads as u64 / PAGE * PAGE
+    }
+}
+
+/// Everything a run needs, checked.
+#[derive(Clone, Debug)]
+pub(crate) struct Config {
+    pub(crate) role: Role,
+    pub(crate) peer: Option<String>,
+    pub(crate) listen: SocketAddr,
+    pub(crate) stdio: bool,
+    pub(crate) backend: String,
+    pub(crate) backend_params: Vec<(String, String)>,
+    pub(crate) sweep: Sweep,
+    pub(crate) timeouts: Timeouts,
+    pub(crate) format: Format,
+    pub(crate) plot: Option<PathBuf>,
+    /// Notes for the header (iteration counts rounded up, ...).
+    pub(crate) notes: Vec<String>,
+}
+
+struct Preset {
+    name: &'static str,
+    num_iter: usize,
+    warmup_iter: usize,
+    /// `None`: just enough for the sweep.
+    total_buffer_size: Option<u64>,
+}
+
+/// A few seconds on a small machine, and well under 1 GiB of memory.
+const QUICK: Preset = Preset {
+    name: "quick",
+    num_iter: 512,
+    warmup_iter: 64,
+    total_buffer_size: None,
+};
+
+/// nixlbench's defaults.
+const FULL: Preset = Preset {
+    name: "full",
+    num_iter: 1000,
+    warmup_iter: 100,
+    total_buffer_size: Some(8 * GIB),
+};
+
+impl Cli {
+    /// Check the arguments and fill in defaults.
+    ///
+    /// # Errors
+    /// A message naming the offending flag.
+    pub(crate) fn into_config(self) -> Result<Config> {
+        if self.etcd_endpoints.is_some() {
+            return fail("etcd mode needs the `etcd` feature (not available yet); use --role target/initiator with --listen/--peer to run on two hosts");
+        }
+        match (self.role, &self.peer) {
+            (Role::Initiator, None) => {
+                return fail(
+                    "--role initiator needs --peer HOST:PORT (the target's --listen address)",
+                )
+            }
+            (Role::Local | Role::Target, Some(_)) => return fail("--peer is for --role initiator"),
+            _ => {}
+        }
+        if self.stdio && self.role != Role::Target {
+            return fail("--stdio is for --role target");
+        }
+        for (which, seg) in [
+            ("--initiator-seg-type", self.initiator_seg_type),
+            ("--target-seg-type", self.target_seg_type),
+        ] {
+            if seg == SegType::Vram {
+                return fail(format!("{which} VRAM: not supported: nixl-bench has no GPU memory support yet, and the tcp backend moves host memory only; use DRAM"));
+            }
+        }
+        let preset = if self.full { &FULL } else { &QUICK };
+        let start_block_size = self.start_block_size.unwrap_or(4 * KIB);
+        let max_block_size = self.max_block_size.unwrap_or(64 * MIB);
+        let start_batch_size = self.start_batch_size.unwrap_or(1);
+        let max_batch_size = self.max_batch_size.unwrap_or(1);
+        let large_blk_iter_ftr = self.large_blk_iter_ftr.unwrap_or(16);
+        let num_threads = self.num_threads;
+        let pipeline_depth = self.pipeline_depth;
+        for (flag, v) in [
+            ("--start-block-size", start_block_size),
+            ("--max-block-size", max_block_size),
+            ("--start-batch-size", start_batch_size as u64),
+            ("--max-batch-size", max_batch_size as u64),
+            ("--large-blk-iter-ftr", large_blk_iter_ftr as u64),
+            ("--num-threads", num_threads as u64),
+            ("--pipeline-depth", pipeline_depth as u64),
+        ] {
+            if v == 0 {
+                return fail(format!("{flag} must be at least 1"));
+            }
+        }
+        if start_block_size > max_block_size {
+            return fail(format!("--start-block-size ({start_block_size}) is larger than --max-block-size ({max_block_size})"));
+        }
+        if start_batch_size > max_batch_size {
+            return fail(format!("--start-batch-size ({start_batch_size}) is larger than --max-batch-size ({max_batch_size})"));
+        }
+        // Each thread needs room for `pipeline_depth` requests of the largest batch.
+        let per_thread = max_block_size
+            .checked_mul(max_batch_size as u64)
+            .and_then(|v| v.checked_mul(pipeline_depth as u64))
+            .ok_or_else(|| BenchError::new("block size x batch size x pipeline depth overflows"))?;
+        let needed = per_thread
+            .div_ceil(PAGE)
+            .checked_mul(PAGE * num_threads as u64)
+            .ok_or_else(|| BenchError::new("the sweep's buffer size overflows"))?;
+        let total_buffer_size = self
+            .total_buffer_size
+            .or(preset.total_buffer_size)
+            .unwrap_or(needed);
+        if total_buffer_size / num_threads as u64 / PAGE * PAGE < per_thread {
+            return fail(format!(
+                "--total-buffer-size {} is too small: each of {num_threads} thread(s) needs max block size x max batch size x pipeline depth = {} bytes (give at least {})",
+                total_buffer_size, per_thread, needed,
+            ));
+        }
+
+        let mut notes = Vec::new();
+        // As nixlbench, iteration counts divide evenly between threads and by the large
+        // block factor; unlike it, the factor only counts when the sweep has large blocks.
+        let ftr = if max_block_size > LARGE_BLOCK_SIZE {
+            large_blk_iter_ftr
+        } else {
+            1
+        };
+        let partition = num_threads * ftr;
+        let round = |name: &str, v: usize, notes: &mut Vec<String>| {
+            let r = v.div_ceil(partition) * partition;
+            if r != v {
+                notes.push(format!(
+                    "{name} rounded up from {v} to {r}, a multiple of {partition} (num_threads{})",
+                    if ftr > 1 { " x large_blk_iter_ftr" } else { "" }
+                ));
+            }
+            r
+        };
+        let num_iter = round(
+            "num_iter",
+            self.num_iter.unwrap_or(preset.num_iter),
+            &mut notes,
+        );
+        let warmup_iter = round(
+            "warmup_iter",
+            self.warmup_iter.unwrap_or(preset.warmup_iter),
+            &mut notes,
+        );
+        if num_iter == 0 {
+            return fail("--num-iter must be at least 1");
+        }
+        let format = if self.json {
+            Format::Json
+        } else if self.csv {
+            Format::Csv
+        } else {
+            Format::Table
+        };
+        Ok(Config {
+            role: self.role,
+            peer: self.peer,
+            listen: self.listen,
+            stdio: self.stdio,
+            backend: self.backend.to_ascii_lowercase(),
+            backend_params: self.backend_params,
+            sweep: Sweep {
+                preset: preset.name,
+                op_types: dedup(self.op_type),
+                initiator_seg_type: self.initiator_seg_type,
+                target_seg_type: self.target_seg_type,
+                start_block_size,
+                max_block_size,
+                start_batch_size,
+                max_batch_size,
+                num_iter,
+                warmup_iter,
+                large_blk_iter_ftr,
+                num_threads,
+                pipeline_depth,
+                recreate_xfer: self.recreate_xfer,
+                check_consistency: self.check_consistency,
+                total_buffer_size,
+            },
+            timeouts: Timeouts {
+                connect: self.connect_timeout,
+                exchange: self.exchange_timeout,
+                xfer: self.xfer_timeout,
+                teardown: self.teardown_timeout,
+            },
+            format,
+            plot: self.plot,
+            notes,
+        })
+    }
+}
+
+/// Thread buffers start on page boundaries.
+const PAGE: u64 = nixl::PAGE_SIZE as u64;
+
+fn dedup(ops: Vec<Op>) -> Vec<Op> {
+    let mut out: Vec<Op> = Vec::with_capacity(ops.len());
+    for op in ops {
+        if !out.contains(&op) {
+            out.push(op);
+        }
+    }
+    out
+}
+
+fn op_names<S: Serializer>(ops: &[Op], s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_seq(ops.iter().map(ToString::to_string))
+}
+
+fn secs<S: Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+/// `READ` or `WRITE`, any case.
+pub(crate) fn parse_op(s: &str) -> std::result::Result<Op, String> {
+    match s.trim().to_ascii_uppercase().as_str() {
+        "READ" => Ok(Op::Read),
+        "WRITE" => Ok(Op::Write),
+        _ => Err(format!("{s:?} is not an op type; use READ or WRITE")),
+    }
+}
+
+/// A byte count with an optional binary suffix: `4096`, `4K`, `64M`, `1G`, `8GiB`.
+pub(crate) fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, suffix) = t.split_at(split);
+    if digits.is_empty() {
+        return Err(format!(
+            "{s:?} is not a size; use a number with an optional K, M, G or T suffix"
+        ));
+    }
+    let mult = match suffix.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "K" | "KB" | "KIB" => KIB,
+        "M" | "MB" | "MIB" => MIB,
+        "G" | "GB" | "GIB" => GIB,
+        "T" | "TB" | "TIB" => GIB << 10,
+        other => {
+            return Err(format!(
+                "{s:?}: unknown size suffix {other:?}; use K, M, G or T (powers of 1024)"
+            ))
+        }
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// A duration: `500ms`, `30s`, `2m`, or plain seconds (`30`, `0.5`).
+pub(crate) fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
+    let t = s.trim();
+    let (num, unit) = match t.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
+        Some(i) => t.split_at(i),
+        None => (t, "s"),
+    };
+    let scale = match unit.trim() {
+        "ms" => 1e-3,
+        "s" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        other => return Err(format!("{s:?}: unknown unit {other:?}; use ms, s, m or h")),
+    };
+    match num.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v * scale < 1e9 => {
+            Ok(Duration::from_secs_f64(v * scale))
+        }
+        _ => Err(format!("{s:?} is not a positive duration")),
+    }
+}
+
+/// `true`/`false`/`1`/`0` (gflags-style `--check_consistency=1` works too).
+fn parse_bool(s: &str) -> std::result::Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(format!("{s:?} is not a boolean; use true or false")),
+    }
+}
+
+/// `KEY=VALUE`.
+fn parse_backend_param(s: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+        _ => Err(format!("{s:?} is not KEY=VALUE")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(args: &[&str]) -> Result<Config> {
+        let mut all = vec!["nixl-bench"];
+        all.extend_from_slice(args);
+        Cli::try_parse_from(all)
+            .map_err(|e| BenchError::new(e.to_string()))?
+            .into_config()
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("4k"), Ok(4096));
+        assert_eq!(parse_size("64M"), Ok(64 << 20));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("8GiB"), Ok(8 << 30));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("4X").is_err());
+        assert!(parse_size("K").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("3 days").is_err());
+    }
+
+    #[test]
+    fn defaults_are_the_quick_sweep() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.role, Role::Local);
+        assert_eq!(c.backend, "tcp");
+        let s = &c.sweep;
+        assert_eq!(s.op_types, vec![Op::Write]);
+        assert_eq!((s.start_block_size, s.max_block_size), (4096, 64 << 20));
+        assert_eq!((s.num_iter, s.warmup_iter), (512, 64));
+        assert!(c.notes.is_empty(), "{:?}", c.notes);
+        assert_eq!(s.total_buffer_size, 64 << 20);
+        let points = s.points();
+        assert_eq!(points.len(), 15);
+        assert_eq!(points[14].block_size, 64 << 20);
+        assert_eq!(s.iterations(1 << 20), (64, 512));
+        assert_eq!(s.iterations(2 << 20), (4, 32));
+    }
+
+    #[test]
+    fn full_is_nixlbench_and_flags_override_it() {
+        let c = config(&["--full"]).unwrap();
+        assert_eq!((c.sweep.num_iter, c.sweep.warmup_iter), (1008, 112));
+        assert_eq!(c.sweep.total_buffer_size, 8 << 30);
+        let c = config(&["--full", "--num-iter", "32", "--total-buffer-size", "1G"]).unwrap();
+        assert_eq!(c.sweep.num_iter, 32);
+        assert_eq!(c.sweep.total_buffer_size, 1 << 30);
+    }
+
+    #[test]
+    fn underscore_spellings_and_lowercase_ops() {
+        let c = config(&[
+            "--op_type",
+            "read,write",
+            "--max_block_size=64K",
+            "--num_iter",
+            "16",
+            "--check_consistency=1",
+            "--recreate-xfer",
+        ])
+        .unwrap();
+        assert_eq!(c.sweep.op_types, vec![Op::Read, Op::Write]);
+        assert_eq!(c.sweep.max_block_size, 64 << 10);
+        assert!(c.sweep.check_consistency && c.sweep.recreate_xfer);
+        assert_eq!(c.sweep.points().len(), 2 * 5);
+    }
+
+    #[test]
+    fn threads_and_depth_split_the_buffer() {
+        let c = config(&[
+            "--num-threads",
+            "2",
+            "--pipeline-depth",
+            "4",
+            "--max-block-size",
+            "1M",
+        ])
+        .unwrap();
+        assert_eq!(c.sweep.total_buffer_size, 8 << 20);
+        assert_eq!(c.sweep.thread_buffer_size(), 4 << 20);
+        assert_eq!(c.sweep.num_iter % 32, 0);
+        let e = config(&["--num-threads", "2", "--total-buffer-size", "64M"]).unwrap_err();
+        assert!(e.to_string().contains("too small"), "{e}");
+    }
+
+    #[test]
+    fn refusals_say_why() {
+        for (args, needle) in [
+            (&["--initiator-seg-type", "VRAM"][..], "not supported"),
+            (&["--target-seg-type", "vram"][..], "not supported"),
+            (
+                &["--etcd-endpoints", "http://x:2379"][..],
+                "etcd mode needs the `etcd` feature (not available yet)",
+            ),
+            (&["--role", "initiator"][..], "needs --peer"),
+            (&["--peer", "h:1"][..], "--peer is for --role initiator"),
+            (
+                &["--start-block-size", "8K", "--max-block-size", "4K"][..],
+                "larger than",
+            ),
+            (&["--num-threads", "0"][..], "at least 1"),
+            (&["--op-type", "copy"][..], "READ or WRITE"),
+            (&["--backend-param", "novalue"][..], "KEY=VALUE"),
+        ] {
+            let e = config(args).unwrap_err().to_string();
+            assert!(e.contains(needle), "{args:?}: {e}");
+        }
+    }
+}

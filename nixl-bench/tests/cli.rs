@@ -1,0 +1,479 @@
+//! End-to-end tests of the `nixl-bench` binary: small sweeps in every output format,
+//! consistency checks, two-host mode, and peers that die or hang mid-run.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_nixl-bench");
+
+/// Flags of a small, fast sweep: 4K..64K, 5 points.
+const SMALL: &[&str] = &[
+    "--max-block-size",
+    "64K",
+    "--num-iter",
+    "20",
+    "--warmup-iter",
+    "2",
+];
+
+/// Bound on any run here; far above what they take, low enough to catch a hang.
+const HANG: Duration = Duration::from_secs(60);
+
+const COLUMNS: [&str; 10] = [
+    "Block Size (B)",
+    "Batch Size",
+    "B/W (GB/Sec)",
+    "Avg Lat. (us)",
+    "Avg Prep (us)",
+    "P99 Prep (us)",
+    "Avg Post (us)",
+    "P99 Post (us)",
+    "Avg Tx (us)",
+    "P99 Tx (us)",
+];
+
+const FIELDS: [&str; 11] = [
+    "op",
+    "block_size",
+    "batch_size",
+    "bw_gbps",
+    "avg_lat_us",
+    "avg_prep_us",
+    "p99_prep_us",
+    "avg_post_us",
+    "p99_post_us",
+    "avg_tx_us",
+    "p99_tx_us",
+];
+
+fn bench() -> Command {
+    let mut c = Command::new(BIN);
+    // Keep stderr free of log noise.
+    c.env_remove("RUST_LOG");
+    c
+}
+
+/// Run to completion within [`HANG`].
+fn run(args: &[&str]) -> Output {
+    let mut child = bench()
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start nixl-bench");
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        stdout.read_to_end(&mut v).unwrap();
+        v
+    });
+    let err = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        stderr.read_to_end(&mut v).unwrap();
+        v
+    });
+    let status =
+        wait_within(&mut child, HANG).unwrap_or_else(|| panic!("nixl-bench {args:?} hung"));
+    Output {
+        status,
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+    }
+}
+
+fn wait_within(child: &mut Child, bound: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + bound;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = run(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "nixl-bench {args:?} failed: {}\n{stderr}",
+        out.status
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = SMALL.to_vec();
+    v.extend_from_slice(extra);
+    v
+}
+
+/// The table's data rows, split into fields.
+fn table_rows(stdout: &str) -> Vec<Vec<f64>> {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with(|c: char| c.is_ascii_digit()))
+        .map(|l| {
+            l.split_whitespace()
+                .map(|f| {
+                    f.parse::<f64>()
+                        .unwrap_or_else(|_| panic!("bad field {f:?} in {l:?}"))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn table_has_nixlbench_columns_and_one_row_per_block_size() {
+    let out = ok(SMALL);
+    for col in COLUMNS {
+        assert!(out.contains(col), "column {col:?} missing:\n{out}");
+    }
+    for needle in [
+        "nixl-bench ",
+        "nixl-tcp ",
+        "tcp",
+        "WRITE",
+        "GB = 10^9 bytes",
+        "loopback",
+    ] {
+        assert!(
+            out.contains(needle),
+            "{needle:?} missing in the header:\n{out}"
+        );
+    }
+    let rows = table_rows(&out);
+    let blocks: Vec<f64> = rows.iter().map(|r| r[0]).collect();
+    assert_eq!(blocks, [4096.0, 8192.0, 16384.0, 32768.0, 65536.0], "{out}");
+    for r in &rows {
+        assert_eq!(r.len(), 10, "{r:?}");
+        assert_eq!(r[1], 1.0, "batch size");
+        assert!(r[2] > 0.0, "bandwidth {r:?}");
+        assert!(r[3] > 0.0 && r[8] > 0.0, "latencies {r:?}");
+        // With 20 samples the p99 is the largest one, never below the mean.
+        for (avg, p99) in [(4, 5), (6, 7), (8, 9)] {
+            assert!(r[p99] >= r[avg], "p99 below average in {r:?}");
+        }
+    }
+}
+
+#[test]
+fn json_is_one_object_with_run_and_results() {
+    let out = ok(&with(&["--json", "--op-type", "read"]));
+    let v: serde_json::Value = serde_json::from_str(&out).expect("stdout is one JSON document");
+    let run = &v["run"];
+    assert_eq!(run["backend"], "tcp");
+    assert_eq!(run["mode"], "local");
+    assert_eq!(run["op_types"][0], "READ");
+    assert_eq!(run["num_iter"], 20);
+    assert!(run["versions"]["nixl"].is_string() && run["versions"]["nixl_bench"].is_string());
+    assert!(run["transport"]["target"]
+        .as_str()
+        .unwrap()
+        .starts_with("127.0.0.1:"));
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 5);
+    for (r, block) in results.iter().zip([4096, 8192, 16384, 32768, 65536]) {
+        for f in FIELDS {
+            assert!(r.get(f).is_some(), "{f} missing in {r}");
+        }
+        assert_eq!(r["op"], "READ");
+        assert_eq!(r["block_size"], block);
+        assert!(r["bw_gbps"].as_f64().unwrap() > 0.0);
+        assert!(r["avg_tx_us"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn csv_has_the_header_and_a_row_per_point() {
+    let out = ok(&with(&["--csv"]));
+    let mut lines = out.lines();
+    assert_eq!(lines.next().unwrap(), FIELDS.join(","));
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), 5, "{out}");
+    for r in rows {
+        assert_eq!(r.len(), FIELDS.len());
+        assert_eq!(r[0], "WRITE");
+        for f in &r[1..] {
+            f.parse::<f64>().unwrap();
+        }
+    }
+}
+
+#[test]
+fn consistency_check_passes_for_write() {
+    let out = ok(&with(&[
+        "--check-consistency",
+        "--op-type",
+        "WRITE",
+        "--num-threads",
+        "2",
+        "--pipeline-depth",
+        "2",
+        "--max-batch-size",
+        "2",
+    ]));
+    assert!(out.contains("consistency check on"), "{out}");
+    assert_eq!(table_rows(&out).len(), 10);
+}
+
+#[test]
+fn consistency_check_passes_for_read_with_recreated_requests() {
+    let out = ok(&with(&[
+        "--check_consistency",
+        "--op_type",
+        "read",
+        "--recreate-xfer",
+        "--pipeline-depth",
+        "3",
+    ]));
+    assert_eq!(table_rows(&out).len(), 5);
+}
+
+#[test]
+fn plot_writes_a_parseable_svg() {
+    let path = temp_path("plot.svg");
+    let out = ok(&with(&[
+        "--op-type",
+        "READ,WRITE",
+        "--plot",
+        path.to_str().unwrap(),
+    ]));
+    assert_eq!(table_rows(&out).len(), 10);
+    let svg = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let doc = roxmltree::Document::parse(&svg).expect("well-formed XML");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    // Two panels (bandwidth, latency) x two series (READ, WRITE).
+    let lines = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("polyline"))
+        .count();
+    assert_eq!(lines, 4);
+    let text: String = doc.descendants().filter_map(|n| n.text()).collect();
+    for needle in [
+        "Block size",
+        "Bandwidth",
+        "latency",
+        "READ tcp",
+        "WRITE tcp",
+        "64K",
+    ] {
+        assert!(
+            text.contains(needle),
+            "{needle:?} missing in the plot's text"
+        );
+    }
+}
+
+#[test]
+fn usage_errors_say_why_and_exit_2() {
+    for (args, needle) in [
+        (&["--initiator-seg-type", "VRAM"][..], "not supported"),
+        (&["--backend", "ucx"][..], "backend ucx"),
+        (
+            &["--backend-param", "bogus=1"][..],
+            "unknown tcp backend parameter",
+        ),
+        (
+            &["--etcd-endpoints", "http://127.0.0.1:2379"][..],
+            "etcd mode needs the `etcd` feature (not available yet)",
+        ),
+        (&["--max-block-size", "1Q"][..], "unknown size suffix"),
+    ] {
+        let out = run(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
+
+fn temp_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("nixl-bench-{}-{name}", std::process::id()))
+}
+
+/// A `--role target` process and the address it listens on.
+struct Target {
+    child: Child,
+    addr: String,
+}
+
+impl Target {
+    fn start() -> Self {
+        let mut child = bench()
+            .args(["--role", "target", "--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the target");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .trim()
+            .to_owned();
+        Self { child, addr }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Start a long run (`args`) and return once its table header is out (setup done,
+/// transfers under way), with the stdout lines seen so far.
+fn start_long_run(args: &[&str]) -> (Child, Vec<String>, mpsc::Receiver<String>) {
+    let mut child = bench()
+        .args(args)
+        .args(["--max-block-size", "64K", "--num-iter", "100000000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the initiator");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the run started");
+        let header = line.starts_with("Block Size (B)");
+        seen.push(line);
+        if header {
+            break;
+        }
+    }
+    // Let some transfers happen.
+    std::thread::sleep(Duration::from_millis(300));
+    (child, seen, rx)
+}
+
+#[test]
+fn two_hosts_mode_runs_a_sweep() {
+    let target = Target::start();
+    let out = ok(&with(&[
+        "--role",
+        "initiator",
+        "--peer",
+        &target.addr,
+        "--check-consistency",
+    ]));
+    assert!(out.contains(&format!("peer at {}", target.addr)), "{out}");
+    assert_eq!(table_rows(&out).len(), 5);
+}
+
+#[test]
+fn killed_target_fails_the_initiator_quickly() {
+    let mut target = Target::start();
+    let (mut initiator, _, _) = start_long_run(&["--role", "initiator", "--peer", &target.addr]);
+    target.child.kill().unwrap();
+    let status = wait_within(&mut initiator, Duration::from_secs(30))
+        .expect("the initiator exits within 30 s of its target dying");
+    assert!(!status.success(), "{status}");
+}
+
+#[test]
+fn hung_target_times_out_the_initiator() {
+    let target = Target::start();
+    let (mut initiator, _, _) = start_long_run(&[
+        "--role",
+        "initiator",
+        "--peer",
+        &target.addr,
+        "--xfer-timeout",
+        "2s",
+        "--teardown-timeout",
+        "2s",
+    ]);
+    let pid = target.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let status = wait_within(&mut initiator, Duration::from_secs(30));
+    let _ = Command::new("kill").args(["-CONT", &pid]).status();
+    let status = status.expect("the initiator exits within 30 s of its target hanging");
+    assert!(!status.success(), "{status}");
+}
+
+#[test]
+fn dead_initiator_ends_the_target() {
+    let mut target = Target::start();
+    let (mut initiator, _, _) = start_long_run(&["--role", "initiator", "--peer", &target.addr]);
+    initiator.kill().unwrap();
+    initiator.wait().unwrap();
+    let status = wait_within(&mut target.child, Duration::from_secs(30))
+        .expect("the target exits within 30 s of its initiator dying");
+    assert!(!status.success(), "{status}");
+}
+
+/// The child's pid from the table header ("Target  child process N on this host").
+fn child_pid(header: &[String]) -> String {
+    header
+        .iter()
+        .find_map(|l| l.split("child process ").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("the header names the child process")
+        .to_owned()
+}
+
+fn alive(pid: &str) -> bool {
+    // A reaped process has no /proc entry; a zombie would still have one.
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[test]
+fn killed_child_target_fails_the_local_run() {
+    let (mut initiator, header, _) = start_long_run(&[]);
+    let pid = child_pid(&header);
+    assert!(Command::new("kill")
+        .args(["-9", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let status = wait_within(&mut initiator, Duration::from_secs(30))
+        .expect("the run ends within 30 s of its child dying");
+    assert!(!status.success(), "{status}");
+    assert!(!alive(&pid), "child {pid} was not reaped");
+}
+
+#[test]
+fn ctrl_c_stops_the_run_and_reaps_the_child() {
+    let (mut initiator, header, _) = start_long_run(&[]);
+    let pid = child_pid(&header);
+    assert!(alive(&pid));
+    let me = initiator.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-INT", &me])
+        .status()
+        .unwrap()
+        .success());
+    let status = wait_within(&mut initiator, Duration::from_secs(30))
+        .expect("Ctrl-C ends the run within 30 s");
+    assert_eq!(status.code(), Some(130), "{status}");
+    assert!(!alive(&pid), "child {pid} was not reaped");
+}
