@@ -25,6 +25,10 @@ use crate::Agent;
 
 type HmacSha256 = Hmac<Sha256>;
 
+/// HMAC contexts of the side-channel handshake (each side signs both nonces).
+const CLIENT_CONTEXT: &str = "nixl side channel v1 client";
+const SERVER_CONTEXT: &str = "nixl side channel v1 server";
+
 /// A shared secret for the side channel. Its `Debug` output never shows the bytes.
 #[derive(Clone)]
 pub struct SharedSecret(Arc<[u8]>);
@@ -44,15 +48,6 @@ impl SharedSecret {
             );
         }
         Ok(Self(b.into()))
-    }
-
-    fn mac(&self, role: &[u8], first: &[u8], second: &[u8]) -> HmacSha256 {
-        let mut m = HmacSha256::new_from_slice(&self.0).expect("HMAC takes keys of any length");
-        m.update(b"nixl side channel v1 ");
-        m.update(role);
-        m.update(first);
-        m.update(second);
-        m
     }
 
     /// HMAC-SHA256 of `parts` (each length-prefixed) under this secret, for backends
@@ -350,7 +345,7 @@ async fn request_inner(
         (None, false) => {}
         (Some(secret), true) => {
             let client_nonce = nonce();
-            let mac = secret.mac(b"client", server_nonce, &client_nonce).finalize().into_bytes();
+            let mac = secret.sign(CLIENT_CONTEXT, &[server_nonce, &client_nonce]);
             let mut auth = Vec::with_capacity(NONCE_LEN + MAC_LEN);
             auth.extend_from_slice(&client_nonce);
             auth.extend_from_slice(&mac);
@@ -358,10 +353,9 @@ async fn request_inner(
             let (k, reply) = read_frame(&mut s, 4096).await.map_err(frame_err)?;
             match k {
                 Kind::AuthOk if reply.len() == MAC_LEN => {
-                    secret
-                        .mac(b"server", &client_nonce, server_nonce)
-                        .verify_slice(&reply)
-                        .map_err(|_| Error::new(ErrorKind::NotAllowed, op, format!("{addr} failed to prove it knows the shared secret")))?;
+                    if !secret.verify(SERVER_CONTEXT, &[&client_nonce, server_nonce], &reply) {
+                        return err(ErrorKind::NotAllowed, op, format!("{addr} failed to prove it knows the shared secret"));
+                    }
                 }
                 Kind::Error => return err(ErrorKind::NotAllowed, op, format!("{addr} refused: {}", String::from_utf8_lossy(&reply))),
                 _ => return err(ErrorKind::Mismatch, op, format!("{addr} broke the handshake")),
@@ -415,10 +409,7 @@ async fn serve(
         let ok = match &frame {
             (Kind::Auth, p) if p.len() == NONCE_LEN + MAC_LEN => {
                 let (client_nonce, mac) = p.split_at(NONCE_LEN);
-                secret
-                    .mac(b"client", &server_nonce, client_nonce)
-                    .verify_slice(mac)
-                    .is_ok()
+                secret.verify(CLIENT_CONTEXT, &[&server_nonce, client_nonce], mac)
             }
             _ => false,
         };
@@ -427,10 +418,7 @@ async fn serve(
             return Err("authentication failed".into());
         }
         let client_nonce = &frame.1[..NONCE_LEN];
-        let mac = secret
-            .mac(b"server", client_nonce, &server_nonce)
-            .finalize()
-            .into_bytes();
+        let mac = secret.sign(SERVER_CONTEXT, &[client_nonce, &server_nonce]);
         write_frame(&mut s, Kind::AuthOk, &mac)
             .await
             .map_err(|e| e.to_string())?;
