@@ -31,14 +31,20 @@ Bandwidth is in GB/s with GB = 10^9 bytes; times are in microseconds.
 
 Two hosts:
   host A: nixl-bench --role target --listen 0.0.0.0:5555
-  host B: nixl-bench --role initiator --peer A:5555 [sweep flags]";
+  host B: nixl-bench --role initiator --peer A:5555 [sweep flags]
+
+Two hosts that find each other through etcd (nixlbench's ETCD runtime; a build with
+`--features etcd`), E being any etcd both reach:
+  host A: nixl-bench --role target --etcd-endpoints http://E:2379 --benchmark-group g1
+  host B: nixl-bench --role initiator --etcd-endpoints http://E:2379 --benchmark-group g1 [sweep flags]";
 
 /// Benchmark nixl transfers between two agents (nixlbench's counterpart).
 #[derive(Debug, Parser)]
 #[command(name = "nixl-bench", version, about, after_help = AFTER_HELP)]
 pub(crate) struct Cli {
     /// `local`: run the target as a child process on this machine and measure from here.
-    /// `target`/`initiator`: one side each, on two hosts (see --listen and --peer).
+    /// `target`/`initiator`: one side each, on two hosts (see --listen and --peer, or
+    /// --etcd-endpoints).
     #[arg(long, value_enum, default_value_t = Role::Local)]
     pub(crate) role: Role,
 
@@ -47,14 +53,26 @@ pub(crate) struct Cli {
     pub(crate) peer: Option<String>,
 
     /// Where the target waits for the initiator (--role target); the bound address is
-    /// printed on stdout.
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:0")]
-    pub(crate) listen: SocketAddr,
+    /// printed on stdout [default: 127.0.0.1:0; with --etcd-endpoints: 0.0.0.0:0,
+    /// advertising the address this host reaches etcd from (give an IP here to advertise
+    /// that one instead)].
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) listen: Option<SocketAddr>,
 
-    /// Exchange metadata through etcd instead (needs the `etcd` feature: not available
-    /// yet).
+    /// Find the peer through etcd (comma-separated client URLs, e.g.
+    /// http://10.0.0.1:2379): the target publishes its metadata and control address
+    /// there, the initiator waits for them. Needs a build with `--features etcd`.
     #[arg(long = "etcd-endpoints", alias = "etcd_endpoints", value_name = "URLS")]
     pub(crate) etcd_endpoints: Option<String>,
+
+    /// Which target an initiator pairs with in etcd: one target per group at a time
+    /// [default: default].
+    #[arg(
+        long = "benchmark-group",
+        alias = "benchmark_group",
+        value_name = "NAME"
+    )]
+    pub(crate) benchmark_group: Option<String>,
 
     /// Internal: serve as the target over stdin/stdout (set when the bench starts its
     /// own child).
@@ -178,8 +196,8 @@ pub(crate) struct Cli {
     #[arg(long, value_name = "FILE")]
     pub(crate) plot: Option<PathBuf>,
 
-    /// Limit for starting the target and connecting to it (the target: for the
-    /// initiator to arrive).
+    /// Limit for starting the target and connecting to it, and for a target to appear in
+    /// etcd (the target: for the initiator to arrive).
     #[arg(long = "connect-timeout", value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
     pub(crate) connect_timeout: Duration,
 
@@ -202,9 +220,10 @@ pub(crate) struct Cli {
 pub(crate) enum Role {
     /// Initiator here, target in a child process.
     Local,
-    /// Initiator only; the target runs elsewhere (--peer).
+    /// Initiator only; the target runs elsewhere (--peer, or found through etcd).
     Initiator,
-    /// Target only; waits for an initiator (--listen).
+    /// Target only; waits for an initiator (--listen, and registered in etcd with
+    /// --etcd-endpoints).
     Target,
 }
 
@@ -317,12 +336,25 @@ impl Sweep {
     }
 }
 
+/// Where two hosts meet in etcd (`--etcd-endpoints`, `--benchmark-group`).
+#[cfg(feature = "etcd")]
+#[derive(Clone, Debug)]
+pub(crate) struct EtcdConfig {
+    /// Client URLs, at least one.
+    pub(crate) endpoints: Vec<String>,
+    /// The benchmark group: letters, digits, `.`, `_`, `-`.
+    pub(crate) group: String,
+}
+
 /// Everything a run needs, checked.
 #[derive(Clone, Debug)]
 pub(crate) struct Config {
     pub(crate) role: Role,
     pub(crate) peer: Option<String>,
     pub(crate) listen: SocketAddr,
+    /// Two hosts through etcd instead of `--peer`.
+    #[cfg(feature = "etcd")]
+    pub(crate) etcd: Option<EtcdConfig>,
     pub(crate) stdio: bool,
     pub(crate) backend: String,
     pub(crate) backend_params: Vec<(String, String)>,
@@ -364,13 +396,23 @@ impl Cli {
     /// # Errors
     /// A message naming the offending flag.
     pub(crate) fn into_config(self) -> Result<Config> {
-        if self.etcd_endpoints.is_some() {
-            return fail("etcd mode needs the `etcd` feature (not available yet); use --role target/initiator with --listen/--peer to run on two hosts");
+        if self.benchmark_group.is_some() && self.etcd_endpoints.is_none() {
+            return fail("--benchmark-group is for etcd mode (give --etcd-endpoints too)");
         }
+        #[cfg(not(feature = "etcd"))]
+        if self.etcd_endpoints.is_some() {
+            return fail(ETCD_MISSING);
+        }
+        #[cfg(feature = "etcd")]
+        let etcd = self.etcd_config()?;
+        #[cfg(feature = "etcd")]
+        let by_etcd = etcd.is_some();
+        #[cfg(not(feature = "etcd"))]
+        let by_etcd = false;
         match (self.role, &self.peer) {
-            (Role::Initiator, None) => {
+            (Role::Initiator, None) if !by_etcd => {
                 return fail(
-                    "--role initiator needs --peer HOST:PORT (the target's --listen address)",
+                    "--role initiator needs --peer HOST:PORT (the target's --listen address) or --etcd-endpoints URLS",
                 )
             }
             (Role::Local | Role::Target, Some(_)) => return fail("--peer is for --role initiator"),
@@ -473,10 +515,18 @@ impl Cli {
         } else {
             Format::Table
         };
+        let listen = self.listen.unwrap_or(if by_etcd {
+            // Any interface: the address to reach it by goes through etcd.
+            SocketAddr::from(([0, 0, 0, 0], 0))
+        } else {
+            SocketAddr::from(([127, 0, 0, 1], 0))
+        });
         Ok(Config {
             role: self.role,
             peer: self.peer,
-            listen: self.listen,
+            listen,
+            #[cfg(feature = "etcd")]
+            etcd,
             stdio: self.stdio,
             backend: self.backend.to_ascii_lowercase(),
             backend_params: self.backend_params,
@@ -513,6 +563,53 @@ impl Cli {
 
 /// Thread buffers start on page boundaries.
 const PAGE: u64 = nixl::PAGE_SIZE as u64;
+
+/// Why `--etcd-endpoints` fails in a build without the `etcd` feature.
+#[cfg(not(feature = "etcd"))]
+const ETCD_MISSING: &str = "etcd mode needs the `etcd` feature: rebuild with `cargo build --release -p nixl-bench --features etcd` (it needs protoc at build time: apt-get install protobuf-compiler libprotobuf-dev); or run on two hosts with --role target --listen ADDR and --role initiator --peer ADDR";
+
+/// The benchmark group when none is given (nixlbench's default too).
+#[cfg(feature = "etcd")]
+const DEFAULT_GROUP: &str = "default";
+
+#[cfg(feature = "etcd")]
+impl Cli {
+    /// `--etcd-endpoints` and `--benchmark-group`, checked; `None` without etcd.
+    fn etcd_config(&self) -> Result<Option<EtcdConfig>> {
+        let Some(urls) = &self.etcd_endpoints else {
+            return Ok(None);
+        };
+        if self.role == Role::Local {
+            return fail("--etcd-endpoints is for two hosts: give --role target on one and --role initiator on the other");
+        }
+        if self.peer.is_some() {
+            return fail("--peer and --etcd-endpoints both say how to find the target; give one");
+        }
+        if self.stdio {
+            return fail("--stdio and --etcd-endpoints do not go together");
+        }
+        let endpoints: Vec<String> = urls
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if endpoints.is_empty() {
+            return fail("--etcd-endpoints needs at least one URL, e.g. http://127.0.0.1:2379");
+        }
+        let group = self
+            .benchmark_group
+            .clone()
+            .unwrap_or_else(|| DEFAULT_GROUP.to_owned());
+        let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+        if group.is_empty() || group.len() > 128 || !group.chars().all(valid) {
+            return fail(format!(
+                "--benchmark-group {group:?}: use 1 to 128 letters, digits, '.', '_' or '-'"
+            ));
+        }
+        Ok(Some(EtcdConfig { endpoints, group }))
+    }
+}
 
 fn dedup(ops: Vec<Op>) -> Vec<Op> {
     let mut out: Vec<Op> = Vec::with_capacity(ops.len());
@@ -714,11 +811,11 @@ mod tests {
         for (args, needle) in [
             (&["--initiator-seg-type", "VRAM"][..], "not supported"),
             (&["--target-seg-type", "vram"][..], "not supported"),
-            (
-                &["--etcd-endpoints", "http://x:2379"][..],
-                "etcd mode needs the `etcd` feature (not available yet)",
-            ),
             (&["--role", "initiator"][..], "needs --peer"),
+            (
+                &["--benchmark-group", "g1"][..],
+                "--benchmark-group is for etcd mode",
+            ),
             (&["--peer", "h:1"][..], "--peer is for --role initiator"),
             (
                 &["--start-block-size", "8K", "--max-block-size", "4K"][..],
@@ -727,6 +824,86 @@ mod tests {
             (&["--num-threads", "0"][..], "at least 1"),
             (&["--op-type", "copy"][..], "READ or WRITE"),
             (&["--backend-param", "novalue"][..], "KEY=VALUE"),
+        ] {
+            let e = config(args).unwrap_err().to_string();
+            assert!(e.contains(needle), "{args:?}: {e}");
+        }
+    }
+
+    #[cfg(not(feature = "etcd"))]
+    #[test]
+    fn etcd_needs_the_feature() {
+        let e = config(&["--role", "target", "--etcd-endpoints", "http://x:2379"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rebuild with"), "{e}");
+        assert!(e.contains("--features etcd") && e.contains("protoc"), "{e}");
+    }
+
+    #[cfg(feature = "etcd")]
+    #[test]
+    fn etcd_endpoints_and_group() {
+        let c = config(&[
+            "--role",
+            "initiator",
+            "--etcd-endpoints",
+            "http://a:2379, http://b:2379,",
+            "--benchmark_group",
+            "g1",
+        ])
+        .unwrap();
+        let e = c.etcd.unwrap();
+        assert_eq!(e.endpoints, ["http://a:2379", "http://b:2379"]);
+        assert_eq!(e.group, "g1");
+        let c = config(&["--role", "target", "--etcd_endpoints", "127.0.0.1:2379"]).unwrap();
+        assert_eq!(c.etcd.unwrap().group, "default");
+        // The target listens on every interface unless told otherwise.
+        assert_eq!(c.listen, "0.0.0.0:0".parse().unwrap());
+        let c = config(&["--role", "target"]).unwrap();
+        assert!(c.etcd.is_none());
+        assert_eq!(c.listen, "127.0.0.1:0".parse().unwrap());
+        for (args, needle) in [
+            (
+                &["--etcd-endpoints", "http://x:2379"][..],
+                "is for two hosts",
+            ),
+            (
+                &[
+                    "--role",
+                    "initiator",
+                    "--etcd-endpoints",
+                    "x",
+                    "--peer",
+                    "h:1",
+                ][..],
+                "give one",
+            ),
+            (
+                &["--role", "target", "--etcd-endpoints", " , "][..],
+                "at least one URL",
+            ),
+            (
+                &[
+                    "--role",
+                    "target",
+                    "--etcd-endpoints",
+                    "x",
+                    "--benchmark-group",
+                    "a/b",
+                ][..],
+                "--benchmark-group \"a/b\"",
+            ),
+            (
+                &[
+                    "--role",
+                    "target",
+                    "--etcd-endpoints",
+                    "x",
+                    "--benchmark-group",
+                    "",
+                ][..],
+                "--benchmark-group \"\"",
+            ),
         ] {
             let e = config(args).unwrap_err().to_string();
             assert!(e.contains(needle), "{args:?}: {e}");

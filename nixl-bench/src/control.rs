@@ -304,10 +304,24 @@ pub(crate) async fn accept(
     timeout: Duration,
     on_bound: impl FnOnce(SocketAddr),
 ) -> Result<(TcpStream, SocketAddr)> {
-    let listener = TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("listen on {listen}"))?;
+    let listener = bind(listen).await?;
     on_bound(listener.local_addr()?);
+    accept_one(listener, timeout).await
+}
+
+/// Target side: the control listener, bound before anyone is told where it is.
+pub(crate) async fn bind(listen: SocketAddr) -> Result<TcpListener> {
+    TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("listen on {listen}"))
+}
+
+/// Target side: accept one initiator on `listener` within `timeout`, then stop
+/// listening.
+pub(crate) async fn accept_one(
+    listener: TcpListener,
+    timeout: Duration,
+) -> Result<(TcpStream, SocketAddr)> {
     match tokio::time::timeout(timeout, listener.accept()).await {
         Ok(Ok((stream, from))) => {
             tune(&stream);

@@ -37,19 +37,45 @@ pub(crate) struct TargetInfo {
 /// check, or the target failing (its message is included).
 pub(crate) async fn run(
     config: &Config,
-    mut channel: Channel,
+    channel: Channel,
     host: IpAddr,
     target: TargetInfo,
 ) -> Result<(RunInfo, Vec<Row>)> {
-    let t = config.timeouts;
+    let (agent, backend) = start_agent(config, host).await?;
+    run_with(config, channel, agent, backend, target).await
+}
+
+/// The initiator's agent and its backend, listening on `host`.
+///
+/// # Errors
+/// A backend that cannot be made or started.
+pub(crate) async fn start_agent(
+    config: &Config,
+    host: IpAddr,
+) -> Result<(Arc<Agent>, Arc<dyn nixl::Backend>)> {
     let backend = backend::make(&config.backend, &config.backend_params, host)?;
     let agent = Agent::builder("initiator")
         .backend_arc(backend.clone())
-        .options(agent_options(t.teardown))
+        .options(agent_options(config.timeouts.teardown))
         .build()
         .await
         .context("start the initiator agent")?;
-    let agent = Arc::new(agent);
+    Ok((Arc::new(agent), backend))
+}
+
+/// As [`run`], with an agent started beforehand (etcd mode loads the target's metadata
+/// into it first). Shuts `agent` down at the end, within the teardown bound.
+///
+/// # Errors
+/// As [`run`].
+pub(crate) async fn run_with(
+    config: &Config,
+    mut channel: Channel,
+    agent: Arc<Agent>,
+    backend: Arc<dyn nixl::Backend>,
+    target: TargetInfo,
+) -> Result<(RunInfo, Vec<Row>)> {
+    let t = config.timeouts;
     let result = drive(config, &mut channel, &agent, &*backend, target).await;
     // Whatever happened, stop the agent within the teardown bound. Leftovers are
     // expected after a failure, and worth a warning after a clean run.

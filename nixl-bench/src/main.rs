@@ -9,7 +9,9 @@
 //! ```
 //!
 //! On two hosts, run `--role target --listen ADDR` on one and
-//! `--role initiator --peer ADDR` on the other. See `--help` for every parameter
+//! `--role initiator --peer ADDR` on the other; or, in a build with `--features etcd`,
+//! give both `--etcd-endpoints URLS --benchmark-group NAME` and they find each other
+//! through etcd (nixlbench's ETCD runtime). See `--help` for every parameter
 //! (nixlbench's names, with dashes or underscores).
 //!
 //! Every phase has a time limit, so a dead or hung peer ends the run with an error and a
@@ -22,6 +24,8 @@ mod child;
 mod cli;
 mod control;
 mod error;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod initiator;
 mod plot;
 mod progress;
@@ -153,8 +157,13 @@ async fn local(config: &Config) -> Result<()> {
     plot(config, &run, &rows)
 }
 
-/// Initiator only: the target runs elsewhere.
+/// Initiator only: the target runs elsewhere (`--peer`, or found through etcd).
 async fn remote_initiator(config: &Config) -> Result<()> {
+    #[cfg(feature = "etcd")]
+    if let Some(etcd) = &config.etcd {
+        let (run, rows) = etcd::initiator(config, etcd).await?;
+        return plot(config, &run, &rows);
+    }
     let peer = config.peer.as_deref().unwrap_or_default();
     let stream = control::connect(peer, config.timeouts.connect).await?;
     let host = stream.local_addr()?.ip();
@@ -174,6 +183,10 @@ async fn remote_initiator(config: &Config) -> Result<()> {
 
 /// Target only: wait for one initiator, serve it, exit.
 async fn remote_target(config: &Config) -> Result<()> {
+    #[cfg(feature = "etcd")]
+    if let Some(etcd) = &config.etcd {
+        return etcd::target(config, etcd).await;
+    }
     let (stream, from) = control::accept(config.listen, config.timeouts.connect, |addr| {
         println!("listening on {addr}");
         let _ = std::io::stdout().flush();

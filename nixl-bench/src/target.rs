@@ -13,6 +13,9 @@ use crate::control::{self, Channel, ToInitiator, ToTarget, PROTOCOL};
 use crate::error::{fail, BenchError, Context, Result};
 use crate::runner::{agent_options, shutdown};
 
+/// The target agent's name (the key etcd mode publishes it under).
+pub(crate) const AGENT_NAME: &str = "target";
+
 /// The target's heartbeat bound is never shorter than this (the initiator pings every
 /// second).
 const MIN_IDLE: Duration = Duration::from_secs(3);
@@ -22,7 +25,7 @@ const MIN_IDLE: Duration = Duration::from_secs(3);
 ///
 /// # Errors
 /// Anything that stops the run; the initiator is told (`error ...`) when it can be.
-pub(crate) async fn serve(config: &Config, mut channel: Channel, host: IpAddr) -> Result<()> {
+pub(crate) async fn serve(config: &Config, channel: Channel, host: IpAddr) -> Result<()> {
     let agent = match start_agent(config, host).await {
         Ok(a) => a,
         Err(e) => {
@@ -30,6 +33,16 @@ pub(crate) async fn serve(config: &Config, mut channel: Channel, host: IpAddr) -
             return Err(e);
         }
     };
+    serve_with(config, channel, agent).await
+}
+
+/// Serve one initiator over `channel` with an agent started beforehand (etcd mode
+/// publishes it before the initiator arrives). Shuts `agent` down at the end, within the
+/// teardown bound.
+///
+/// # Errors
+/// As [`serve`].
+pub(crate) async fn serve_with(config: &Config, mut channel: Channel, agent: Agent) -> Result<()> {
     let result = session(config, &mut channel, &agent).await;
     if let Err(e) = &result {
         tell(&channel, e).await;
@@ -45,9 +58,13 @@ async fn tell(channel: &Channel, e: &BenchError) {
     let _ = channel.send(&ToInitiator::Error(e.to_string())).await;
 }
 
-async fn start_agent(config: &Config, host: IpAddr) -> Result<Agent> {
+/// The target's agent, its backend listening on `host`.
+///
+/// # Errors
+/// A backend that cannot be made or started.
+pub(crate) async fn start_agent(config: &Config, host: IpAddr) -> Result<Agent> {
     let backend = backend::make(&config.backend, &config.backend_params, host)?;
-    Agent::builder("target")
+    Agent::builder(AGENT_NAME)
         .backend_arc(backend)
         .options(agent_options(config.timeouts.teardown))
         .build()

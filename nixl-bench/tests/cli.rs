@@ -1,5 +1,6 @@
 //! End-to-end tests of the `nixl-bench` binary: small sweeps in every output format,
-//! consistency checks, two-host mode, and peers that die or hang mid-run.
+//! consistency checks, two-host mode (also through a real etcd, with the `etcd`
+//! feature), and peers that die or hang mid-run.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
@@ -278,6 +279,23 @@ fn plot_writes_a_parseable_svg() {
 
 #[test]
 fn usage_errors_say_why_and_exit_2() {
+    /// What `--etcd-endpoints` alone says, with and without the `etcd` feature.
+    const ETCD: (&[&str], &str) = if cfg!(feature = "etcd") {
+        (
+            &["--etcd-endpoints", "http://127.0.0.1:2379"],
+            "--etcd-endpoints is for two hosts",
+        )
+    } else {
+        (
+            &[
+                "--role",
+                "target",
+                "--etcd-endpoints",
+                "http://127.0.0.1:2379",
+            ],
+            "rebuild with `cargo build --release -p nixl-bench --features etcd`",
+        )
+    };
     for (args, needle) in [
         (&["--initiator-seg-type", "VRAM"][..], "not supported"),
         (&["--backend", "ucx"][..], "backend ucx"),
@@ -285,9 +303,10 @@ fn usage_errors_say_why_and_exit_2() {
             &["--backend-param", "bogus=1"][..],
             "unknown tcp backend parameter",
         ),
+        ETCD,
         (
-            &["--etcd-endpoints", "http://127.0.0.1:2379"][..],
-            "etcd mode needs the `etcd` feature (not available yet)",
+            &["--benchmark_group", "g1"][..],
+            "--benchmark-group is for etcd mode",
         ),
         (&["--max-block-size", "1Q"][..], "unknown size suffix"),
     ] {
@@ -476,4 +495,285 @@ fn ctrl_c_stops_the_run_and_reaps_the_child() {
         .expect("Ctrl-C ends the run within 30 s");
     assert_eq!(status.code(), Some(130), "{status}");
     assert!(!alive(&pid), "child {pid} was not reaped");
+}
+
+/// Record a visible skip: a `SKIP <case>: <reason>` line on stderr and, when
+/// `NIXL_SKIP_LOG` names a file (`scripts/test` sets it), in that file too.
+fn skip(case: &str, why: &str) {
+    let line = format!("SKIP {case}: {why}");
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os("NIXL_SKIP_LOG") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}
+
+#[cfg(not(feature = "etcd"))]
+#[test]
+fn etcd_two_hosts() {
+    skip(
+        "nixl-bench etcd two-host tests",
+        "built without the `etcd` feature (needs protoc; scripts/test enables it when protoc is present)",
+    );
+}
+
+/// Two hosts that find each other through a real etcd: the host's `etcd` binary on free
+/// loopback ports, with a temporary data directory.
+#[cfg(feature = "etcd")]
+mod etcd {
+    use super::*;
+
+    /// A running etcd, killed and its data removed when dropped.
+    struct Etcd {
+        child: Child,
+        dir: PathBuf,
+        endpoint: String,
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// The etcd binary: `NIXL_ETCD_BIN`, else `etcd` on `PATH`.
+    fn binary() -> Option<PathBuf> {
+        if let Some(p) = std::env::var_os("NIXL_ETCD_BIN") {
+            return Some(PathBuf::from(p));
+        }
+        std::env::var_os("PATH").and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|d| d.join("etcd"))
+                .find(|p| p.is_file())
+        })
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    impl Etcd {
+        /// Start etcd and wait until it answers; `None` (after a SKIP line) when there
+        /// is no etcd binary.
+        fn start(case: &str) -> Option<Self> {
+            let Some(bin) = binary() else {
+                skip(
+                    case,
+                    "no etcd binary (install Debian etcd-server or set NIXL_ETCD_BIN)",
+                );
+                return None;
+            };
+            let (client_port, peer_port) = (free_port(), free_port());
+            let dir = std::env::temp_dir().join(format!(
+                "nixl-bench-etcd-{}-{client_port}",
+                std::process::id()
+            ));
+            let endpoint = format!("http://127.0.0.1:{client_port}");
+            let peer = format!("http://127.0.0.1:{peer_port}");
+            let child = Command::new(bin)
+                .arg("--name=nixl-bench-test")
+                .arg(format!("--data-dir={}", dir.display()))
+                .arg(format!("--listen-client-urls={endpoint}"))
+                .arg(format!("--advertise-client-urls={endpoint}"))
+                .arg(format!("--listen-peer-urls={peer}"))
+                .arg(format!("--initial-advertise-peer-urls={peer}"))
+                .arg(format!("--initial-cluster=nixl-bench-test={peer}"))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start etcd");
+            let etcd = Self {
+                child,
+                dir,
+                endpoint,
+            };
+            let ready = runtime().block_on(async {
+                for _ in 0..400 {
+                    if let Ok(mut c) = etcd_client::Client::connect([&etcd.endpoint], None).await {
+                        if c.get("/ready", None).await.is_ok() {
+                            return true;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                false
+            });
+            assert!(ready, "etcd did not come up on {}", etcd.endpoint);
+            Some(etcd)
+        }
+
+        /// The keys under `prefix`.
+        fn keys(&self, prefix: &str) -> Vec<String> {
+            runtime().block_on(async {
+                let mut c = etcd_client::Client::connect([&self.endpoint], None)
+                    .await
+                    .unwrap();
+                let options = etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_keys_only();
+                let got = c.get(prefix, Some(options)).await.unwrap();
+                got.kvs()
+                    .iter()
+                    .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+                    .collect()
+            })
+        }
+    }
+
+    impl Drop for Etcd {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    impl Target {
+        /// A `--role target` registered in etcd `group`; `addr` is the control address
+        /// it advertised there.
+        fn start_in(etcd: &Etcd, group: &str) -> Self {
+            let mut child = bench()
+                .args(["--role", "target", "--etcd-endpoints", &etcd.endpoint])
+                .args(["--benchmark-group", group])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("start the target");
+            let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+            let mut next = || lines.next().expect("a line").expect("text");
+            let listening = next();
+            assert!(listening.starts_with("listening on "), "{listening:?}");
+            let registered = next();
+            let addr = registered
+                .strip_prefix(&format!("registered in etcd group {group:?} as "))
+                .and_then(|rest| rest.split_whitespace().next())
+                .unwrap_or_else(|| panic!("unexpected second line {registered:?}"))
+                .to_owned();
+            Self { child, addr }
+        }
+    }
+
+    fn initiator_args<'a>(etcd: &'a Etcd, group: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+        let mut args = with(&["--role", "initiator", "--etcd-endpoints", &etcd.endpoint]);
+        args.extend_from_slice(&["--benchmark_group", group]);
+        args.extend_from_slice(extra);
+        args
+    }
+
+    #[test]
+    fn initiator_waits_for_its_target_and_both_clean_up() {
+        let Some(etcd) = Etcd::start("etcd initiator_waits_for_its_target_and_both_clean_up")
+        else {
+            return;
+        };
+        // The initiator first: it waits in etcd for a target to join its group.
+        let args: Vec<String> = initiator_args(&etcd, "g1", &["--check-consistency"])
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        let initiator = std::thread::spawn(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run(&args)
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        let mut target = Target::start_in(&etcd, "g1");
+        let out = initiator.join().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "initiator: {}\n{stderr}", out.status);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        for col in COLUMNS {
+            assert!(stdout.contains(col), "column {col:?} missing:\n{stdout}");
+        }
+        assert!(
+            stdout.contains(&format!(
+                "peer at {}, found in etcd group \"g1\"",
+                target.addr
+            )),
+            "{stdout}"
+        );
+        let rows = table_rows(&stdout);
+        let blocks: Vec<f64> = rows.iter().map(|r| r[0]).collect();
+        assert_eq!(
+            blocks,
+            [4096.0, 8192.0, 16384.0, 32768.0, 65536.0],
+            "{stdout}"
+        );
+        for r in &rows {
+            assert_eq!(r.len(), 10, "{r:?}");
+            assert!(r[2] > 0.0 && r[8] > 0.0, "{r:?}");
+        }
+        let status = wait_within(&mut target.child, Duration::from_secs(30))
+            .expect("the target exits after its run");
+        assert!(status.success(), "target: {status}");
+        // The target's lease went with it: the group is free for the next target.
+        assert_eq!(etcd.keys("/nixl-bench/g1/"), Vec::<String>::new());
+    }
+
+    #[test]
+    fn initiator_without_a_target_fails_within_its_bound() {
+        let Some(etcd) = Etcd::start("etcd initiator_without_a_target_fails_within_its_bound")
+        else {
+            return;
+        };
+        let t0 = Instant::now();
+        let out = run(&initiator_args(
+            &etcd,
+            "nobody-here",
+            &["--connect-timeout", "2s", "--exchange-timeout", "2s"],
+        ));
+        let took = t0.elapsed();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("no target registered in etcd group \"nobody-here\" within 2s"),
+            "{stderr}"
+        );
+        assert!(took < Duration::from_secs(15), "took {took:?}");
+    }
+
+    #[test]
+    fn a_group_has_one_target_at_a_time() {
+        let Some(etcd) = Etcd::start("etcd a_group_has_one_target_at_a_time") else {
+            return;
+        };
+        let mut first = Target::start_in(&etcd, "g2");
+        let out = run(&[
+            "--role",
+            "target",
+            "--etcd-endpoints",
+            &etcd.endpoint,
+            "--benchmark-group",
+            "g2",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "benchmark group \"g2\" already has a target (control address {})",
+                first.addr
+            )),
+            "{stderr}"
+        );
+        // The first target still serves its group.
+        let stdout = ok(&initiator_args(&etcd, "g2", &[]));
+        assert!(
+            stdout.contains(&format!("peer at {}", first.addr)),
+            "{stdout}"
+        );
+        assert_eq!(table_rows(&stdout).len(), 5);
+        let status = wait_within(&mut first.child, Duration::from_secs(30))
+            .expect("the target exits after its run");
+        assert!(status.success(), "target: {status}");
+    }
 }
