@@ -14,4 +14,3 @@ const UCX: BackendUnderTest = BackendUnderTest {
 };
 
 conformance_tests!(UCX);
-
