@@ -6,6 +6,18 @@
 //! issues UCX operations, progresses the worker and completes requests. Setup calls
 //! that must answer synchronously (`register`, `add_peer`, `prepare`) take the same
 //! mutex briefly, so UCX is never entered by two threads at once.
+//!
+//! # Dead peers
+//! UCX fails an endpoint when its transport notices the peer is gone (a closed socket,
+//! a dead process, keepalive). It does not notice a peer *worker* that was destroyed
+//! while its process lives on (an agent dropped, or shut down before it knew us, in a
+//! process that keeps running; or another agent of the same process): shared-memory
+//! keepalive checks only the peer's process, and an endpoint whose wireup the peer
+//! never answered is never checked at all. Operations that need the peer (the wireup
+//! itself, active-message emulation of RMA, a full shared-memory FIFO) then wait
+//! forever. So the driver probes: while a connection has work that has made no
+//! progress for a while, it sends a PING, which the peer answers with a PONG from its
+//! progress loop; no answer within the bound fails the connection (see [`Liveness`]).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -75,12 +87,62 @@ struct InFlight {
     notif: Option<Bytes>,
 }
 
+/// A liveness probe waiting for its PONG.
+#[derive(Debug, Clone, Copy)]
+struct Probe {
+    /// First PING of this round (a PONG to any PING of the round answers it).
+    first: u64,
+    /// The latest PING.
+    seq: u64,
+    deadline: Instant,
+    /// The latest PING went out on the probe endpoint.
+    second: bool,
+}
+
+/// When to probe a connection, and how long to wait for the answer.
+///
+/// A connection whose oldest operation has made no progress for `after` gets a PING
+/// on its data endpoint, sent with a UCX reply endpoint, on which the peer's progress
+/// loop answers a PONG at once (so answering never makes an endpoint). A PONG within
+/// `answer` proves the peer alive and restarts the clock: a long transfer to a live
+/// peer is probed about once per `after` and not failed.
+///
+/// The first PING can go unanswered while the peer lives: it waits behind the
+/// connection's own traffic (a large WRITE ahead of it, or the data of a large READ
+/// ahead of the PONG, where UCX runs RMA over active messages), or the peer dropped
+/// its side of the connection (UCX then drops what arrives on it, and UCX's keepalive
+/// fails the connection). So the second PING goes out on a separate endpoint, made
+/// for this (only when needed: more endpoints between two workers strain UCX's
+/// connection matching). No PONG to it within `answer` fails the connection: its
+/// transfers end with `RemoteDisconnected`. A peer gone before it answered UCX's
+/// handshake fails the same way (both PINGs wait for the handshake).
+///
+/// So a dead peer is noticed within `after + 2 * answer` (plus a driver tick).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Liveness {
+    pub(crate) after: Duration,
+    pub(crate) answer: Duration,
+}
+
+impl Liveness {
+    /// Split a total bound: probe after a fifth of it, wait two fifths per PING.
+    pub(crate) fn within(total: Duration) -> Self {
+        let after = total / 5;
+        Self {
+            after,
+            answer: (total - after) / 2,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct PeerConn {
     /// Unique per connection; also the stream id in our message headers.
     pub(crate) epoch: u64,
     pub(crate) address: Vec<u8>,
     pub(crate) ep: std::result::Result<EpId, String>,
+    /// Whether the endpoints use UCX peer-failure handling.
+    peer_failure: bool,
     /// Why the connection is dead, once it is.
     pub(crate) failed: Option<String>,
     hello_sent: bool,
@@ -88,6 +150,37 @@ pub(crate) struct PeerConn {
     /// Remote keys unpacked on this connection, by the peer's region id.
     rkeys: HashMap<u64, (Bytes, RkeyId)>,
     queue: VecDeque<InFlight>,
+    /// When an operation of this connection last finished, or the queue last became
+    /// non-empty, or the peer last answered a probe.
+    last_progress: Instant,
+    /// The separate endpoint for a second PING (made when first needed).
+    probe_ep: Option<EpId>,
+    probe: Option<Probe>,
+    next_probe: u64,
+}
+
+impl PeerConn {
+    /// Queue a flight; an idle connection starts its progress clock now.
+    fn push(&mut self, f: InFlight) {
+        if self.queue.is_empty() {
+            self.last_progress = Instant::now();
+        }
+        self.queue.push_back(f);
+    }
+
+    /// Mark the connection dead and force-close its endpoints, which completes what
+    /// UCX still holds for it (with an error).
+    fn fail<K: HoldsMemory>(&mut self, ucx: &mut Ucx<K>, why: String) {
+        self.failed = Some(why);
+        self.rkeys.clear();
+        self.probe = None;
+        if let Ok(ep) = self.ep {
+            ucx.ep_close(ep);
+        }
+        if let Some(ep) = self.probe_ep.take() {
+            ucx.ep_close(ep);
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -117,9 +210,14 @@ pub(crate) struct Core {
     reorder: HashMap<(String, u64), Reorder>,
     /// Peers that said HELLO to us: name -> their worker address.
     inbound: HashMap<String, Vec<u8>>,
+    /// PINGs in flight (outside their connection's queue: nothing waits for them).
+    pings: Vec<FlightId>,
+    /// Set once shutdown began: PINGs are no longer answered.
+    closing: Arc<AtomicBool>,
     pub(crate) agent: String,
     pub(crate) sink: Option<NotificationSink>,
     max_notification: usize,
+    liveness: Option<Liveness>,
 }
 
 /// How the driver is woken when work is posted.
@@ -205,9 +303,12 @@ impl Core {
         mut ucx: Ucx<Work>,
         rx: mpsc::Receiver<Cmd>,
         max_notification: usize,
+        liveness: Option<Liveness>,
     ) -> std::result::Result<Self, UcxError> {
         let events: Arc<Mutex<Vec<AmEvent>>> = Arc::default();
         let ev = events.clone();
+        let closing = Arc::new(AtomicBool::new(false));
+        let closing2 = closing.clone();
         ucx.set_am_handler(
             wire::AM_ID,
             Box::new(move |m| {
@@ -216,16 +317,23 @@ impl Core {
                         len = m.header.len(),
                         "ucx: dropping an active message with a malformed header"
                     );
-                    return;
+                    return None;
                 };
+                if header.kind == Kind::Ping {
+                    // Answered here, on the reply endpoint, while the driver runs.
+                    return (!closing2.load(Ordering::Acquire)).then(|| {
+                        wire::encode_header(Kind::Pong, header.stream, header.seq, "")
+                    });
+                }
                 let Some(data) = m.data else {
                     tracing::warn!(from = %header.name, "ucx: dropping a rendezvous active message (never requested)");
-                    return;
+                    return None;
                 };
                 ev.lock().unwrap().push(AmEvent {
                     header,
                     data: Bytes::copy_from_slice(data),
                 });
+                None
             }),
         )?;
         Ok(Self {
@@ -236,9 +344,12 @@ impl Core {
             events,
             reorder: HashMap::new(),
             inbound: HashMap::new(),
+            pings: Vec::new(),
+            closing,
             agent: String::new(),
             sink: None,
             max_notification,
+            liveness,
         })
     }
 
@@ -277,11 +388,16 @@ impl Core {
                 epoch: random_u64(),
                 address: address.to_vec(),
                 ep,
+                peer_failure,
                 failed: None,
                 hello_sent: false,
                 next_seq: 0,
                 rkeys: HashMap::new(),
                 queue: VecDeque::new(),
+                last_progress: Instant::now(),
+                probe_ep: None,
+                probe: None,
+                next_probe: 0,
             },
         );
     }
@@ -290,6 +406,9 @@ impl Core {
     pub(crate) fn remove_peer(&mut self, peer: &str, why: &str) {
         if let Some(mut p) = self.peers.remove(peer) {
             if let Ok(ep) = p.ep {
+                self.ucx.ep_close(ep);
+            }
+            if let Some(ep) = p.probe_ep.take() {
                 self.ucx.ep_close(ep);
             }
             for f in p.queue.drain(..) {
@@ -354,8 +473,10 @@ impl Core {
         p.hello_sent = true;
         let h = wire::encode_header(Kind::Hello, p.epoch, 0, &self.agent);
         let data = Bytes::copy_from_slice(self.ucx.address());
-        let flight = self.ucx.am_send(ep, wire::AM_ID, h, data, Work::Internal);
-        p.queue.push_back(InFlight {
+        let flight = self
+            .ucx
+            .am_send(ep, wire::AM_ID, h, data, false, Work::Internal);
+        p.push(InFlight {
             flight,
             notif: None,
         });
@@ -397,7 +518,7 @@ impl Core {
                 self.ensure_hello(&xfer.peer);
                 let flight = self.ucx.rma(ep, xfer.write, &xfer.segs, Work::Done(done));
                 if let Some(p) = self.peers.get_mut(&*xfer.peer) {
-                    p.queue.push_back(InFlight { flight, notif });
+                    p.push(InFlight { flight, notif });
                 }
             }
             Cmd::Notify { peer, msg, done } => {
@@ -426,7 +547,7 @@ impl Core {
                         self.ensure_hello(&peer);
                         let f = self.send_notif(&peer, msg, done);
                         if let (Some(p), Some(f)) = (self.peers.get_mut(peer.as_str()), f) {
-                            p.queue.push_back(InFlight {
+                            p.push(InFlight {
                                 flight: f,
                                 notif: None,
                             });
@@ -454,7 +575,7 @@ impl Core {
                     self.ensure_hello(&peer);
                     let flight = self.ucx.flush(ep, Work::Connect(tx));
                     if let Some(p) = self.peers.get_mut(peer.as_str()) {
-                        p.queue.push_back(InFlight {
+                        p.push(InFlight {
                             flight,
                             notif: None,
                         });
@@ -477,7 +598,10 @@ impl Core {
         };
         let h = wire::encode_header(Kind::Notif, p.epoch, p.next_seq, &self.agent);
         p.next_seq += 1;
-        Some(self.ucx.am_send(ep, wire::AM_ID, h, msg, Work::Done(done)))
+        Some(
+            self.ucx
+                .am_send(ep, wire::AM_ID, h, msg, false, Work::Done(done)),
+        )
     }
 
     /// One round: commands, progress, incoming messages, failures, completions.
@@ -523,6 +647,19 @@ impl Core {
                     tracing::debug!(peer = %h.name, "ucx: peer connected");
                     self.inbound.insert(h.name, ev.data.to_vec());
                 }
+                // Answered by the message handler.
+                Kind::Ping => {}
+                Kind::Pong => {
+                    let p = self.peers.values_mut().find(|p| p.epoch == h.stream);
+                    if let Some(p) = p {
+                        if p.probe
+                            .is_some_and(|pr| (pr.first..=pr.seq).contains(&h.seq))
+                        {
+                            p.probe = None;
+                            p.last_progress = Instant::now();
+                        }
+                    }
+                }
                 Kind::Bye => {
                     tracing::debug!(peer = %h.name, "ucx: peer said goodbye");
                     self.reorder.retain(|(n, _), _| *n != h.name);
@@ -535,11 +672,7 @@ impl Core {
                     }
                     if let Some(p) = self.peers.get_mut(h.name.as_str()) {
                         if p.address == ev.data[..] && p.failed.is_none() {
-                            p.failed = Some("the peer shut down".into());
-                            p.rkeys.clear();
-                            if let Ok(ep) = p.ep {
-                                self.ucx.ep_close(ep);
-                            }
+                            p.fail(&mut self.ucx, "the peer shut down".into());
                         }
                     }
                 }
@@ -565,18 +698,88 @@ impl Core {
         }
     }
 
+    /// Send a PING on `peer`'s connection: on its data endpoint, or (`second`) on
+    /// its probe endpoint (see [`Liveness`]).
+    fn send_probe(&mut self, peer: &str, liveness: Liveness, second: bool) {
+        let Some(p) = self.peers.get_mut(peer) else {
+            return;
+        };
+        let Ok(data_ep) = p.ep else { return };
+        let ep = match (second, p.probe_ep) {
+            (false, _) => data_ep,
+            (true, Some(ep)) => ep,
+            (true, None) => match self.ucx.ep_create(&p.address, p.peer_failure) {
+                Ok(ep) => {
+                    p.probe_ep = Some(ep);
+                    ep
+                }
+                Err(e) => {
+                    let why = format!("connection failed: the peer is unreachable: {e}");
+                    tracing::debug!(peer, why, "ucx: peer failed");
+                    p.fail(&mut self.ucx, why);
+                    return;
+                }
+            },
+        };
+        let seq = p.next_probe;
+        p.next_probe += 1;
+        p.probe = Some(Probe {
+            first: p.probe.map_or(seq, |pr| pr.first),
+            seq,
+            deadline: Instant::now() + liveness.answer,
+            second,
+        });
+        let h = wire::encode_header(Kind::Ping, p.epoch, seq, &self.agent);
+        let flight = self
+            .ucx
+            .am_send(ep, wire::AM_ID, h, Bytes::new(), true, Work::Internal);
+        self.pings.push(flight);
+    }
+
+    /// Fail connections whose peer is gone: UCX reported an error on an endpoint, or
+    /// the peer did not answer a liveness probe in time (see the module docs). Probe
+    /// connections whose work has stalled.
     fn check_failures(&mut self) {
+        let now = Instant::now();
+        let mut probe = Vec::new();
         for (name, p) in self.peers.iter_mut() {
             if p.failed.is_some() {
                 continue;
             }
             let Ok(ep) = p.ep else { continue };
-            if let Some(e) = self.ucx.ep_error(ep) {
-                tracing::debug!(peer = %name, error = %e, "ucx: peer failed");
-                p.failed = Some(format!("connection failed: {e}"));
-                p.rkeys.clear();
-                self.ucx.ep_close(ep);
-            }
+            let err = self
+                .ucx
+                .ep_error(ep)
+                .or_else(|| p.probe_ep.and_then(|e| self.ucx.ep_error(e)));
+            let why = if let Some(e) = err {
+                format!("connection failed: {e}")
+            } else if let Some(pr) = p.probe.filter(|pr| now >= pr.deadline) {
+                let Some(l) = self.liveness else { continue };
+                if !pr.second {
+                    // Ask again, on a separate endpoint.
+                    probe.push((name.clone(), l, true));
+                    continue;
+                }
+                format!(
+                    "no answer to liveness probes for {:?} while transfers waited on the peer: it is gone",
+                    l.answer * 2
+                )
+            } else {
+                if let Some(l) = self.liveness {
+                    if p.probe.is_none()
+                        && !p.queue.is_empty()
+                        && now.duration_since(p.last_progress) >= l.after
+                    {
+                        probe.push((name.clone(), l, false));
+                    }
+                }
+                continue;
+            };
+            tracing::debug!(peer = %name, why, "ucx: peer failed");
+            p.fail(&mut self.ucx, why);
+        }
+        for (name, l, second) in probe {
+            self.send_probe(&name, l, second);
         }
     }
 
@@ -641,7 +844,12 @@ impl Core {
                 let head = self
                     .peers
                     .get_mut(&name)
-                    .and_then(|p| p.queue.pop_front())
+                    .and_then(|p| {
+                        // Progress: the peer (or the transport) is moving.
+                        p.last_progress = Instant::now();
+                        p.probe = None;
+                        p.queue.pop_front()
+                    })
                     .expect("head exists");
                 if let Some(next) = self.finish(&name, head, work, res) {
                     if let Some(p) = self.peers.get_mut(&name) {
@@ -650,6 +858,8 @@ impl Core {
                 }
             }
         }
+        let ucx = &mut self.ucx;
+        self.pings.retain(|f| ucx.poll(*f).is_none());
         let mut i = 0;
         while i < self.orphans.len() {
             if let Some((work, _)) = self.ucx.poll(self.orphans[i].0.flight) {
@@ -678,6 +888,7 @@ impl Core {
     /// Shutdown, part one: refuse queued work and say goodbye to every peer that talked
     /// to us or that we talked to. Returns the flights to wait for (bounded).
     fn say_goodbye(&mut self) -> Vec<FlightId> {
+        self.closing.store(true, Ordering::Release);
         while let Ok(cmd) = self.rx.try_recv() {
             fail_cmd(cmd, ErrorKind::ShutDown, "the ucx backend is shutting down");
         }
@@ -707,7 +918,7 @@ impl Core {
             let h = wire::encode_header(Kind::Bye, 0, 0, &self.agent);
             flights.push(
                 self.ucx
-                    .am_send(ep, wire::AM_ID, h, me.clone(), Work::Internal),
+                    .am_send(ep, wire::AM_ID, h, me.clone(), false, Work::Internal),
             );
             flights.push(self.ucx.flush(ep, Work::Internal));
         }

@@ -24,10 +24,19 @@
 //!   spins briefly ([`UcxOptions::spin`]) while transfers are in flight; optionally a
 //!   dedicated thread ([`ProgressMode::Thread`]) joined within a bound at shutdown.
 //! - **Failures.** Endpoints use `UCP_ERR_HANDLING_MODE_PEER`; a peer that fails (UCX's
-//!   error handler, or its goodbye message at shutdown) fails its in-flight transfers
-//!   with [`ErrorKind::RemoteDisconnected`], and later posts fail fast. UCX's keepalive
-//!   ([`UcxOptions::keepalive_interval`]) bounds how long a silently dead peer goes
-//!   unnoticed.
+//!   error handler, its goodbye message at shutdown, or a missed liveness probe) fails
+//!   its in-flight transfers with [`ErrorKind::RemoteDisconnected`], and later posts
+//!   fail fast. UCX's keepalive ([`UcxOptions::keepalive_interval`], 5 s) notices a
+//!   dead process, a broken link, or a connection the peer closed on its side, within
+//!   about two intervals. It cannot notice a peer *worker* destroyed in a
+//!   process that lives on (an agent dropped or shut down before it said goodbye to
+//!   us, for example another agent of this process), nor a peer gone before it
+//!   answered UCX's connection handshake: on shared memory UCX only checks that the
+//!   peer's process exists, and operations that need the peer (the handshake, RMA
+//!   emulated over active messages) would wait forever. So while transfers to a peer
+//!   make no progress, the driver probes the peer (a PING its progress loop answers,
+//!   on the connection, then on a separate endpoint); a peer that does not answer
+//!   fails its transfers within [`UcxOptions::liveness_timeout`] (5 s by default).
 //! - **One-sided.** The target does not see requests, so it cannot refuse forged keys
 //!   or out-of-range access itself: [`Capabilities::target_checks`] is `false`; the
 //!   initiating agent checks every descriptor, and the transport checks keys and
@@ -56,7 +65,7 @@ use nixl::{
 };
 use tokio_util::sync::CancellationToken;
 
-use driver::{Cmd, Core, RemoteXfer, Shared, Wake};
+use driver::{Cmd, Core, Liveness, RemoteXfer, Shared, Wake};
 use ffi::{RmaSeg, Ucx, UcxInit};
 pub use library::{
     LibrarySource, UcxLibraryReport, DEFAULT_SONAME, ENV_EXPECT, ENV_LIB, ENV_STRICT, MIN_VERSION,
@@ -66,6 +75,9 @@ pub use library::{
 pub const ENV_PROGRESS: &str = "NIXL_UCX_PROGRESS";
 /// Environment variable giving the default [`UcxOptions::spin`] in microseconds.
 pub const ENV_SPIN_US: &str = "NIXL_UCX_SPIN_US";
+/// Environment variable giving the default [`UcxOptions::liveness_timeout`] in
+/// milliseconds (`0` disables probing).
+pub const ENV_LIVENESS_MS: &str = "NIXL_UCX_LIVENESS_MS";
 
 /// Who drives UCX progress.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -93,9 +105,29 @@ pub struct UcxOptions {
     /// UCX configuration settings (`("TLS", "shm,self")`), applied over the `UCX_*`
     /// environment variables.
     pub ucx_config: Vec<(String, String)>,
-    /// UCX keepalive interval: bounds how long a dead peer with transfers in flight can
-    /// go unnoticed. `None` keeps UCX's default (20 s in 1.13).
+    /// UCX keepalive interval: how often UCX checks the transports of a connected
+    /// peer (a dead process, a broken link, a connection the peer closed on its side;
+    /// noticed within about two intervals). `None` keeps UCX's default (20 s in 1.13).
+    /// It cannot see a peer worker destroyed in a live process; see
+    /// [`UcxOptions::liveness_timeout`].
     pub keepalive_interval: Option<Duration>,
+    /// Bound on how long transfers and notifications wait on a peer that is gone
+    /// without UCX noticing (an agent dropped or shut down in a process that lives on,
+    /// including agents of one process, on shared memory; or a peer gone before it
+    /// answered UCX's connection handshake). While work to a peer makes no progress
+    /// for a fifth of this, the driver probes the peer (on the connection, then on a
+    /// separate endpoint); no answer within the rest fails the connection: its
+    /// transfers end with [`ErrorKind::RemoteDisconnected`].
+    ///
+    /// A live peer's progress loop answers within milliseconds, and each answer
+    /// restarts the clock, so a long transfer to a live peer is not failed by this,
+    /// unless the peer's worker does not get to the answer within two fifths of the
+    /// bound (a peer that stops progressing UCX; or, on UCX's TCP transport, a single
+    /// transfer of many gigabytes can delay it: raise the bound for such workloads).
+    /// `None` disables probing (then such a peer leaves its transfers pending until it
+    /// is forgotten or the agent shuts down). Default: `NIXL_UCX_LIVENESS_MS` (`0`
+    /// disables), else 5 s.
+    pub liveness_timeout: Option<Duration>,
     /// Progress driver.
     pub progress: ProgressMode,
     /// How long the driver keeps polling (instead of sleeping on the event fd) while
@@ -117,6 +149,14 @@ impl Default for UcxOptions {
             strict: None,
             ucx_config: Vec::new(),
             keepalive_interval: Some(Duration::from_secs(5)),
+            liveness_timeout: match std::env::var(ENV_LIVENESS_MS)
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+            {
+                Some(0) => None,
+                Some(ms) => Some(Duration::from_millis(ms)),
+                None => Some(Duration::from_secs(5)),
+            },
             progress: match std::env::var(ENV_PROGRESS).as_deref() {
                 Ok("thread") => ProgressMode::Thread,
                 _ => ProgressMode::Task,
@@ -242,7 +282,8 @@ impl UcxBackend {
         let address = Bytes::copy_from_slice(ucx.address());
         let cuda = ucx.cuda_supported();
         let (tx, rx) = mpsc::channel();
-        let core = Core::new(ucx, rx, options.max_notification)
+        let liveness = options.liveness_timeout.map(Liveness::within);
+        let core = Core::new(ucx, rx, options.max_notification, liveness)
             .map_err(|e| Error::new(ErrorKind::Backend, OP, "UCX setup failed").with_source(e))?;
         let wake = match options.progress {
             ProgressMode::Task => Wake::Task(tokio::sync::Notify::new()),

@@ -5,6 +5,9 @@
 //! `stream` names one sender endpoint (it changes when the sender reconnects) and `seq`
 //! counts notifications on it, so the receiver delivers them in posting order whatever
 //! the transport does. The data of HELLO and BYE is the sender's worker address.
+//! PING (a liveness probe, see the driver) has no data and goes with a UCX reply
+//! endpoint; the receiver answers on it with a PONG carrying the same `stream` and
+//! `seq` (and an empty name).
 //!
 //! Registration blob: `version u8 | base u64 | len u64 | packed remote key`.
 
@@ -27,6 +30,11 @@ pub(crate) enum Kind {
     Hello = 2,
     /// The sender is shutting down; data is its worker address.
     Bye = 3,
+    /// A liveness probe: answer with [`Kind::Pong`] (same stream and seq) on the UCX
+    /// reply endpoint; no data.
+    Ping = 4,
+    /// The answer to a [`Kind::Ping`]; no data.
+    Pong = 5,
 }
 
 /// A decoded header.
@@ -59,6 +67,8 @@ pub(crate) fn decode_header(b: &[u8]) -> Option<Header> {
         1 => Kind::Notif,
         2 => Kind::Hello,
         3 => Kind::Bye,
+        4 => Kind::Ping,
+        5 => Kind::Pong,
         _ => return None,
     };
     let stream = u64::from_le_bytes(b[4..12].try_into().ok()?);
@@ -119,6 +129,10 @@ mod tests {
         );
         assert_eq!(decode_header(&h[..h.len() - 1]), None);
         assert_eq!(decode_header(&[0u8; 40]), None);
+        for kind in [Kind::Hello, Kind::Bye, Kind::Ping, Kind::Pong] {
+            let h = encode_header(kind, 1, 2, "x");
+            assert_eq!(decode_header(&h).map(|d| d.kind), Some(kind));
+        }
         let mut bad = h.clone();
         bad[3] = 9;
         assert_eq!(decode_header(&bad), None);

@@ -966,3 +966,110 @@ pub async fn three_agents_one_process(but: &BackendUnderTest) {
         assert!(x.shutdown().await.is_clean());
     }
 }
+
+/// Peers dropped without shutdown (so without goodbye), in the ways the lifecycle
+/// torture found hanging: before this agent ever used its connection, once the
+/// connection had been set up in the background but never used, and while transfers
+/// and notifications to it were in flight. Every transfer and notification to them
+/// resolves within the bound (an error, or `Ok` where a one-sided transport cannot
+/// tell the target is gone), later posts too, and shutdown is clean.
+pub async fn dropped_peers_never_hang(but: &BackendUnderTest) {
+    need!(but, "dropped_peers_never_hang", remote, dram, notifications);
+    // Ending with one of these is fine; hanging, or another error, is not.
+    fn gone(what: &str, e: &nixl::Error) {
+        assert!(
+            matches!(
+                e.kind(),
+                ErrorKind::RemoteDisconnected | ErrorKind::Canceled
+            ),
+            "{what}: {e}"
+        );
+    }
+    let a = but.agent("survivor").await;
+    let src = a.register(vec![5u8; 1 << 20]).unwrap();
+    // The dead peers' memory stays alive here: a one-sided transport may still write
+    // into it (in this process) until it notices the peer is gone.
+    let mut keep = Vec::new();
+    let mut pending = Vec::new();
+    let mut requests = Vec::new();
+    let mut refused = 0;
+    for (name, wait_ms, busy) in [
+        ("gone-early", 0, false),
+        ("gone-idle", 50, false),
+        ("gone-busy", 0, true),
+    ] {
+        let b = but.agent(name).await;
+        let monitor = b.task_monitor();
+        let dst = b.register(vec![0u8; 1 << 20]).unwrap();
+        a.load_metadata(&b.metadata().unwrap()).unwrap();
+        let rd = remote(&a, name, dst.id());
+        keep.push(dst);
+        let req = a
+            .create_request(
+                Op::Write,
+                &one(src.whole()),
+                name,
+                &one(rd.whole_desc()),
+                &RequestOptions::default(),
+            )
+            .unwrap();
+        let mut post = |what: &'static str, t: nixl::Result<nixl::Transfer>| match t {
+            Ok(t) => pending.push((name, what, t)),
+            // Refused at once: the backend already knows the peer is gone.
+            Err(e) => {
+                gone(what, &e);
+                refused += 1;
+            }
+        };
+        let desc = |op: Op, notif: &'static [u8]| {
+            a.transfer(
+                op,
+                &one(src.desc(0, 4096)),
+                name,
+                &one(rd.desc(0, 4096)),
+                (!notif.is_empty()).then(|| Bytes::from_static(notif)),
+            )
+        };
+        if busy {
+            post("write in flight", req.post(None));
+            post("read in flight", desc(Op::Read, b""));
+            post("notification in flight", a.notify(name, &b"n"[..]));
+        }
+        tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+        drop(b);
+        bounded("dropped peer's tasks to end", monitor.wait()).await;
+        if !busy {
+            post("write", req.post(None));
+        }
+        post("write with notification", desc(Op::Write, b"w"));
+        post("read with notification", desc(Op::Read, b"r"));
+        post("notification", a.notify(name, &b"x"[..]));
+        requests.push((name, req));
+    }
+    let t0 = std::time::Instant::now();
+    let mut failed = 0;
+    for (name, what, t) in pending {
+        if let Err(e) = bounded(&format!("{what} to dropped peer {name}"), t).await {
+            gone(&format!("{what} to {name}"), &e);
+            failed += 1;
+        }
+    }
+    println!(
+        "transfers to dropped peers resolved within {:?} ({failed} failed, {refused} refused at once)",
+        t0.elapsed()
+    );
+    // Posting again resolves too (typically failing fast now).
+    for (name, req) in &requests {
+        match req.post(None) {
+            Ok(t) => {
+                if let Err(e) = bounded(&format!("repost to dropped peer {name}"), t).await {
+                    gone(&format!("repost to {name}"), &e);
+                }
+            }
+            Err(e) => gone(&format!("repost to {name}"), &e),
+        }
+    }
+    let report = bounded("survivor shutdown", a.shutdown()).await;
+    assert_eq!(report.tasks_left, 0, "{report:?}");
+    drop(keep);
+}

@@ -45,6 +45,7 @@ macro_rules! conformance_tests {
             drop_in_flight_then_shutdown,
             drop_agent_ends_tasks,
             three_agents_one_process,
+            dropped_peers_never_hang,
         );
     };
 }

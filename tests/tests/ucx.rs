@@ -14,3 +14,32 @@ const UCX: BackendUnderTest = BackendUnderTest {
 };
 
 conformance_tests!(UCX);
+
+/// Teardown torture on UCX (fewer runs than tcp: each run maps memory and creates
+/// UCX workers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_torture_ucx() {
+    if UCX.capabilities("lifecycle_torture_ucx").is_none() {
+        return;
+    }
+    let base = std::env::var("NIXL_TORTURE_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    let runs = std::env::var("NIXL_TORTURE_RUNS_UCX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    println!("torture (ucx): base seed {base}, {runs} runs");
+    let r = nixl_conformance::torture::run_lifecycles(&UCX, base, runs).await;
+    nixl_conformance::support::figure(
+        "lifecycle runs (ucx)",
+        format!("{} runs, {} transfers posted ({} ok, {} failed, {} dropped mid-flight), 0 hangs, 0 leaked tasks or threads; {} bytes verified, {} lost", r.runs, r.posted, r.succeeded, r.failed, r.dropped, r.bytes_verified, r.bytes_lost),
+    );
+    assert_eq!(r.bytes_lost, 0);
+}

@@ -6,7 +6,8 @@
 //! 3. [`Ucx`]: the safe owner of one context and one worker and of everything made from
 //!    them (endpoints, remote keys, memory mappings, requests). It hands out plain ids,
 //!    never raw handles, and its `Drop` releases in UCX's order: remote keys, then
-//!    endpoints (force-closed, with bounded progress until they are gone), then memory
+//!    endpoints (young ones first get time to finish their wireup, see [`MIN_EP_AGE`];
+//!    then force-closed, with bounded progress until they are gone), then memory
 //!    mappings, then the worker, then the context. Work that keeps application memory
 //!    alive (a [`Completer`] inside `K`) is handed back only once UCX can no longer touch
 //!    that memory.
@@ -131,6 +132,10 @@ enum EpState {
         raw: sys::Ep,
         err: *mut AtomicI8,
         rkeys: Vec<sys::RKey>,
+        created: Instant,
+        /// Closed by the owner while too young (see [`MIN_EP_AGE`]): unusable, and
+        /// really closed at this time.
+        close_at: Option<Instant>,
     },
     Closing {
         req: *mut c_void,
@@ -169,12 +174,18 @@ pub(crate) struct AmIn<'a> {
     pub(crate) data: Option<&'a [u8]>,
 }
 
-type AmFn = Box<dyn FnMut(AmIn<'_>) + Send>;
+/// The active-message handler. It may return a reply header: when the sender asked
+/// for a reply endpoint ([`Ucx::am_send`] with `reply`), the reply goes back at once
+/// on that endpoint (eager, no data), so answering never creates an endpoint.
+pub(crate) type AmFn = Box<dyn FnMut(AmIn<'_>) -> Option<Vec<u8>> + Send>;
 
 struct AmSlot {
     f: AmFn,
+    id: u32,
     api: sys::Api,
     worker: sys::Worker,
+    /// Replies UCX has not finished sending: the request and the header it reads.
+    replies: Vec<(*mut c_void, Vec<u8>)>,
 }
 
 /// Options for [`Ucx::new`].
@@ -267,9 +278,42 @@ unsafe extern "C" fn am_trampoline(
     };
     let f = &mut slot.f;
     // A panic must not unwind into C.
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         f(AmIn { header, data: body })
-    }));
+    }))
+    .ok()
+    .flatten();
+    let reply_ep = if attr & sys::AM_RECV_ATTR_FIELD_REPLY_EP != 0 && !param.is_null() {
+        // SAFETY: UCX set the reply endpoint field for the duration of the call.
+        unsafe { (*param).reply_ep }
+    } else {
+        std::ptr::null_mut()
+    };
+    if let (Some(h), false) = (reply, reply_ep.is_null()) {
+        let rp = sys::RequestParam {
+            op_attr_mask: sys::OP_ATTR_FIELD_FLAGS,
+            flags: sys::AM_SEND_FLAG_EAGER,
+            ..Default::default()
+        };
+        // SAFETY: the reply endpoint UCX handed us, live for this call (sending from
+        // a receive callback is allowed; progressing is not, and we do not). The
+        // header is moved into the slot below and kept until the request finishes
+        // or the worker is destroyed.
+        let p = unsafe {
+            (slot.api.am_send_nbx)(
+                reply_ep,
+                slot.id,
+                h.as_ptr() as *const c_void,
+                h.len(),
+                std::ptr::null(),
+                0,
+                &rp,
+            )
+        };
+        if let Posted::Pending(req) = posted(p) {
+            slot.replies.push((req, h));
+        }
+    }
     if rndv {
         // SAFETY: `data` is the rendezvous descriptor UCX just gave us; releasing it
         // declines the payload.
@@ -394,8 +438,10 @@ impl<K: HoldsMemory> Ucx<K> {
     pub(crate) fn set_am_handler(&mut self, id: u32, f: AmFn) -> Result<(), UcxError> {
         let slot = Box::into_raw(Box::new(AmSlot {
             f,
+            id,
             api: self.api,
             worker: self.worker,
+            replies: Vec::new(),
         }));
         let param = sys::AmHandlerParam {
             field_mask: sys::AM_HANDLER_PARAM_FIELD_ID
@@ -427,7 +473,23 @@ impl<K: HoldsMemory> Ucx<K> {
     /// `ucp_worker_progress`: run callbacks (incoming messages) and complete requests.
     pub(crate) fn progress(&mut self) -> u32 {
         // SAFETY: live worker, serialized access (`&mut self`).
-        unsafe { (self.api.worker_progress)(self.worker) }
+        let n = unsafe { (self.api.worker_progress)(self.worker) };
+        if let Some(am) = self.am {
+            let api = self.api;
+            // SAFETY: the slot lives until after the worker is destroyed, and UCX uses
+            // it only inside ucp_worker_progress, which has returned.
+            let slot = unsafe { &mut *am };
+            slot.replies.retain(|(req, _)| {
+                // SAFETY: a live request of a reply, not yet freed.
+                if unsafe { (api.request_check_status)(*req) } == sys::UCS_INPROGRESS {
+                    return true;
+                }
+                // SAFETY: finished, freed once (its header is dropped with the entry).
+                unsafe { (api.request_free)(*req) };
+                false
+            });
+        }
+        n
     }
 
     /// `ucp_worker_arm`: `Ok(true)` when armed (sleep on the event fd), `Ok(false)` when
@@ -545,6 +607,8 @@ impl<K: HoldsMemory> Ucx<K> {
             raw: ep,
             err,
             rkeys: Vec::new(),
+            created: Instant::now(),
+            close_at: None,
         };
         let idx = match self.free_eps.pop() {
             Some(i) => {
@@ -568,7 +632,13 @@ impl<K: HoldsMemory> Ucx<K> {
         match self.eps.get(id.idx as usize) {
             Some(EpSlot {
                 gen,
-                state: EpState::Open { raw, rkeys, .. },
+                state:
+                    EpState::Open {
+                        raw,
+                        rkeys,
+                        close_at: None,
+                        ..
+                    },
             }) if *gen == id.gen => Some((*raw, rkeys)),
             _ => None,
         }
@@ -585,7 +655,12 @@ impl<K: HoldsMemory> Ucx<K> {
         let st = match self.eps.get(id.idx as usize) {
             Some(EpSlot {
                 gen,
-                state: EpState::Open { err, .. },
+                state:
+                    EpState::Open {
+                        err,
+                        close_at: None,
+                        ..
+                    },
             }) if *gen == id.gen => {
                 // SAFETY: the slot lives while the endpoint is open.
                 unsafe { &**err }.load(Ordering::Acquire)
@@ -633,18 +708,40 @@ impl<K: HoldsMemory> Ucx<K> {
         }
     }
 
-    /// Close an endpoint at once (pending operations on it fail), after destroying
-    /// its remote keys. Completes in later progress calls.
+    /// Close an endpoint (pending operations on it fail), after destroying its remote
+    /// keys. Completes in later progress calls. The endpoint is unusable from now on;
+    /// one younger than [`MIN_EP_AGE`] is really closed only at that age (by
+    /// [`Ucx::reap_closed`]).
     pub(crate) fn ep_close(&mut self, id: EpId) {
         let Some(slot) = self.eps.get_mut(id.idx as usize) else {
             return;
         };
-        if slot.gen != id.gen || !matches!(slot.state, EpState::Open { .. }) {
+        if slot.gen != id.gen {
             return;
         }
-        let EpState::Open { raw, err, rkeys } = std::mem::replace(&mut slot.state, EpState::Free)
+        let EpState::Open {
+            created, close_at, ..
+        } = &mut slot.state
         else {
-            unreachable!("checked open above");
+            return;
+        };
+        if close_at.is_some() {
+            return;
+        }
+        if created.elapsed() < MIN_EP_AGE {
+            *close_at = Some(*created + MIN_EP_AGE);
+            return;
+        }
+        self.close_now(id.idx);
+    }
+
+    fn close_now(&mut self, idx: u32) {
+        let slot = &mut self.eps[idx as usize];
+        let EpState::Open {
+            raw, err, rkeys, ..
+        } = std::mem::replace(&mut slot.state, EpState::Free)
+        else {
+            return;
         };
         for k in rkeys {
             // SAFETY: keys unpacked on this endpoint, destroyed once, before it is
@@ -658,20 +755,34 @@ impl<K: HoldsMemory> Ucx<K> {
         };
         // SAFETY: a live endpoint, closed once.
         let p = unsafe { (self.api.ep_close_nbx)(raw, &param) };
-        let slot = &mut self.eps[id.idx as usize];
+        let slot = &mut self.eps[idx as usize];
         match posted(p) {
             Posted::Pending(req) => slot.state = EpState::Closing { req, err },
             Posted::Done(_) => {
                 // SAFETY: the endpoint is gone; UCX calls its handler no more.
                 drop(unsafe { Box::from_raw(err) });
-                self.free_eps.push(id.idx);
+                self.free_eps.push(idx);
             }
         }
     }
 
-    /// Move finished endpoint closes to free slots; returns how many are still closing.
+    /// Close endpoints whose deferred close is due, and move finished closes to free
+    /// slots; returns how many are still closing (deferred ones included).
     pub(crate) fn reap_closed(&mut self) -> usize {
+        let now = Instant::now();
         let mut left = 0;
+        for i in 0..self.eps.len() {
+            if let EpState::Open {
+                close_at: Some(t), ..
+            } = self.eps[i].state
+            {
+                if now >= t {
+                    self.close_now(i as u32);
+                } else {
+                    left += 1;
+                }
+            }
+        }
         for (i, slot) in self.eps.iter_mut().enumerate() {
             if let EpState::Closing { req, err } = slot.state {
                 // SAFETY: a live request returned by ep_close_nbx.
@@ -806,12 +917,16 @@ impl<K: HoldsMemory> Ucx<K> {
 
     /// Send an active message (eager protocol, so the receiver always gets the data
     /// inline). `header` and `data` stay owned by the flight until UCX is done.
+    ///
+    /// With `reply`, UCX gives the receiver's handler a reply endpoint, which an
+    /// [`AmFn`] answer goes back on.
     pub(crate) fn am_send(
         &mut self,
         id: EpId,
         am_id: u32,
         header: Vec<u8>,
         data: Bytes,
+        reply: bool,
         keep: K,
     ) -> FlightId {
         let Some((ep, _)) = self.open_ep(id) else {
@@ -819,7 +934,7 @@ impl<K: HoldsMemory> Ucx<K> {
         };
         let param = sys::RequestParam {
             op_attr_mask: sys::OP_ATTR_FIELD_FLAGS,
-            flags: sys::AM_SEND_FLAG_EAGER,
+            flags: sys::AM_SEND_FLAG_EAGER | if reply { sys::AM_SEND_FLAG_REPLY } else { 0 },
             ..Default::default()
         };
         // SAFETY: live endpoint; header and data are heap buffers moved into the
@@ -885,11 +1000,22 @@ impl<K: HoldsMemory> Ucx<K> {
 
     /// Operations or closes still in flight.
     pub(crate) fn busy(&self) -> bool {
-        self.flights.len() > self.free_flights.len()
-            || self
-                .eps
-                .iter()
-                .any(|s| matches!(s.state, EpState::Closing { .. }))
+        // SAFETY: the slot lives as long as `self`; nothing else touches it now.
+        let replies = self
+            .am
+            .is_some_and(|am| !unsafe { &*am }.replies.is_empty());
+        replies
+            || self.flights.len() > self.free_flights.len()
+            || self.eps.iter().any(|s| {
+                matches!(
+                    s.state,
+                    EpState::Closing { .. }
+                        | EpState::Open {
+                            close_at: Some(_),
+                            ..
+                        }
+                )
+            })
     }
 }
 
@@ -908,10 +1034,30 @@ impl<K> Ucx<K> {
 impl<K> Drop for Ucx<K> {
     fn drop(&mut self) {
         let api = self.api;
+        // 0. Let endpoints younger than MIN_EP_AGE finish UCX's wireup first (see
+        // there), progressing the worker, within the teardown bound.
+        let young = self
+            .eps
+            .iter()
+            .filter_map(|s| match s.state {
+                EpState::Open { created, .. } => Some(created + MIN_EP_AGE),
+                _ => None,
+            })
+            .max();
+        if let Some(until) = young {
+            let until = until.min(Instant::now() + self.teardown_bound);
+            while Instant::now() < until {
+                // SAFETY: live worker, exclusive access (we are in Drop).
+                if unsafe { (api.worker_progress)(self.worker) } == 0 {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+        }
         // 1. Remote keys, then endpoints (forced: pending operations fail).
         for i in 0..self.eps.len() {
-            if let EpState::Open { raw, err, rkeys } =
-                std::mem::replace(&mut self.eps[i].state, EpState::Free)
+            if let EpState::Open {
+                raw, err, rkeys, ..
+            } = std::mem::replace(&mut self.eps[i].state, EpState::Free)
             {
                 for k in rkeys {
                     // SAFETY: keys of this endpoint, destroyed once, before it closes.
@@ -1014,6 +1160,16 @@ impl<K> Drop for Ucx<K> {
         drop(handed_back);
     }
 }
+
+/// Youngest endpoint [`Ucx::ep_close`] closes at once; a younger one is closed when it
+/// reaches this age.
+///
+/// When two workers make endpoints to each other at about the same time, UCX pairs
+/// them (its connection matching). Closing one of them while the peer's wireup request
+/// for it is still on its way makes the peer's endpoint receive two different remote
+/// ids, which UCX 1.13 builds with assertions enabled (Debian's) abort on
+/// (`ucp_ep_update_remote_id`). Any live peer has answered well within this.
+pub(crate) const MIN_EP_AGE: Duration = Duration::from_millis(200);
 
 /// Copy between two regions of this process: `memmove` per pair, `(local, target)`.
 /// `done` is the completer of the transfer the segments belong to: it keeps them alive.

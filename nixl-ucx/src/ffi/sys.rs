@@ -69,6 +69,7 @@ pub(crate) const MEMORY_TYPE_CUDA: c_uint = 1;
 // ucp_request_param_t
 pub(crate) const OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub(crate) const EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
+pub(crate) const AM_SEND_FLAG_REPLY: u32 = 1 << 0;
 pub(crate) const AM_SEND_FLAG_EAGER: u32 = 1 << 1;
 
 // ucp_am_handler_param_t
@@ -77,6 +78,7 @@ pub(crate) const AM_HANDLER_PARAM_FIELD_FLAGS: u64 = 1 << 1;
 pub(crate) const AM_HANDLER_PARAM_FIELD_CB: u64 = 1 << 2;
 pub(crate) const AM_HANDLER_PARAM_FIELD_ARG: u64 = 1 << 3;
 pub(crate) const AM_FLAG_WHOLE_MSG: u32 = 1 << 0;
+pub(crate) const AM_RECV_ATTR_FIELD_REPLY_EP: u64 = 1 << 0;
 pub(crate) const AM_RECV_ATTR_FLAG_RNDV: u64 = 1 << 17;
 
 // ucp_context_attr_t
