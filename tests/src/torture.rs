@@ -81,6 +81,22 @@ async fn watchdog<F: std::future::Future>(seed: u64, what: &str, f: F) -> F::Out
     }
 }
 
+/// A `u64` from the environment variable `name`, if set and valid.
+pub fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+/// The base seed: `NIXL_TORTURE_SEED`, else the clock (printed by the callers, so a
+/// failing run can be reproduced).
+pub fn base_seed() -> u64 {
+    env_u64("NIXL_TORTURE_SEED").unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64
+    })
+}
+
 /// Run `count` lifecycles with seeds `base..base+count` against `but`.
 pub async fn run_lifecycles(but: &BackendUnderTest, base: u64, count: u64) -> TortureReport {
     let mut report = TortureReport::default();

@@ -8,26 +8,13 @@
 use std::sync::Arc;
 
 use nixl_conformance::support::figure;
-use nixl_conformance::torture::run_lifecycles;
+use nixl_conformance::torture::{base_seed, env_u64, run_lifecycles};
 use nixl_conformance::BackendUnderTest;
 
 const TCP: BackendUnderTest = BackendUnderTest {
     name: "tcp",
     make: || Ok(Arc::new(nixl_tcp::TcpBackend::new())),
 };
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok().and_then(|v| v.parse().ok())
-}
-
-fn base_seed() -> u64 {
-    env_u64("NIXL_TORTURE_SEED").unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64
-    })
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_torture_tcp() {

@@ -22,19 +22,8 @@ async fn lifecycle_torture_ucx() {
     if UCX.capabilities("lifecycle_torture_ucx").is_none() {
         return;
     }
-    let base = std::env::var("NIXL_TORTURE_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    let runs = std::env::var("NIXL_TORTURE_RUNS_UCX")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(200);
+    let base = nixl_conformance::torture::base_seed();
+    let runs = nixl_conformance::torture::env_u64("NIXL_TORTURE_RUNS_UCX").unwrap_or(200);
     println!("torture (ucx): base seed {base}, {runs} runs");
     let r = nixl_conformance::torture::run_lifecycles(&UCX, base, runs).await;
     nixl_conformance::support::figure(
