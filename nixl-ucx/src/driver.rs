@@ -238,6 +238,9 @@ pub(crate) struct Shared {
     pub(crate) stopped_notify: Notify,
     pub(crate) spin: Duration,
     pub(crate) bye_bound: Duration,
+    /// Whether posting may run the driver's round on the caller's thread
+    /// ([`crate::UcxOptions::post_inline`]).
+    pub(crate) inline: bool,
 }
 
 impl Shared {
@@ -245,6 +248,9 @@ impl Shared {
     pub(crate) fn submit(&self, cmd: Cmd) {
         if let Err(mpsc::SendError(cmd)) = self.tx.send(cmd) {
             fail_cmd(cmd, ErrorKind::ShutDown, "the ucx backend has stopped");
+            return;
+        }
+        if self.inline && self.run_inline() {
             return;
         }
         match &self.wake {
@@ -255,6 +261,23 @@ impl Shared {
                 }
             }
         }
+    }
+
+    /// Run the driver's round on the calling thread when nobody else is in UCX: the
+    /// command just queued (and any before it, in order) is issued at once, and on
+    /// shared memory a small transfer usually completes before `post` returns, with
+    /// no thread hop. Returns whether nothing is left in flight, so the driver need
+    /// not be woken; `false` (the driver is busy, or work is pending) wakes it as
+    /// usual.
+    fn run_inline(&self) -> bool {
+        let Ok(mut g) = self.core.try_lock() else {
+            return false;
+        };
+        let Some(core) = g.as_mut() else {
+            return false;
+        };
+        core.step();
+        !core.busy()
     }
 
     pub(crate) fn mark_stopped(&self) {

@@ -79,6 +79,10 @@ pub const ENV_SPIN_US: &str = "NIXL_UCX_SPIN_US";
 /// milliseconds (`0` disables probing).
 pub const ENV_LIVENESS_MS: &str = "NIXL_UCX_LIVENESS_MS";
 
+/// Environment variable giving the default [`UcxOptions::post_inline`] (`0` turns it
+/// off).
+pub const ENV_POST_INLINE: &str = "NIXL_UCX_POST_INLINE";
+
 /// Who drives UCX progress.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ProgressMode {
@@ -133,6 +137,13 @@ pub struct UcxOptions {
     /// How long the driver keeps polling (instead of sleeping on the event fd) while
     /// transfers are in flight.
     pub spin: Duration,
+    /// Whether posting may issue the transfer on the caller's thread when the driver
+    /// is not in UCX at that moment (otherwise the driver issues it). On shared memory
+    /// this completes a small transfer before `post` returns, without waking another
+    /// thread; a large one is copied (by CMA) on the caller's thread, just as the
+    /// driver would copy it on a runtime thread. Default: `true`, or
+    /// `NIXL_UCX_POST_INLINE=0` to turn it off.
+    pub post_inline: bool,
     /// Bound on joining the progress thread at shutdown.
     pub join_bound: Duration,
     /// Bound on saying goodbye to peers at shutdown and on closing endpoints.
@@ -165,6 +176,10 @@ impl Default for UcxOptions {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .map_or(Duration::from_micros(50), Duration::from_micros),
+            post_inline: !matches!(
+                std::env::var(ENV_POST_INLINE).as_deref(),
+                Ok("0" | "false" | "no")
+            ),
             join_bound: Duration::from_secs(5),
             teardown_bound: Duration::from_millis(500),
             max_notification: 1 << 20,
@@ -264,6 +279,15 @@ impl UcxBackend {
         let mut init = UcxInit {
             config: options.ucx_config.clone(),
         };
+        // We send eager active messages only, so rendezvous is never used; and with
+        // it enabled, UCX 1.14+ gives peer-failure endpoints no RMA lane on memory
+        // it cannot invalidate (CMA), falling back to emulating put/get with active
+        // messages the target must serve.
+        let user_rndv = std::env::var_os("UCX_RNDV_THRESH").is_some()
+            || init.config.iter().any(|(k, _)| k == "RNDV_THRESH");
+        if !user_rndv {
+            init.config.push(("RNDV_THRESH".into(), "inf".into()));
+        }
         if let Some(k) = options.keepalive_interval {
             init.config.push((
                 "KEEPALIVE_INTERVAL".into(),
@@ -302,6 +326,7 @@ impl UcxBackend {
             stopped_notify: tokio::sync::Notify::new(),
             spin: options.spin,
             bye_bound: options.teardown_bound,
+            inline: options.post_inline,
         });
         Ok(Self {
             inner: Arc::new(Inner {
