@@ -19,10 +19,24 @@
 //!   transfer completes when the flush does. A notification is an active message sent
 //!   after that flush, so the target sees the data first; it names the sender and
 //!   carries a sequence number so the target delivers notifications in posting order.
-//! - **Progress.** Posting only enqueues; a driver owns all UCX calls: by default a
-//!   tokio task that sleeps on the worker's event fd when idle (`ucp_worker_arm`), and
-//!   spins briefly ([`UcxOptions::spin`]) while transfers are in flight; optionally a
-//!   dedicated thread ([`ProgressMode::Thread`]) joined within a bound at shutdown.
+//! - **Shared memory.** Between processes of one host, where the transfer lands
+//!   decides the speed. Memory from [`UcxBackend::alloc`] is shared memory UCX
+//!   allocated, which the peer maps: a put or get is a plain copy by the initiator
+//!   (a 4 KiB WRITE completes in about 1 µs here). Ordinary memory is reached by CMA
+//!   (`process_vm_writev`, one system call per segment) on UCX 1.14 and later: the
+//!   backend sets `RNDV_THRESH=inf` (it sends eager active messages only), without
+//!   which UCX refuses CMA to peer-failure endpoints and emulates put/get with
+//!   active messages. UCX 1.13 always refuses it there (it requires memory
+//!   invalidation of such lanes), so on 1.13 ordinary memory goes by those active
+//!   messages, which the target's driver must serve (tens of microseconds).
+//! - **Progress.** A driver owns UCX progress: by default a tokio task that sleeps on
+//!   the worker's event fd when idle (`ucp_worker_arm`), and spins briefly
+//!   ([`UcxOptions::spin`]) while transfers are in flight; optionally a dedicated
+//!   thread ([`ProgressMode::Thread`]) joined within a bound at shutdown. Posting
+//!   queues the transfer and, when the driver is not in UCX at that moment, issues it
+//!   on the caller's thread ([`UcxOptions::post_inline`]): a transfer UCX finishes at
+//!   once (shared memory) completes before `post` returns, with no thread hop. All
+//!   UCX calls are serialised by one mutex.
 //! - **Failures.** Endpoints use `UCP_ERR_HANDLING_MODE_PEER`; a peer that fails (UCX's
 //!   error handler, its goodbye message at shutdown, or a missed liveness probe) fails
 //!   its in-flight transfers with [`ErrorKind::RemoteDisconnected`], and later posts
@@ -343,6 +357,47 @@ impl UcxBackend {
     /// Which UCX was loaded, from where, and whether it is one installation.
     pub fn library_report(&self) -> &UcxLibraryReport {
         &self.inner.report
+    }
+
+    /// Allocate `len` bytes of host memory through UCX, zero-filled, to register with
+    /// an agent (`agent.register(backend.alloc(len)?)`).
+    ///
+    /// UCX places it in shared memory (SysV or POSIX, by `UCX_ALLOC_PRIO`), which a
+    /// peer on the same host maps directly: a WRITE into it, or a READ from it, is then
+    /// a plain copy by the initiator (no system call, no help from this process), the
+    /// fastest path UCX has between processes, and the one `ucx_perftest` measures.
+    /// Ordinary memory (`Vec<u8>`, [`nixl::AlignedBuf`]) is reached through CMA
+    /// (`process_vm_writev`, one system call per segment) on UCX 1.14 and later, or
+    /// through active messages the target's driver must serve on 1.13 (see the crate
+    /// docs). Over the network it makes no difference.
+    ///
+    /// The memory stays valid for as long as the returned value, or any registration
+    /// made from it, lives, even after the backend shut down. Registering it with
+    /// another backend (nixl-tcp) works as for any memory.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ZeroLength`] for `len == 0`; [`ErrorKind::ShutDown`] after
+    /// shutdown; [`ErrorKind::Backend`] when UCX cannot allocate it.
+    pub fn alloc(&self, len: usize) -> Result<nixl::Memory> {
+        const OP: &str = "ucx alloc";
+        if len == 0 {
+            return Err(Error::new(
+                ErrorKind::ZeroLength,
+                OP,
+                "cannot allocate zero bytes",
+            ));
+        }
+        let a = self.with_core(OP, |core| {
+            core.ucx.alloc(len).map_err(|e| {
+                Error::new(
+                    ErrorKind::Backend,
+                    OP,
+                    format!("UCX could not allocate {len} bytes"),
+                )
+                .with_source(e)
+            })
+        })?;
+        ffi::allocation_memory(a)
     }
 
     /// Whether the bound UCX reports CUDA memory support. VRAM registration is still

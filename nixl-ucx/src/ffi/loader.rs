@@ -90,6 +90,7 @@ pub(crate) fn open(name: &str) -> Result<Loaded, LoadError> {
         ep_flush_nbx: sym!("ucp_ep_flush_nbx"),
         mem_map: sym!("ucp_mem_map"),
         mem_unmap: sym!("ucp_mem_unmap"),
+        mem_query: sym!("ucp_mem_query"),
         rkey_pack: sym!("ucp_rkey_pack"),
         rkey_buffer_release: sym!("ucp_rkey_buffer_release"),
         ep_rkey_unpack: sym!("ucp_ep_rkey_unpack"),

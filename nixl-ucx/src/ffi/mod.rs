@@ -8,22 +8,26 @@
 //!    never raw handles, and its `Drop` releases in UCX's order: remote keys, then
 //!    endpoints (young ones first get time to finish their wireup, see [`MIN_EP_AGE`];
 //!    then force-closed, with bounded progress until they are gone), then memory
-//!    mappings, then the worker, then the context. Work that keeps application memory
-//!    alive (a [`Completer`] inside `K`) is handed back only once UCX can no longer touch
-//!    that memory.
+//!    mappings, then the worker, then the context (which memory UCX allocated for the
+//!    application, an [`Allocation`], keeps until the last one is freed). Work that
+//!    keeps application memory alive (a [`Completer`] inside `K`) is handed back only
+//!    once UCX can no longer touch that memory.
 //!
 //! Threading: the worker is created in `UCS_THREAD_MODE_SERIALIZED`; `Ucx` is `Send` but
-//! not `Sync`, and every method takes `&mut self`, so calls never overlap.
+//! not `Sync`, and every method takes `&mut self`, so calls never overlap. The context
+//! is created with `mt_workers_shared`, so UCX locks its context-level calls and an
+//! [`Allocation`] may be freed on any thread.
 #![allow(unsafe_code)]
 
 mod loader;
 mod sys;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_void, CString};
 use std::fmt;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicI8, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -159,9 +163,93 @@ struct Flight<K> {
 }
 
 struct MemEntry {
-    memh: sys::MemH,
+    /// Our own mapping of the region, or the allocation it lies in (whose mapping
+    /// the allocation owns).
+    map: Mapping,
     /// Keeps the memory alive for as long as it is mapped.
     _region: RegionRef,
+}
+
+enum Mapping {
+    Own(sys::MemH),
+    Allocated { _alloc: Arc<Allocation> },
+}
+
+/// The UCP context: shared by the [`Ucx`] owner and by every [`Allocation`], and
+/// cleaned up when the last of them goes (so memory UCX allocated stays valid for as
+/// long as the application holds it, even after the backend shut down).
+struct Context {
+    api: sys::Api,
+    raw: sys::Context,
+}
+
+// SAFETY: the context is created with `mt_workers_shared`, so UCX serialises its
+// context-level calls (memory map/unmap, key packing) with its own lock; `raw` is
+// only used through those calls and `ucp_cleanup` (in Drop, once, by the last owner).
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: the last owner: the worker is destroyed (Ucx's Drop does that before
+        // letting go) and every mapping of the context is unmapped.
+        unsafe { (self.api.cleanup)(self.raw) };
+    }
+}
+
+/// Memory allocated and mapped by UCX (`ucp_mem_map` with `UCP_MEM_MAP_ALLOCATE`):
+/// shared memory that peers on this host map directly, so a put or get into it is a
+/// plain copy with no system call and no help from this process. Unmapped (freed)
+/// when dropped.
+pub(crate) struct Allocation {
+    ctx: Arc<Context>,
+    memh: sys::MemH,
+    addr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the memory is owned by this value until it is dropped; `memh` is only used
+// in Drop (a context-level call, serialised by UCX, see `Context`) and for key packing
+// under the `Ucx` owner.
+unsafe impl Send for Allocation {}
+// SAFETY: as above; shared access never touches the memory through `&self`.
+unsafe impl Sync for Allocation {}
+
+impl Allocation {
+    fn contains(&self, addr: u64, len: usize) -> bool {
+        let start = self.addr as u64;
+        addr >= start && addr.saturating_add(len as u64) <= start + self.len as u64
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        // SAFETY: our mapping of a live context (we hold it), unmapped once; no
+        // registration uses it any more (each holds an `Arc` of us).
+        let st = unsafe { (self.ctx.api.mem_unmap)(self.ctx.raw, self.memh) };
+        if let Err(e) = check(&self.ctx.api, "ucp_mem_unmap", st) {
+            tracing::warn!(error = %e, "freeing UCX-allocated memory failed");
+        }
+    }
+}
+
+impl fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocation")
+            .field("addr", &self.addr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// Wrap an allocation as memory an agent can register (it keeps the allocation).
+pub(crate) fn allocation_memory(a: Arc<Allocation>) -> nixl::Result<nixl::Memory> {
+    let (ptr, len) = (a.addr, a.len);
+    // SAFETY: `ptr..ptr+len` is host memory UCX allocated and mapped for reading and
+    // writing, zero-filled by `Ucx::alloc`; the owner passed along keeps it mapped
+    // for as long as the `Memory` and every registration made from it live.
+    unsafe { nixl::Memory::from_raw_parts_with_owner(ptr, len, nixl::MemKind::Dram, Some(a)) }
 }
 
 /// An incoming active message, as the handler sees it.
@@ -198,6 +286,7 @@ pub(crate) struct UcxInit {
 /// The owner of one UCP context and one worker (see the module docs).
 pub(crate) struct Ucx<K> {
     api: sys::Api,
+    ctx: Arc<Context>,
     context: sys::Context,
     worker: sys::Worker,
     address: Vec<u8>,
@@ -208,6 +297,8 @@ pub(crate) struct Ucx<K> {
     flights: Vec<Option<Flight<K>>>,
     free_flights: Vec<u32>,
     mems: HashMap<u64, MemEntry>,
+    /// Memory this context allocated, by start address.
+    allocs: BTreeMap<u64, Weak<Allocation>>,
     am: Option<*mut AmSlot>,
     /// How long teardown progresses the worker waiting for closes and requests.
     pub(crate) teardown_bound: Duration,
@@ -348,7 +439,9 @@ impl<K: HoldsMemory> Ucx<K> {
         let params = sys::Params {
             field_mask: sys::PARAM_FIELD_FEATURES | sys::PARAM_FIELD_MT_WORKERS_SHARED,
             features: sys::FEATURE_RMA | sys::FEATURE_AM | sys::FEATURE_WAKEUP,
-            mt_workers_shared: 0,
+            // UCX then locks its context-level calls, so an `Allocation` can be
+            // freed on any thread while the worker is in use on another.
+            mt_workers_shared: 1,
             ..Default::default()
         };
         let mut context: sys::Context = std::ptr::null_mut();
@@ -376,12 +469,14 @@ impl<K: HoldsMemory> Ucx<K> {
         // SAFETY: live context, valid params and out-pointer.
         let st = unsafe { (api.worker_create)(context, &wparams, &mut worker) };
         if let Err(e) = check(&api, "ucp_worker_create", st) {
-            // SAFETY: the context is live and nothing else uses it.
-            unsafe { (api.cleanup)(context) };
+            // Cleans the context up (nothing else holds it).
+            drop(Context { api, raw: context });
             return Err(e);
         }
+        let ctx = Arc::new(Context { api, raw: context });
         let mut me = Self {
             api,
+            ctx,
             context,
             worker,
             address: Vec::new(),
@@ -392,6 +487,7 @@ impl<K: HoldsMemory> Ucx<K> {
             flights: Vec::new(),
             free_flights: Vec::new(),
             mems: HashMap::new(),
+            allocs: BTreeMap::new(),
             am: None,
             teardown_bound: Duration::from_secs(2),
         };
@@ -512,6 +608,13 @@ impl<K: HoldsMemory> Ucx<K> {
     /// The failing UCX call.
     pub(crate) fn mem_map(&mut self, region: &RegionRef, cuda: bool) -> Result<Vec<u8>, UcxError> {
         let seg = region.segment();
+        if let Some(a) = self.allocation_of(seg.addr(), seg.len()) {
+            // Memory this context allocated is mapped already (as shared memory
+            // peers can map): advertise that mapping's key.
+            let packed = self.pack(a.memh)?;
+            self.insert_mem(region, Mapping::Allocated { _alloc: a });
+            return Ok(packed);
+        }
         let params = sys::MemMapParams {
             field_mask: sys::MEM_MAP_PARAM_FIELD_ADDRESS
                 | sys::MEM_MAP_PARAM_FIELD_LENGTH
@@ -536,29 +639,109 @@ impl<K: HoldsMemory> Ucx<K> {
         check(&self.api, "ucp_mem_map", unsafe {
             (self.api.mem_map)(self.context, &params, &mut memh)
         })?;
+        let packed = match self.pack(memh) {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: the mapping we just made, unmapped once.
+                unsafe { (self.api.mem_unmap)(self.context, memh) };
+                return Err(e);
+            }
+        };
+        self.insert_mem(region, Mapping::Own(memh));
+        Ok(packed)
+    }
+
+    fn insert_mem(&mut self, region: &RegionRef, map: Mapping) {
+        let entry = MemEntry {
+            map,
+            _region: region.clone(),
+        };
+        if let Some(old) = self.mems.insert(region.id(), entry) {
+            self.unmap(old);
+        }
+    }
+
+    /// The packed remote key of a mapping.
+    fn pack(&self, memh: sys::MemH) -> Result<Vec<u8>, UcxError> {
         let mut buf: *mut c_void = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: live context and memh; valid out-pointers.
         let st = unsafe { (self.api.rkey_pack)(self.context, memh, &mut buf, &mut len) };
-        if let Err(e) = check(&self.api, "ucp_rkey_pack", st) {
-            // SAFETY: the mapping we just made, unmapped once.
-            unsafe { (self.api.mem_unmap)(self.context, memh) };
-            return Err(e);
-        }
+        check(&self.api, "ucp_rkey_pack", st)?;
         // SAFETY: UCX returned `len` readable bytes at `buf`, ours until released.
         let packed = unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec();
         // SAFETY: releasing exactly the buffer rkey_pack returned, once.
         unsafe { (self.api.rkey_buffer_release)(buf) };
-        if let Some(old) = self.mems.insert(
-            region.id(),
-            MemEntry {
-                memh,
-                _region: region.clone(),
-            },
-        ) {
-            self.unmap(old);
-        }
         Ok(packed)
+    }
+
+    /// The live allocation of this context that holds `addr..addr+len`, if any.
+    fn allocation_of(&self, addr: u64, len: usize) -> Option<Arc<Allocation>> {
+        let (_, w) = self.allocs.range(..=addr).next_back()?;
+        w.upgrade().filter(|a| a.contains(addr, len))
+    }
+
+    /// Allocate `len` bytes of host memory through UCX (shared memory on this host's
+    /// transports that can do so), zero-filled.
+    ///
+    /// # Errors
+    /// The failing UCX call.
+    pub(crate) fn alloc(&mut self, len: usize) -> Result<Arc<Allocation>, UcxError> {
+        let params = sys::MemMapParams {
+            field_mask: sys::MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::MEM_MAP_PARAM_FIELD_FLAGS
+                | sys::MEM_MAP_PARAM_FIELD_PROT
+                | sys::MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+            address: std::ptr::null_mut(),
+            length: len,
+            flags: sys::MEM_MAP_ALLOCATE,
+            prot: sys::MEM_MAP_PROT_LOCAL_READ
+                | sys::MEM_MAP_PROT_LOCAL_WRITE
+                | sys::MEM_MAP_PROT_REMOTE_READ
+                | sys::MEM_MAP_PROT_REMOTE_WRITE,
+            memory_type: sys::MEMORY_TYPE_HOST,
+            ..Default::default()
+        };
+        let mut memh: sys::MemH = std::ptr::null_mut();
+        // SAFETY: live context; valid params and out-pointer (a null address with
+        // ALLOCATE lets UCX choose where).
+        check(&self.api, "ucp_mem_map", unsafe {
+            (self.api.mem_map)(self.context, &params, &mut memh)
+        })?;
+        let mut attr = sys::MemAttr {
+            field_mask: sys::MEM_ATTR_FIELD_ADDRESS | sys::MEM_ATTR_FIELD_LENGTH,
+            address: std::ptr::null_mut(),
+            length: 0,
+            mem_type: 0,
+            _pad: 0,
+        };
+        // SAFETY: the mapping just made; valid out struct.
+        let st = unsafe { (self.api.mem_query)(memh, &mut attr) };
+        let a = Arc::new(Allocation {
+            ctx: self.ctx.clone(),
+            memh,
+            addr: attr.address as *mut u8,
+            len,
+        });
+        // From here on, dropping `a` unmaps.
+        check(&self.api, "ucp_mem_query", st)?;
+        if a.addr.is_null() || attr.length < len {
+            return Err(UcxError {
+                what: "ucp_mem_map",
+                status: sys::UCS_ERR_NO_MEMORY,
+                text: format!(
+                    "UCX allocated {} bytes at {:p} for a request of {len}",
+                    attr.length, a.addr
+                ),
+            });
+        }
+        // SAFETY: `len` bytes at `addr` are ours, mapped for writing, and nothing
+        // else uses them yet. UCX may hand out recycled heap memory, so zero it.
+        unsafe { std::ptr::write_bytes(a.addr, 0, len) };
+        self.allocs.retain(|_, w| w.strong_count() > 0);
+        self.allocs.insert(a.addr as u64, Arc::downgrade(&a));
+        Ok(a)
     }
 
     /// Unmap a region mapped by [`Ucx::mem_map`] (no-op if unknown).
@@ -1021,12 +1204,15 @@ impl<K: HoldsMemory> Ucx<K> {
 
 impl<K> Ucx<K> {
     fn unmap(&mut self, m: MemEntry) {
-        // SAFETY: a mapping of this context, unmapped once; the region it covers is
-        // dropped (by dropping `m`) only afterwards.
-        let st = unsafe { (self.api.mem_unmap)(self.context, m.memh) };
-        if let Err(e) = check(&self.api, "ucp_mem_unmap", st) {
-            tracing::warn!(error = %e, "unmapping registered memory failed");
+        if let Mapping::Own(memh) = m.map {
+            // SAFETY: a mapping of this context, unmapped once; the region it covers
+            // is dropped (by dropping `m`) only afterwards.
+            let st = unsafe { (self.api.mem_unmap)(self.context, memh) };
+            if let Err(e) = check(&self.api, "ucp_mem_unmap", st) {
+                tracing::warn!(error = %e, "unmapping registered memory failed");
+            }
         }
+        // An allocation's mapping is its own: dropping our `Arc` may free it.
         drop(m);
     }
 }
@@ -1147,9 +1333,8 @@ impl<K> Drop for Ucx<K> {
             // SAFETY: the worker that could call it is destroyed.
             drop(unsafe { Box::from_raw(am) });
         }
-        // 5. The context.
-        // SAFETY: live context, all its workers and mappings are gone.
-        unsafe { (api.cleanup)(self.context) };
+        // 5. The context: cleaned up when our `ctx` goes, unless allocations the
+        // application still holds keep it (then by the last of them).
         // Requests left are gone with the worker: UCX will not touch their memory any
         // more, so their completers may now release it.
         for f in self.flights.drain(..).flatten() {

@@ -25,6 +25,7 @@ pub(crate) type Address = c_void;
 
 pub(crate) const UCS_OK: Status = 0;
 pub(crate) const UCS_INPROGRESS: Status = 1;
+pub(crate) const UCS_ERR_NO_MEMORY: Status = -4;
 pub(crate) const UCS_ERR_BUSY: Status = -15;
 pub(crate) const UCS_ERR_CANCELED: Status = -16;
 pub(crate) const UCS_ERR_CONNECTION_RESET: Status = -25;
@@ -57,6 +58,8 @@ pub(crate) const ERR_HANDLING_MODE_PEER: c_uint = 1;
 // ucp_mem_map_params_t
 pub(crate) const MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub(crate) const MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
+pub(crate) const MEM_MAP_PARAM_FIELD_FLAGS: u64 = 1 << 2;
+pub(crate) const MEM_MAP_ALLOCATE: c_uint = 1 << 1;
 pub(crate) const MEM_MAP_PARAM_FIELD_PROT: u64 = 1 << 3;
 pub(crate) const MEM_MAP_PARAM_FIELD_MEMORY_TYPE: u64 = 1 << 4;
 pub(crate) const MEM_MAP_PROT_LOCAL_READ: c_uint = 1 << 0;
@@ -65,6 +68,10 @@ pub(crate) const MEM_MAP_PROT_REMOTE_READ: c_uint = 1 << 8;
 pub(crate) const MEM_MAP_PROT_REMOTE_WRITE: c_uint = 1 << 9;
 pub(crate) const MEMORY_TYPE_HOST: c_uint = 0;
 pub(crate) const MEMORY_TYPE_CUDA: c_uint = 1;
+
+// ucp_mem_attr_t
+pub(crate) const MEM_ATTR_FIELD_ADDRESS: u64 = 1 << 0;
+pub(crate) const MEM_ATTR_FIELD_LENGTH: u64 = 1 << 1;
 
 // ucp_request_param_t
 pub(crate) const OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
@@ -139,6 +146,17 @@ pub(crate) struct MemMapParams {
     pub(crate) memory_type: c_uint,
     pub(crate) _pad: c_uint,
     pub(crate) _reserved: [u64; 8],
+}
+
+/// `ucp_mem_attr_t` (32 bytes in both; we read the first three fields).
+#[repr(C)]
+#[derive(Debug)]
+pub(crate) struct MemAttr {
+    pub(crate) field_mask: u64,
+    pub(crate) address: *mut c_void,
+    pub(crate) length: usize,
+    pub(crate) mem_type: c_uint,
+    pub(crate) _pad: c_uint,
 }
 
 /// `ucp_request_param_t` (72 bytes in 1.13, 96 in 1.22).
@@ -217,7 +235,8 @@ zeroed_default!(
     MemMapParams,
     RequestParam,
     AmHandlerParam,
-    ContextAttr
+    ContextAttr,
+    MemAttr
 );
 
 /// `UCS_PTR_IS_ERR`.
@@ -264,6 +283,7 @@ pub(crate) struct Api {
     pub(crate) ep_flush_nbx: unsafe extern "C" fn(Ep, *const RequestParam) -> StatusPtr,
     pub(crate) mem_map: unsafe extern "C" fn(Context, *const MemMapParams, *mut MemH) -> Status,
     pub(crate) mem_unmap: unsafe extern "C" fn(Context, MemH) -> Status,
+    pub(crate) mem_query: unsafe extern "C" fn(MemH, *mut MemAttr) -> Status,
     pub(crate) rkey_pack:
         unsafe extern "C" fn(Context, MemH, *mut *mut c_void, *mut usize) -> Status,
     pub(crate) rkey_buffer_release: unsafe extern "C" fn(*mut c_void),
@@ -343,6 +363,11 @@ mod tests {
         assert_eq!(offset_of!(ContextAttr, memory_types), 24);
         assert_eq!(offset_of!(ContextAttr, name), 32);
         assert!(size_of::<ContextAttr>() >= 72);
+
+        assert_eq!(offset_of!(MemAttr, address), 8);
+        assert_eq!(offset_of!(MemAttr, length), 16);
+        assert_eq!(offset_of!(MemAttr, mem_type), 24);
+        assert_eq!(size_of::<MemAttr>(), 32);
     }
 
     #[test]
