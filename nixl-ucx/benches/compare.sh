@@ -16,6 +16,10 @@
 # by CMA (1.14+) or by active messages (1.13), for reference.
 # ucx_perftest streams puts (many in flight, one flush at the end) into one buffer;
 # ucx_bw waits for each request (batch descriptors, then a flush) before the next.
+# By default the batch's descriptors here also all cover one block (NIXL_UCX_BW_SPAN=0),
+# the same cache footprint as perftest's; NIXL_UCX_BW_SPAN=134217728 spreads them
+# (32 x 1 MiB no longer fits in cache and runs at memory speed).
+export NIXL_UCX_BW_SPAN=${NIXL_UCX_BW_SPAN:-0}
 set -euo pipefail
 SIZES=${SIZES:-4096 16384 65536 262144 1048576 4194304 16777216}
 PORT=${PORT:-13377}

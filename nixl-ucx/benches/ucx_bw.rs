@@ -8,8 +8,9 @@
 //! 1.13, by active messages). Prints one line per (size, batch) with GB/s (10^9
 //! bytes/s) for WRITE and READ on each, one request in flight, and the median time of
 //! a single post, as seen by the awaiting task (post to completion). `NIXL_UCX_BW_SIZES`
-//! (bytes, comma-separated), `NIXL_UCX_BW_SECS` (per point) and `NIXL_UCX_BW_MEM`
-//! (`ucx`, `host` or `both`) adjust the run. `benches/compare.sh` runs `ucx_perftest`
+//! (bytes, comma-separated), `NIXL_UCX_BW_SECS` (per point), `NIXL_UCX_BW_MEM` (`ucx`,
+//! `host` or `both`) and `NIXL_UCX_BW_SPAN` (bytes a batch's descriptors spread over;
+//! `0`: all on one block, as ucx_perftest reuses one buffer) adjust the run. `benches/compare.sh` runs `ucx_perftest`
 //! beside it.
 #![allow(missing_docs)]
 
@@ -68,6 +69,13 @@ async fn initiator() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0.3);
+    // How far a batch's descriptors spread (bytes); `NIXL_UCX_BW_SPAN=0` puts them
+    // all on one block, as ucx_perftest reuses one buffer.
+    let max_span: usize = std::env::var("NIXL_UCX_BW_SPAN")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(MAX_BUF)
+        .min(MAX_BUF);
     let mems: Vec<usize> = match std::env::var("NIXL_UCX_BW_MEM").as_deref() {
         Ok("ucx") => vec![0],
         Ok("host") => vec![1],
@@ -112,7 +120,7 @@ async fn initiator() {
                 let mut cols = Vec::new();
                 let mut lat = 0.0;
                 for op in [Op::Write, Op::Read] {
-                    let span = (size * batch).min(MAX_BUF);
+                    let span = (size * batch).min(max_span).max(size);
                     let offs: Vec<u64> = (0..batch).map(|i| ((i * size) % span) as u64).collect();
                     let l = DescList::from_descs(
                         MemKind::Dram,
