@@ -160,10 +160,10 @@ pub(crate) struct PeerConn {
 }
 
 impl PeerConn {
-    /// Queue a flight; an idle connection starts its progress clock now.
-    fn push(&mut self, f: InFlight) {
+    /// Queue a flight; an idle connection starts its progress clock `now`.
+    fn push(&mut self, f: InFlight, now: Instant) {
         if self.queue.is_empty() {
-            self.last_progress = Instant::now();
+            self.last_progress = now;
         }
         self.queue.push_back(f);
     }
@@ -218,6 +218,12 @@ pub(crate) struct Core {
     pub(crate) sink: Option<NotificationSink>,
     max_notification: usize,
     liveness: Option<Liveness>,
+    /// The time, read once per round (at [`Core::drain_inbox`]): progress clocks
+    /// need no finer grain, and clock reads are a noticeable part of a small
+    /// transfer's cost.
+    now: Instant,
+    /// Reused by [`Core::reap`].
+    scratch: Vec<Arc<str>>,
 }
 
 /// How the driver is woken when work is posted.
@@ -307,6 +313,25 @@ fn fail_cmd(cmd: Cmd, kind: ErrorKind, why: &str) {
     }
 }
 
+/// Introduce ourselves on `p`'s connection once (the peer learns our address, to say
+/// goodbye to us at its shutdown).
+fn say_hello(ucx: &mut Ucx<Work>, agent: &str, p: &mut PeerConn, now: Instant) {
+    let (false, Ok(ep)) = (p.hello_sent, p.ep.clone()) else {
+        return;
+    };
+    p.hello_sent = true;
+    let h = wire::encode_header(Kind::Hello, p.epoch, 0, agent);
+    let data = Bytes::copy_from_slice(ucx.address());
+    let flight = ucx.am_send(ep, wire::AM_ID, h, data, false, Work::Internal);
+    p.push(
+        InFlight {
+            flight,
+            notif: None,
+        },
+        now,
+    );
+}
+
 fn random_u64() -> u64 {
     let mut b = [0u8; 8];
     getrandom::getrandom(&mut b).expect("the OS random source works");
@@ -373,6 +398,8 @@ impl Core {
             sink: None,
             max_notification,
             liveness,
+            now: Instant::now(),
+            scratch: Vec::new(),
         })
     }
 
@@ -487,28 +514,16 @@ impl Core {
     }
 
     fn ensure_hello(&mut self, peer: &str) {
-        let Some(p) = self.peers.get_mut(peer) else {
-            return;
-        };
-        let (false, Ok(ep)) = (p.hello_sent, p.ep.clone()) else {
-            return;
-        };
-        p.hello_sent = true;
-        let h = wire::encode_header(Kind::Hello, p.epoch, 0, &self.agent);
-        let data = Bytes::copy_from_slice(self.ucx.address());
-        let flight = self
-            .ucx
-            .am_send(ep, wire::AM_ID, h, data, false, Work::Internal);
-        p.push(InFlight {
-            flight,
-            notif: None,
-        });
+        if let Some(p) = self.peers.get_mut(peer) {
+            say_hello(&mut self.ucx, &self.agent, p, self.now);
+        }
     }
 
     fn exec(&mut self, cmd: Cmd) {
         match cmd {
             Cmd::Transfer { xfer, notif, done } => {
-                let Some(p) = self.peers.get(&*xfer.peer) else {
+                let now = self.now;
+                let Some(p) = self.peers.get_mut(&*xfer.peer) else {
                     return done.complete(Err(Error::new(
                         ErrorKind::UnknownPeer,
                         "ucx transfer",
@@ -538,11 +553,9 @@ impl Core {
                 let Ok(ep) = p.ep else {
                     return done.complete(Err(disconnected(&xfer.peer, "unreachable")));
                 };
-                self.ensure_hello(&xfer.peer);
+                say_hello(&mut self.ucx, &self.agent, p, now);
                 let flight = self.ucx.rma(ep, xfer.write, &xfer.segs, Work::Done(done));
-                if let Some(p) = self.peers.get_mut(&*xfer.peer) {
-                    p.push(InFlight { flight, notif });
-                }
+                p.push(InFlight { flight, notif }, now);
             }
             Cmd::Notify { peer, msg, done } => {
                 if msg.len() > self.max_notification {
@@ -570,10 +583,13 @@ impl Core {
                         self.ensure_hello(&peer);
                         let f = self.send_notif(&peer, msg, done);
                         if let (Some(p), Some(f)) = (self.peers.get_mut(peer.as_str()), f) {
-                            p.push(InFlight {
-                                flight: f,
-                                notif: None,
-                            });
+                            p.push(
+                                InFlight {
+                                    flight: f,
+                                    notif: None,
+                                },
+                                self.now,
+                            );
                         }
                     }
                 }
@@ -598,10 +614,13 @@ impl Core {
                     self.ensure_hello(&peer);
                     let flight = self.ucx.flush(ep, Work::Connect(tx));
                     if let Some(p) = self.peers.get_mut(peer.as_str()) {
-                        p.push(InFlight {
-                            flight,
-                            notif: None,
-                        });
+                        p.push(
+                            InFlight {
+                                flight,
+                                notif: None,
+                            },
+                            self.now,
+                        );
                     }
                 }
             },
@@ -647,6 +666,7 @@ impl Core {
 
     /// Run every queued command; returns how many.
     pub(crate) fn drain_inbox(&mut self) -> usize {
+        self.now = Instant::now();
         let mut n = 0;
         while let Ok(cmd) = self.rx.try_recv() {
             self.exec(cmd);
@@ -679,7 +699,7 @@ impl Core {
                             .is_some_and(|pr| (pr.first..=pr.seq).contains(&h.seq))
                         {
                             p.probe = None;
-                            p.last_progress = Instant::now();
+                            p.last_progress = self.now;
                         }
                     }
                 }
@@ -763,7 +783,7 @@ impl Core {
     /// the peer did not answer a liveness probe in time (see the module docs). Probe
     /// connections whose work has stalled.
     fn check_failures(&mut self) {
-        let now = Instant::now();
+        let now = self.now;
         let mut probe = Vec::new();
         for (name, p) in self.peers.iter_mut() {
             if p.failed.is_some() {
@@ -852,28 +872,23 @@ impl Core {
     }
 
     fn reap(&mut self) {
-        let names: Vec<Arc<str>> = self
-            .peers
-            .iter()
-            .filter(|(_, p)| !p.queue.is_empty())
-            .map(|(n, _)| n.clone())
-            .collect();
-        for name in names {
+        let mut names = std::mem::take(&mut self.scratch);
+        names.extend(
+            self.peers
+                .iter()
+                .filter(|(_, p)| !p.queue.is_empty())
+                .map(|(n, _)| n.clone()),
+        );
+        for name in names.drain(..) {
             while let Some(p) = self.peers.get_mut(&name) {
                 let Some(head) = p.queue.front() else { break };
                 let Some((work, res)) = self.ucx.poll(head.flight) else {
                     break;
                 };
-                let head = self
-                    .peers
-                    .get_mut(&name)
-                    .and_then(|p| {
-                        // Progress: the peer (or the transport) is moving.
-                        p.last_progress = Instant::now();
-                        p.probe = None;
-                        p.queue.pop_front()
-                    })
-                    .expect("head exists");
+                // Progress: the peer (or the transport) is moving.
+                p.last_progress = self.now;
+                p.probe = None;
+                let head = p.queue.pop_front().expect("head exists");
                 if let Some(next) = self.finish(&name, head, work, res) {
                     if let Some(p) = self.peers.get_mut(&name) {
                         p.queue.push_front(next);
@@ -881,6 +896,7 @@ impl Core {
                 }
             }
         }
+        self.scratch = names;
         let ucx = &mut self.ucx;
         self.pings.retain(|f| ucx.poll(*f).is_none());
         let mut i = 0;
