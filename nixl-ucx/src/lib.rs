@@ -360,7 +360,8 @@ impl UcxBackend {
     }
 
     /// Allocate `len` bytes of host memory through UCX, zero-filled, to register with
-    /// an agent (`agent.register(backend.alloc(len)?)`).
+    /// an agent (`agent.register(backend.alloc(len)?)`; [`nixl::Agent::alloc`] gives
+    /// the same when this backend is the first attached that offers memory).
     ///
     /// UCX places it in shared memory (SysV or POSIX, by `UCX_ALLOC_PRIO`), which a
     /// peer on the same host maps directly: a WRITE into it, or a READ from it, is then
@@ -540,6 +541,10 @@ impl Backend for UcxBackend {
             })?;
             Ok(wire::encode_blob(seg.addr(), seg.len() as u64, &packed))
         })
+    }
+
+    fn alloc(&self, len: usize) -> Option<Result<nixl::Memory>> {
+        Some(Self::alloc(self, len))
     }
 
     fn deregister(&self, region_id: u64) {

@@ -1,4 +1,5 @@
-//! Memory UCX allocates ([`UcxBackend::alloc`]) and posting on the caller's thread
+//! Memory UCX allocates ([`UcxBackend::alloc`], or [`nixl::Agent::alloc`] with UCX
+//! attached) and posting on the caller's thread
 //! ([`UcxOptions::post_inline`]).
 //!
 //! Needs libucp at run time; without it each test prints a SKIP line. With UCX
@@ -182,9 +183,10 @@ async fn inline_post_completes_before_post_returns() {
         let Some((a, ab)) = agent(TEST, "initiator", o.clone()).await else {
             return;
         };
-        let (b, bb) = agent(TEST, "target", o).await.unwrap();
+        let (b, _) = agent(TEST, "target", o).await.unwrap();
         let src = a.register(ab.alloc(1 << 16).unwrap()).unwrap();
-        let dst = b.register(bb.alloc(1 << 16).unwrap()).unwrap();
+        // Through the agent: its UCX backend provides the memory.
+        let dst = b.register(b.alloc(1 << 16).unwrap()).unwrap();
         a.load_metadata(&b.metadata().unwrap()).unwrap();
         a.connect("target").await.unwrap();
         let rd = a.remote_regions("target").unwrap().remove(0);

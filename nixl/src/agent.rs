@@ -17,7 +17,7 @@ use crate::backend::{
 };
 use crate::descriptor::{DescList, RangeIndex};
 use crate::error::{err, Error, ErrorKind, Result};
-use crate::memory::{MemKind, Memory};
+use crate::memory::{AlignedBuf, MemKind, Memory};
 use crate::metadata::{AgentMetadata, BackendMeta, RegionBlob, RegionMeta};
 use crate::notification::{Notifications, Slot};
 use crate::region::{RegionInner, RegionRef, Registration, RemoteRegion, RemoteRegionInfo};
@@ -442,6 +442,28 @@ impl Agent {
                     format!("no backend named {name:?} is attached"),
                 )
             })
+    }
+
+    /// Zero-filled host memory of `len` bytes, from the first attached backend (in
+    /// attach order) that offers memory it reaches faster than ordinary memory
+    /// ([`Backend::alloc`]; nixl-ucx's shared memory, for example), else an
+    /// [`AlignedBuf`]. Register it as usual; it works with every backend.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ZeroLength`] for `len == 0`; the backend's error when its
+    /// allocation fails (no silent fallback: the caller asked for the fast path).
+    pub fn alloc(&self, len: usize) -> Result<Memory> {
+        const OP: &str = "allocate memory";
+        self.shared.check_running(OP)?;
+        if len == 0 {
+            return err(ErrorKind::ZeroLength, OP, "cannot allocate zero bytes");
+        }
+        for b in &self.shared.backends {
+            if let Some(m) = b.alloc(len) {
+                return m;
+            }
+        }
+        Ok(AlignedBuf::new(len).into())
     }
 
     /// Register memory with every attached backend that supports its kind.

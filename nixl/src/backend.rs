@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::memory::{MemKind, MemSegment};
+use crate::memory::{MemKind, MemSegment, Memory};
 use crate::notification::Notification;
 use crate::region::RegionRef;
 use crate::transfer::{CompletionState, Op};
@@ -166,6 +166,14 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// Forget a region: incoming requests for it are refused from now on.
     fn deregister(&self, region_id: u64);
+
+    /// Allocate host memory this backend reaches faster than ordinary memory (for
+    /// example shared memory a peer on the same host maps directly), for
+    /// [`Agent::alloc`](crate::Agent::alloc). `None` (the default): no such memory.
+    fn alloc(&self, len: usize) -> Option<Result<Memory>> {
+        let _ = len;
+        None
+    }
 
     /// Learn (or update) a peer's connection info. Connecting may be lazy.
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()>;

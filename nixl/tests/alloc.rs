@@ -1,0 +1,112 @@
+//! `Agent::alloc`: the first attached backend that offers faster memory provides it;
+//! otherwise ordinary aligned host memory.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use nixl::{
+    Agent, AlignedBuf, Backend, BackendContext, Capabilities, Completer, ErrorKind, Memory,
+    PreparedTransfer, RegionRef, Result, TransferPlan,
+};
+
+/// A backend that only registers, and counts its allocations when `offers` is set.
+#[derive(Debug, Default)]
+struct Fake {
+    offers: bool,
+    allocs: AtomicUsize,
+}
+
+#[async_trait]
+impl Backend for Fake {
+    fn name(&self) -> &str {
+        if self.offers {
+            "offers"
+        } else {
+            "plain"
+        }
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            local: true,
+            remote: false,
+            notifications: false,
+            dram: true,
+            vram: false,
+            target_checks: true,
+        }
+    }
+    async fn start(&self, _ctx: BackendContext) -> Result<()> {
+        Ok(())
+    }
+    fn connection_info(&self) -> Bytes {
+        Bytes::new()
+    }
+    fn register(&self, _region: &RegionRef) -> Result<Bytes> {
+        Ok(Bytes::new())
+    }
+    fn deregister(&self, _region_id: u64) {}
+    fn alloc(&self, len: usize) -> Option<Result<Memory>> {
+        self.offers.then(|| {
+            self.allocs.fetch_add(1, Ordering::Relaxed);
+            Ok(AlignedBuf::new(len).into())
+        })
+    }
+    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
+        Ok(())
+    }
+    async fn connect(&self, _peer: &str) -> Result<()> {
+        Ok(())
+    }
+    fn remove_peer(&self, _peer: &str) {}
+    fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
+        unreachable!("no transfers in this test")
+    }
+    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
+        done.complete(Ok(()));
+    }
+    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn alloc_prefers_the_first_backend_that_offers_memory() {
+    let plain = Arc::new(Fake::default());
+    let offers = Arc::new(Fake {
+        offers: true,
+        ..Fake::default()
+    });
+    let a = Agent::builder("a")
+        .backend_arc(plain.clone())
+        .backend_arc(offers.clone())
+        .build()
+        .await
+        .unwrap();
+    let m = a.alloc(10_000).unwrap();
+    assert_eq!(m.len(), 10_000);
+    assert_eq!(offers.allocs.load(Ordering::Relaxed), 1);
+    let r = a.register(m).unwrap();
+    assert!(r.to_vec().unwrap().iter().all(|&x| x == 0), "zero-filled");
+    assert_eq!(a.alloc(0).unwrap_err().kind(), ErrorKind::ZeroLength);
+    a.shutdown().await;
+    assert_eq!(a.alloc(1).unwrap_err().kind(), ErrorKind::ShutDown);
+}
+
+#[tokio::test]
+async fn alloc_falls_back_to_host_memory() {
+    let plain = Arc::new(Fake::default());
+    let a = Agent::builder("a")
+        .backend_arc(plain)
+        .build()
+        .await
+        .unwrap();
+    let m = a.alloc(4096).unwrap();
+    assert_eq!(m.len(), 4096);
+    assert_eq!(m.addr() % nixl::PAGE_SIZE as u64, 0, "page-aligned");
+    let r = a.register(m).unwrap();
+    r.write_at(0, b"hello").unwrap();
+    assert_eq!(&r.to_vec().unwrap()[..5], b"hello");
+}
