@@ -10,6 +10,7 @@
 use nixl::{Agent, Desc, Registration, RemoteRegionInfo};
 use serde::{Deserialize, Serialize};
 
+use crate::cli::MemSource;
 use crate::error::{fail, BenchError, Context, Result};
 
 const PAGE: u64 = nixl::PAGE_SIZE as u64;
@@ -33,17 +34,23 @@ pub(crate) struct Buffer {
 }
 
 impl Buffer {
-    /// Register a window of `len` bytes with `agent`.
+    /// Register a window of `len` bytes with `agent`, in memory from `source`.
     ///
     /// # Errors
-    /// The size does not fit this machine, or registration fails.
-    pub(crate) fn register(agent: &Agent, len: u64) -> Result<Self> {
+    /// The size does not fit this machine, allocation or registration fails.
+    pub(crate) fn register(agent: &Agent, len: u64, source: MemSource) -> Result<Self> {
         let bytes = len
             .checked_add(PAGE)
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(|| BenchError::new(format!("a {len}-byte buffer does not fit")))?;
+        let memory = match source {
+            MemSource::Host => vec![0u8; bytes].into(),
+            MemSource::Backend => agent
+                .alloc(bytes)
+                .with_context(|| format!("allocate {bytes} bytes from the backend"))?,
+        };
         let reg = agent
-            .register(vec![0u8; bytes])
+            .register(memory)
             .with_context(|| format!("register {bytes} bytes"))?;
         Ok(Self {
             base: to_page(reg.addr()),
@@ -312,7 +319,7 @@ mod tests {
             .await
             .unwrap();
         let c = CHUNK as u64;
-        let buf = Buffer::register(&agent, 3 * c).unwrap();
+        let buf = Buffer::register(&agent, 3 * c, MemSource::Host).unwrap();
         assert_eq!(
             (buf.reg.addr() + buf.base) % PAGE,
             0,

@@ -175,6 +175,12 @@ pub(crate) struct Cli {
     #[arg(long = "check-consistency", alias = "check_consistency", num_args = 0..=1, default_missing_value = "true", default_value = "false", value_parser = parse_bool, value_name = "BOOL")]
     pub(crate) check_consistency: bool,
 
+    /// Where each side's DRAM buffer comes from: `host`, ordinary zeroed memory (as
+    /// nixlbench's malloc), or `backend`, memory the backend reaches fastest
+    /// (`Agent::alloc`; with ucx, shared memory the peer maps, allocated up front).
+    #[arg(long, value_enum, ignore_case = true, default_value_t = MemSource::Host)]
+    pub(crate) memory: MemSource,
+
     /// Memory each side registers, split evenly between threads
     /// [default: just enough for the sweep; --full: 8G].
     #[arg(long = "total-buffer-size", alias = "total_buffer_size", value_name = "SIZE", value_parser = parse_size)]
@@ -239,6 +245,18 @@ pub(crate) enum SegType {
     Vram,
 }
 
+/// Where a side's DRAM buffer comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum MemSource {
+    /// Ordinary zeroed host memory.
+    #[default]
+    Host,
+    /// `Agent::alloc`: memory the backend reaches fastest (ordinary memory when it
+    /// offers none).
+    Backend,
+}
+
 /// Limits for every phase, so a dead or hung peer ends the run instead of hanging it.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub(crate) struct Timeouts {
@@ -282,6 +300,8 @@ pub(crate) struct Sweep {
     pub(crate) pipeline_depth: usize,
     pub(crate) recreate_xfer: bool,
     pub(crate) check_consistency: bool,
+    /// Where both sides' buffers come from.
+    pub(crate) memory: MemSource,
     /// Bytes each side registers.
     pub(crate) total_buffer_size: u64,
 }
@@ -546,6 +566,7 @@ impl Cli {
                 pipeline_depth,
                 recreate_xfer: self.recreate_xfer,
                 check_consistency: self.check_consistency,
+                memory: self.memory,
                 total_buffer_size,
             },
             timeouts: Timeouts {

@@ -25,7 +25,7 @@ use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
 use crate::buffer::{Pattern, VerifyReport};
-use crate::cli::SegType;
+use crate::cli::{MemSource, SegType};
 use crate::error::{fail, BenchError, Context, Result};
 
 /// Bumped when the messages change; both sides must agree.
@@ -45,6 +45,9 @@ pub(crate) struct Setup {
     /// Bytes the target registers.
     pub(crate) buffer_size: u64,
     pub(crate) seg_type: SegType,
+    /// Where the target's buffer comes from (absent from older initiators: host).
+    #[serde(default)]
+    pub(crate) memory: MemSource,
     /// The initiator's agent metadata, hex (for backends that need both sides').
     pub(crate) initiator_metadata: String,
 }
@@ -395,6 +398,7 @@ mod tests {
             backend: "tcp".into(),
             buffer_size: 4096,
             seg_type: SegType::Dram,
+            memory: MemSource::Backend,
             initiator_metadata: "00ff".into(),
         }));
         let line = setup.encode();

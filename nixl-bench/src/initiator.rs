@@ -94,7 +94,7 @@ async fn drive(
 ) -> Result<(RunInfo, Vec<Row>)> {
     // From here on the target hears from us at least every second, or gives up.
     let _heartbeat = channel.heartbeat(HEARTBEAT);
-    let local = Buffer::register(agent, config.sweep.total_buffer_size)?;
+    let local = Buffer::register(agent, config.sweep.total_buffer_size, config.sweep.memory)?;
     let (peer, remote, target_md) = exchange(config, channel, agent).await?;
     let target_endpoint = AgentMetadata::decode(&target_md)
         .ok()
@@ -152,6 +152,7 @@ async fn exchange(
         backend: config.backend.clone(),
         buffer_size: s.total_buffer_size,
         seg_type: s.target_seg_type,
+        memory: s.memory,
         initiator_metadata: control::hex(&agent.metadata()?),
     };
     channel.send(&ToTarget::Setup(Box::new(setup))).await?;

@@ -275,8 +275,12 @@ fn write_header(out: &mut impl Write, run: &RunInfo) -> io::Result<()> {
         out,
         "Buffer",
         format!(
-            "{} per side; consistency check {}; preset {}",
+            "{} per side, {} memory; consistency check {}; preset {}",
             human_size(s.total_buffer_size),
+            match s.memory {
+                crate::cli::MemSource::Host => "host",
+                crate::cli::MemSource::Backend => "backend (Agent::alloc)",
+            },
             if s.check_consistency { "on" } else { "off" },
             s.preset
         ),

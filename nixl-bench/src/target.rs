@@ -98,7 +98,7 @@ async fn session(config: &Config, channel: &mut Channel, agent: &Agent) -> Resul
     if setup.seg_type != SegType::Dram {
         return fail("target segment type VRAM is not supported (DRAM only)");
     }
-    let buf = Buffer::register(agent, setup.buffer_size)?;
+    let buf = Buffer::register(agent, setup.buffer_size, setup.memory)?;
     if !setup.initiator_metadata.is_empty() {
         agent
             .load_metadata(&control::unhex(&setup.initiator_metadata)?)

@@ -228,6 +228,15 @@ fn consistency_check_passes_for_write() {
     assert_eq!(table_rows(&out).len(), 10);
 }
 
+/// `--memory backend` reaches the target through setup; tcp offers no memory of its
+/// own, so both sides get ordinary memory from `Agent::alloc`, and every byte checks.
+#[test]
+fn backend_memory_passes_the_consistency_check() {
+    let out = ok(&with(&["--memory", "backend", "--check-consistency"]));
+    assert!(out.contains("backend (Agent::alloc) memory"), "{out}");
+    assert_eq!(table_rows(&out).len(), 5);
+}
+
 #[test]
 fn consistency_check_passes_for_read_with_recreated_requests() {
     let out = ok(&with(&[
