@@ -13,11 +13,13 @@ use bytes::Bytes;
 use nixl::{Agent, AgentOptions, DescList, ErrorKind, MemKind, Op, RequestOptions, Status};
 use nixl_ucx::{UcxBackend, UcxOptions};
 
+mod common;
+
 async fn agent(test: &str, name: &str, o: UcxOptions) -> Option<(Agent, UcxBackend)> {
     let b = match UcxBackend::with_options(o) {
         Ok(b) => b,
         Err(e) if e.kind() == ErrorKind::UnavailableLibrary => {
-            eprintln!("SKIP {test}: {e}");
+            common::skip(test, e);
             return None;
         }
         Err(e) => panic!("ucx backend: {e}"),

@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 use nixl::{Agent, DescList, ErrorKind, MemKind};
 use nixl_ucx::{ProgressMode, UcxBackend, UcxOptions};
 
+mod common;
+
 /// CPU time (user + system) of this whole process so far.
 fn process_cpu() -> Duration {
     // SAFETY: getrusage writes only the struct we pass, which lives across the call.
@@ -24,21 +26,6 @@ fn process_cpu() -> Duration {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
-fn figure(name: &str, value: impl std::fmt::Display) {
-    let line = format!("FIGURE {name}: {value}");
-    eprintln!("{line}");
-    if let Some(path) = std::env::var_os("NIXL_FIGURE_LOG") {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            let _ = writeln!(f, "{line}");
-        }
-    }
-}
-
 async fn agent(name: &str, progress: ProgressMode) -> Option<Agent> {
     let o = UcxOptions {
         progress,
@@ -47,7 +34,7 @@ async fn agent(name: &str, progress: ProgressMode) -> Option<Agent> {
     let b = match UcxBackend::with_options(o) {
         Ok(b) => b,
         Err(e) if e.kind() == ErrorKind::UnavailableLibrary => {
-            eprintln!("SKIP idle_drivers_do_not_poll: {e}");
+            common::skip("idle_drivers_do_not_poll", e);
             return None;
         }
         Err(e) => panic!("ucx backend: {e}"),
@@ -91,7 +78,7 @@ async fn idle_drivers_do_not_poll() {
         tokio::time::sleep(IDLE).await;
         let (cpu, wall) = (process_cpu() - c0, t0.elapsed());
         let share = cpu.as_secs_f64() / wall.as_secs_f64();
-        figure(
+        common::figure(
             &format!("ucx idle CPU, two connected agents, {mode:?} progress"),
             format!(
                 "{:.2}% of one core ({cpu:?} over {wall:.1?})",

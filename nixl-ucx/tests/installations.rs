@@ -12,9 +12,8 @@ use nixl_ucx::{UcxOptions, DEFAULT_SONAME};
 
 const WHEEL_ENV: &str = "NIXL_TEST_UCX_WHEEL_DIR";
 
-fn skip(test: &str, why: &str) {
-    eprintln!("SKIP {test}: {why}");
-}
+mod common;
+use common::skip;
 
 /// The wheel's libucp, if the wheel is installed where the environment says.
 fn wheel_lib() -> Option<PathBuf> {
@@ -164,7 +163,7 @@ fn each_installation_alone_is_one_installation() {
         }
         None => skip(
             T,
-            &format!("{WHEEL_ENV} does not point at a libucx-cu12 install"),
+            format!("{WHEEL_ENV} does not point at a libucx-cu12 install"),
         ),
     }
     if !ran {
@@ -181,7 +180,7 @@ fn preloaded_wheel_wins_the_soname() {
     let Some(w) = wheel_lib() else {
         return skip(
             T,
-            &format!("{WHEEL_ENV} does not point at a libucx-cu12 install"),
+            format!("{WHEEL_ENV} does not point at a libucx-cu12 install"),
         );
     };
     let o = run_child(Some(w.to_str().unwrap()), DEFAULT_SONAME, false);
@@ -208,7 +207,7 @@ fn system_then_wheel_is_a_reported_mixture() {
     let Some(w) = wheel_lib() else {
         return skip(
             T,
-            &format!("{WHEEL_ENV} does not point at a libucx-cu12 install"),
+            format!("{WHEEL_ENV} does not point at a libucx-cu12 install"),
         );
     };
     if !system_available() {

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 use nixl::{Agent, AgentOptions, DescList, ErrorKind, MemKind, Op, RequestOptions};
 use nixl_ucx::{UcxBackend, UcxOptions};
 
+mod common;
+
 fn options(liveness: Duration, tls: Option<&str>) -> UcxOptions {
     let mut o = UcxOptions {
         liveness_timeout: Some(liveness),
@@ -28,7 +30,7 @@ async fn agent(test: &str, name: &str, o: &UcxOptions) -> Option<Agent> {
     let b = match UcxBackend::with_options(o.clone()) {
         Ok(b) => b,
         Err(e) if e.kind() == ErrorKind::UnavailableLibrary => {
-            eprintln!("SKIP {test}: {e}");
+            common::skip(test, e);
             return None;
         }
         Err(e) => panic!("ucx backend: {e}"),
