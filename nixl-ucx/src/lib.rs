@@ -28,7 +28,11 @@
 //!   which UCX refuses CMA to peer-failure endpoints and emulates put/get with
 //!   active messages. UCX 1.13 always refuses it there (it requires memory
 //!   invalidation of such lanes), so on 1.13 ordinary memory goes by those active
-//!   messages, which the target's driver must serve (tens of microseconds).
+//!   messages, which the target's driver must serve (tens of microseconds). On 1.22,
+//!   UCX's protocol selection then also prefers CMA for allocated memory from 16 KiB
+//!   up (~10 GB/s here, as `ucx_perftest` gets); `UCX_RNDV_THRESH=auto` in the
+//!   environment restores the plain copy for WRITEs into allocated memory (~30-38
+//!   GB/s here) at the price of READs and of ordinary memory (active messages again).
 //! - **Progress.** A driver owns UCX progress: by default a tokio task that sleeps on
 //!   the worker's event fd when idle (`ucp_worker_arm`), and spins briefly
 //!   ([`UcxOptions::spin`]) while transfers are in flight; optionally a dedicated
