@@ -287,7 +287,6 @@ pub(crate) struct UcxInit {
 pub(crate) struct Ucx<K> {
     api: sys::Api,
     ctx: Arc<Context>,
-    context: sys::Context,
     worker: sys::Worker,
     address: Vec<u8>,
     efd: RawFd,
@@ -477,7 +476,6 @@ impl<K: HoldsMemory> Ucx<K> {
         let mut me = Self {
             api,
             ctx,
-            context,
             worker,
             address: Vec::new(),
             efd: -1,
@@ -637,13 +635,13 @@ impl<K: HoldsMemory> Ucx<K> {
         // SAFETY: live context; the address range is registered memory that the
         // RegionRef we store below keeps alive until after ucp_mem_unmap.
         check(&self.api, "ucp_mem_map", unsafe {
-            (self.api.mem_map)(self.context, &params, &mut memh)
+            (self.api.mem_map)(self.ctx.raw, &params, &mut memh)
         })?;
         let packed = match self.pack(memh) {
             Ok(p) => p,
             Err(e) => {
                 // SAFETY: the mapping we just made, unmapped once.
-                unsafe { (self.api.mem_unmap)(self.context, memh) };
+                unsafe { (self.api.mem_unmap)(self.ctx.raw, memh) };
                 return Err(e);
             }
         };
@@ -666,7 +664,7 @@ impl<K: HoldsMemory> Ucx<K> {
         let mut buf: *mut c_void = std::ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: live context and memh; valid out-pointers.
-        let st = unsafe { (self.api.rkey_pack)(self.context, memh, &mut buf, &mut len) };
+        let st = unsafe { (self.api.rkey_pack)(self.ctx.raw, memh, &mut buf, &mut len) };
         check(&self.api, "ucp_rkey_pack", st)?;
         // SAFETY: UCX returned `len` readable bytes at `buf`, ours until released.
         let packed = unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec();
@@ -707,7 +705,7 @@ impl<K: HoldsMemory> Ucx<K> {
         // SAFETY: live context; valid params and out-pointer (a null address with
         // ALLOCATE lets UCX choose where).
         check(&self.api, "ucp_mem_map", unsafe {
-            (self.api.mem_map)(self.context, &params, &mut memh)
+            (self.api.mem_map)(self.ctx.raw, &params, &mut memh)
         })?;
         let mut attr = sys::MemAttr {
             field_mask: sys::MEM_ATTR_FIELD_ADDRESS | sys::MEM_ATTR_FIELD_LENGTH,
@@ -1207,7 +1205,7 @@ impl<K> Ucx<K> {
         if let Mapping::Own(memh) = m.map {
             // SAFETY: a mapping of this context, unmapped once; the region it covers
             // is dropped (by dropping `m`) only afterwards.
-            let st = unsafe { (self.api.mem_unmap)(self.context, memh) };
+            let st = unsafe { (self.api.mem_unmap)(self.ctx.raw, memh) };
             if let Err(e) = check(&self.api, "ucp_mem_unmap", st) {
                 tracing::warn!(error = %e, "unmapping registered memory failed");
             }
