@@ -5,7 +5,6 @@
 //! sends a WRITE payload from memory, the pending table while the request waits for its
 //! answer, or the reader task while it receives READ data into memory. Whoever fails or
 //! finishes a request completes it, and nobody touches its memory afterwards.
-#![allow(unsafe_code)]
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -13,13 +12,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use nixl::{Completer, Error, ErrorKind, MemSegment, Op, Result};
+use nixl::{Completer, Error, ErrorKind, Op, RegionSlice, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::io::{recv_slice, send_slice};
 use crate::wire::{self, RequestHeader, ResponseHeader};
 use crate::{Started, TcpOptions};
 
@@ -36,7 +36,7 @@ enum JobKind {
     Transfer {
         op: Op,
         table: Arc<[u8]>,
-        local: Arc<[MemSegment]>,
+        local: Arc<[RegionSlice]>,
         total: u64,
     },
     Notify,
@@ -46,7 +46,7 @@ impl Job {
     pub(crate) fn transfer(
         op: Op,
         table: Arc<[u8]>,
-        local: Arc<[MemSegment]>,
+        local: Arc<[RegionSlice]>,
         total: u64,
         notif: Option<Bytes>,
         done: Completer,
@@ -75,7 +75,7 @@ impl Job {
 struct Pending {
     done: Completer,
     /// For READs: where the data goes, and how much.
-    read: Option<(Arc<[MemSegment]>, u64)>,
+    read: Option<(Arc<[RegionSlice]>, u64)>,
 }
 
 #[derive(Default)]
@@ -392,6 +392,7 @@ impl Task {
     /// Send jobs until the queue closes or the socket fails; returns why it stopped.
     async fn writer(&self, wr: OwnedWriteHalf, rx: &mut mpsc::UnboundedReceiver<Job>) -> Error {
         let mut w = BufWriter::with_capacity(IO_BUF, wr);
+        let mut scratch = Vec::new();
         let mut next_id: u64 = 1;
         loop {
             let Some(job) = rx.recv().await else {
@@ -399,7 +400,7 @@ impl Task {
             };
             let id = next_id;
             next_id += 1;
-            if let Err(e) = self.send(&mut w, id, job).await {
+            if let Err(e) = self.send(&mut w, &mut scratch, id, job).await {
                 return Error::new(
                     ErrorKind::RemoteDisconnected,
                     "tcp transfer",
@@ -423,6 +424,7 @@ impl Task {
     async fn send(
         &self,
         w: &mut BufWriter<OwnedWriteHalf>,
+        scratch: &mut Vec<u8>,
         id: u64,
         job: Job,
     ) -> std::io::Result<()> {
@@ -490,11 +492,7 @@ impl Task {
                 w.write_all(&table).await?;
                 w.write_all(notif.as_deref().unwrap_or_default()).await?;
                 for seg in local.iter() {
-                    // SAFETY: the completer in `held` (failed only after this future
-                    // is dropped) keeps the registration alive; the agent checked the segment
-                    // against it; the socket only reads these bytes.
-                    let bytes = unsafe { seg.as_slice() };
-                    w.write_all(bytes).await?;
+                    send_slice(w, seg, scratch).await?;
                 }
                 // Payload sent: hand the completer to the table (or finish it, if the
                 // answer already came).
@@ -523,7 +521,7 @@ impl Task {
 
     /// Put a request in the pending table before sending it; false if the connection
     /// is already dead (then it was failed here).
-    fn park(&self, id: u64, done: Completer, read: Option<(Arc<[MemSegment]>, u64)>) -> bool {
+    fn park(&self, id: u64, done: Completer, read: Option<(Arc<[RegionSlice]>, u64)>) -> bool {
         let mut t = self.table.lock().unwrap();
         if let Some(e) = t.dead.as_ref().map(Error::cloned) {
             drop(t);
@@ -627,12 +625,7 @@ async fn read_loop(rd: OwnedReadHalf, peer: &str, table: &Mutex<Table>, held: &H
                 }
                 held.put(done);
                 for seg in segs.iter() {
-                    // SAFETY: the completer in `held` (failed only after this future is
-                    // dropped) keeps the destination registration alive; the agent
-                    // checked the segment; no Rust reference to these bytes exists
-                    // while the socket fills them.
-                    let dst = unsafe { seg.as_mut_slice() };
-                    if let Err(e) = r.read_exact(dst).await {
+                    if let Err(e) = recv_slice(&mut r, seg).await {
                         return lost(e);
                     }
                 }

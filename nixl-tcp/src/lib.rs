@@ -6,7 +6,8 @@
 //!   [`nixl::Agent::connect`]), many requests in flight on it. WRITE payloads go from
 //!   registered memory straight to the socket and from the socket straight into the
 //!   target's registered memory; READ data likewise. No bounce buffers.
-//! - Local transfers (same agent): `memmove` between the two registrations.
+//! - Local transfers (same agent) are the agent's own copies; this backend serves
+//!   transfers between agents.
 //! - The target checks every incoming segment against its own registrations and the
 //!   per-registration random key only its metadata carries; a forged key or an
 //!   out-of-range segment refuses the whole request before any byte is touched.
@@ -22,9 +23,15 @@
 //! With [`TcpOptions::secret`], every connection is authenticated first, so only
 //! agents that know the secret can reach registered memory at all. Traffic is still
 //! not encrypted: run it on a trusted network.
-#![deny(unsafe_code)]
+//!
+//! ## Memory safety
+//! The crate has no `unsafe` code (`forbid(unsafe_code)`): registered memory is read
+//! and written only through [`nixl::RegionSlice`]'s raw copies and system calls, never
+//! through a Rust reference, since peers and other transfers may touch the same bytes.
+#![forbid(unsafe_code)]
 
 mod conn;
+mod io;
 mod target;
 mod wire;
 
@@ -36,8 +43,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
-    Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemSegment, Op,
-    PreparedTransfer, RegionRef, Result, Target, TransferPlan,
+    random_u64, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
+    PreparedTransfer, RegionRef, RegionSlice, Result, Target, TransferPlan,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -184,12 +191,14 @@ impl Backend for TcpBackend {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            local: true,
+            local: false,
             remote: true,
             notifications: true,
             dram: true,
             vram: false,
             target_checks: true,
+            max_segments: wire::MAX_SEGMENTS as usize,
+            max_notification: self.inner.options.max_notification,
         }
     }
 
@@ -249,10 +258,11 @@ impl Backend for TcpBackend {
         Ok(Bytes::copy_from_slice(&key.to_le_bytes()))
     }
 
-    fn deregister(&self, region_id: u64) {
+    fn deregister(&self, region_id: u64) -> Result<()> {
         if let Some(key) = self.inner.keys.lock().unwrap().remove(&region_id) {
             self.inner.regions.write().unwrap().remove(&key);
         }
+        Ok(())
     }
 
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
@@ -290,103 +300,66 @@ impl Backend for TcpBackend {
         self.conn(peer, "tcp connect")?.ready().await
     }
 
-    fn remove_peer(&self, peer: &str) {
+    fn remove_peer(&self, peer: &str) -> Result<()> {
         let entry = self.inner.peers.lock().unwrap().remove(peer);
         if let Some(PeerEntry { conn: Some(c), .. }) = entry {
             c.close(ErrorKind::RemoteDisconnected, "the peer was forgotten");
         }
+        Ok(())
     }
 
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         const OP: &str = "tcp prepare";
-        let started = self.started(OP)?;
-        match plan.peer {
-            None => {
-                let mut pairs = Vec::with_capacity(plan.segments.len());
-                for s in plan.segments {
-                    let Target::Local(t) = s.target else {
-                        return Err(Error::new(
-                            ErrorKind::InvalidArgument,
-                            OP,
-                            "local transfer with a remote target",
-                        ));
-                    };
-                    pairs.push((s.local, t));
-                }
-                Ok(Box::new(LocalPrepared {
-                    op: plan.op,
-                    pairs,
-                    agent: started.ctx.agent_name.clone(),
-                    sink: started.ctx.notifications.clone(),
-                }))
-            }
-            Some(peer) => {
-                let mut table = Vec::with_capacity(plan.segments.len() * wire::SEG_LEN);
-                let mut local = Vec::with_capacity(plan.segments.len());
-                let mut total = 0u64;
-                for s in plan.segments {
-                    let Target::Remote {
-                        addr, len, blob, ..
-                    } = s.target
-                    else {
-                        return Err(Error::new(
-                            ErrorKind::InvalidArgument,
-                            OP,
-                            "remote transfer with a local target",
-                        ));
-                    };
-                    let key = <[u8; 8]>::try_from(&blob[..])
-                        .map(u64::from_le_bytes)
-                        .map_err(|_| {
-                            Error::new(
-                                ErrorKind::Corrupt,
-                                OP,
-                                format!(
-                                    "peer {peer:?}: tcp region key is {} bytes, not 8",
-                                    blob.len()
-                                ),
-                            )
-                        })?;
-                    wire::SegEntry { key, addr, len }.encode_into(&mut table);
-                    total += len;
-                    local.push(s.local);
-                }
-                if local.len() > wire::MAX_SEGMENTS as usize {
-                    return Err(Error::new(
-                        ErrorKind::InvalidArgument,
+        self.started(OP)?;
+        let Some(peer) = plan.peer else {
+            return Err(Error::new(
+                ErrorKind::NotSupported,
+                OP,
+                "the tcp backend serves transfers between agents only",
+            ));
+        };
+        let mut table = Vec::with_capacity(plan.segments.len() * wire::SEG_LEN);
+        let mut local = Vec::with_capacity(plan.segments.len());
+        let mut total = 0u64;
+        for s in plan.segments {
+            let Target::Remote {
+                addr, len, blob, ..
+            } = s.target
+            else {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    OP,
+                    "remote transfer with a local target",
+                ));
+            };
+            let key = <[u8; 8]>::try_from(&blob[..])
+                .map(u64::from_le_bytes)
+                .map_err(|_| {
+                    Error::new(
+                        ErrorKind::Corrupt,
                         OP,
                         format!(
-                            "{} segments; the tcp backend carries at most {} per request",
-                            local.len(),
-                            wire::MAX_SEGMENTS
+                            "peer {peer:?}: tcp region key is {} bytes, not 8",
+                            blob.len()
                         ),
-                    ));
-                }
-                Ok(Box::new(RemotePrepared {
-                    backend: self.clone(),
-                    peer,
-                    op: plan.op,
-                    table: table.into(),
-                    local: local.into(),
-                    total,
-                }))
-            }
+                    )
+                })?;
+            wire::SegEntry { key, addr, len }.encode_into(&mut table);
+            total += len;
+            local.push(s.local);
         }
+        Ok(Box::new(RemotePrepared {
+            backend: self.clone(),
+            peer,
+            op: plan.op,
+            table: table.into(),
+            local: local.into(),
+            total,
+        }))
     }
 
     fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
-        if msg.len() > self.inner.options.max_notification {
-            done.complete(Err(Error::new(
-                ErrorKind::InvalidArgument,
-                "tcp notify",
-                format!(
-                    "notification of {} bytes exceeds the limit of {}",
-                    msg.len(),
-                    self.inner.options.max_notification
-                ),
-            )));
-            return;
-        }
+        // The agent refused anything longer than `max_notification` already.
         match self.conn(peer, "tcp notify") {
             Ok(c) => c.submit(Job::notify(msg, done)),
             Err(e) => done.complete(Err(e)),
@@ -409,36 +382,6 @@ impl Backend for TcpBackend {
     }
 }
 
-/// A same-agent transfer: pairs of (local, target) segments.
-#[derive(Debug)]
-struct LocalPrepared {
-    op: Op,
-    pairs: Vec<(MemSegment, MemSegment)>,
-    agent: String,
-    sink: nixl::NotificationSink,
-}
-
-impl PreparedTransfer for LocalPrepared {
-    #[allow(unsafe_code)]
-    fn post(&self, notif: Option<Bytes>, done: Completer) {
-        for (local, target) in &self.pairs {
-            // SAFETY: both segments were checked against this agent's registrations and
-            // `done` keeps their memory alive until we complete it below; both are DRAM
-            // (this backend registers nothing else) and of equal length.
-            unsafe {
-                match self.op {
-                    Op::Write => target.copy_from(local),
-                    Op::Read => local.copy_from(target),
-                }
-            }
-        }
-        if let Some(n) = notif {
-            self.sink.deliver(&self.agent, n);
-        }
-        done.complete(Ok(()));
-    }
-}
-
 /// A transfer to a peer: the segment table is encoded once, at prepare time.
 #[derive(Debug)]
 struct RemotePrepared {
@@ -446,23 +389,13 @@ struct RemotePrepared {
     peer: String,
     op: Op,
     table: Arc<[u8]>,
-    local: Arc<[MemSegment]>,
+    local: Arc<[RegionSlice]>,
     total: u64,
 }
 
 impl PreparedTransfer for RemotePrepared {
     fn post(&self, notif: Option<Bytes>, done: Completer) {
-        if notif
-            .as_ref()
-            .is_some_and(|n| n.len() > self.backend.inner.options.max_notification)
-        {
-            done.complete(Err(Error::new(
-                ErrorKind::InvalidArgument,
-                "tcp post",
-                "notification exceeds the limit",
-            )));
-            return;
-        }
+        // The agent refused notifications over `max_notification` already.
         match self.backend.conn(&self.peer, "tcp post") {
             Ok(c) => c.submit(Job::transfer(
                 self.op,
@@ -475,10 +408,4 @@ impl PreparedTransfer for RemotePrepared {
             Err(e) => done.complete(Err(e)),
         }
     }
-}
-
-pub(crate) fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    getrandom::getrandom(&mut b).expect("the OS random source works");
-    u64::from_le_bytes(b)
 }

@@ -3,16 +3,16 @@
 //! Every request is checked whole before any byte of registered memory is touched:
 //! each segment's key must name a live registration and the segment must lie inside
 //! it. A refused WRITE's payload is read and discarded, so the connection stays usable.
-#![allow(unsafe_code)]
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use nixl::{MemSegment, NotificationSink, RegionRef};
+use nixl::{NotificationSink, RegionSlice};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::io::{recv_slice, send_slice};
 use crate::wire::{self, RequestHeader, ResponseHeader, SegEntry};
 use crate::{Inner, Started};
 
@@ -132,8 +132,8 @@ async fn serve(
     let max_notif = inner.options.max_notification;
     let mut hbuf = [0u8; wire::HEADER_LEN];
     let mut table = Vec::new();
-    let mut segs: Vec<MemSegment> = Vec::new();
-    let mut keep: Vec<RegionRef> = Vec::new();
+    let mut segs: Vec<RegionSlice> = Vec::new();
+    let mut scratch = Vec::new();
     loop {
         match r.read_exact(&mut hbuf).await {
             Ok(_) => {}
@@ -169,15 +169,11 @@ async fn serve(
                         .checked_add(e.len)
                         .ok_or_else(|| proto("segment lengths overflow"))?;
                 }
-                let checked = check(&inner, &table, &mut segs, &mut keep);
+                let checked = check(&inner, &table, &mut segs);
                 match (h.kind, checked) {
                     (wire::REQ_WRITE, Ok(())) => {
                         for seg in &segs {
-                            // SAFETY: `keep` holds the registrations alive; `check`
-                            // put the segment inside one; we hold no other reference
-                            // to these bytes while the socket fills them.
-                            let dst = unsafe { seg.as_mut_slice() };
-                            r.read_exact(dst).await?;
+                            recv_slice(&mut r, seg).await?;
                         }
                         // Data is in memory: now the notification.
                         if let Some(n) = notif {
@@ -195,9 +191,7 @@ async fn serve(
                         };
                         w.write_all(&d.encode()).await?;
                         for seg in &segs {
-                            // SAFETY: as above; the socket only reads these bytes.
-                            let src = unsafe { seg.as_slice() };
-                            w.write_all(src).await?;
+                            send_slice(&mut w, seg, &mut scratch).await?;
                         }
                         if let Some(n) = notif {
                             sink.deliver(&peer, n);
@@ -218,7 +212,6 @@ async fn serve(
                     }
                 }
                 segs.clear();
-                keep.clear();
             }
             other => {
                 return Err(proto(format!("unknown request kind {other:#x}")));
@@ -227,15 +220,10 @@ async fn serve(
     }
 }
 
-/// Check every segment of a request; fill `segs` (and `keep`) only if all pass.
-fn check(
-    inner: &Inner,
-    table: &[u8],
-    segs: &mut Vec<MemSegment>,
-    keep: &mut Vec<RegionRef>,
-) -> Result<(), Refusal> {
+/// Check every segment of a request; fill `segs` only if all pass (each keeps its
+/// registration alive until the request is served).
+fn check(inner: &Inner, table: &[u8], segs: &mut Vec<RegionSlice>) -> Result<(), Refusal> {
     segs.clear();
-    keep.clear();
     let regions = inner.regions.read().unwrap();
     for (i, e) in SegEntry::decode_all(table).enumerate() {
         let Some(region) = regions.get(&e.key) else {
@@ -244,11 +232,8 @@ fn check(
                 msg: format!("segment {i}: unknown or forged key"),
             });
         };
-        let whole = region.segment();
-        let off = e.addr.checked_sub(whole.addr());
-        let seg = off
-            .and_then(|off| whole.slice(usize::try_from(off).ok()?, usize::try_from(e.len).ok()?));
-        let Some(seg) = seg.filter(|s| !s.is_empty()) else {
+        let Some(seg) = region.slice_at(e.addr, e.len).filter(|s| !s.is_empty()) else {
+            let whole = region.segment();
             return Err(Refusal {
                 status: wire::ST_OUT_OF_RANGE,
                 msg: format!(
@@ -261,9 +246,6 @@ fn check(
             });
         };
         segs.push(seg);
-        if keep.last().is_none_or(|k| k.id() != region.id()) {
-            keep.push(region.clone());
-        }
     }
     Ok(())
 }

@@ -237,6 +237,10 @@ pub(crate) enum Wake {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) core: Mutex<Option<Core>>,
+    /// UCX after the driver stopped: connections closed, memory still mapped, the
+    /// worker and context alive until [`nixl::Backend::destroy`] (or drop), so the
+    /// agent deregisters memory after the connections and before the context.
+    pub(crate) parked: Mutex<Option<Ucx<Work>>>,
     pub(crate) tx: mpsc::Sender<Cmd>,
     pub(crate) wake: Wake,
     /// Set when the driver has torn UCX down.
@@ -330,12 +334,6 @@ fn say_hello(ucx: &mut Ucx<Work>, agent: &str, p: &mut PeerConn, now: Instant) {
         },
         now,
     );
-}
-
-fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    getrandom::getrandom(&mut b).expect("the OS random source works");
-    u64::from_le_bytes(b)
 }
 
 fn disconnected(peer: &str, why: &str) -> Error {
@@ -435,7 +433,7 @@ impl Core {
         self.peers.insert(
             Arc::from(peer),
             PeerConn {
-                epoch: random_u64(),
+                epoch: nixl::random_u64(),
                 address: address.to_vec(),
                 ep,
                 peer_failure,
@@ -965,8 +963,9 @@ impl Core {
     }
 }
 
-/// Tear down: goodbyes (bounded), then drop UCX (which fails what is left and releases
-/// everything in order). Runs on the driver.
+/// Tear down: goodbyes (bounded), then fail what is left and close every connection;
+/// UCX itself (memory mappings, worker, context) is parked for deregistration and
+/// [`nixl::Backend::destroy`]. Runs on the driver.
 pub(crate) fn teardown(shared: &Shared) {
     let core = shared.core.lock().unwrap().take();
     if let Some(mut core) = core {
@@ -980,10 +979,17 @@ pub(crate) fn teardown(shared: &Shared) {
                 std::thread::yield_now();
             }
         }
-        // Complete what finished, then let Drop fail the rest.
+        // Complete what finished, then close the connections; what is still queued
+        // fails when the rest of the core goes.
         core.handle_events();
         core.reap();
-        drop(core);
+        let peers: Vec<Arc<str>> = core.peers.keys().cloned().collect();
+        for p in peers {
+            core.remove_peer(&p, "the ucx backend is shutting down");
+        }
+        let Core { mut ucx, .. } = core;
+        drop(ucx.close_all());
+        *shared.parked.lock().unwrap() = Some(ucx);
     }
     shared.mark_stopped();
 }
@@ -1098,7 +1104,7 @@ pub(crate) async fn run_task(shared: Arc<Shared>, cancel: CancellationToken) {
 }
 
 /// The dedicated progress thread: sleeps in `poll` on the event fd and a wake fd.
-pub(crate) fn run_thread(shared: Arc<Shared>, stop: Arc<AtomicBool>) {
+pub(crate) fn run_thread(shared: Arc<Shared>, stop: CancellationToken) {
     let Wake::Thread { fd, sleeping } = &shared.wake else {
         unreachable!("thread mode uses a wake fd")
     };
@@ -1107,7 +1113,7 @@ pub(crate) fn run_thread(shared: Arc<Shared>, stop: Arc<AtomicBool>) {
         None => return shared.mark_stopped(),
     };
     let mut pace = Pace::new(shared.spin);
-    while !stop.load(Ordering::Acquire) {
+    while !stop.is_cancelled() {
         let (activity, busy) = {
             let mut g = shared.core.lock().unwrap();
             let Some(core) = g.as_mut() else { break };

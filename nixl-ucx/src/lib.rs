@@ -71,14 +71,14 @@ mod library;
 mod wire;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
-    Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, MemSegment, Op,
+    Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, Op,
     PreparedTransfer, RegionRef, Result, Target, TransferPlan,
 };
 use tokio_util::sync::CancellationToken;
@@ -107,8 +107,9 @@ pub enum ProgressMode {
     /// A tokio task on the agent's runtime, woken by the worker's event fd.
     #[default]
     Task,
-    /// A dedicated OS thread (`nixl-ucx-progress`), joined at shutdown within
-    /// [`UcxOptions::join_bound`].
+    /// A dedicated OS thread (`nixl-ucx-progress`) owned by the agent: stopped, woken
+    /// (through an event fd) and joined within the agent's shutdown bound, from
+    /// shutdown and from dropping the agent alike.
     Thread,
 }
 
@@ -162,8 +163,6 @@ pub struct UcxOptions {
     /// driver would copy it on a runtime thread. Default: `true`, or
     /// `NIXL_UCX_POST_INLINE=0` to turn it off.
     pub post_inline: bool,
-    /// Bound on joining the progress thread at shutdown.
-    pub join_bound: Duration,
     /// Bound on saying goodbye to peers at shutdown and on closing endpoints.
     pub teardown_bound: Duration,
     /// Longest notification accepted.
@@ -198,7 +197,6 @@ impl Default for UcxOptions {
                 std::env::var(ENV_POST_INLINE).as_deref(),
                 Ok("0" | "false" | "no")
             ),
-            join_bound: Duration::from_secs(5),
             teardown_bound: Duration::from_millis(500),
             max_notification: 1 << 20,
         }
@@ -244,8 +242,6 @@ pub fn probe(options: &UcxOptions) -> Result<UcxLibraryReport> {
 
 #[derive(Debug)]
 struct Started {
-    agent: String,
-    sink: nixl::NotificationSink,
     cancel: CancellationToken,
 }
 
@@ -338,6 +334,7 @@ impl UcxBackend {
         };
         let shared = Arc::new(Shared {
             core: Mutex::new(Some(core)),
+            parked: Mutex::new(None),
             tx,
             wake,
             stopped: AtomicBool::new(false),
@@ -442,12 +439,14 @@ impl Backend for UcxBackend {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            local: true,
+            local: false,
             remote: true,
             notifications: true,
             dram: true,
             vram: false,
             target_checks: false,
+            max_segments: usize::MAX,
+            max_notification: self.inner.options.max_notification,
         }
     }
 
@@ -455,8 +454,6 @@ impl Backend for UcxBackend {
         const OP: &str = "start ucx backend";
         let cancel = ctx.cancel.child_token();
         let started = Started {
-            agent: ctx.agent_name.clone(),
-            sink: ctx.notifications.clone(),
             cancel: cancel.clone(),
         };
         self.inner.started.set(started).map_err(|_| {
@@ -477,38 +474,20 @@ impl Backend for UcxBackend {
                 ctx.tracker.spawn(driver::run_task(shared, cancel));
             }
             ProgressMode::Thread => {
-                let stop = Arc::new(AtomicBool::new(false));
-                let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
-                let s2 = shared.clone();
-                let stop2 = stop.clone();
-                let handle = std::thread::Builder::new()
-                    .name("nixl-ucx-progress".into())
-                    .spawn(move || {
-                        driver::run_thread(s2, stop2);
-                        let _ = done_tx.send(());
-                    })
-                    .map_err(|e| {
-                        Error::new(ErrorKind::Backend, OP, "cannot start the progress thread")
-                            .with_source(e)
-                    })?;
-                let bound = self.inner.options.join_bound;
-                ctx.tracker.spawn(async move {
-                    cancel.cancelled().await;
-                    stop.store(true, Ordering::Release);
-                    if let Wake::Thread { fd, .. } = &shared.wake {
-                        fd.wake();
-                    }
-                    match tokio::time::timeout(bound, done_rx).await {
-                        // The thread has finished its work and is returning.
-                        Ok(_) => {
-                            let _ = handle.join();
+                let waker = shared.clone();
+                ctx.spawn_thread(
+                    "nixl-ucx-progress",
+                    move |stop| driver::run_thread(shared, stop),
+                    move || {
+                        if let Wake::Thread { fd, .. } = &waker.wake {
+                            fd.wake();
                         }
-                        Err(_) => tracing::error!(
-                            ?bound,
-                            "ucx progress thread did not stop in time; leaving it detached"
-                        ),
-                    }
-                });
+                    },
+                )
+                .map_err(|e| {
+                    Error::new(ErrorKind::Backend, OP, "cannot start the progress thread")
+                        .with_source(e)
+                })?;
             }
         }
         tracing::debug!(agent = %ctx.agent_name, report = %self.inner.report, "ucx backend started");
@@ -551,11 +530,20 @@ impl Backend for UcxBackend {
         Some(Self::alloc(self, len))
     }
 
-    fn deregister(&self, region_id: u64) {
-        let _ = self.with_core("ucx deregister", |core| {
+    fn deregister(&self, region_id: u64) -> Result<()> {
+        // While running, the driver's UCX; after shutdown, the parked one (the agent
+        // deregisters between closing connections and destroying the context); after
+        // destroy, nothing is left to unmap.
+        let mut core = self.inner.shared.core.lock().unwrap();
+        if let Some(core) = core.as_mut() {
             core.ucx.mem_unmap(region_id);
-            Ok(())
-        });
+            return Ok(());
+        }
+        drop(core);
+        if let Some(ucx) = self.inner.shared.parked.lock().unwrap().as_mut() {
+            ucx.mem_unmap(region_id);
+        }
+        Ok(())
     }
 
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
@@ -589,35 +577,24 @@ impl Backend for UcxBackend {
         })
     }
 
-    fn remove_peer(&self, peer: &str) {
-        let _ = self.with_core("ucx remove peer", |core| {
+    fn remove_peer(&self, peer: &str) -> Result<()> {
+        // After shutdown every connection is closed already.
+        if let Some(core) = self.inner.shared.core.lock().unwrap().as_mut() {
             core.remove_peer(peer, "the peer was forgotten");
-            Ok(())
-        });
+        }
+        Ok(())
     }
 
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         const OP: &str = "ucx prepare";
-        let started = self.started(OP)?;
+        self.started(OP)?;
         let write = plan.op == Op::Write;
         let Some(peer) = plan.peer else {
-            let mut pairs = Vec::with_capacity(plan.segments.len());
-            for s in plan.segments {
-                let Target::Local(t) = s.target else {
-                    return Err(Error::new(
-                        ErrorKind::InvalidArgument,
-                        OP,
-                        "local transfer with a remote target",
-                    ));
-                };
-                pairs.push((s.local, t));
-            }
-            return Ok(Box::new(LocalPrepared {
-                write,
-                pairs,
-                agent: started.agent.clone(),
-                sink: started.sink.clone(),
-            }));
+            return Err(Error::new(
+                ErrorKind::NotSupported,
+                OP,
+                "the ucx backend serves transfers between agents only (the agent copies between its own DRAM regions)",
+            ));
         };
         let peer: Arc<str> = Arc::from(peer);
         let mut segs = Vec::with_capacity(plan.segments.len());
@@ -657,7 +634,7 @@ impl Backend for UcxBackend {
                 let (ep_epoch, rkey) = core.rkey(&peer, *region, blob, b.rkey)?;
                 epoch = ep_epoch;
                 segs.push(RmaSeg {
-                    local: s.local,
+                    local: s.local.segment(),
                     remote: *addr,
                     rkey,
                 });
@@ -666,7 +643,6 @@ impl Backend for UcxBackend {
         })?;
         Ok(Box::new(RemotePrepared {
             shared: self.inner.shared.clone(),
-            max_notification: self.inner.options.max_notification,
             xfer: Arc::new(RemoteXfer {
                 peer,
                 epoch,
@@ -706,24 +682,12 @@ impl Backend for UcxBackend {
         }
         Ok(())
     }
-}
 
-/// A same-agent transfer: `memmove` per pair.
-#[derive(Debug)]
-struct LocalPrepared {
-    write: bool,
-    pairs: Vec<(MemSegment, MemSegment)>,
-    agent: String,
-    sink: nixl::NotificationSink,
-}
-
-impl PreparedTransfer for LocalPrepared {
-    fn post(&self, notif: Option<Bytes>, done: Completer) {
-        ffi::copy_local(self.write, &self.pairs, &done);
-        if let Some(n) = notif {
-            self.sink.deliver(&self.agent, n);
-        }
-        done.complete(Ok(()));
+    fn destroy(&self) -> Result<()> {
+        // Memory was deregistered; now the worker and (unless allocations still hold
+        // it) the context.
+        drop(self.inner.shared.parked.lock().unwrap().take());
+        Ok(())
     }
 }
 
@@ -731,25 +695,12 @@ impl PreparedTransfer for LocalPrepared {
 #[derive(Debug)]
 struct RemotePrepared {
     shared: Arc<Shared>,
-    max_notification: usize,
     xfer: Arc<RemoteXfer>,
 }
 
 impl PreparedTransfer for RemotePrepared {
     fn post(&self, notif: Option<Bytes>, done: Completer) {
-        if notif
-            .as_ref()
-            .is_some_and(|n| n.len() > self.max_notification)
-        {
-            return done.complete(Err(Error::new(
-                ErrorKind::InvalidArgument,
-                "ucx post",
-                format!(
-                    "notification exceeds the limit of {} bytes",
-                    self.max_notification
-                ),
-            )));
-        }
+        // The agent refused notifications over `max_notification` already.
         self.shared.submit(Cmd::Transfer {
             xfer: self.xfer.clone(),
             notif,

@@ -11,16 +11,25 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::memory::{MemKind, MemSegment, Memory};
+use crate::memory::{MemKind, Memory};
 use crate::notification::Notification;
-use crate::region::RegionRef;
+use crate::region::{RegionRef, RegionSlice};
+use crate::thread::ThreadSpawner;
 use crate::transfer::{CompletionState, Op};
 
 /// What a backend can do, as plain data. The agent and the conformance suite choose
 /// backends by capabilities, never by name.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+///
+/// The agent enforces the limits before anything reaches the backend: a request with
+/// more segments than [`Capabilities::max_segments`] (after merging) is refused when
+/// it is made, a notification longer than [`Capabilities::max_notification`] when it
+/// is posted, both with [`ErrorKind::InvalidArgument`]. Backends need not re-check.
+///
+/// `Default` is a backend that can do nothing, with no limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capabilities {
-    /// Transfers between two regions of the same agent.
+    /// Transfers between two regions of the same agent in memory other than DRAM
+    /// (the agent itself copies between DRAM regions, whatever the backend).
     pub local: bool,
     /// Transfers to and from other agents.
     pub remote: bool,
@@ -35,6 +44,26 @@ pub struct Capabilities {
     /// One-sided RDMA transports cannot: there, only the initiator's checks and the
     /// NIC's key and bounds checks stand between a peer and registered memory.
     pub target_checks: bool,
+    /// Most segments one request may carry after merging (`usize::MAX`: no limit).
+    pub max_segments: usize,
+    /// Longest notification, in bytes, a transfer or a standalone notification may
+    /// carry (`usize::MAX`: no limit).
+    pub max_notification: usize,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Self {
+            local: false,
+            remote: false,
+            notifications: false,
+            dram: false,
+            vram: false,
+            target_checks: false,
+            max_segments: usize::MAX,
+            max_notification: usize::MAX,
+        }
+    }
 }
 
 impl Capabilities {
@@ -76,9 +105,35 @@ pub struct BackendContext {
     pub tracker: TaskTracker,
     /// Incoming notifications.
     pub notifications: NotificationSink,
+    /// Starts OS threads the agent owns; see [`BackendContext::spawn_thread`].
+    pub threads: ThreadSpawner,
 }
 
 impl BackendContext {
+    /// Start an OS thread the agent owns (a progress loop, a blocking accept loop).
+    ///
+    /// `body` runs on a new thread named `name` and gets a cancellation token; it must
+    /// return soon after the token is cancelled. `wake` interrupts whatever the thread
+    /// blocks in (write an event fd, call the library's stop-accept): the agent calls
+    /// it once, right after cancelling the token, so `body` needs no timeout polling.
+    ///
+    /// The agent stops, wakes and joins the thread with a bound from
+    /// [`Agent::shutdown`](crate::Agent::shutdown) (after the backends' own
+    /// [`Backend::shutdown`] returned) and from dropping the agent, even when the tokio
+    /// runtime is already gone. A thread still running at the bound is left detached
+    /// and named in [`ShutdownReport::threads_left`](crate::ShutdownReport::threads_left).
+    ///
+    /// # Errors
+    /// [`ErrorKind::ShutDown`] once the agent stops; [`ErrorKind::Backend`] when the
+    /// OS refuses a thread.
+    pub fn spawn_thread<F, W>(&self, name: &str, body: F, wake: W) -> Result<()>
+    where
+        F: FnOnce(CancellationToken) + Send + 'static,
+        W: Fn() + Send + Sync + 'static,
+    {
+        self.threads.spawn(name, body, wake)
+    }
+
     /// Spawn a task through the tracker that ends when `cancel` fires.
     pub fn spawn<F>(&self, fut: F)
     where
@@ -98,7 +153,7 @@ impl BackendContext {
 #[derive(Clone, Debug)]
 pub enum Target {
     /// Another region of this agent (local transfers).
-    Local(MemSegment),
+    Local(RegionSlice),
     /// A region of a peer.
     Remote {
         /// Start address in the peer's address space.
@@ -115,8 +170,11 @@ pub enum Target {
 /// One contiguous piece of a transfer: `local.len()` bytes between `local` and `target`.
 #[derive(Clone, Debug)]
 pub struct Segment {
-    /// Local memory (source of a WRITE, destination of a READ).
-    pub local: MemSegment,
+    /// Local memory (source of a WRITE, destination of a READ), with the registration
+    /// it lies in ([`RegionSlice::region`]): a backend finds its own handle for that
+    /// registration (a local key, a memory handle) by [`RegionSlice::id`], without an
+    /// address index of its own.
+    pub local: RegionSlice,
     /// The other side.
     pub target: Target,
 }
@@ -146,6 +204,27 @@ pub trait PreparedTransfer: Send + Sync + fmt::Debug {
 ///
 /// Object-safe; held as `Arc<dyn Backend>`. Setup calls may be async; the hot path is
 /// [`Backend::prepare`] once, then [`PreparedTransfer::post`] many times.
+///
+/// # Teardown order
+/// [`Agent::shutdown`](crate::Agent::shutdown) stops an agent in this order, under one
+/// overall bound ([`AgentOptions::shutdown_timeout`](crate::AgentOptions)), with all
+/// backends going through each step concurrently:
+/// 1. refuse new work (posts, registrations, metadata loads fail with
+///    [`ErrorKind::ShutDown`]);
+/// 2. drain in-flight transfers up to the drain timeout, then cancel them;
+/// 3. run the exchanges' hooks (revoke etcd leases while connections still work);
+/// 4. cancel the agent's token (every task started through the context sees it) and
+///    stop, wake and join the backends' OS threads ([`BackendContext::spawn_thread`]);
+/// 5. [`Backend::shutdown`]: stop listeners and accept loops, fail what is still in
+///    flight, close connections. Registrations stay valid;
+/// 6. [`Backend::deregister`] for every registration still registered (memory
+///    regions go before the protection domain, and after the connections that could
+///    still reach them);
+/// 7. [`Backend::destroy`]: release contexts, workers, protection domains;
+/// 8. wait for the agent's tasks.
+///
+/// Dropping an agent without shutdown cancels the token and joins the threads the same
+/// way (bounded); the rest is left to each backend's `Drop`.
 #[async_trait]
 pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Short name, published in metadata; peers match backends by it (`"tcp"`).
@@ -162,10 +241,21 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     fn connection_info(&self) -> Bytes;
 
     /// Register a region; returns the public blob peers need to reach it.
+    ///
+    /// May be slow (pinning gigabytes for a NIC) and may block: the agent calls it on
+    /// the caller's thread from [`Agent::register`](crate::Agent::register), or on
+    /// tokio's blocking pool from
+    /// [`Agent::register_async`](crate::Agent::register_async), never from a task of
+    /// its own.
     fn register(&self, region: &RegionRef) -> Result<Bytes>;
 
-    /// Forget a region: incoming requests for it are refused from now on.
-    fn deregister(&self, region_id: u64);
+    /// Forget a region: incoming requests for it are refused from now on, and the
+    /// backend lets go of its [`RegionRef`].
+    ///
+    /// # Errors
+    /// When the transport failed to release it (the agent forgets it all the same and
+    /// reports the error).
+    fn deregister(&self, region_id: u64) -> Result<()>;
 
     /// Allocate host memory this backend reaches faster than ordinary memory (for
     /// example shared memory a peer on the same host maps directly), for
@@ -182,17 +272,33 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     async fn connect(&self, peer: &str) -> Result<()>;
 
     /// Forget a peer: close its connections; its in-flight transfers fail.
-    fn remove_peer(&self, peer: &str);
+    ///
+    /// # Errors
+    /// When closing failed (the agent forgets the peer all the same and reports it).
+    fn remove_peer(&self, peer: &str) -> Result<()>;
 
-    /// Resolve a checked transfer once, for posting many times.
+    /// Resolve a checked transfer once, for posting many times. Same-agent transfers
+    /// between DRAM regions never get here (the agent copies those itself).
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>>;
 
     /// Send a standalone notification; report through `done`.
     fn notify(&self, peer: &str, msg: Bytes, done: Completer);
 
-    /// Stop: fail in-flight work, stop listeners, close connections, drop registrations.
-    /// Must return within `timeout`.
+    /// Stop: stop listeners and accept loops, fail in-flight work, close connections
+    /// (step 5 of the [teardown order](Backend#teardown-order)). Registrations stay
+    /// valid until the agent deregisters them next. Should return within `timeout`;
+    /// the agent stops waiting at its overall bound and reports an overrun.
     async fn shutdown(&self, timeout: Duration) -> Result<()>;
+
+    /// Release what remains (contexts, workers, protection domains) after every
+    /// registration was deregistered (step 7 of the [teardown order](Backend#teardown-order)).
+    /// The default does nothing, for backends whose state `Drop` releases in any order.
+    ///
+    /// # Errors
+    /// When releasing failed; the agent reports it.
+    fn destroy(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// How a backend reports the end of one posted transfer.

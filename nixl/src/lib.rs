@@ -34,12 +34,14 @@ mod error;
 pub mod exchange;
 mod memory;
 pub mod metadata;
+pub mod native;
 mod notification;
 mod region;
+mod thread;
 mod transfer;
 
 pub use agent::{
-    Agent, AgentBuilder, AgentOptions, PreparedDescs, RegisterOptions, RequestOptions,
+    random_u64, Agent, AgentBuilder, AgentOptions, PreparedDescs, RegisterOptions, RequestOptions,
     ShutdownReport, TaskMonitor,
 };
 pub use backend::{
@@ -52,7 +54,8 @@ pub use error::{Error, ErrorKind, Result};
 pub use exchange::{SharedSecret, SideChannelOptions};
 pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, PAGE_SIZE};
 pub use notification::{Notification, Notifications};
-pub use region::{RegionRef, Registration, RemoteRegionInfo};
+pub use region::{RegionRef, RegionSlice, Registration, RemoteRegionInfo};
+pub use thread::{ThreadSpawner, ThreadWake};
 pub use transfer::{Op, Status, Transfer, XferRequest};
 
 /// Version of this crate.

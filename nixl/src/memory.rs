@@ -281,6 +281,100 @@ impl Memory {
         true
     }
 
+    /// `memmove` of `len` bytes from `src` at `src_offset` into host memory at
+    /// `offset` (the two may be the same memory and overlap); `false` when out of
+    /// range or not host memory.
+    pub(crate) fn copy_from_memory(
+        &self,
+        offset: usize,
+        src: &Self,
+        src_offset: usize,
+        len: usize,
+    ) -> bool {
+        match (
+            self.host_segment(offset, len),
+            src.host_segment(src_offset, len),
+        ) {
+            // SAFETY: both are live host memory (our invariant, `&self` and `&src`
+            // keep them alive), ranges checked; ptr::copy allows overlap and makes no
+            // reference to either range.
+            (Some(d), Some(s)) => unsafe {
+                std::ptr::copy(s.ptr.as_ptr(), d.ptr.as_ptr(), len);
+            },
+            _ => return false,
+        }
+        true
+    }
+
+    /// One `recv(2)` from the socket `fd` into host memory at `offset..offset+len`,
+    /// without waiting (`MSG_DONTWAIT`): the kernel writes the memory directly, and no
+    /// Rust reference to it is made. Returns the bytes received (0 at end of stream).
+    ///
+    /// # Errors
+    /// The system call's error (`WouldBlock` when nothing is ready); `InvalidInput`
+    /// when out of range or not host memory.
+    #[cfg(unix)]
+    pub(crate) fn recv_at(
+        &self,
+        offset: usize,
+        len: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> std::io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        let Some(seg) = self.host_segment(offset, len) else {
+            return Err(std::io::ErrorKind::InvalidInput.into());
+        };
+        // SAFETY: `seg` is live host memory valid for `len` bytes of writes (our
+        // invariant; `&self` keeps it alive for the call); `fd` is an open descriptor
+        // for the call's duration (BorrowedFd).
+        let n = unsafe {
+            libc::recv(
+                fd.as_raw_fd(),
+                seg.ptr.as_ptr().cast(),
+                len,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
+    /// One `send(2)` of host memory at `offset..offset+len` to the socket `fd`,
+    /// without waiting (`MSG_DONTWAIT | MSG_NOSIGNAL`): the kernel reads the memory
+    /// directly, and no Rust reference to it is made. Returns the bytes sent.
+    ///
+    /// # Errors
+    /// As [`Memory::recv_at`].
+    #[cfg(unix)]
+    pub(crate) fn send_at(
+        &self,
+        offset: usize,
+        len: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> std::io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        let Some(seg) = self.host_segment(offset, len) else {
+            return Err(std::io::ErrorKind::InvalidInput.into());
+        };
+        // SAFETY: as in recv_at; the kernel only reads the range.
+        let n = unsafe {
+            libc::send(
+                fd.as_raw_fd(),
+                seg.ptr.as_ptr().cast_const().cast(),
+                len,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
     fn host_segment(&self, offset: usize, len: usize) -> Option<MemSegment> {
         (self.kind == MemKind::Dram).then(|| self.segment().slice(offset, len))?
     }

@@ -194,9 +194,219 @@ impl RegionRef {
     }
 }
 
+impl RegionRef {
+    /// `offset..offset+len` of this registration, or `None` when it does not fit.
+    pub fn slice(&self, offset: usize, len: usize) -> Option<RegionSlice> {
+        let end = offset.checked_add(len)?;
+        (end <= self.inner.mem.len()).then(|| RegionSlice {
+            region: self.clone(),
+            offset,
+            len,
+        })
+    }
+
+    /// `addr..addr+len` (addresses in this process) of this registration, or `None`
+    /// when it does not lie inside.
+    pub fn slice_at(&self, addr: u64, len: u64) -> Option<RegionSlice> {
+        let offset = addr.checked_sub(self.inner.mem.addr())?;
+        self.slice(usize::try_from(offset).ok()?, usize::try_from(len).ok()?)
+    }
+}
+
 impl fmt::Debug for RegionRef {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "RegionRef(id {}, {:?})", self.id(), self.segment())
+    }
+}
+
+/// A checked range of one local registration: the registration (kept alive by this
+/// value) and `offset..offset+len` inside it.
+///
+/// Transfer segments carry one for their local side, so a backend finds its handle for
+/// the registration ([`RegionSlice::id`]) and the raw range ([`RegionSlice::segment`])
+/// for native calls. The copy methods are the safe way to touch host memory that peers
+/// and other transfers may write at the same time: they copy through raw pointers and
+/// system calls and never make a Rust reference into registered memory.
+#[derive(Clone)]
+pub struct RegionSlice {
+    region: RegionRef,
+    offset: usize,
+    len: usize,
+}
+
+impl RegionSlice {
+    /// The registration it lies in.
+    pub fn region(&self) -> &RegionRef {
+        &self.region
+    }
+
+    /// The registration's id (the one [`Backend::register`](crate::Backend::register)
+    /// was called for).
+    pub fn id(&self) -> u64 {
+        self.region.id()
+    }
+
+    /// Offset into the registration.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.region.inner.mem.addr() + self.offset as u64
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Memory kind.
+    pub fn kind(&self) -> MemKind {
+        self.region.kind()
+    }
+
+    /// The raw range, for native calls. It stays valid while this value lives.
+    pub fn segment(&self) -> MemSegment {
+        self.region
+            .inner
+            .mem
+            .segment()
+            .slice(self.offset, self.len)
+            .expect("a RegionSlice lies inside its registration")
+    }
+
+    /// The sub-range `offset..offset+len` of this slice, or `None` when it does not fit.
+    pub fn sub(&self, offset: usize, len: usize) -> Option<Self> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len).then(|| Self {
+            region: self.region.clone(),
+            offset: self.offset + offset,
+            len,
+        })
+    }
+
+    fn io_range(&self, at: usize, n: usize, op: &'static str) -> Result<usize> {
+        if self.kind() != MemKind::Dram {
+            return err(
+                ErrorKind::NotSupported,
+                op,
+                format!("{} memory is not host-accessible", self.kind()),
+            );
+        }
+        match at.checked_add(n) {
+            Some(end) if end <= self.len => Ok(self.offset + at),
+            _ => err(
+                ErrorKind::OutOfRange,
+                op,
+                format!("{at}+{n} is outside the {}-byte slice", self.len),
+            ),
+        }
+    }
+
+    /// Copy `dst.len()` bytes starting `at` bytes into the slice out into `dst`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::OutOfRange`]; [`ErrorKind::NotSupported`] for device memory.
+    pub fn read_into(&self, at: usize, dst: &mut [u8]) -> Result<()> {
+        let off = self.io_range(at, dst.len(), "read registered memory")?;
+        self.region.inner.mem.copy_out(off, dst);
+        Ok(())
+    }
+
+    /// Copy `src` into the slice, `at` bytes in.
+    ///
+    /// # Errors
+    /// As [`RegionSlice::read_into`].
+    pub fn write_from(&self, at: usize, src: &[u8]) -> Result<()> {
+        let off = self.io_range(at, src.len(), "write registered memory")?;
+        self.region.inner.mem.copy_in(off, src);
+        Ok(())
+    }
+
+    /// Copy all of `src` into this slice (`memmove`: the two may overlap).
+    ///
+    /// # Errors
+    /// [`ErrorKind::LengthMismatch`] for slices of different lengths;
+    /// [`ErrorKind::NotSupported`] for device memory.
+    pub fn copy_from(&self, src: &Self) -> Result<()> {
+        const OP: &str = "copy registered memory";
+        if src.len != self.len {
+            return err(
+                ErrorKind::LengthMismatch,
+                OP,
+                format!("{} bytes into {}", src.len, self.len),
+            );
+        }
+        let (d, s) = (
+            self.io_range(0, self.len, OP)?,
+            src.io_range(0, src.len, OP)?,
+        );
+        if self
+            .region
+            .inner
+            .mem
+            .copy_from_memory(d, &src.region.inner.mem, s, self.len)
+        {
+            Ok(())
+        } else {
+            err(ErrorKind::OutOfRange, OP, "range outside its registration")
+        }
+    }
+
+    /// One non-blocking `recv(2)` from the socket `fd` into `at..at+n` of the slice:
+    /// the kernel writes registered memory directly. Returns the bytes received (0 at
+    /// end of stream).
+    ///
+    /// # Errors
+    /// The system call's error (`WouldBlock` when nothing is ready; use it with
+    /// tokio's `try_io`); `InvalidInput` when out of range or not host memory.
+    #[cfg(unix)]
+    pub fn recv(
+        &self,
+        at: usize,
+        n: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> std::io::Result<usize> {
+        let off = self
+            .io_range(at, n, "receive into registered memory")
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        self.region.inner.mem.recv_at(off, n, fd)
+    }
+
+    /// One non-blocking `send(2)` of `at..at+n` of the slice to the socket `fd`: the
+    /// kernel reads registered memory directly. Returns the bytes sent.
+    ///
+    /// # Errors
+    /// As [`RegionSlice::recv`].
+    #[cfg(unix)]
+    pub fn send(
+        &self,
+        at: usize,
+        n: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> std::io::Result<usize> {
+        let off = self
+            .io_range(at, n, "send from registered memory")
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        self.region.inner.mem.send_at(off, n, fd)
+    }
+}
+
+impl fmt::Debug for RegionSlice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "RegionSlice(region {}, {:#x}+{})",
+            self.id(),
+            self.addr(),
+            self.len
+        )
     }
 }
 

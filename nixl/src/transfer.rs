@@ -256,6 +256,8 @@ pub struct XferRequest {
     pub(crate) regions: Vec<Arc<RegionInner>>,
     pub(crate) bytes: u64,
     pub(crate) segments: usize,
+    /// The serving backend's [`Capabilities::max_notification`](crate::Capabilities).
+    pub(crate) max_notification: usize,
     pub(crate) last: Mutex<Option<Arc<CompletionState>>>,
 }
 
@@ -267,13 +269,29 @@ impl XferRequest {
     /// [`ErrorKind::StaleGeneration`] if the peer's metadata was reloaded or forgotten
     /// since preparing ([`ErrorKind::UnknownPeer`] if it is gone);
     /// [`ErrorKind::NotFound`] if a region was deregistered;
-    /// [`ErrorKind::NotAllowed`] if the previous post has not finished.
+    /// [`ErrorKind::NotAllowed`] if the previous post has not finished;
+    /// [`ErrorKind::InvalidArgument`] if `notif` is longer than the backend carries
+    /// ([`Capabilities::max_notification`](crate::Capabilities::max_notification)).
     pub fn post(&self, notif: Option<Bytes>) -> Result<Transfer> {
         const OP: &str = "post transfer";
         let Some(owner) = self.owner.upgrade() else {
             return err(ErrorKind::ShutDown, OP, "the agent is gone");
         };
         owner.check_running(OP)?;
+        if let Some(n) = &notif {
+            if n.len() > self.max_notification {
+                return err(
+                    ErrorKind::InvalidArgument,
+                    OP,
+                    format!(
+                        "notification of {} bytes exceeds {}'s limit of {}",
+                        n.len(),
+                        self.backend,
+                        self.max_notification
+                    ),
+                );
+            }
+        }
         if let Some(peer) = &self.peer {
             let current = owner.peer_generation(peer, OP)?;
             if current != self.generation {

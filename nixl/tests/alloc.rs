@@ -36,6 +36,7 @@ impl Backend for Fake {
             dram: true,
             vram: false,
             target_checks: true,
+            ..Capabilities::default()
         }
     }
     async fn start(&self, _ctx: BackendContext) -> Result<()> {
@@ -47,7 +48,9 @@ impl Backend for Fake {
     fn register(&self, _region: &RegionRef) -> Result<Bytes> {
         Ok(Bytes::new())
     }
-    fn deregister(&self, _region_id: u64) {}
+    fn deregister(&self, _region_id: u64) -> Result<()> {
+        Ok(())
+    }
     fn alloc(&self, len: usize) -> Option<Result<Memory>> {
         self.offers.then(|| {
             self.allocs.fetch_add(1, Ordering::Relaxed);
@@ -60,7 +63,9 @@ impl Backend for Fake {
     async fn connect(&self, _peer: &str) -> Result<()> {
         Ok(())
     }
-    fn remove_peer(&self, _peer: &str) {}
+    fn remove_peer(&self, _peer: &str) -> Result<()> {
+        Ok(())
+    }
     fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         unreachable!("no transfers in this test")
     }

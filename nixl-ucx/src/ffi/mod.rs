@@ -1215,8 +1215,13 @@ impl<K> Ucx<K> {
     }
 }
 
-impl<K> Drop for Ucx<K> {
-    fn drop(&mut self) {
+impl<K> Ucx<K> {
+    /// Close every endpoint (forced: pending operations fail) and progress, within the
+    /// teardown bound, until the closes and outstanding requests are finished. Memory
+    /// mappings, the worker and the context stay. Returns what finished requests held.
+    /// Called by shutdown (connections close before memory is deregistered) and by
+    /// `Drop`; a second call finds nothing to do.
+    pub(crate) fn close_all(&mut self) -> Vec<K> {
         let api = self.api;
         // 0. Let endpoints younger than MIN_EP_AGE finish UCX's wireup first (see
         // there), progressing the worker, within the teardown bound.
@@ -1313,6 +1318,14 @@ impl<K> Drop for Ucx<K> {
             }
             std::thread::yield_now();
         }
+        handed_back
+    }
+}
+
+impl<K> Drop for Ucx<K> {
+    fn drop(&mut self) {
+        let api = self.api;
+        let mut handed_back = self.close_all();
         // 3. Memory mappings.
         for (_, m) in std::mem::take(&mut self.mems) {
             self.unmap(m);
@@ -1356,22 +1369,6 @@ pub(crate) const MIN_EP_AGE: Duration = Duration::from_millis(200);
 
 /// Copy between two regions of this process: `memmove` per pair, `(local, target)`.
 /// `done` is the completer of the transfer the segments belong to: it keeps them alive.
-pub(crate) fn copy_local(write: bool, pairs: &[(MemSegment, MemSegment)], done: &Completer) {
-    let _ = done;
-    for (local, target) in pairs {
-        // SAFETY: both segments were checked by the agent against this agent's DRAM
-        // registrations (this backend registers nothing else), are of equal length,
-        // and stay alive while `done` (the transfer's completer) lives.
-        unsafe {
-            if write {
-                target.copy_from(local)
-            } else {
-                local.copy_from(target)
-            }
-        }
-    }
-}
-
 /// The worker's event fd, for tokio's reactor. It does not own the fd (UCX does).
 #[derive(Debug)]
 pub(crate) struct EventFd(RawFd);

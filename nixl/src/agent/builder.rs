@@ -1,0 +1,170 @@
+//! Agent options and the builder.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::{random_u64, Agent, Regions, Shared};
+use crate::backend::{Backend, BackendContext, NotificationSink};
+use crate::error::{err, ErrorKind, Result};
+use crate::thread::{ThreadSet, ThreadSpawner};
+use crate::transfer::InflightCounter;
+
+/// Agent-wide options.
+#[derive(Clone, Debug)]
+pub struct AgentOptions {
+    /// How long [`Agent::shutdown`] waits for in-flight transfers to finish before
+    /// cancelling them.
+    pub drain_timeout: Duration,
+    /// One bound on the rest of [`Agent::shutdown`] after draining: exchange hooks,
+    /// backends (which stop concurrently), threads, deregistration and the agent's
+    /// tasks all finish within it, or are named in the report. Dropping an agent
+    /// waits this long at most for its backends' threads.
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for AgentOptions {
+    fn default() -> Self {
+        Self {
+            drain_timeout: Duration::from_secs(5),
+            shutdown_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Options for one registration.
+#[derive(Clone, Debug, Default)]
+pub struct RegisterOptions {
+    /// Register only with these backends (by name). Default: every attached backend
+    /// that supports the memory kind.
+    pub backends: Option<Vec<String>>,
+}
+
+/// Options for building a transfer request.
+#[derive(Clone, Debug)]
+pub struct RequestOptions {
+    /// Candidate backends by name, in order of preference. Default: attach order.
+    pub backends: Option<Vec<String>>,
+    /// Merge descriptors that are contiguous on both sides (default `true`).
+    pub merge: bool,
+}
+
+impl Default for RequestOptions {
+    fn default() -> Self {
+        Self {
+            backends: None,
+            merge: true,
+        }
+    }
+}
+
+/// Builds an [`Agent`].
+#[derive(Debug)]
+pub struct AgentBuilder {
+    name: String,
+    backends: Vec<Arc<dyn Backend>>,
+    options: AgentOptions,
+}
+
+impl AgentBuilder {
+    pub(super) fn new(name: String) -> Self {
+        Self {
+            name,
+            backends: Vec::new(),
+            options: AgentOptions::default(),
+        }
+    }
+
+    /// Attach a backend. Backends are tried in attach order.
+    #[must_use]
+    pub fn backend(mut self, backend: impl Backend) -> Self {
+        self.backends.push(Arc::new(backend));
+        self
+    }
+
+    /// Attach a shared backend.
+    #[must_use]
+    pub fn backend_arc(mut self, backend: Arc<dyn Backend>) -> Self {
+        self.backends.push(backend);
+        self
+    }
+
+    /// Set options.
+    #[must_use]
+    pub fn options(mut self, options: AgentOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Start the backends and make the agent. Needs a tokio runtime.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for an empty or over-long name or two backends with
+    /// one name; any error a backend's start returns (the agent made so far is then
+    /// dropped, which stops what the earlier backends started).
+    pub async fn build(self) -> Result<Agent> {
+        const OP: &str = "build agent";
+        if self.name.is_empty() || self.name.len() > 256 {
+            return err(
+                ErrorKind::InvalidArgument,
+                OP,
+                "agent name must be 1 to 256 bytes",
+            );
+        }
+        for (i, b) in self.backends.iter().enumerate() {
+            if self.backends[..i].iter().any(|o| o.name() == b.name()) {
+                return err(
+                    ErrorKind::InvalidArgument,
+                    OP,
+                    format!("backend {:?} attached twice", b.name()),
+                );
+            }
+        }
+        let cancel = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let sink = NotificationSink { tx };
+        let shared = Arc::new(Shared {
+            name: self.name,
+            instance: random_u64(),
+            options: self.options,
+            caps: self.backends.iter().map(|b| b.capabilities()).collect(),
+            backends: self.backends,
+            regions: RwLock::new(Regions::default()),
+            next_region_id: AtomicU64::new(1),
+            peers: RwLock::new(HashMap::new()),
+            next_generation: AtomicU64::new(1),
+            running: AtomicBool::new(true),
+            cancel,
+            tracker,
+            threads: Arc::new(ThreadSet::default()),
+            inflight: Arc::new(InflightCounter::default()),
+            notifications: Arc::new(Mutex::new(Some(rx))),
+            sink,
+            labels: Mutex::new(HashMap::new()),
+            shutdown_hooks: Mutex::new(Vec::new()),
+        });
+        let agent = Agent { shared };
+        for b in &agent.shared.backends {
+            let cancel = agent.shared.cancel.child_token();
+            let ctx = BackendContext {
+                agent_name: agent.shared.name.clone(),
+                threads: ThreadSpawner {
+                    set: agent.shared.threads.clone(),
+                    cancel: cancel.clone(),
+                },
+                cancel,
+                tracker: agent.shared.tracker.clone(),
+                notifications: agent.shared.sink.clone(),
+            };
+            b.start(ctx).await?;
+            tracing::debug!(agent = %agent.shared.name, backend = b.name(), "backend started");
+        }
+        Ok(agent)
+    }
+}

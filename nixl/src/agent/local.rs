@@ -1,0 +1,40 @@
+//! Same-agent transfers between DRAM regions: copies by the agent, whatever backends
+//! are attached.
+
+use bytes::Bytes;
+
+use crate::backend::{Completer, NotificationSink, PreparedTransfer};
+use crate::region::RegionSlice;
+use crate::transfer::Op;
+
+/// Name reported by [`XferRequest::backend`](crate::XferRequest::backend) for requests
+/// the agent serves itself.
+pub(crate) const AGENT_COPY: &str = "agent";
+
+/// Pairs of (local, target) slices of one agent, copied with `memmove`.
+#[derive(Debug)]
+pub(super) struct LocalCopy {
+    pub(super) op: Op,
+    pub(super) pairs: Vec<(RegionSlice, RegionSlice)>,
+    pub(super) agent: String,
+    pub(super) sink: NotificationSink,
+}
+
+impl PreparedTransfer for LocalCopy {
+    fn post(&self, notif: Option<Bytes>, done: Completer) {
+        for (local, target) in &self.pairs {
+            let r = match self.op {
+                Op::Write => target.copy_from(local),
+                Op::Read => local.copy_from(target),
+            };
+            if let Err(e) = r {
+                return done.complete(Err(e));
+            }
+        }
+        // The data is in place: now the notification.
+        if let Some(n) = notif {
+            self.sink.deliver(&self.agent, n);
+        }
+        done.complete(Ok(()));
+    }
+}

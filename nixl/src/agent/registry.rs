@@ -1,0 +1,306 @@
+//! Memory registration and the agent's own metadata.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+
+use super::{Agent, RegisterOptions};
+use crate::error::{err, Error, ErrorKind, Result};
+use crate::memory::{AlignedBuf, Memory};
+use crate::metadata::{AgentMetadata, BackendMeta, RegionBlob, RegionMeta};
+use crate::region::{RegionInner, RegionRef, Registration};
+use crate::transfer::RequestOwner;
+
+impl Agent {
+    /// Zero-filled host memory of `len` bytes, from the first attached backend (in
+    /// attach order) that offers memory it reaches faster than ordinary memory
+    /// ([`Backend::alloc`](crate::Backend::alloc); nixl-ucx's shared memory, for
+    /// example), else an [`AlignedBuf`]. Register it as usual; it works with every
+    /// backend.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ZeroLength`] for `len == 0`; the backend's error when its
+    /// allocation fails (no silent fallback: the caller asked for the fast path).
+    pub fn alloc(&self, len: usize) -> Result<Memory> {
+        const OP: &str = "allocate memory";
+        self.shared.check_running(OP)?;
+        if len == 0 {
+            return err(ErrorKind::ZeroLength, OP, "cannot allocate zero bytes");
+        }
+        for b in &self.shared.backends {
+            if let Some(m) = b.alloc(len) {
+                return m;
+            }
+        }
+        Ok(AlignedBuf::new(len).into())
+    }
+
+    /// Register memory with every attached backend that supports its kind.
+    ///
+    /// The agent takes ownership of the memory and keeps it alive while any
+    /// [`Registration`] handle or in-flight transfer uses it.
+    ///
+    /// Registration may block for a while (an RDMA backend pins the memory): from
+    /// async code, prefer [`Agent::register_async`], which keeps tokio's workers free.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ZeroLength`] for empty memory; [`ErrorKind::NotSupported`] when no
+    /// backend supports the memory kind; [`ErrorKind::InvalidArgument`] when it overlaps
+    /// an existing registration; backend errors.
+    pub fn register(&self, memory: impl Into<Memory>) -> Result<Registration> {
+        self.register_with(memory, &RegisterOptions::default())
+    }
+
+    /// [`Agent::register_with`] on tokio's blocking pool, so a slow registration
+    /// (pinning gigabytes) never holds up a runtime worker.
+    ///
+    /// # Errors
+    /// As [`Agent::register_with`]; [`ErrorKind::Canceled`] if the runtime shut down
+    /// before the registration ran.
+    pub async fn register_async(
+        &self,
+        memory: impl Into<Memory>,
+        options: &RegisterOptions,
+    ) -> Result<Registration> {
+        let agent = Self {
+            shared: self.shared.clone(),
+        };
+        let memory = memory.into();
+        let options = options.clone();
+        tokio::task::spawn_blocking(move || agent.register_with(memory, &options))
+            .await
+            .unwrap_or_else(|e| {
+                Err(Error::new(
+                    ErrorKind::Canceled,
+                    "register memory",
+                    "the blocking registration did not run to completion",
+                )
+                .with_source(e))
+            })
+    }
+
+    /// Register memory with options (for example, only some backends).
+    ///
+    /// # Errors
+    /// As [`Agent::register`], and [`ErrorKind::NotFound`] for an unknown backend name.
+    pub fn register_with(
+        &self,
+        memory: impl Into<Memory>,
+        options: &RegisterOptions,
+    ) -> Result<Registration> {
+        const OP: &str = "register memory";
+        self.shared.check_running(OP)?;
+        let mem = memory.into();
+        if mem.is_empty() {
+            return err(ErrorKind::ZeroLength, OP, "cannot register zero bytes");
+        }
+        let kind = mem.kind();
+        let chosen: Vec<usize> = match &options.backends {
+            Some(names) => names
+                .iter()
+                .map(|n| self.backend_index(n, OP))
+                .collect::<Result<_>>()?,
+            None => (0..self.shared.backends.len()).collect(),
+        };
+        let chosen: Vec<usize> = chosen
+            .into_iter()
+            .filter(|&i| self.shared.caps[i].supports(kind))
+            .collect();
+        if chosen.is_empty() {
+            return err(
+                ErrorKind::NotSupported,
+                OP,
+                format!(
+                    "no attached backend supports {kind} memory (backends: {:?})",
+                    self.backends()
+                ),
+            );
+        }
+        let region = Arc::new(RegionInner {
+            id: self.shared.next_region_id.fetch_add(1, Ordering::Relaxed),
+            mem,
+            inflight: Default::default(),
+            registered: AtomicBool::new(true),
+            backends: Mutex::new(Vec::new()),
+        });
+        {
+            let mut regions = self.shared.regions.write().unwrap();
+            regions.index.insert(region.clone(), OP)?;
+            regions.by_id.insert(region.id, region.clone());
+        }
+        let rref = RegionRef {
+            inner: region.clone(),
+        };
+        for i in chosen {
+            match self.shared.backends[i].register(&rref) {
+                Ok(blob) => region.backends.lock().unwrap().push((i, blob)),
+                Err(e) => {
+                    for (b, e) in self.unregister_region(&region) {
+                        tracing::warn!(backend = %b, error = %e, "deregistering after a failed registration");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        tracing::debug!(agent = %self.shared.name, id = region.id, len = region.mem.len(), %kind, "registered memory");
+        Ok(Registration { inner: region })
+    }
+
+    /// Forget a region and deregister it from every backend that has it; returns the
+    /// backends that failed, with their errors.
+    pub(super) fn unregister_region(&self, region: &Arc<RegionInner>) -> Vec<(String, Error)> {
+        region.registered.store(false, Ordering::Release);
+        {
+            let mut regions = self.shared.regions.write().unwrap();
+            regions.index.remove(region.mem.kind(), region.mem.addr());
+            regions.by_id.remove(&region.id);
+        }
+        let bs = std::mem::take(&mut *region.backends.lock().unwrap());
+        let mut failed = Vec::new();
+        for (i, _) in bs {
+            let b = &self.shared.backends[i];
+            if let Err(e) = b.deregister(region.id) {
+                failed.push((b.name().to_owned(), e));
+            }
+        }
+        failed
+    }
+
+    /// Deregister memory. Peers can no longer reach it; the memory is freed once no
+    /// handle is left.
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotAllowed`] (and nothing changes) while posted transfers that use it
+    /// have not finished, including dropped ones the backend has not yet aborted: await
+    /// them, then retry. [`ErrorKind::NotFound`] if it is not registered with this agent.
+    /// A backend's error when it failed to release the memory (the agent has forgotten
+    /// the registration all the same).
+    pub fn deregister(&self, registration: &Registration) -> Result<()> {
+        const OP: &str = "deregister memory";
+        let region = &registration.inner;
+        let known = self
+            .shared
+            .regions
+            .read()
+            .unwrap()
+            .by_id
+            .get(&region.id)
+            .is_some_and(|r| Arc::ptr_eq(r, region));
+        if !known {
+            return err(
+                ErrorKind::NotFound,
+                OP,
+                format!(
+                    "registration {} is not registered with agent {:?}",
+                    region.id, self.shared.name
+                ),
+            );
+        }
+        let n = region.inflight.load(Ordering::Acquire);
+        if n > 0 {
+            return err(
+                ErrorKind::NotAllowed,
+                OP,
+                format!(
+                    "registration {} is used by {n} transfer(s) in flight; await them and retry",
+                    region.id
+                ),
+            );
+        }
+        match self.unregister_region(region).into_iter().next() {
+            None => Ok(()),
+            Some((_, e)) => Err(e),
+        }
+    }
+
+    fn build_metadata(
+        &self,
+        regions: Vec<Arc<RegionInner>>,
+        partial: bool,
+        with_conn: bool,
+    ) -> Result<Bytes> {
+        let backends = self
+            .shared
+            .backends
+            .iter()
+            .map(|b| BackendMeta {
+                name: b.name().to_owned(),
+                conn_info: with_conn.then(|| b.connection_info().to_vec()),
+            })
+            .collect();
+        let regions = regions
+            .iter()
+            .map(|r| RegionMeta {
+                id: r.id,
+                kind: r.mem.kind(),
+                addr: r.mem.addr(),
+                len: r.mem.len() as u64,
+                blobs: r
+                    .backends
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .map(|(i, blob)| RegionBlob {
+                        backend: *i as u16,
+                        blob: blob.to_vec(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        let md = AgentMetadata {
+            name: self.shared.name.clone(),
+            instance: self.shared.instance,
+            partial,
+            backends,
+            regions,
+        };
+        Ok(Bytes::from(md.encode()?))
+    }
+
+    /// This agent's full metadata: connection info of every backend and every
+    /// registration. Give it to peers ([`Agent::load_metadata`]).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] if it would exceed the format's limits.
+    pub fn metadata(&self) -> Result<Bytes> {
+        let mut regions: Vec<_> = self
+            .shared
+            .regions
+            .read()
+            .unwrap()
+            .by_id
+            .values()
+            .cloned()
+            .collect();
+        regions.sort_by_key(|r| r.id);
+        self.build_metadata(regions, false, true)
+    }
+
+    /// Partial metadata: only `registrations`, with or without connection info.
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotFound`] if one of them is not registered here.
+    pub fn partial_metadata(
+        &self,
+        registrations: &[Registration],
+        with_conn_info: bool,
+    ) -> Result<Bytes> {
+        let regions = self.shared.regions.read().unwrap();
+        let mut picked = Vec::with_capacity(registrations.len());
+        for r in registrations {
+            match regions.by_id.get(&r.id()) {
+                Some(x) if Arc::ptr_eq(x, &r.inner) => picked.push(x.clone()),
+                _ => {
+                    return err(
+                        ErrorKind::NotFound,
+                        "partial metadata",
+                        format!("registration {} is not registered here", r.id()),
+                    )
+                }
+            }
+        }
+        drop(regions);
+        self.build_metadata(picked, true, with_conn_info)
+    }
+}
