@@ -10,7 +10,7 @@ use nixl::Backend;
 use crate::error::{fail, Result};
 
 /// Every backend name the bench knows, built in or not.
-pub(crate) const NAMES: &[&str] = &["tcp", "ucx", "verbs", "uccl"];
+pub(crate) const NAMES: &[&str] = &["tcp", "ucx"];
 
 /// Build backend `name` from its parameters. `host` is the address peers reach this
 /// machine on, for backends that listen (tcp's default `listen` is `host:0`).
@@ -33,9 +33,6 @@ pub(crate) fn make(
         "ucx" => ucx::make(params),
         #[cfg(not(feature = "ucx"))]
         "ucx" => fail("backend ucx is not compiled in; rebuild nixl-bench with `--features ucx` (it loads libucp from the host at run time: apt-get install libucx0, or set NIXL_UCX_LIB)"),
-        "verbs" | "uccl" => fail(format!(
-            "backend {name} is not available yet: its crate (nixl-{name}) is not implemented; once it lands, rebuild nixl-bench with `--features {name}`"
-        )),
         _ => fail(format!(
             "unknown backend {name:?}; known backends: {}",
             NAMES.join(", ")
@@ -188,7 +185,10 @@ mod tests {
     fn unavailable_backends_say_why_and_how() {
         for (name, needle) in [
             ("ucx", "rebuild nixl-bench with `--features ucx`"),
-            ("verbs", "not available yet"),
+            (
+                "verbs",
+                "unknown backend \"verbs\"; known backends: tcp, ucx",
+            ),
             ("gds", "unknown backend \"gds\""),
         ] {
             let e = make(name, &[], LO).unwrap_err().to_string();

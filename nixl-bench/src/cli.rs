@@ -79,7 +79,7 @@ pub(crate) struct Cli {
     #[arg(long, hide = true)]
     pub(crate) stdio: bool,
 
-    /// Transport: tcp (built in); ucx, verbs, uccl once their crates exist.
+    /// Transport: tcp (built in) or ucx (feature `ucx`).
     #[arg(long, default_value = "tcp")]
     pub(crate) backend: String,
 

@@ -506,22 +506,7 @@ fn ctrl_c_stops_the_run_and_reaps_the_child() {
     assert!(!alive(&pid), "child {pid} was not reaped");
 }
 
-/// Record a visible skip: a `SKIP <case>: <reason>` line on stderr and, when
-/// `NIXL_SKIP_LOG` names a file (`scripts/test` sets it), in that file too.
-fn skip(case: &str, why: &str) {
-    let line = format!("SKIP {case}: {why}");
-    eprintln!("{line}");
-    if let Some(path) = std::env::var_os("NIXL_SKIP_LOG") {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            let _ = writeln!(f, "{line}");
-        }
-    }
-}
+use nixl_testkit::skip;
 
 #[cfg(not(feature = "etcd"))]
 #[test]

@@ -86,7 +86,8 @@ use tokio_util::sync::CancellationToken;
 use driver::{Cmd, Core, Liveness, RemoteXfer, Shared, Wake};
 use ffi::{RmaSeg, Ucx, UcxInit};
 pub use library::{
-    LibrarySource, UcxLibraryReport, DEFAULT_SONAME, ENV_EXPECT, ENV_LIB, ENV_STRICT, MIN_VERSION,
+    LibraryReport, LibrarySource, UcxLibraryReport, DEFAULT_SONAME, ENV_EXPECT, ENV_LIB,
+    ENV_STRICT, MIN_VERSION,
 };
 
 /// Environment variable giving the default [`UcxOptions::progress`]: `task` or `thread`.
@@ -214,18 +215,60 @@ impl UcxOptions {
         }
     }
 
-    fn expectations(&self) -> library::Expectations {
-        let expect = self
-            .expect
-            .clone()
-            .or_else(|| std::env::var(ENV_EXPECT).ok().filter(|v| !v.is_empty()));
-        let strict = self.strict.unwrap_or_else(|| {
-            std::env::var(ENV_STRICT)
-                .map(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
-                .unwrap_or(false)
-        });
-        library::Expectations { expect, strict }
+    fn expectations(&self) -> nixl::native::Expectations {
+        nixl::native::Expectations::resolve(
+            self.expect.clone(),
+            self.strict,
+            ENV_EXPECT,
+            ENV_STRICT,
+        )
     }
+}
+
+/// Why UCX itself may abort this process when a peer goes away during connection
+/// setup, given the bound UCX and the transports `options` and the environment
+/// allow; `None` when that cannot happen.
+///
+/// UCX 1.13 (Debian 12's `libucx0`), built with assertions, aborts on an assertion in
+/// `ucp_request_send_state_ff` ("got REP message") when a peer's worker or process
+/// goes away while the tcp transport is still completing the endpoint handshake to it.
+/// No UCX setting avoids it; UCX 1.14 removed the assertion. It needs the tcp
+/// transport: `UCX_TLS` (or `TLS` in [`UcxOptions::ucx_config`]) without `tcp`, such
+/// as `shm,self` for peers on one host, rules it out. The backend logs this once, as a
+/// warning, when it binds such a UCX with tcp allowed.
+///
+/// # Errors
+/// As [`probe`].
+pub fn teardown_abort_risk(options: &UcxOptions) -> Result<Option<String>> {
+    let report = probe(options)?;
+    Ok(abort_risk(&report, options))
+}
+
+fn abort_risk(report: &UcxLibraryReport, options: &UcxOptions) -> Option<String> {
+    let v = report.version.as_deref().unwrap_or("");
+    let mut parts = v.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    if (major, minor) >= (1, 14) {
+        return None;
+    }
+    let tls = options
+        .ucx_config
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "TLS")
+        .map(|(_, v)| v.clone())
+        .or_else(|| std::env::var("UCX_TLS").ok())
+        .unwrap_or_else(|| "all".to_owned());
+    let allows_tcp = match tls.strip_prefix('^') {
+        // An exclusion list: tcp stays unless excluded.
+        Some(excluded) => !excluded.split(',').any(|t| t.trim() == "tcp"),
+        None => tls.split(',').any(|t| matches!(t.trim(), "all" | "tcp")),
+    };
+    allows_tcp.then(|| {
+        format!(
+            "UCX {v} with the tcp transport allowed (UCX_TLS={tls}): UCX < 1.14 aborts the process on an assertion (\"got REP message\") when a peer goes away during the tcp connection handshake; use UCX >= 1.14, or UCX_TLS without tcp (e.g. shm,self) for peers on one host"
+        )
+    })
 }
 
 /// Load libucp as `options` say and report what was bound, without creating a UCX
@@ -301,6 +344,10 @@ impl UcxBackend {
             || init.config.iter().any(|(k, _)| k == "RNDV_THRESH");
         if !user_rndv {
             init.config.push(("RNDV_THRESH".into(), "inf".into()));
+        }
+        if let Some(why) = abort_risk(&report, &options) {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| tracing::warn!("{why}"));
         }
         if let Some(k) = options.keepalive_interval {
             init.config.push((

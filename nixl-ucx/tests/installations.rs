@@ -98,17 +98,14 @@ fn child_probe() {
         strict: Some(std::env::var("NIXL_TEST_STRICT").as_deref() == Ok("1")),
         ..Default::default()
     };
-    let p = |p: &Option<PathBuf>| {
-        p.as_ref()
-            .map_or(String::new(), |p| p.display().to_string())
-    };
+    let p = |p: Option<&std::path::Path>| p.map_or(String::new(), |p| p.display().to_string());
     match nixl_ucx::probe(&opts) {
         Ok(r) => println!(
             "RESULT\tok\tversion={}\tlibucp={}\tlibucs={}\tlibuct={}\tmixed={}\twas_loaded={}\tpreloaded={}",
             r.version_string(),
-            p(&r.libucp),
-            p(&r.libucs),
-            p(&r.libuct),
+            p(r.object("libucp")),
+            p(r.object("libucs")),
+            p(r.object("libuct")),
             r.is_mixed(),
             r.requested_was_loaded,
             r.preloaded.len()

@@ -15,46 +15,19 @@ pub struct BackendUnderTest {
     pub name: &'static str,
     /// Make a fresh backend instance; an `UnavailableLibrary` error skips the suite.
     pub make: fn() -> nixl::Result<Arc<dyn Backend>>,
+    /// A reason to skip a case (by name) in this environment: a known defect of the
+    /// bound native library that would abort the whole test process. `None` runs it.
+    pub skip_case: fn(&str) -> Option<String>,
 }
 
 /// Generous bound that catches hangs (never a performance assertion).
 pub const HANG: Duration = Duration::from_secs(30);
 
-/// Record a reliability figure: a `FIGURE <name>: <value>` line on stderr and, when
-/// `NIXL_FIGURE_LOG` names a file (`scripts/test` sets it), in that file, which the
-/// test script prints at the end of the run (the README's Reliability table comes
-/// from it).
-pub fn figure(name: &str, value: impl std::fmt::Display) {
-    let line = format!("FIGURE {name}: {value}");
-    eprintln!("{line}");
-    if let Some(path) = std::env::var_os("NIXL_FIGURE_LOG") {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            let _ = writeln!(f, "{line}");
-        }
-    }
-}
+pub use nixl_testkit::{checksum_bytes, figure, pattern};
 
-/// Record a visible skip: a `SKIP <case>: <reason>` line on stderr and, when
-/// `NIXL_SKIP_LOG` names a file (`scripts/test` sets it), in that file, which the test
-/// script lists at the end of the run.
+/// Record a visible skip (see [`nixl_testkit::skip`]).
 pub fn skip(case: &str, why: &str) {
-    let line = format!("SKIP {case}: {why}");
-    eprintln!("{line}");
-    if let Some(path) = std::env::var_os("NIXL_SKIP_LOG") {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            let _ = writeln!(f, "{line}");
-        }
-    }
+    nixl_testkit::skip(case, why);
 }
 
 impl BackendUnderTest {
@@ -94,29 +67,9 @@ impl BackendUnderTest {
     }
 }
 
-/// Deterministic pattern byte `i` of stream `seed`.
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
-
 /// FNV-1a checksum of a registration's bytes.
 pub fn checksum(r: &Registration) -> u64 {
     checksum_bytes(&r.to_vec().unwrap())
-}
-
-/// FNV-1a of bytes.
-pub fn checksum_bytes(b: &[u8]) -> u64 {
-    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
-        (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
-    })
 }
 
 /// A one-descriptor DRAM list.

@@ -14,6 +14,7 @@ use nixl_conformance::BackendUnderTest;
 const TCP: BackendUnderTest = BackendUnderTest {
     name: "tcp",
     make: || Ok(Arc::new(nixl_tcp::TcpBackend::new())),
+    skip_case: |_| None,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,7 +11,26 @@ use nixl_conformance::{conformance_tests, BackendUnderTest};
 const UCX: BackendUnderTest = BackendUnderTest {
     name: "ucx",
     make: || Ok(Arc::new(nixl_ucx::UcxBackend::new()?)),
+    skip_case,
 };
+
+/// Cases that drop peers while connections may still be in their handshake would
+/// abort the whole test process on UCX < 1.14 with tcp allowed (see
+/// `nixl_ucx::teardown_abort_risk`); the intermittent crash of 1.13's tcp transport at
+/// peer teardown hits `peer_shutdown_mid_transfer` in the same setting.
+fn skip_case(case: &str) -> Option<String> {
+    const AT_RISK: &[&str] = &[
+        "dropped_peers_never_hang",
+        "peer_shutdown_mid_transfer",
+        "lifecycle_torture_ucx",
+    ];
+    if !AT_RISK.contains(&case) {
+        return None;
+    }
+    nixl_ucx::teardown_abort_risk(&nixl_ucx::UcxOptions::default())
+        .ok()
+        .flatten()
+}
 
 conformance_tests!(UCX);
 
@@ -21,6 +40,9 @@ conformance_tests!(UCX);
 async fn lifecycle_torture_ucx() {
     if UCX.capabilities("lifecycle_torture_ucx").is_none() {
         return;
+    }
+    if let Some(why) = skip_case("lifecycle_torture_ucx") {
+        return nixl_conformance::support::skip("lifecycle_torture_ucx", &why);
     }
     let base = nixl_conformance::torture::base_seed();
     let runs = nixl_conformance::torture::env_u64("NIXL_TORTURE_RUNS_UCX").unwrap_or(200);

@@ -1,18 +1,18 @@
-//! Loading `libucp` with the system's dynamic loader and finding out what was bound.
+//! Loading `libucp` through the core's native loader and finding out what was bound.
 
-use std::ffi::{c_void, CStr, CString};
 use std::path::PathBuf;
 
-use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+use nixl::native::{self, NativeLibrary};
 
 use super::sys::{self, Api};
+
+use nixl::native::LoadError;
 
 /// A loaded `libucp` and its function table. Never unloaded: UCX does not support
 /// being unloaded, and function pointers into it live as long as the process.
 pub(crate) struct Loaded {
     pub(crate) api: Api,
-    /// Kept so the mapping stays; leaked on purpose (see above).
-    _lib: Library,
+    lib: NativeLibrary,
 }
 
 impl std::fmt::Debug for Loaded {
@@ -21,52 +21,16 @@ impl std::fmt::Debug for Loaded {
     }
 }
 
-/// Why loading failed.
-#[derive(Debug)]
-pub(crate) enum LoadError {
-    /// The loader could not open it (missing, wrong architecture, unresolved symbols).
-    Open(libloading::Error),
-    /// It loaded but lacks a function we need.
-    Symbol(&'static str, libloading::Error),
-}
-
-/// Whether an object matching `name` (a soname or path) is already loaded in this
-/// process, without loading it.
-pub(crate) fn is_loaded(name: &str) -> bool {
-    let Ok(c) = CString::new(name) else {
-        return false;
-    };
-    // SAFETY: `c` is a valid C string; RTLD_NOLOAD never loads (so no initialisers
-    // run); a non-null handle holds a reference we give back right away.
-    unsafe {
-        let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY);
-        if h.is_null() {
-            false
-        } else {
-            libc::dlclose(h);
-            true
-        }
-    }
-}
-
-/// Open `name` (a soname searched the usual way, or a path) with every symbol resolved
-/// now, so a broken mixture fails here rather than at a later call.
+/// Open `name` (a soname searched the usual way, or a path) and resolve every function
+/// we call.
 pub(crate) fn open(name: &str) -> Result<Loaded, LoadError> {
-    // SAFETY: loading libucp runs UCX's library initialisers, which are designed to
-    // run at dlopen time in any process. RTLD_NOW makes unresolved symbols an error
-    // here instead of a crash later; RTLD_LOCAL keeps its symbols out of the global
-    // scope, so we do not interpose on another UCX already in the process.
-    let lib =
-        unsafe { Library::open(Some(name), RTLD_NOW | RTLD_LOCAL) }.map_err(LoadError::Open)?;
+    let lib = NativeLibrary::open(name)?;
     macro_rules! sym {
-        ($name:literal) => {{
+        ($name:literal) => {
             // SAFETY: the symbol is a function of libucp with exactly the signature
-            // declared in `Api` (see sys.rs); the pointer stays valid because the
-            // library is never unloaded (`Loaded` keeps it and is leaked).
-            let s = unsafe { lib.get(concat!($name, "\0").as_bytes()) }
-                .map_err(|e| LoadError::Symbol($name, e))?;
-            *s
-        }};
+            // declared in `Api` (see sys.rs); the library is never unloaded.
+            unsafe { lib.symbol($name)? }
+        };
     }
     let api = Api {
         get_version: sym!("ucp_get_version"),
@@ -102,7 +66,7 @@ pub(crate) fn open(name: &str) -> Result<Loaded, LoadError> {
         request_check_status: sym!("ucp_request_check_status"),
         request_free: sym!("ucp_request_free"),
     };
-    Ok(Loaded { api, _lib: lib })
+    Ok(Loaded { api, lib })
 }
 
 impl Loaded {
@@ -118,35 +82,13 @@ impl Loaded {
     /// `dladdr` on a function of each, looked up through libucp's own dependency
     /// scope (so it is the copy libucp itself uses, whatever else the process holds).
     pub(crate) fn bound_paths(&self) -> [Option<PathBuf>; 3] {
-        let ucp = path_of(self.api.init_version as *const c_void);
-        let ucs = path_of(self.api.status_string as *const c_void);
-        let uct = ["uct_md_close", "uct_iface_close", "uct_component_query"]
-            .iter()
-            .find_map(|s| {
-                let name = CString::new(*s).ok()?;
-                // SAFETY: `_lib` is a live handle; looking a name up has no side effect.
-                let p: Result<libloading::os::unix::Symbol<*const c_void>, _> =
-                    unsafe { self._lib.get(name.as_bytes_with_nul()) };
-                p.ok().and_then(|p| path_of(*p))
-            });
+        let ucp = native::path_of(self.api.init_version as *const std::ffi::c_void);
+        let ucs = native::path_of(self.api.status_string as *const std::ffi::c_void);
+        let uct =
+            self.lib
+                .path_of_symbol(&["uct_md_close", "uct_iface_close", "uct_component_query"]);
         [ucp, ucs, uct]
     }
-}
-
-/// The canonical path of the loaded object that contains `addr`.
-fn path_of(addr: *const c_void) -> Option<PathBuf> {
-    // SAFETY: Dl_info is plain data; all-zero is a valid value for it.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: dladdr only reads the loader's tables and writes `info`.
-    let ok = unsafe { libc::dladdr(addr, &mut info) };
-    if ok == 0 || info.dli_fname.is_null() {
-        return None;
-    }
-    // SAFETY: dli_fname points to the loader's NUL-terminated copy of the object's
-    // name, valid while the object stays loaded (ours never unloads).
-    let name = unsafe { CStr::from_ptr(info.dli_fname) };
-    let p = PathBuf::from(name.to_string_lossy().into_owned());
-    Some(std::fs::canonicalize(&p).unwrap_or(p))
 }
 
 /// Render a UCX status.
@@ -157,5 +99,7 @@ pub(crate) fn status_text(api: &Api, status: sys::Status) -> String {
         return format!("status {status}");
     }
     // SAFETY: non-null result of ucs_status_string: a static NUL-terminated string.
-    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    unsafe { std::ffi::CStr::from_ptr(p) }
+        .to_string_lossy()
+        .into_owned()
 }

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use nixl::{Completer, MemSegment, RegionRef};
 
-pub(crate) use loader::{is_loaded, open, LoadError, Loaded};
+pub(crate) use loader::{open, Loaded};
 
 /// A UCX call that failed.
 #[derive(Debug, Clone)]

@@ -40,7 +40,7 @@ impl EtcdServer {
     /// no etcd binary.
     pub async fn start(case: &str) -> Option<Self> {
         let Some(bin) = binary() else {
-            crate::support::skip(
+            crate::skip(
                 case,
                 "no etcd binary (install Debian etcd-server or set NIXL_ETCD_BIN)",
             );

@@ -1,0 +1,87 @@
+//! Test helpers shared by nixl-rs's test suites: visible SKIP and FIGURE lines,
+//! deterministic byte patterns, OS-thread checks, and a real etcd server. Dev-only.
+//!
+//! SKIP and FIGURE lines go to stderr and, when `NIXL_SKIP_LOG` / `NIXL_FIGURE_LOG`
+//! name a file (`scripts/test` sets both), are appended there, so the script lists
+//! them at the end of a run (nextest hides a passing test's stderr).
+
+use std::time::{Duration, Instant};
+
+#[cfg(feature = "etcd")]
+pub mod etcd;
+
+fn emit(var: &str, line: &str) {
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os(var) {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}
+
+/// Record a visible skip of `case`: it passes without asserting and is listed at the
+/// end of `scripts/test`, never counted as coverage.
+pub fn skip(case: &str, why: impl std::fmt::Display) {
+    emit("NIXL_SKIP_LOG", &format!("SKIP {case}: {why}"));
+}
+
+/// Record a measured figure (the README's reliability table comes from these).
+pub fn figure(name: &str, value: impl std::fmt::Display) {
+    emit("NIXL_FIGURE_LOG", &format!("FIGURE {name}: {value}"));
+}
+
+/// `len` deterministic pattern bytes of stream `seed` (xorshift).
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// FNV-1a of bytes.
+pub fn checksum_bytes(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// OS threads of this process, by the name the kernel keeps (15 bytes at most).
+pub mod threads {
+    use super::*;
+
+    /// How many threads of this process are named `name` (cut to 15 bytes, as the
+    /// kernel keeps it), from `/proc/self/task/*/comm`.
+    pub fn named(name: &str) -> usize {
+        let want = &name[..name.len().min(15)];
+        std::fs::read_dir("/proc/self/task")
+            .map(|d| {
+                d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                    .filter(|c| c.trim_end() == want)
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
+    /// Wait (up to 5 s) until exactly `n` threads are named `name` (a new thread
+    /// names itself once it runs; an exiting one is listed for a moment).
+    pub fn settle(name: &str, n: usize) -> bool {
+        let until = Instant::now() + Duration::from_secs(5);
+        while named(name) != n {
+            if Instant::now() > until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        true
+    }
+}
