@@ -226,6 +226,14 @@ pub(crate) struct Core {
     scratch: Vec<Arc<str>>,
 }
 
+/// UCX between teardown and destroy.
+#[derive(Debug, Default)]
+pub(crate) struct Parked {
+    pub(crate) ucx: Option<Ucx<Work>>,
+    /// `destroy` ran (or the backend is gone): a teardown after it drops UCX at once.
+    pub(crate) destroyed: bool,
+}
+
 /// How the driver is woken when work is posted.
 #[derive(Debug)]
 pub(crate) enum Wake {
@@ -240,7 +248,7 @@ pub(crate) struct Shared {
     /// UCX after the driver stopped: connections closed, memory still mapped, the
     /// worker and context alive until [`nixl::Backend::destroy`] (or drop), so the
     /// agent deregisters memory after the connections and before the context.
-    pub(crate) parked: Mutex<Option<Ucx<Work>>>,
+    pub(crate) parked: Mutex<Parked>,
     pub(crate) tx: mpsc::Sender<Cmd>,
     pub(crate) wake: Wake,
     /// Set when the driver has torn UCX down.
@@ -967,6 +975,8 @@ impl Core {
 /// UCX itself (memory mappings, worker, context) is parked for deregistration and
 /// [`nixl::Backend::destroy`]. Runs on the driver.
 pub(crate) fn teardown(shared: &Shared) {
+    // Held throughout, so deregister and destroy wait for the parking to finish.
+    let mut parked = shared.parked.lock().unwrap();
     let core = shared.core.lock().unwrap().take();
     if let Some(mut core) = core {
         let flights = core.say_goodbye();
@@ -989,8 +999,13 @@ pub(crate) fn teardown(shared: &Shared) {
         }
         let Core { mut ucx, .. } = core;
         drop(ucx.close_all());
-        *shared.parked.lock().unwrap() = Some(ucx);
+        if parked.destroyed {
+            drop(ucx);
+        } else {
+            parked.ucx = Some(ucx);
+        }
     }
+    drop(parked);
     shared.mark_stopped();
 }
 

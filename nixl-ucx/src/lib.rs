@@ -36,7 +36,9 @@
 //! - **Progress.** A driver owns UCX progress: by default a tokio task that sleeps on
 //!   the worker's event fd when idle (`ucp_worker_arm`), and spins briefly
 //!   ([`UcxOptions::spin`]) while transfers are in flight; optionally a dedicated
-//!   thread ([`ProgressMode::Thread`]) joined within a bound at shutdown. Posting
+//!   thread ([`ProgressMode::Thread`]) that the agent owns
+//!   ([`nixl::BackendContext::spawn_thread`]): stopped, woken through an event fd and
+//!   joined within the agent's bound at shutdown and when the agent is dropped. Posting
 //!   queues the transfer and, when the driver is not in UCX at that moment, issues it
 //!   on the caller's thread ([`UcxOptions::post_inline`]): a transfer UCX finishes at
 //!   once (shared memory) completes before `post` returns, with no thread hop. All
@@ -55,6 +57,14 @@
 //!   make no progress, the driver probes the peer (a PING its progress loop answers,
 //!   on the connection, then on a separate endpoint); a peer that does not answer
 //!   fails its transfers within [`UcxOptions::liveness_timeout`] (5 s by default).
+//! - **Teardown.** [`nixl::Backend::shutdown`] says goodbye to peers, fails what is
+//!   left and closes every endpoint; UCX's memory mappings, worker and context stay
+//!   until the agent has deregistered every region, and [`nixl::Backend::destroy`]
+//!   then destroys the worker and (once no allocation holds it) the context.
+//! - **UCX 1.13 and tcp.** UCX before 1.14 aborts the process on an assertion when a
+//!   peer goes away during the tcp transport's connection handshake; no setting
+//!   avoids it. The backend warns once when it binds such a UCX with tcp allowed; see
+//!   [`teardown_abort_risk`].
 //! - **One-sided.** The target does not see requests, so it cannot refuse forged keys
 //!   or out-of-range access itself: [`Capabilities::target_checks`] is `false`; the
 //!   initiating agent checks every descriptor, and the transport checks keys and
@@ -303,6 +313,13 @@ impl Drop for Inner {
         if let Some(s) = self.started.get() {
             s.cancel.cancel();
         }
+        // Requests may keep the driver's state alive; UCX itself goes now (or as soon
+        // as the driver's teardown finishes).
+        let mut parked = self.shared.parked.lock().unwrap();
+        parked.destroyed = true;
+        let ucx = parked.ucx.take();
+        drop(parked);
+        drop(ucx);
     }
 }
 
@@ -381,7 +398,7 @@ impl UcxBackend {
         };
         let shared = Arc::new(Shared {
             core: Mutex::new(Some(core)),
-            parked: Mutex::new(None),
+            parked: Mutex::new(driver::Parked::default()),
             tx,
             wake,
             stopped: AtomicBool::new(false),
@@ -587,7 +604,7 @@ impl Backend for UcxBackend {
             return Ok(());
         }
         drop(core);
-        if let Some(ucx) = self.inner.shared.parked.lock().unwrap().as_mut() {
+        if let Some(ucx) = self.inner.shared.parked.lock().unwrap().ucx.as_mut() {
             ucx.mem_unmap(region_id);
         }
         Ok(())
@@ -733,7 +750,11 @@ impl Backend for UcxBackend {
     fn destroy(&self) -> Result<()> {
         // Memory was deregistered; now the worker and (unless allocations still hold
         // it) the context.
-        drop(self.inner.shared.parked.lock().unwrap().take());
+        let mut parked = self.inner.shared.parked.lock().unwrap();
+        parked.destroyed = true;
+        let ucx = parked.ucx.take();
+        drop(parked);
+        drop(ucx);
         Ok(())
     }
 }

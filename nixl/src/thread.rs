@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{Error, ErrorKind, Result};
 
 /// What wakes a backend thread out of a blocking call so it sees its stop token.
-pub type ThreadWake = Box<dyn Fn() + Send + Sync + 'static>;
+pub type ThreadWake = Arc<dyn Fn() + Send + Sync + 'static>;
 
 struct Owned {
     name: String,
@@ -102,9 +102,17 @@ impl ThreadSet {
     /// Refuse new threads, cancel every thread's token and wake it.
     pub(crate) fn stop(&self) {
         *self.closed.lock().unwrap() = true;
-        for t in self.threads.lock().unwrap().iter() {
-            t.stop.cancel();
-            (t.wake)();
+        // Wakes run outside the lock: a wake may look at the agent's threads itself.
+        let wakes: Vec<(CancellationToken, ThreadWake)> = self
+            .threads
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|t| (t.stop.clone(), t.wake.clone()))
+            .collect();
+        for (stop, wake) in wakes {
+            stop.cancel();
+            wake();
         }
     }
 
@@ -119,6 +127,11 @@ impl ThreadSet {
         self.stop();
         let mut left = Vec::new();
         for t in self.take() {
+            if t.handle.thread().id() == std::thread::current().id() {
+                // The agent was dropped on its own backend thread: that thread ends
+                // on its own once this returns (its token is cancelled).
+                continue;
+            }
             let mut pause = Duration::from_micros(50);
             while !t.handle.is_finished() && Instant::now() < deadline {
                 std::thread::sleep(pause);
@@ -182,7 +195,7 @@ impl ThreadSpawner {
         W: Fn() + Send + Sync + 'static,
     {
         self.set
-            .spawn(name, &self.cancel, Box::new(body), Box::new(wake))
+            .spawn(name, &self.cancel, Box::new(body), Arc::new(wake))
     }
 }
 
@@ -205,7 +218,7 @@ mod tests {
                 // Blocks until woken: only the wake ends it.
                 let _ = rx.recv();
             }),
-            Box::new(move || {
+            Arc::new(move || {
                 w.store(true, Ordering::SeqCst);
                 let _ = tx.send(());
             }),
@@ -218,7 +231,7 @@ mod tests {
         assert!(set.names().is_empty());
         // Closed: no new threads.
         let e = set
-            .spawn("late", &root, Box::new(|_| {}), Box::new(|| {}))
+            .spawn("late", &root, Box::new(|_| {}), Arc::new(|| {}))
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ShutDown);
     }
@@ -238,7 +251,7 @@ mod tests {
                     std::thread::sleep(Duration::from_millis(1));
                 }
             }),
-            Box::new(|| {}),
+            Arc::new(|| {}),
         )
         .unwrap();
         let t0 = Instant::now();
@@ -263,7 +276,7 @@ mod tests {
                     std::thread::sleep(Duration::from_millis(1));
                 }
             }),
-            Box::new(|| {}),
+            Arc::new(|| {}),
         )
         .unwrap();
         let left = set.join(Instant::now() + Duration::from_secs(5)).await;

@@ -144,6 +144,13 @@ impl Drop for Shared {
         if !left.is_empty() {
             tracing::error!(agent = %self.name, threads = ?left, "backend threads still running after the agent was dropped");
         }
+        // Without a shutdown, the rest is each backend's own Drop; destroy lets go of
+        // native contexts now rather than when the last request handle goes.
+        for b in &self.backends {
+            if let Err(e) = b.destroy() {
+                tracing::warn!(agent = %self.name, backend = b.name(), error = %e, "destroying the backend after the agent was dropped");
+            }
+        }
     }
 }
 

@@ -271,6 +271,14 @@ impl Agent {
             last: Mutex::new(None),
         };
 
+        // Backend names are checked even when the agent serves the request itself.
+        let order: Vec<usize> = match &options.backends {
+            Some(names) => names
+                .iter()
+                .map(|n| self.backend_index(n, OP))
+                .collect::<Result<_>>()?,
+            None => (0..self.shared.backends.len()).collect(),
+        };
         if peer.is_none() && local.kind == MemKind::Dram && remote.kind == MemKind::Dram {
             let segments = build_segments(&pairs, AGENT_COPY, options.merge);
             let bytes = segments.iter().map(|s| s.local.len() as u64).sum();
@@ -298,14 +306,7 @@ impl Agent {
         }
 
         // Backend choice needs the merged segment count; merging does not depend on
-        // the backend (only the blob does), so count with the first candidate's name.
-        let order: Vec<usize> = match &options.backends {
-            Some(names) => names
-                .iter()
-                .map(|n| self.backend_index(n, OP))
-                .collect::<Result<_>>()?,
-            None => (0..self.shared.backends.len()).collect(),
-        };
+        // the backend (only the blob does).
         let nseg = build_segments(&pairs, "", options.merge).len();
         let candidates: Vec<Candidate<'_>> = order
             .iter()
