@@ -6,35 +6,15 @@
 //! 1.13-1.22 and shared memory, export `UCX_POSIX_ERROR_HANDLING=y
 //! UCX_SYSV_ERROR_HANDLING=y` (scripts/test does).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use nixl::{Agent, AgentOptions, DescList, ErrorKind, MemKind, Op, RequestOptions, Status};
-use nixl_ucx::{UcxBackend, UcxOptions};
+use nixl::{DescList, ErrorKind, MemKind, Op, RequestOptions, Status};
+use nixl_ucx::UcxOptions;
 
 mod common;
 
-async fn agent(test: &str, name: &str, o: UcxOptions) -> Option<(Agent, UcxBackend)> {
-    let b = match UcxBackend::with_options(o) {
-        Ok(b) => b,
-        Err(e) if e.kind() == ErrorKind::UnavailableLibrary => {
-            common::skip(test, e);
-            return None;
-        }
-        Err(e) => panic!("ucx backend: {e}"),
-    };
-    let a = Agent::builder(name)
-        .backend_arc(Arc::new(b.clone()))
-        .options(AgentOptions {
-            drain_timeout: Duration::from_secs(5),
-            shutdown_timeout: Duration::from_secs(5),
-        })
-        .build()
-        .await
-        .unwrap();
-    Some((a, b))
-}
+use common::agent;
 
 fn one(d: nixl::Desc) -> DescList {
     DescList::from_descs(MemKind::Dram, [d])

@@ -6,11 +6,10 @@
 //!
 //! Needs libucp at run time; without it each test prints a SKIP line.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nixl::{Agent, DescList, ErrorKind, MemKind};
-use nixl_ucx::{ProgressMode, UcxBackend, UcxOptions};
+use nixl::{Agent, DescList, MemKind};
+use nixl_ucx::{ProgressMode, UcxOptions};
 
 mod common;
 
@@ -31,21 +30,9 @@ async fn agent(name: &str, progress: ProgressMode) -> Option<Agent> {
         progress,
         ..UcxOptions::default()
     };
-    let b = match UcxBackend::with_options(o) {
-        Ok(b) => b,
-        Err(e) if e.kind() == ErrorKind::UnavailableLibrary => {
-            common::skip("idle_drivers_do_not_poll", e);
-            return None;
-        }
-        Err(e) => panic!("ucx backend: {e}"),
-    };
-    Some(
-        Agent::builder(name)
-            .backend_arc(Arc::new(b))
-            .build()
-            .await
-            .unwrap(),
-    )
+    common::agent("idle_drivers_do_not_poll", name, o)
+        .await
+        .map(|(a, _)| a)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,11 +7,10 @@
 //! UCX_SYSV_ERROR_HANDLING=y` (without them the endpoints run without peer-failure
 //! handling, and probing still bounds the wait).
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nixl::{Agent, AgentOptions, DescList, ErrorKind, MemKind, Op, RequestOptions};
-use nixl_ucx::{UcxBackend, UcxOptions};
+use nixl::{Agent, DescList, ErrorKind, MemKind, Op, RequestOptions};
+use nixl_ucx::UcxOptions;
 
 mod common;
 
@@ -27,25 +26,7 @@ fn options(liveness: Duration, tls: Option<&str>) -> UcxOptions {
 }
 
 async fn agent(test: &str, name: &str, o: &UcxOptions) -> Option<Agent> {
-    let b = match UcxBackend::with_options(o.clone()) {
-        Ok(b) => b,
-        Err(e) if e.kind() == ErrorKind::UnavailableLibrary => {
-            common::skip(test, e);
-            return None;
-        }
-        Err(e) => panic!("ucx backend: {e}"),
-    };
-    Some(
-        Agent::builder(name)
-            .backend_arc(Arc::new(b))
-            .options(AgentOptions {
-                drain_timeout: Duration::from_secs(5),
-                shutdown_timeout: Duration::from_secs(5),
-            })
-            .build()
-            .await
-            .unwrap(),
-    )
+    common::agent(test, name, o.clone()).await.map(|(a, _)| a)
 }
 
 fn one(d: nixl::Desc) -> DescList {

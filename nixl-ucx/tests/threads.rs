@@ -7,9 +7,9 @@ mod common;
 
 use std::time::Duration;
 
-use nixl::{Agent, AgentOptions, ErrorKind};
+use nixl::Agent;
 use nixl_testkit::threads::{named, settle};
-use nixl_ucx::{ProgressMode, UcxBackend, UcxOptions};
+use nixl_ucx::{ProgressMode, UcxOptions};
 
 const THREAD: &str = "nixl-ucx-progress";
 const TEST: &str = "progress_thread_never_outlives_its_agent";
@@ -19,25 +19,7 @@ async fn agent(name: &str) -> Option<Agent> {
         progress: ProgressMode::Thread,
         ..UcxOptions::default()
     };
-    let b = match UcxBackend::with_options(o) {
-        Ok(b) => b,
-        Err(e) if e.kind() == ErrorKind::UnavailableLibrary => {
-            common::skip(TEST, e);
-            return None;
-        }
-        Err(e) => panic!("ucx backend: {e}"),
-    };
-    Some(
-        Agent::builder(name)
-            .backend(b)
-            .options(AgentOptions {
-                drain_timeout: Duration::from_secs(5),
-                shutdown_timeout: Duration::from_secs(5),
-            })
-            .build()
-            .await
-            .unwrap(),
-    )
+    common::agent(TEST, name, o).await.map(|(a, _)| a)
 }
 
 #[test]
