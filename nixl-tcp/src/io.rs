@@ -7,7 +7,7 @@
 //! [`RegionSlice::send`], once the buffered bytes are used up or flushed.
 
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 
 use nixl::RegionSlice;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, BufWriter, Interest};
@@ -34,19 +34,15 @@ pub(crate) async fn send_slice(
     }
     w.flush().await?;
     let stream: &TcpStream = w.get_ref().as_ref();
-    let mut at = 0;
-    while at < s.len() {
-        stream.writable().await?;
-        match stream.try_io(Interest::WRITABLE, || {
-            s.send(at, s.len() - at, stream.as_fd())
-        }) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => at += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+    direct(
+        stream,
+        Interest::WRITABLE,
+        s,
+        0,
+        RegionSlice::send,
+        io::ErrorKind::WriteZero,
+    )
+    .await
 }
 
 /// Fill all of `s` from `r` (buffered bytes first).
@@ -75,12 +71,32 @@ pub(crate) async fn recv_slice(
         at += n;
     }
     let stream: &TcpStream = r.get_ref().as_ref();
+    direct(
+        stream,
+        Interest::READABLE,
+        s,
+        at,
+        RegionSlice::recv,
+        io::ErrorKind::UnexpectedEof,
+    )
+    .await
+}
+
+/// Move `s[at..]` between the socket and registered memory with `call` (one
+/// non-blocking `recv` or `send` per readiness) until all of it has moved; a call that
+/// moves nothing ends the stream with `zero`.
+async fn direct(
+    stream: &TcpStream,
+    interest: Interest,
+    s: &RegionSlice,
+    mut at: usize,
+    call: fn(&RegionSlice, usize, usize, BorrowedFd<'_>) -> io::Result<usize>,
+    zero: io::ErrorKind,
+) -> io::Result<()> {
     while at < s.len() {
-        stream.readable().await?;
-        match stream.try_io(Interest::READABLE, || {
-            s.recv(at, s.len() - at, stream.as_fd())
-        }) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+        stream.ready(interest).await?;
+        match stream.try_io(interest, || call(s, at, s.len() - at, stream.as_fd())) {
+            Ok(0) => return Err(zero.into()),
             Ok(n) => at += n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(e),

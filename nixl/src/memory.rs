@@ -320,26 +320,7 @@ impl Memory {
         len: usize,
         fd: std::os::fd::BorrowedFd<'_>,
     ) -> std::io::Result<usize> {
-        use std::os::fd::AsRawFd;
-        let Some(seg) = self.host_segment(offset, len) else {
-            return Err(std::io::ErrorKind::InvalidInput.into());
-        };
-        // SAFETY: `seg` is live host memory valid for `len` bytes of writes (our
-        // invariant; `&self` keeps it alive for the call); `fd` is an open descriptor
-        // for the call's duration (BorrowedFd).
-        let n = unsafe {
-            libc::recv(
-                fd.as_raw_fd(),
-                seg.ptr.as_ptr().cast(),
-                len,
-                libc::MSG_DONTWAIT,
-            )
-        };
-        if n < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(n as usize)
-        }
+        self.socket_io(offset, len, fd, Direction::Recv)
     }
 
     /// One `send(2)` of host memory at `offset..offset+len` to the socket `fd`,
@@ -355,18 +336,37 @@ impl Memory {
         len: usize,
         fd: std::os::fd::BorrowedFd<'_>,
     ) -> std::io::Result<usize> {
+        self.socket_io(offset, len, fd, Direction::Send)
+    }
+
+    #[cfg(unix)]
+    fn socket_io(
+        &self,
+        offset: usize,
+        len: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        dir: Direction,
+    ) -> std::io::Result<usize> {
         use std::os::fd::AsRawFd;
         let Some(seg) = self.host_segment(offset, len) else {
             return Err(std::io::ErrorKind::InvalidInput.into());
         };
-        // SAFETY: as in recv_at; the kernel only reads the range.
-        let n = unsafe {
-            libc::send(
-                fd.as_raw_fd(),
-                seg.ptr.as_ptr().cast_const().cast(),
-                len,
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            )
+        let (fd, ptr) = (fd.as_raw_fd(), seg.ptr.as_ptr());
+        let n = match dir {
+            // SAFETY: `seg` is live host memory valid for `len` bytes of reads and
+            // writes (our invariant; `&self` keeps it alive for the call); `fd` is an
+            // open descriptor for the call's duration (BorrowedFd). recv writes the
+            // range, send only reads it.
+            Direction::Recv => unsafe { libc::recv(fd, ptr.cast(), len, libc::MSG_DONTWAIT) },
+            // SAFETY: as above.
+            Direction::Send => unsafe {
+                libc::send(
+                    fd,
+                    ptr.cast_const().cast(),
+                    len,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            },
         };
         if n < 0 {
             Err(std::io::Error::last_os_error())
@@ -424,6 +424,14 @@ impl fmt::Debug for Memory {
             .field("kind", &self.kind)
             .finish()
     }
+}
+
+/// Which way [`Memory::socket_io`] moves bytes.
+#[cfg(unix)]
+#[derive(Clone, Copy)]
+enum Direction {
+    Recv,
+    Send,
 }
 
 /// A validated `(pointer, length)` inside registered memory, handed to backends.

@@ -309,6 +309,13 @@ impl RegionSlice {
         }
     }
 
+    /// [`RegionSlice::io_range`] as an I/O error, for the socket calls.
+    #[cfg(unix)]
+    fn socket_range(&self, at: usize, n: usize, op: &'static str) -> std::io::Result<usize> {
+        self.io_range(at, n, op)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+    }
+
     /// Copy `dst.len()` bytes starting `at` bytes into the slice out into `dst`.
     ///
     /// # Errors
@@ -373,9 +380,7 @@ impl RegionSlice {
         n: usize,
         fd: std::os::fd::BorrowedFd<'_>,
     ) -> std::io::Result<usize> {
-        let off = self
-            .io_range(at, n, "receive into registered memory")
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let off = self.socket_range(at, n, "receive into registered memory")?;
         self.region.inner.mem.recv_at(off, n, fd)
     }
 
@@ -391,9 +396,7 @@ impl RegionSlice {
         n: usize,
         fd: std::os::fd::BorrowedFd<'_>,
     ) -> std::io::Result<usize> {
-        let off = self
-            .io_range(at, n, "send from registered memory")
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        let off = self.socket_range(at, n, "send from registered memory")?;
         self.region.inner.mem.send_at(off, n, fd)
     }
 }

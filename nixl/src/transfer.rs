@@ -279,18 +279,7 @@ impl XferRequest {
         };
         owner.check_running(OP)?;
         if let Some(n) = &notif {
-            if n.len() > self.max_notification {
-                return err(
-                    ErrorKind::InvalidArgument,
-                    OP,
-                    format!(
-                        "notification of {} bytes exceeds {}'s limit of {}",
-                        n.len(),
-                        self.backend,
-                        self.max_notification
-                    ),
-                );
-            }
+            crate::agent::check_notification(n, self.max_notification, &self.backend, OP)?;
         }
         if let Some(peer) = &self.peer {
             let current = owner.peer_generation(peer, OP)?;

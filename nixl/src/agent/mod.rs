@@ -282,6 +282,14 @@ impl Agent {
             })
     }
 
+    /// Backend indices in preference order: `names` resolved, or attach order.
+    fn backend_order(&self, names: Option<&[String]>, op: &'static str) -> Result<Vec<usize>> {
+        match names {
+            Some(names) => names.iter().map(|n| self.backend_index(n, op)).collect(),
+            None => Ok((0..self.shared.backends.len()).collect()),
+        }
+    }
+
     /// Send a standalone notification to a peer through the first backend both sides
     /// have that supports notifications. Await the result for delivery.
     ///
@@ -305,7 +313,7 @@ impl Agent {
         let msg = msg.into();
         check_notification(
             &msg,
-            &self.shared.caps[i],
+            self.shared.caps[i].max_notification,
             self.shared.backends[i].name(),
             OP,
         )?;
@@ -337,21 +345,21 @@ impl Agent {
     }
 }
 
-/// A notification longer than the backend carries is refused before it is sent.
+/// A notification longer than the backend carries (`max`, its
+/// [`Capabilities::max_notification`]) is refused before it is sent.
 pub(crate) fn check_notification(
     msg: &[u8],
-    caps: &Capabilities,
+    max: usize,
     backend: &str,
     op: &'static str,
 ) -> Result<()> {
-    if msg.len() > caps.max_notification {
+    if msg.len() > max {
         return err(
             ErrorKind::InvalidArgument,
             op,
             format!(
-                "notification of {} bytes exceeds {backend}'s limit of {}",
-                msg.len(),
-                caps.max_notification
+                "notification of {} bytes exceeds {backend}'s limit of {max}",
+                msg.len()
             ),
         );
     }

@@ -96,13 +96,7 @@ impl Agent {
             return err(ErrorKind::ZeroLength, OP, "cannot register zero bytes");
         }
         let kind = mem.kind();
-        let chosen: Vec<usize> = match &options.backends {
-            Some(names) => names
-                .iter()
-                .map(|n| self.backend_index(n, OP))
-                .collect::<Result<_>>()?,
-            None => (0..self.shared.backends.len()).collect(),
-        };
+        let chosen = self.backend_order(options.backends.as_deref(), OP)?;
         let chosen: Vec<usize> = chosen
             .into_iter()
             .filter(|&i| self.shared.caps[i].supports(kind))

@@ -272,13 +272,7 @@ impl Agent {
         };
 
         // Backend names are checked even when the agent serves the request itself.
-        let order: Vec<usize> = match &options.backends {
-            Some(names) => names
-                .iter()
-                .map(|n| self.backend_index(n, OP))
-                .collect::<Result<_>>()?,
-            None => (0..self.shared.backends.len()).collect(),
-        };
+        let order = self.backend_order(options.backends.as_deref(), OP)?;
         if peer.is_none() && local.kind == MemKind::Dram && remote.kind == MemKind::Dram {
             let segments = build_segments(&pairs, AGENT_COPY, options.merge);
             let bytes = segments.iter().map(|s| s.local.len() as u64).sum();
