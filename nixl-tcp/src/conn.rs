@@ -19,11 +19,9 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::io::{recv_slice, send_slice};
+use crate::io::{recv_slice, send_slice, IO_BUF};
 use crate::wire::{self, RequestHeader, ResponseHeader};
 use crate::{Started, TcpOptions};
-
-const IO_BUF: usize = 64 * 1024;
 
 /// A request handed to the connection's writer.
 pub(crate) struct Job {

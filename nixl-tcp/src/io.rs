@@ -1,7 +1,7 @@
 //! Moving bytes between a socket and registered memory without a Rust reference into
 //! that memory (peers and other transfers may write it at any time).
 //!
-//! Small pieces go through the stream's buffer and are copied in or out with
+//! Pieces shorter than the stream's buffer go through it and are copied in or out with
 //! [`RegionSlice::write_from`]/[`RegionSlice::read_into`] (raw copies); large ones go
 //! straight between the kernel and registered memory with [`RegionSlice::recv`] and
 //! [`RegionSlice::send`], once the buffered bytes are used up or flushed.
@@ -14,8 +14,13 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, BufWriter, Interest};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
-/// Pieces up to this size are copied through the stream's buffer.
-const SMALL: usize = 16 * 1024;
+/// Capacity of every connection's read and write buffer.
+pub(crate) const IO_BUF: usize = 64 * 1024;
+
+/// Pieces shorter than the buffer are copied through it (one system call carries
+/// several of them, and the request header); larger ones go direct, where tokio's
+/// buffered streams would bypass their buffer too.
+const SMALL: usize = IO_BUF - 1;
 
 fn io_err(e: nixl::Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, e)

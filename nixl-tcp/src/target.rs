@@ -12,11 +12,9 @@ use nixl::{NotificationSink, RegionSlice};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::io::{recv_slice, send_slice};
+use crate::io::{recv_slice, send_slice, IO_BUF};
 use crate::wire::{self, RequestHeader, ResponseHeader, SegEntry};
 use crate::{Inner, Started};
-
-const IO_BUF: usize = 64 * 1024;
 
 pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: &Started) {
     let cancel = started.cancel.clone();
