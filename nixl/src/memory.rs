@@ -478,39 +478,6 @@ impl MemSegment {
         Some(Self { ptr, len })
     }
 
-    /// View the bytes.
-    ///
-    /// # Safety
-    /// The memory must be DRAM and alive for `'a` (hold the transfer's completer or the
-    /// region's [`RegionRef`](crate::RegionRef)), and nothing may write these bytes
-    /// through a Rust reference during `'a`. Writes by peers are the application's
-    /// protocol to order, exactly as with RDMA.
-    pub unsafe fn as_slice<'a>(&self) -> &'a [u8] {
-        // SAFETY: forwarded contract.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-
-    /// View the bytes mutably.
-    ///
-    /// # Safety
-    /// As for [`MemSegment::as_slice`], and no other reference to these bytes may exist
-    /// during `'a`.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn as_mut_slice<'a>(&self) -> &'a mut [u8] {
-        // SAFETY: forwarded contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-
-    /// Copy `src` into `self` (`memmove`: overlap allowed).
-    ///
-    /// # Safety
-    /// Both segments must be live DRAM of equal length.
-    pub unsafe fn copy_from(&self, src: &Self) {
-        debug_assert_eq!(self.len, src.len);
-        // SAFETY: forwarded contract; ptr::copy allows overlap.
-        unsafe { std::ptr::copy(src.ptr.as_ptr(), self.ptr.as_ptr(), self.len.min(src.len)) }
-    }
-
     /// Copy out of the segment into `dst` (which must not be longer).
     ///
     /// # Safety
