@@ -88,6 +88,29 @@ pub fn remote(a: &Agent, peer: &str, id: u64) -> RemoteRegionInfo {
 
 /// Threads in this process (Linux).
 pub fn thread_count() -> usize {
+    process_threads()
+}
+
+/// The process's thread count before a case, when the case has the process to itself;
+/// `None`, after a SKIP line for the thread-count check of `case`, when other tests run
+/// as threads of the same process (`cargo test`), where their runtimes starting and
+/// stopping would be counted too. nextest (`scripts/test`) runs every test in its own
+/// process, and `cargo test -- --test-threads=1` runs them one at a time.
+pub fn own_thread_count(case: &str) -> Option<usize> {
+    let alone = std::env::var("NEXTEST_EXECUTION_MODE").as_deref() == Ok("process-per-test")
+        || std::env::var("RUST_TEST_THREADS").as_deref() == Ok("1");
+    if alone {
+        Some(process_threads())
+    } else {
+        skip(
+            &format!("{case} (process thread count)"),
+            "other tests share this process under cargo test; checked under nextest (scripts/test) or with --test-threads=1",
+        );
+        None
+    }
+}
+
+fn process_threads() -> usize {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {

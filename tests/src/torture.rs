@@ -19,7 +19,7 @@ use nixl::{
     Transfer,
 };
 
-use crate::support::{thread_count, BackendUnderTest};
+use crate::support::{own_thread_count, thread_count, BackendUnderTest};
 
 /// Watchdog for each await inside a run.
 const WATCHDOG: Duration = Duration::from_secs(20);
@@ -100,16 +100,18 @@ pub fn base_seed() -> u64 {
 /// Run `count` lifecycles with seeds `base..base+count` against `but`.
 pub async fn run_lifecycles(but: &BackendUnderTest, base: u64, count: u64) -> TortureReport {
     let mut report = TortureReport::default();
-    let threads_before = thread_count();
+    let threads_before = own_thread_count(&format!("lifecycle torture ({})", but.name));
     for i in 0..count {
         let seed = base.wrapping_add(i) | 1;
         one_run(but, seed, &mut report).await;
         report.runs += 1;
-        let threads = thread_count();
-        assert!(
-            threads <= threads_before,
-            "seed {seed}: {threads} threads after the run, {threads_before} before"
-        );
+        if let Some(before) = threads_before {
+            let threads = thread_count();
+            assert!(
+                threads <= before,
+                "seed {seed}: {threads} threads after the run, {before} before"
+            );
+        }
     }
     report
 }
