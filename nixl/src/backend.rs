@@ -265,6 +265,14 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// How this backend moves data to `peer` right now, in one line (the transport, a
+    /// same-host shortcut, and why a faster path is off), for logs and benchmark
+    /// headers. `None` (the default): nothing to say, or not connected yet.
+    fn data_path(&self, peer: &str) -> Option<String> {
+        let _ = peer;
+        None
+    }
+
     /// Learn (or update) a peer's connection info. Connecting may be lazy.
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()>;
 
