@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
 use nixl::{Completer, Error, ErrorKind, Op, RegionSlice, Result};
@@ -20,6 +20,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::io::{recv_slice, send_slice, IO_BUF};
+use crate::same_host::{self, RemoteSeg, SameHost, Unsuitable};
 use crate::wire::{self, RequestHeader, ResponseHeader};
 use crate::{Started, TcpOptions};
 
@@ -35,6 +36,8 @@ enum JobKind {
         op: Op,
         table: Arc<[u8]>,
         local: Arc<[RegionSlice]>,
+        /// The remote side for the same-host path, when the target granted it.
+        direct: Option<Arc<[RemoteSeg]>>,
         total: u64,
     },
     Notify,
@@ -45,6 +48,7 @@ impl Job {
         op: Op,
         table: Arc<[u8]>,
         local: Arc<[RegionSlice]>,
+        direct: Option<Arc<[RemoteSeg]>>,
         total: u64,
         notif: Option<Bytes>,
         done: Completer,
@@ -54,6 +58,7 @@ impl Job {
                 op,
                 table,
                 local,
+                direct,
                 total,
             },
             notif,
@@ -99,6 +104,20 @@ pub(crate) struct Conn {
     dead: Arc<AtomicBool>,
     cancel: CancellationToken,
     state: watch::Receiver<State>,
+    /// Set once connected, when the same-host path works to this peer.
+    same_host: Arc<OnceLock<Arc<same_host::Peer>>>,
+    /// How data moves to this peer, once connected.
+    path: Arc<OnceLock<String>>,
+    require: bool,
+}
+
+/// End a transfer whose data moved directly: its notification follows over TCP (so
+/// it arrives after the data), and the transfer completes once the target has it.
+pub(crate) fn finish_direct(c: &Conn, r: Result<()>, notif: Option<Bytes>, done: Completer) {
+    match (r, notif) {
+        (Ok(()), Some(n)) => c.submit(Job::notify(n, done)),
+        (r, _) => done.complete(r),
+    }
 }
 
 impl std::fmt::Debug for Conn {
@@ -144,9 +163,11 @@ fn dead_error(table: &Mutex<Table>, peer: &str) -> Error {
 
 impl Conn {
     /// Start connecting to `addr`; requests queue until the connection is up.
+    /// `same_host`: whether to ask for the same-host path, or why not.
     pub(crate) fn open(
         peer: String,
         addr: SocketAddr,
+        same_host: std::result::Result<(), String>,
         options: &TcpOptions,
         started: &Started,
     ) -> Arc<Self> {
@@ -159,11 +180,17 @@ impl Conn {
             dead: Arc::default(),
             cancel: started.cancel.child_token(),
             state,
+            same_host: Arc::default(),
+            path: Arc::default(),
+            require: options.same_host == SameHost::Require,
         });
         let task = Task {
             held: Held::default(),
             peer,
             addr,
+            want_same_host: same_host,
+            same_host: conn.same_host.clone(),
+            path: conn.path.clone(),
             options: options.clone(),
             agent: started.ctx.agent_name.clone(),
             table: conn.table.clone(),
@@ -177,6 +204,33 @@ impl Conn {
 
     pub(crate) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
+    }
+
+    /// The same-host peer, once connected with the path working.
+    pub(crate) fn same_host(&self) -> Option<Arc<same_host::Peer>> {
+        self.same_host.get().cloned()
+    }
+
+    /// How data moves to this peer, once connected.
+    pub(crate) fn path(&self) -> Option<String> {
+        self.path.get().cloned()
+    }
+
+    /// Send over TCP a job the same-host path could not take, unless the options
+    /// require the same-host path.
+    pub(crate) fn submit_indirect(&self, job: Job, why: Unsuitable) {
+        if self.require {
+            job.done.complete(Err(Error::new(
+                ErrorKind::NotSupported,
+                "tcp transfer",
+                format!(
+                    "peer {:?}: the same-host path is required, but {}",
+                    self.peer, why.0
+                ),
+            )));
+        } else {
+            self.submit(job);
+        }
     }
 
     pub(crate) fn submit(&self, job: Job) {
@@ -246,6 +300,10 @@ struct Task {
     held: Held,
     peer: String,
     addr: SocketAddr,
+    /// Whether to ask for the same-host path, or why not.
+    want_same_host: std::result::Result<(), String>,
+    same_host: Arc<OnceLock<Arc<same_host::Peer>>>,
+    path: Arc<OnceLock<String>>,
     options: TcpOptions,
     agent: String,
     table: Arc<Mutex<Table>>,
@@ -264,7 +322,13 @@ impl Task {
             },
         };
         let stream = match connected {
-            Ok(s) => s,
+            Ok((s, peer, path)) => {
+                if let Some(p) = peer {
+                    let _ = self.same_host.set(Arc::new(p));
+                }
+                let _ = self.path.set(path);
+                s
+            }
             Err(e) => {
                 tracing::debug!(peer = %self.peer, addr = %self.addr, error = %e, "tcp connect failed");
                 let _ = state.send(State::Failed(e.kind(), e.context().to_owned()));
@@ -302,7 +366,9 @@ impl Task {
         }
     }
 
-    async fn establish(&self) -> Result<TcpStream> {
+    /// Connect, say hello, authenticate, and set up the same-host path where possible.
+    /// Returns the stream, the same-host peer and a description of the data path.
+    async fn establish(&self) -> Result<(TcpStream, Option<same_host::Peer>, String)> {
         let io = |what: &str, e: std::io::Error| {
             Error::new(
                 ErrorKind::RemoteDisconnected,
@@ -384,7 +450,75 @@ impl Task {
             }
             (status, _) => return Err(refused(format!("handshake refused (status {status})"))),
         }
-        Ok(s)
+        let (peer, path) = self.negotiate_same_host(&mut s).await?;
+        Ok((s, peer, path))
+    }
+
+    /// Ask for the same-host path (when the boot ids match) and try the target's offer.
+    /// In [`SameHost::Require`] mode, failing to get it fails the connection.
+    async fn negotiate_same_host(
+        &self,
+        s: &mut TcpStream,
+    ) -> Result<(Option<same_host::Peer>, String)> {
+        let io = |what: &str, e: std::io::Error| {
+            Error::new(
+                ErrorKind::RemoteDisconnected,
+                "tcp connect",
+                format!("peer {:?} at {}: {what}", self.peer, self.addr),
+            )
+            .with_source(e)
+        };
+        let want = self.want_same_host.is_ok();
+        s.write_all(&[u8::from(want)])
+            .await
+            .map_err(|e| io("same-host request", e))?;
+        let why_not = if want {
+            let mut status = [0u8; 1];
+            s.read_exact(&mut status)
+                .await
+                .map_err(|e| io("same-host reply", e))?;
+            if status[0] == 1 {
+                let mut offer = [0u8; wire::OFFER_LEN];
+                s.read_exact(&mut offer)
+                    .await
+                    .map_err(|e| io("same-host offer", e))?;
+                let offer = wire::decode_offer(&offer);
+                match same_host::Peer::open(&offer) {
+                    Ok(p) => {
+                        let path = match p.cma_refused() {
+                            None => "same-host: shared memory for Agent::alloc memory, cross-memory attach for the rest; TCP for notifications".to_owned(),
+                            Some(why) => format!("same-host: shared memory for Agent::alloc memory, TCP for the rest ({why})"),
+                        };
+                        if let Some(why) = p.cma_refused() {
+                            tracing::info!(peer = %self.peer, reason = %why, "tcp: cross-memory attach off for this peer");
+                        }
+                        return Ok((Some(p), path));
+                    }
+                    Err(e) => format!("the target's shared memory could not be used ({e})"),
+                }
+            } else {
+                "the target does not offer it".to_owned()
+            }
+        } else {
+            self.want_same_host.clone().err().unwrap_or_default()
+        };
+        if self.options.same_host == SameHost::Require {
+            return Err(Error::new(
+                ErrorKind::NotSupported,
+                "tcp connect",
+                format!(
+                    "peer {:?} at {}: the same-host path is required, but {why_not}",
+                    self.peer, self.addr
+                ),
+            ));
+        }
+        if self.options.same_host == SameHost::Auto {
+            tracing::info!(peer = %self.peer, reason = %why_not, "tcp: same-host path off for this peer; data goes over TCP");
+        }
+        Ok((
+            None,
+            format!("TCP, one connection (same-host path off: {why_not})"),
+        ))
     }
 
     /// Send jobs until the queue closes or the socket fails; returns why it stopped.
@@ -426,6 +560,9 @@ impl Task {
         id: u64,
         job: Job,
     ) -> std::io::Result<()> {
+        let Some(job) = self.try_direct(job) else {
+            return Ok(());
+        };
         let Job { kind, notif, done } = job;
         let notif_len = notif.as_ref().map_or(0, |n| n.len() as u32);
         match kind {
@@ -448,6 +585,7 @@ impl Task {
                 table,
                 local,
                 total,
+                ..
             } => {
                 if !self.park(id, done, Some((local.clone(), total))) {
                     return Ok(());
@@ -515,6 +653,48 @@ impl Task {
             }
         }
         Ok(())
+    }
+
+    /// A transfer queued before the connection was up goes direct now, where it can.
+    /// Returns what is left to send over TCP: the job itself, its notification, or
+    /// nothing.
+    fn try_direct(&self, job: Job) -> Option<Job> {
+        let Some(peer) = self.same_host.get() else {
+            return Some(job);
+        };
+        let JobKind::Transfer {
+            op,
+            local,
+            direct: Some(direct),
+            ..
+        } = &job.kind
+        else {
+            return Some(job);
+        };
+        match peer.transfer(*op, local, direct) {
+            Ok(r) => {
+                let Job { notif, done, .. } = job;
+                match (r, notif) {
+                    (Ok(()), Some(n)) => Some(Job::notify(n, done)),
+                    (r, _) => {
+                        done.complete(r);
+                        None
+                    }
+                }
+            }
+            Err(why) if self.options.same_host == SameHost::Require => {
+                job.done.complete(Err(Error::new(
+                    ErrorKind::NotSupported,
+                    "tcp transfer",
+                    format!(
+                        "peer {:?}: the same-host path is required, but {}",
+                        self.peer, why.0
+                    ),
+                )));
+                None
+            }
+            Err(_) => Some(job),
+        }
     }
 
     /// Put a request in the pending table before sending it; false if the connection

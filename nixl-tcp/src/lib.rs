@@ -6,6 +6,11 @@
 //!   [`nixl::Agent::connect`]), many requests in flight on it. WRITE payloads go from
 //!   registered memory straight to the socket and from the socket straight into the
 //!   target's registered memory; READ data likewise. No bounce buffers.
+//! - Peers on the same host (proven, not guessed from the address) move data without
+//!   the socket: memory from [`nixl::Agent::alloc`] is shared memory the initiator maps
+//!   once, other memory goes by cross-memory attach, and the TCP connection carries
+//!   notifications and what cannot go direct. See [`SameHost`] and the module
+//!   docs of the same-host path below.
 //! - Local transfers (same agent) are the agent's own copies; this backend serves
 //!   transfers between agents.
 //! - The target checks every incoming segment against its own registrations and the
@@ -24,16 +29,60 @@
 //! agents that know the secret can reach registered memory at all. Traffic is still
 //! not encrypted: run it on a trusted network.
 //!
+//! ## The same-host path
+//! When initiator and target run on one kernel, data moves without the socket; the
+//! TCP connection carries the handshake, notifications and whatever cannot go direct.
+//! - Memory from [`nixl::Agent::alloc`] is shared memory (a memfd): the initiator maps
+//!   the target's once, and a transfer is one copy by the initiator.
+//! - Any other registered memory moves by vectored cross-memory attach
+//!   (`process_vm_writev` / `process_vm_readv`), up to 1024 descriptors per call.
+//! - Transfers up to [`TcpOptions::inline_copy_max`] (4 MiB) run on the posting thread
+//!   and complete before `post` returns; larger ones on the backend's copy thread. A
+//!   notification follows over TCP once the data is in place, so it still arrives
+//!   only after the data is visible.
+//!
+//! *Proven, not guessed.* The path is tried only when both sides' connection info
+//! carries the same kernel boot id, and used only after the initiator mapped the
+//! target's grant table through `/proc/<pid>/fd` and found in it the nonce the target
+//! sent over the (authenticated, with [`TcpOptions::secret`]) TCP connection: same
+//! host, same process, access allowed. Cross-memory attach is used only after reading
+//! that nonce with `process_vm_readv` worked. Where any step fails the connection uses
+//! TCP and logs why once; [`nixl::Backend::data_path`] says which path a peer got.
+//!
+//! *The grant table.* Each incoming same-host connection gets a table in shared
+//! memory that only the target writes: one slot per registration (key, address range,
+//! memfd). Before any copy or system call the initiator marks every slot of the
+//! request in use and checks each descriptor against it (key, bounds), so forged keys
+//! and out-of-range descriptors are refused as the TCP target refuses them.
+//! Deregistration clears the slot and waits until no initiator is inside it: once
+//! [`nixl::Agent::deregister`] returns, no peer touches that memory again (a peer
+//! stopped mid-copy, in a debugger say, is waited for 10 s; then the memory is kept
+//! alive until its connection ends and deregistration reports it).
+//!
+//! *Security boundary.* The kernel allows both mechanisms only between processes where
+//! one may inspect the other: same user (or `CAP_SYS_PTRACE`), and for cross-memory
+//! attach also what Yama's `ptrace_scope` allows (1 forbids it between processes that
+//! are not parent and child). A process with those rights can read and write the
+//! target's memory anyway, with or without nixl; the grant table keeps nixl-tcp itself
+//! to the target's registrations, it is not a sandbox against a hostile local process.
+//! Use [`SameHost::Off`] where agents of one host must not share memory at all.
+//!
 //! ## Memory safety
-//! The crate has no `unsafe` code (`forbid(unsafe_code)`): registered memory is read
-//! and written only through [`nixl::RegionSlice`]'s raw copies and system calls, never
-//! through a Rust reference, since peers and other transfers may touch the same bytes.
-#![forbid(unsafe_code)]
+//! Registered memory is read and written only through [`nixl::RegionSlice`]'s raw
+//! copies and system calls, never through a Rust reference, since peers and other
+//! transfers may touch the same bytes. The only `unsafe` code is the shared-memory,
+//! grant-table and cross-memory-attach primitives of the same-host path, in one small
+//! module; the rest of the crate denies `unsafe`.
+#![deny(unsafe_code)]
 
 mod conn;
 mod io;
+mod same_host;
+mod shm;
 mod target;
 mod wire;
+
+pub use same_host::SameHost;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -75,6 +124,16 @@ pub struct TcpOptions {
     /// it reaches no registered memory, whatever keys it has. Set the same secret on
     /// every agent of a deployment.
     pub secret: Option<nixl::SharedSecret>,
+    /// The same-host path (default [`SameHost::Auto`]).
+    pub same_host: SameHost,
+    /// Same-host transfers up to this many bytes are copied on the thread that posts
+    /// them and complete before `post` returns; larger ones on the backend's copy
+    /// thread (one per agent, started at the first such transfer). Handing a copy to
+    /// another thread costs two thread wake-ups, tens of microseconds on small
+    /// machines, so the default (4 MiB) keeps everything but the largest copies inline;
+    /// at DRAM speed a 4 MiB copy holds the posting thread for about a millisecond.
+    /// Lower it where tokio workers must never be held that long.
+    pub inline_copy_max: usize,
 }
 
 impl Default for TcpOptions {
@@ -86,6 +145,8 @@ impl Default for TcpOptions {
             dead_peer_timeout: Duration::from_secs(10),
             max_notification: 1 << 20,
             secret: None,
+            same_host: SameHost::Auto,
+            inline_copy_max: 4 << 20,
         }
     }
 }
@@ -108,16 +169,25 @@ pub(crate) struct Started {
 pub(crate) struct Inner {
     pub(crate) options: TcpOptions,
     pub(crate) started: OnceLock<Started>,
+    /// Same-host grants. Declared before `regions`: dropping it revokes every grant
+    /// before the registrations (and the memory they keep alive) go.
+    pub(crate) grants: same_host::Grants,
     /// Registrations by key, for incoming requests.
     pub(crate) regions: RwLock<HashMap<u64, RegionRef>>,
-    /// Region id -> key.
-    keys: Mutex<HashMap<u64, u64>>,
+    /// Region id -> (key, same-host grant slot).
+    keys: Mutex<HashMap<u64, (u64, Option<u32>)>>,
     peers: Mutex<HashMap<String, PeerEntry>>,
+    /// This kernel's boot id, when the same-host path is on.
+    boot: Option<String>,
+    /// The copy thread for large same-host transfers, started at the first one.
+    copier: Mutex<Option<std::sync::mpsc::Sender<CopyJob>>>,
 }
 
 #[derive(Debug)]
 struct PeerEntry {
     addr: SocketAddr,
+    /// The peer's kernel boot id, from its connection info.
+    boot: Option<String>,
     conn: Option<Arc<Conn>>,
 }
 
@@ -135,13 +205,19 @@ impl TcpBackend {
 
     /// A backend with options.
     pub fn with_options(options: TcpOptions) -> Self {
+        let boot = (options.same_host != SameHost::Off)
+            .then(shm::boot_id)
+            .flatten();
         Self {
             inner: Arc::new(Inner {
                 options,
                 started: OnceLock::new(),
+                grants: same_host::Grants::default(),
                 regions: RwLock::new(HashMap::new()),
                 keys: Mutex::new(HashMap::new()),
                 peers: Mutex::new(HashMap::new()),
+                boot,
+                copier: Mutex::new(None),
             }),
         }
     }
@@ -161,6 +237,39 @@ impl TcpBackend {
         })
     }
 
+    /// The copy thread's queue, starting the thread (owned by the agent, joined at
+    /// its shutdown) at the first call; `None` once the agent stops.
+    fn copier(&self) -> Option<std::sync::mpsc::Sender<CopyJob>> {
+        let mut g = self.inner.copier.lock().unwrap();
+        if let Some(tx) = &*g {
+            return Some(tx.clone());
+        }
+        let started = self.inner.started.get()?;
+        let (tx, rx) = std::sync::mpsc::channel::<CopyJob>();
+        let waker = tx.clone();
+        started
+            .ctx
+            .spawn_thread(
+                "nixl-tcp-copy",
+                move |token| {
+                    // Jobs still queued when the agent stops are dropped with `rx`:
+                    // their transfers fail as canceled.
+                    while let Ok(job) = rx.recv() {
+                        if token.is_cancelled() {
+                            break;
+                        }
+                        job();
+                    }
+                },
+                move || {
+                    let _ = waker.send(Box::new(|| {}));
+                },
+            )
+            .ok()?;
+        *g = Some(tx.clone());
+        Some(tx)
+    }
+
     /// The live connection to `peer`, made if needed.
     fn conn(&self, peer: &str, op: &'static str) -> Result<Arc<Conn>> {
         let started = self.started(op)?;
@@ -177,7 +286,24 @@ impl TcpBackend {
                 return Ok(c.clone());
             }
         }
-        let c = Conn::open(peer.to_owned(), entry.addr, &self.inner.options, started);
+        let same_host = match (&self.inner.boot, &entry.boot) {
+            _ if self.inner.options.same_host == SameHost::Off => {
+                Err("turned off in the options".to_owned())
+            }
+            (None, _) => Err("this kernel has no boot id to compare".to_owned()),
+            (Some(_), None) => Err("the peer offers no same-host path".to_owned()),
+            (Some(a), Some(b)) if a != b => {
+                Err("the peer runs on another host (different kernel boot id)".to_owned())
+            }
+            _ => Ok(()),
+        };
+        let c = Conn::open(
+            peer.to_owned(),
+            entry.addr,
+            same_host,
+            &self.inner.options,
+            started,
+        );
         entry.conn = Some(c.clone());
         Ok(c)
     }
@@ -234,7 +360,7 @@ impl Backend for TcpBackend {
 
     fn connection_info(&self) -> Bytes {
         self.local_addr()
-            .map(|a| Bytes::from(a.to_string()))
+            .map(|a| Bytes::from(wire::encode_conn_info(a, self.inner.boot.as_deref())))
             .unwrap_or_default()
     }
 
@@ -254,21 +380,52 @@ impl Backend for TcpBackend {
             }
         };
         regions.insert(key, region.clone());
-        self.inner.keys.lock().unwrap().insert(region.id(), key);
-        Ok(Bytes::copy_from_slice(&key.to_le_bytes()))
+        drop(regions);
+        let slot = (self.inner.boot.is_some())
+            .then(|| self.inner.grants.grant(key, region))
+            .flatten();
+        self.inner
+            .keys
+            .lock()
+            .unwrap()
+            .insert(region.id(), (key, slot));
+        let mut blob = key.to_le_bytes().to_vec();
+        if let Some(slot) = slot {
+            blob.extend_from_slice(&slot.to_le_bytes());
+        }
+        Ok(Bytes::from(blob))
     }
 
     fn deregister(&self, region_id: u64) -> Result<()> {
-        if let Some(key) = self.inner.keys.lock().unwrap().remove(&region_id) {
-            self.inner.regions.write().unwrap().remove(&key);
+        let Some((key, slot)) = self.inner.keys.lock().unwrap().remove(&region_id) else {
+            return Ok(());
+        };
+        // TCP requests are refused from here on; same-host peers once the revoke
+        // returns (the registration stays alive until then).
+        let region = self.inner.regions.write().unwrap().remove(&key);
+        match (slot, region) {
+            (Some(slot), Some(region)) => self.inner.grants.revoke(slot, &region),
+            _ => Ok(()),
         }
-        Ok(())
+    }
+
+    fn alloc(&self, len: usize) -> Option<Result<nixl::Memory>> {
+        // Shared memory pays off only where the same-host path can use it.
+        self.inner
+            .boot
+            .is_some()
+            .then(|| self.inner.grants.alloc(len))
+    }
+
+    fn data_path(&self, peer: &str) -> Option<String> {
+        let peers = self.inner.peers.lock().unwrap();
+        peers.get(peer)?.conn.as_ref()?.path()
     }
 
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
-        let addr: SocketAddr = std::str::from_utf8(conn_info)
+        let (addr, boot) = std::str::from_utf8(conn_info)
             .ok()
-            .and_then(|s| s.parse().ok())
+            .and_then(wire::decode_conn_info)
             .ok_or_else(|| {
                 Error::new(
                     ErrorKind::Corrupt,
@@ -277,13 +434,21 @@ impl Backend for TcpBackend {
                 )
             })?;
         let mut peers = self.inner.peers.lock().unwrap();
-        let old = peers.insert(peer.to_owned(), PeerEntry { addr, conn: None });
+        let old = peers.insert(
+            peer.to_owned(),
+            PeerEntry {
+                addr,
+                boot: boot.clone(),
+                conn: None,
+            },
+        );
         if let Some(PeerEntry {
             addr: old_addr,
+            boot: old_boot,
             conn: Some(c),
         }) = old
         {
-            if old_addr == addr {
+            if old_addr == addr && old_boot == boot {
                 // Same peer, same address: keep the connection.
                 peers.get_mut(peer).expect("just inserted").conn = Some(c);
             } else {
@@ -320,6 +485,7 @@ impl Backend for TcpBackend {
         };
         let mut table = Vec::with_capacity(plan.segments.len() * wire::SEG_LEN);
         let mut local = Vec::with_capacity(plan.segments.len());
+        let mut direct = Vec::with_capacity(plan.segments.len());
         let mut total = 0u64;
         for s in plan.segments {
             let Target::Remote {
@@ -332,28 +498,38 @@ impl Backend for TcpBackend {
                     "remote transfer with a local target",
                 ));
             };
-            let key = <[u8; 8]>::try_from(&blob[..])
-                .map(u64::from_le_bytes)
-                .map_err(|_| {
-                    Error::new(
-                        ErrorKind::Corrupt,
-                        OP,
-                        format!(
-                            "peer {peer:?}: tcp region key is {} bytes, not 8",
-                            blob.len()
-                        ),
-                    )
-                })?;
+            let (key, slot) = decode_blob(&blob).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Corrupt,
+                    OP,
+                    format!(
+                        "peer {peer:?}: tcp region blob is {} bytes, not 8 or 12",
+                        blob.len()
+                    ),
+                )
+            })?;
+            direct.push(slot.map(|slot| same_host::RemoteSeg {
+                slot,
+                key,
+                addr,
+                len,
+            }));
             wire::SegEntry { key, addr, len }.encode_into(&mut table);
             total += len;
             local.push(s.local);
         }
+        // The same-host path takes a transfer whole or not at all.
+        let direct: Option<Arc<[same_host::RemoteSeg]>> = direct
+            .into_iter()
+            .collect::<Option<Vec<_>>>()
+            .map(Into::into);
         Ok(Box::new(RemotePrepared {
             backend: self.clone(),
             peer,
             op: plan.op,
             table: table.into(),
             local: local.into(),
+            direct,
             total,
         }))
     }
@@ -367,6 +543,9 @@ impl Backend for TcpBackend {
     }
 
     async fn shutdown(&self, _timeout: Duration) -> Result<()> {
+        // Same-host peers stop touching our memory first (waits for copies running).
+        self.inner.grants.revoke_everything();
+        self.inner.copier.lock().unwrap().take();
         if let Some(s) = self.inner.started.get() {
             s.cancel.cancel();
         }
@@ -382,6 +561,19 @@ impl Backend for TcpBackend {
     }
 }
 
+/// Key and same-host slot of a region blob (8 bytes: key only; 12: key and slot).
+fn decode_blob(blob: &[u8]) -> Option<(u64, Option<u32>)> {
+    let key = u64::from_le_bytes(blob.get(..8)?.try_into().ok()?);
+    match blob.len() {
+        8 => Some((key, None)),
+        12 => Some((key, Some(u32::from_le_bytes(blob[8..].try_into().ok()?)))),
+        _ => None,
+    }
+}
+
+/// A large same-host transfer for the copy thread.
+type CopyJob = Box<dyn FnOnce() + Send>;
+
 /// A transfer to a peer: the segment table is encoded once, at prepare time.
 #[derive(Debug)]
 struct RemotePrepared {
@@ -390,22 +582,69 @@ struct RemotePrepared {
     op: Op,
     table: Arc<[u8]>,
     local: Arc<[RegionSlice]>,
+    /// The remote side for the same-host path, when the target granted every segment.
+    direct: Option<Arc<[same_host::RemoteSeg]>>,
     total: u64,
+}
+
+impl RemotePrepared {
+    fn job(&self, notif: Option<Bytes>, done: Completer) -> Job {
+        Job::transfer(
+            self.op,
+            self.table.clone(),
+            self.local.clone(),
+            self.direct.clone(),
+            self.total,
+            notif,
+            done,
+        )
+    }
 }
 
 impl PreparedTransfer for RemotePrepared {
     fn post(&self, notif: Option<Bytes>, done: Completer) {
         // The agent refused notifications over `max_notification` already.
-        match self.backend.conn(&self.peer, "tcp post") {
-            Ok(c) => c.submit(Job::transfer(
-                self.op,
-                self.table.clone(),
-                self.local.clone(),
-                self.total,
-                notif,
-                done,
-            )),
-            Err(e) => done.complete(Err(e)),
+        let c = match self.backend.conn(&self.peer, "tcp post") {
+            Ok(c) => c,
+            Err(e) => return done.complete(Err(e)),
+        };
+        let (Some(direct), Some(peer)) = (&self.direct, c.same_host()) else {
+            // Not connected yet (the connection task decides when it sends the job), or
+            // not direct: TCP.
+            return c.submit(self.job(notif, done));
+        };
+        if c.is_dead() || done.is_canceled() {
+            return c.submit(self.job(notif, done));
+        }
+        if self.total <= self.backend.inner.options.inline_copy_max as u64 {
+            match peer.transfer(self.op, &self.local, direct) {
+                Ok(r) => conn::finish_direct(&c, r, notif, done),
+                Err(why) => c.submit_indirect(self.job(notif, done), why),
+            }
+            return;
+        }
+        let (op, table, local, direct, total) = (
+            self.op,
+            self.table.clone(),
+            self.local.clone(),
+            direct.clone(),
+            self.total,
+        );
+        let job: CopyJob = Box::new(move || match peer.transfer(op, &local, &direct) {
+            Ok(r) => conn::finish_direct(&c, r, notif, done),
+            Err(why) => c.submit_indirect(
+                Job::transfer(op, table, local, Some(direct), total, notif, done),
+                why,
+            ),
+        });
+        // On the backend's copy thread; inline only if it cannot run (shutting down).
+        match self.backend.copier() {
+            Some(tx) => {
+                if let Err(std::sync::mpsc::SendError(job)) = tx.send(job) {
+                    job();
+                }
+            }
+            None => job(),
         }
     }
 }

@@ -13,6 +13,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::io::{recv_slice, send_slice, IO_BUF};
+use crate::same_host::{ConnTable, Offer, SameHost};
+use crate::shm;
 use crate::wire::{self, RequestHeader, ResponseHeader, SegEntry};
 use crate::{Inner, Started};
 
@@ -125,6 +127,30 @@ async fn serve(
         w.write_all(&proof).await?;
         w.flush().await?;
     }
+    // Same-host path: the initiator asks (1) or not (0).
+    let mut want = [0u8; 1];
+    r.read_exact(&mut want).await?;
+    let _grants = if want[0] == 1 {
+        let offered = offer(&inner);
+        match &offered {
+            Some((t, o)) => {
+                w.write_all(&[1]).await?;
+                w.write_all(&wire::encode_offer(o)).await?;
+                tracing::debug!(%peer, "tcp: same-host path offered");
+                Some(Detach {
+                    inner: inner.clone(),
+                    table: t.clone(),
+                })
+            }
+            None => {
+                w.write_all(&[0]).await?;
+                None
+            }
+        }
+    } else {
+        None
+    };
+    w.flush().await?;
     tracing::debug!(%peer, "tcp: peer connected");
 
     let max_notif = inner.options.max_notification;
@@ -215,6 +241,42 @@ async fn serve(
                 return Err(proto(format!("unknown request kind {other:#x}")));
             }
         }
+    }
+}
+
+/// A grant table for a new same-host connection, unless the path is off here.
+fn offer(inner: &Inner) -> Option<(Arc<ConnTable>, Offer)> {
+    if inner.options.same_host == SameHost::Off {
+        return None;
+    }
+    let mut nonce = [0u8; shm::NONCE_LEN];
+    nonce.copy_from_slice(&wire::nonce()[..shm::NONCE_LEN]);
+    match inner.grants.attach(&nonce) {
+        Ok(t) => {
+            let o = Offer {
+                pid: std::process::id(),
+                table_fd: t.table.raw_fd().expect("the target's own table"),
+                table_addr: t.table.addr(),
+                nonce,
+            };
+            Some((t, o))
+        }
+        Err(e) => {
+            tracing::info!(error = %e, "tcp: cannot create a same-host grant table; the peer uses TCP");
+            None
+        }
+    }
+}
+
+/// Withdraws a connection's grants when the connection ends, however it ends.
+struct Detach {
+    inner: Arc<Inner>,
+    table: Arc<ConnTable>,
+}
+
+impl Drop for Detach {
+    fn drop(&mut self) {
+        self.inner.grants.detach(&self.table);
     }
 }
 

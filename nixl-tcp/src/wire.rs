@@ -5,8 +5,12 @@
 //! status is `ST_AUTH` followed by the target's nonce; the initiator answers with its
 //! nonce and an HMAC over both nonces and its name, and the target with a status byte
 //! and its own HMAC over both nonces (each side proves it knows the secret; the
-//! secret never crosses the wire). Then the initiator sends
-//! requests and the target answers each with an ACK (READs: DATA first).
+//! secret never crosses the wire). Then the initiator asks for the same-host path (one
+//! byte: 1 when both sides reported the same kernel boot id and it wants the path,
+//! else 0) and the target answers with one byte (0: no), or 1 and an offer: its pid
+//! u32, its grant table's descriptor i32, the table's address u64 and a 16-byte nonce
+//! the table carries (see `same_host`). Then the initiator sends requests and the
+//! target answers each with an ACK (READs: DATA first).
 //!
 //! Request header (24 bytes): kind u8, flags u8 (bit 0: carries a notification), 2 zero
 //! bytes, segment count u32, request id u64,
@@ -19,7 +23,7 @@
 //! text. DATA: then `data length` bytes.
 
 pub(crate) const MAGIC: [u8; 4] = *b"NXTC";
-pub(crate) const VERSION: u16 = 1;
+pub(crate) const VERSION: u16 = 2;
 pub(crate) const MAX_NAME: usize = 256;
 /// Most segments one request may carry.
 pub(crate) const MAX_SEGMENTS: u32 = 1 << 20;
@@ -45,6 +49,49 @@ pub(crate) const ST_REFUSED: u8 = 5;
 pub(crate) const NONCE_LEN: usize = 32;
 pub(crate) const CLIENT_CONTEXT: &str = "nixl-tcp v1 client";
 pub(crate) const SERVER_CONTEXT: &str = "nixl-tcp v1 server";
+
+/// Length of a same-host offer after its status byte.
+pub(crate) const OFFER_LEN: usize = 4 + 4 + 8 + crate::shm::NONCE_LEN;
+
+pub(crate) fn encode_offer(o: &crate::same_host::Offer) -> [u8; OFFER_LEN] {
+    let mut b = [0u8; OFFER_LEN];
+    b[0..4].copy_from_slice(&o.pid.to_le_bytes());
+    b[4..8].copy_from_slice(&o.table_fd.to_le_bytes());
+    b[8..16].copy_from_slice(&o.table_addr.to_le_bytes());
+    b[16..].copy_from_slice(&o.nonce);
+    b
+}
+
+pub(crate) fn decode_offer(b: &[u8; OFFER_LEN]) -> crate::same_host::Offer {
+    let mut nonce = [0u8; crate::shm::NONCE_LEN];
+    nonce.copy_from_slice(&b[16..]);
+    crate::same_host::Offer {
+        pid: u32_at(b, 0),
+        table_fd: u32_at(b, 4) as i32,
+        table_addr: u64_at(b, 8),
+        nonce,
+    }
+}
+
+/// Connection info: `ip:port`, and `;boot=<id>` when the same-host path is possible.
+pub(crate) fn encode_conn_info(addr: std::net::SocketAddr, boot: Option<&str>) -> String {
+    match boot {
+        Some(b) => format!("{addr};boot={b}"),
+        None => addr.to_string(),
+    }
+}
+
+/// The address and boot id of [`encode_conn_info`]; unknown `;key=value` parts are
+/// ignored (newer peers may add some).
+pub(crate) fn decode_conn_info(s: &str) -> Option<(std::net::SocketAddr, Option<String>)> {
+    let mut parts = s.split(';');
+    let addr = parts.next()?.parse().ok()?;
+    let boot = parts
+        .filter_map(|p| p.strip_prefix("boot="))
+        .find(|b| !b.is_empty())
+        .map(str::to_owned);
+    Some((addr, boot))
+}
 
 pub(crate) fn nonce() -> [u8; NONCE_LEN] {
     let mut n = [0u8; NONCE_LEN];
@@ -206,5 +253,34 @@ mod tests {
         s.encode_into(&mut v);
         s.encode_into(&mut v);
         assert_eq!(SegEntry::decode_all(&v).collect::<Vec<_>>(), vec![s, s]);
+    }
+
+    #[test]
+    fn offers_and_connection_info_round_trip() {
+        let o = crate::same_host::Offer {
+            pid: 4321,
+            table_fd: -1,
+            table_addr: 0x7f00_0000_1000,
+            nonce: [9; crate::shm::NONCE_LEN],
+        };
+        assert_eq!(decode_offer(&encode_offer(&o)), o);
+        let a: std::net::SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        assert_eq!(
+            decode_conn_info(&encode_conn_info(a, None)),
+            Some((a, None))
+        );
+        let with = encode_conn_info(a, Some("ab-12"));
+        assert_eq!(with, "127.0.0.1:5000;boot=ab-12");
+        assert_eq!(decode_conn_info(&with), Some((a, Some("ab-12".into()))));
+        assert_eq!(
+            decode_conn_info("127.0.0.1:5000;future=1;boot=x"),
+            Some((a, Some("x".into())))
+        );
+        assert_eq!(
+            decode_conn_info("[::1]:7;boot="),
+            Some(("[::1]:7".parse().unwrap(), None))
+        );
+        assert_eq!(decode_conn_info("nonsense"), None);
+        assert_eq!(decode_conn_info(""), None);
     }
 }

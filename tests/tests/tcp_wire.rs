@@ -32,13 +32,15 @@ impl Raw {
         let mut s = TcpStream::connect(addr).await.unwrap();
         let name = b"mallory";
         let mut hello = b"NXTC".to_vec();
-        hello.extend_from_slice(&1u16.to_le_bytes());
+        hello.extend_from_slice(&2u16.to_le_bytes());
         hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
         hello.extend_from_slice(name);
         s.write_all(&hello).await.unwrap();
         let mut reply = [0u8; 7];
         s.read_exact(&mut reply).await.unwrap();
         assert_eq!(reply[6], ST_OK, "no secret configured");
+        // No same-host path for this client.
+        s.write_all(&[0]).await.unwrap();
         Self { s, next: 1 }
     }
 
@@ -318,7 +320,7 @@ async fn shared_secret_gates_every_connection() {
     }
     // A raw client that guesses a MAC is refused before any request is read.
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"NXTC\x01\x00\x01\x00m").await.unwrap();
+    s.write_all(b"NXTC\x02\x00\x01\x00m").await.unwrap();
     let mut reply = [0u8; 7 + 32];
     s.read_exact(&mut reply).await.unwrap();
     assert_eq!(reply[6], 4, "authentication required");
