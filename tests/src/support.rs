@@ -144,10 +144,20 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// `TcpOptions` from `NIXL_TCP_LISTEN`, `NIXL_TCP_DEAD_PEER_MS` and
-/// `NIXL_TCP_CONNECT_MS` (for test processes started in network namespaces).
+/// `TcpOptions` from `NIXL_TCP_LISTEN`, `NIXL_TCP_DEAD_PEER_MS`,
+/// `NIXL_TCP_CONNECT_MS` (for test processes started in network namespaces) and
+/// `NIXL_TCP_SAME_HOST` (`auto`, `off` or `require`; `scripts/test` runs the suite
+/// under each).
+///
+/// # Panics
+/// On a `NIXL_TCP_SAME_HOST` that is none of those.
 pub fn tcp_options_from_env() -> nixl_tcp::TcpOptions {
     let mut o = nixl_tcp::TcpOptions::default();
+    if let Ok(v) = std::env::var("NIXL_TCP_SAME_HOST") {
+        o.same_host = v
+            .parse()
+            .unwrap_or_else(|e| panic!("NIXL_TCP_SAME_HOST={e}"));
+    }
     if let Some(a) = std::env::var("NIXL_TCP_LISTEN")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -146,6 +146,8 @@ impl Net {
             .args(args)
             .env("NIXL_TCP_LISTEN", format!("{listen}:0"))
             .env("NIXL_TCP_DEAD_PEER_MS", "2000")
+            // The namespaces stand for two hosts: keep data on the link being cut.
+            .env("NIXL_TCP_SAME_HOST", "off")
             .env("NIXL_TCP_CONNECT_MS", "1000")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -223,6 +225,10 @@ fn link_cut_mid_transfer_then_restored() {
     let mut stdin = init.0.stdin.take().unwrap();
     writeln!(stdin, "{md}").unwrap();
     let out = Out::new(BufReader::new(init.0.stdout.take().unwrap()).lines());
+    // The link cut only bites on TCP: namespaces share one kernel, so the
+    // same-host path (turned off for these children) would bypass the veth pair.
+    let path = out.next(Duration::from_secs(10), "the data path");
+    assert!(path.starts_with("PATH TCP"), "the data path: {path}");
     // Transfers flow across the veth pair.
     for _ in 0..5 {
         let l = out.next(Duration::from_secs(10), "a transfer result");

@@ -26,12 +26,16 @@ static WORLD: LazyLock<World> = LazyLock::new(|| {
         .unwrap();
     let (a, b, la, lb, rb) = rt.block_on(async {
         let a = Agent::builder("a")
-            .backend(nixl_tcp::TcpBackend::new())
+            .backend(nixl_tcp::TcpBackend::with_options(
+                nixl_conformance::support::tcp_options_from_env(),
+            ))
             .build()
             .await
             .unwrap();
         let b = Agent::builder("b")
-            .backend(nixl_tcp::TcpBackend::new())
+            .backend(nixl_tcp::TcpBackend::with_options(
+                nixl_conformance::support::tcp_options_from_env(),
+            ))
             .build()
             .await
             .unwrap();

@@ -13,7 +13,11 @@ use nixl_conformance::BackendUnderTest;
 
 const TCP: BackendUnderTest = BackendUnderTest {
     name: "tcp",
-    make: || Ok(Arc::new(nixl_tcp::TcpBackend::new())),
+    make: || {
+        Ok(Arc::new(nixl_tcp::TcpBackend::with_options(
+            nixl_conformance::support::tcp_options_from_env(),
+        )))
+    },
     skip_case: |_| None,
 };
 

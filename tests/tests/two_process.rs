@@ -46,7 +46,9 @@ impl Drop for Peer {
 
 async fn initiator() -> Agent {
     Agent::builder("initiator")
-        .backend(nixl_tcp::TcpBackend::new())
+        .backend(nixl_tcp::TcpBackend::with_options(
+            nixl_conformance::support::tcp_options_from_env(),
+        ))
         .build()
         .await
         .unwrap()
@@ -121,7 +123,9 @@ async fn killed_target_fails_in_flight_and_initiator_keeps_serving() {
     a.load_metadata(&md).unwrap();
     // A second, healthy peer in this process.
     let c = Agent::builder("other")
-        .backend(nixl_tcp::TcpBackend::new())
+        .backend(nixl_tcp::TcpBackend::with_options(
+            nixl_conformance::support::tcp_options_from_env(),
+        ))
         .build()
         .await
         .unwrap();
@@ -190,4 +194,77 @@ async fn killed_target_fails_in_flight_and_initiator_keeps_serving() {
     assert_eq!(dc.to_vec().unwrap(), vec![7u8; 1 << 20]);
     assert!(a.shutdown().await.is_clean());
     assert!(c.shutdown().await.is_clean());
+}
+
+/// Across a real permission boundary: an initiator running as another, unprivileged
+/// user may not open this (root) process's descriptors, so the same-host path cannot
+/// be set up. With `auto` it falls back to TCP and says why; with `require` every
+/// transfer fails with the reason instead. Needs root (to start the other user's
+/// process); skips visibly otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unprivileged_initiator_falls_back_to_tcp_or_is_refused() {
+    use std::io::Write as _;
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::process::CommandExt;
+    const CASE: &str = "unprivileged_initiator_falls_back_to_tcp_or_is_refused";
+    if std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(1)
+        != 0
+    {
+        nixl_conformance::support::skip(CASE, "needs root to start a process as another user");
+        return;
+    }
+    let b = Agent::builder("target")
+        .backend(nixl_tcp::TcpBackend::new())
+        .build()
+        .await
+        .unwrap();
+    let dst = b.register(vec![0u8; 4 << 20]).unwrap();
+    let md = nixl_conformance::support::hex(&b.metadata().unwrap());
+    for mode in ["auto", "require"] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_nixl-fault-initiator"))
+            .env("NIXL_TCP_SAME_HOST", mode)
+            .uid(65534)
+            .gid(65534)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn the initiator as nobody");
+        let mut stdin = child.stdin.take().unwrap();
+        writeln!(stdin, "{md}").unwrap();
+        let out = child.stdout.take().unwrap();
+        let (path, first) = tokio::task::spawn_blocking(move || {
+            let mut lines = BufReader::new(out).lines().map_while(Result::ok);
+            let path = lines.find_map(|l| l.strip_prefix("PATH ").map(str::to_owned));
+            (path, lines.next())
+        })
+        .await
+        .unwrap();
+        writeln!(stdin, "stop").unwrap();
+        drop(stdin);
+        let _ = child.wait();
+        let path = path.expect("the initiator reported its data path");
+        let first = first.expect("a transfer outcome");
+        println!("{mode}: {path}; {first}");
+        match mode {
+            "auto" => {
+                assert!(
+                    path.starts_with("TCP") && path.contains("could not be used"),
+                    "{path}"
+                );
+                assert!(first.starts_with("OK"), "{first}");
+            }
+            _ => assert!(
+                first.starts_with("ERR NotSupported") && first.contains("required"),
+                "{first}"
+            ),
+        }
+    }
+    assert_eq!(
+        dst.to_vec().unwrap(),
+        vec![0x3Cu8; 4 << 20],
+        "the TCP fallback wrote"
+    );
+    b.shutdown().await;
 }

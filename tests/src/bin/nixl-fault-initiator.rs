@@ -2,13 +2,14 @@
 //!
 //! Reads the target's metadata (hex) as the first line of stdin, then posts 4 MiB
 //! WRITEs back to back, printing `OK <ms>` or `ERR <kind> <ms>` for each, until stdin
-//! says `stop` (or closes); then shuts down and prints `STOPPED`. TCP options come from
-//! the `NIXL_TCP_*` variables (see `tcp_options_from_env`).
+//! says `stop` (or closes); then shuts down and prints `STOPPED`. After the first
+//! transfer it prints `PATH <data path>` (how the backend reaches the target). TCP
+//! options come from the `NIXL_TCP_*` variables (see `tcp_options_from_env`).
 
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
-use nixl::{Agent, DescList, MemKind, Op};
+use nixl::{Agent, Backend, DescList, MemKind, Op};
 use nixl_conformance::support::{tcp_options_from_env, unhex};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -23,8 +24,9 @@ async fn main() {
         }
     });
     let md = unhex(rx.recv().await.expect("metadata line").trim()).expect("hex");
+    let backend = nixl_tcp::TcpBackend::with_options(tcp_options_from_env());
     let agent = Agent::builder("initiator")
-        .backend(nixl_tcp::TcpBackend::with_options(tcp_options_from_env()))
+        .backend(backend.clone())
         .build()
         .await
         .expect("agent");
@@ -37,6 +39,7 @@ async fn main() {
     let local = DescList::from_descs(MemKind::Dram, [src.whole()]);
     let target = DescList::from_descs(MemKind::Dram, [remote.desc(0, LEN)]);
     let mut out = std::io::stdout();
+    let mut first = true;
     loop {
         match rx.try_recv() {
             Ok(l) if l.trim() == "stop" => break,
@@ -57,6 +60,10 @@ async fn main() {
             Err(e) => Err(e),
         };
         let ms = t0.elapsed().as_millis();
+        if std::mem::take(&mut first) {
+            let path = backend.data_path(&peer).unwrap_or_else(|| "unknown".into());
+            writeln!(out, "PATH {path}").unwrap();
+        }
         match r {
             Ok(()) => writeln!(out, "OK {ms}").unwrap(),
             Err(e) => {
