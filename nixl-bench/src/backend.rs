@@ -84,6 +84,8 @@ mod tcp {
         "connect_timeout",
         "dead_peer_timeout",
         "max_notification",
+        "same_host",
+        "inline_copy_max",
     ];
 
     pub(super) fn make(params: &[(String, String)], host: IpAddr) -> Result<Arc<dyn Backend>> {
@@ -121,6 +123,14 @@ mod tcp {
                     Ok(Ok(n)) => o.max_notification = n,
                     _ => return bad("a size such as 1M"),
                 },
+                "same_host" => match value.parse() {
+                    Ok(m) => o.same_host = m,
+                    Err(_) => return bad("auto, off or require"),
+                },
+                "inline_copy_max" => match parse_size(value).map(usize::try_from) {
+                    Ok(Ok(n)) => o.inline_copy_max = n,
+                    _ => return bad("a size such as 4M"),
+                },
                 _ => {
                     return fail(format!(
                         "unknown tcp backend parameter {key:?}; known: {}",
@@ -154,6 +164,8 @@ mod tests {
                 ("listen", "127.0.0.1:0"),
                 ("connect_timeout", "2s"),
                 ("max_notification", "4K"),
+                ("same_host", "off"),
+                ("inline_copy_max", "1M"),
             ]),
             LO,
         )
@@ -171,6 +183,10 @@ mod tests {
                 "unknown tcp backend parameter \"bogus\"",
             ),
             (p(&[("listen", "nowhere")]), "expected an IP:PORT"),
+            (
+                p(&[("same_host", "maybe")]),
+                "expected auto, off or require",
+            ),
             (
                 p(&[("listen", "127.0.0.1:0"), ("listen", "127.0.0.1:0")]),
                 "given twice",

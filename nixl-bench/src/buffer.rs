@@ -127,6 +127,9 @@ pub(crate) struct Layout {
     pub(crate) threads: usize,
     /// Bytes each thread owns; thread `t` starts at `t * thread_stride`.
     pub(crate) thread_stride: u64,
+    /// Distance between the starts of consecutive blocks (`block_size`: consecutive;
+    /// more: scattered).
+    pub(crate) spacing: u64,
 }
 
 impl Layout {
@@ -137,17 +140,24 @@ impl Layout {
 
     /// Offset of descriptor `k` (request `k / batch_size`) of thread `t`. Requests and
     /// threads never overlap: the configuration guarantees
-    /// `depth * batch_size * block_size <= thread_stride`.
+    /// `depth * batch_size * spacing <= thread_stride`.
     pub(crate) fn offset(&self, thread: usize, k: usize) -> u64 {
         debug_assert!(k < self.descs_per_thread());
-        thread as u64 * self.thread_stride + k as u64 * self.block_size
+        thread as u64 * self.thread_stride + k as u64 * self.spacing
     }
 
-    /// The bytes a point touches: one range per thread.
+    /// The bytes a point touches: one range per thread, or per block when scattered.
     pub(crate) fn ranges(&self) -> Vec<(u64, u64)> {
-        let len = self.descs_per_thread() as u64 * self.block_size;
+        let n = self.descs_per_thread();
+        if self.spacing == self.block_size {
+            let len = n as u64 * self.block_size;
+            return (0..self.threads)
+                .map(|t| (self.offset(t, 0), len))
+                .collect();
+        }
         (0..self.threads)
-            .map(|t| (self.offset(t, 0), len))
+            .flat_map(|t| (0..n).map(move |k| (t, k)))
+            .map(|(t, k)| (self.offset(t, k), self.block_size))
             .collect()
     }
 }
@@ -276,12 +286,20 @@ mod tests {
             depth: 3,
             threads: 2,
             thread_stride: 1 << 20,
+            spacing: 4096,
         };
         assert_eq!(l.descs_per_thread(), 6);
         assert_eq!(l.offset(0, 0), 0);
         assert_eq!(l.offset(0, 5), 5 * 4096);
         assert_eq!(l.offset(1, 0), 1 << 20);
         assert_eq!(l.ranges(), vec![(0, 6 * 4096), (1 << 20, 6 * 4096)]);
+        let s = Layout { spacing: 8192, ..l };
+        assert_eq!(s.offset(0, 5), 5 * 8192);
+        assert_eq!(s.offset(1, 1), (1 << 20) + 8192);
+        let r = s.ranges();
+        assert_eq!(r.len(), 12);
+        assert_eq!(&r[..2], &[(0, 4096), (8192, 4096)]);
+        assert_eq!(r[6], (1 << 20, 4096));
     }
 
     #[test]

@@ -84,7 +84,8 @@ pub(crate) struct Cli {
     pub(crate) backend: String,
 
     /// Backend parameter KEY=VALUE (repeatable). tcp: listen, advertise,
-    /// connect_timeout, dead_peer_timeout, max_notification.
+    /// connect_timeout, dead_peer_timeout, max_notification, same_host
+    /// (auto|off|require), inline_copy_max.
     #[arg(
         long = "backend-param",
         alias = "backend_param",
@@ -181,6 +182,24 @@ pub(crate) struct Cli {
     #[arg(long, value_enum, ignore_case = true, default_value_t = MemSource::Host)]
     pub(crate) memory: MemSource,
 
+    /// Where a request's blocks lie: `consecutive` (block after block, as nixlbench)
+    /// or `scattered` (a block-sized gap after every block, so no two descriptors can
+    /// merge: each block is its own segment, as a KV cache's pages are).
+    #[arg(long = "descriptor-layout", alias = "descriptor_layout", value_enum, ignore_case = true, default_value_t = DescLayout::Consecutive)]
+    pub(crate) descriptor_layout: DescLayout,
+
+    /// Merge contiguous descriptors into one segment, as NIXL does by default (off: a
+    /// batch is `batch_size` segments, nixlbench's measurement). Scattered blocks never
+    /// merge.
+    #[arg(long = "merge-descriptors", alias = "merge_descriptors", num_args = 0..=1, default_missing_value = "true", default_value = "false", value_parser = parse_bool, value_name = "BOOL")]
+    pub(crate) merge_descriptors: bool,
+
+    /// Before the sweep, measure in this process what the hardware gives without nixl:
+    /// single-thread memcpy of each point's bytes, a plain loopback TCP stream, and a
+    /// loopback TCP ping-pong; printed after the results.
+    #[arg(long)]
+    pub(crate) baselines: bool,
+
     /// Memory each side registers, split evenly between threads
     /// [default: just enough for the sweep; --full: 8G].
     #[arg(long = "total-buffer-size", alias = "total_buffer_size", value_name = "SIZE", value_parser = parse_size)]
@@ -245,6 +264,27 @@ pub(crate) enum SegType {
     Vram,
 }
 
+/// Where the blocks of a request lie.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum DescLayout {
+    /// Block after block.
+    #[default]
+    Consecutive,
+    /// A block-sized gap after every block: nothing can merge.
+    Scattered,
+}
+
+impl DescLayout {
+    /// Distance from one block's start to the next.
+    pub(crate) fn spacing(self, block_size: u64) -> u64 {
+        match self {
+            Self::Consecutive => block_size,
+            Self::Scattered => 2 * block_size,
+        }
+    }
+}
+
 /// Where a side's DRAM buffer comes from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -302,6 +342,11 @@ pub(crate) struct Sweep {
     pub(crate) check_consistency: bool,
     /// Where both sides' buffers come from.
     pub(crate) memory: MemSource,
+    pub(crate) descriptor_layout: DescLayout,
+    /// Whether contiguous descriptors are merged (off: a batch is `batch_size` blocks).
+    pub(crate) merge_descriptors: bool,
+    /// Whether the initiator measures the baselines.
+    pub(crate) baselines: bool,
     /// Bytes each side registers.
     pub(crate) total_buffer_size: u64,
 }
@@ -477,7 +522,9 @@ impl Cli {
             return fail(format!("--start-batch-size ({start_batch_size}) is larger than --max-batch-size ({max_batch_size})"));
         }
         // Each thread needs room for `pipeline_depth` requests of the largest batch.
-        let per_thread = max_block_size
+        let per_thread = self
+            .descriptor_layout
+            .spacing(max_block_size)
             .checked_mul(max_batch_size as u64)
             .and_then(|v| v.checked_mul(pipeline_depth as u64))
             .ok_or_else(|| BenchError::new("block size x batch size x pipeline depth overflows"))?;
@@ -491,7 +538,7 @@ impl Cli {
             .unwrap_or(needed);
         if total_buffer_size / num_threads as u64 / PAGE * PAGE < per_thread {
             return fail(format!(
-                "--total-buffer-size {} is too small: each of {num_threads} thread(s) needs max block size x max batch size x pipeline depth = {} bytes (give at least {})",
+                "--total-buffer-size {} is too small: each of {num_threads} thread(s) needs max block size x max batch size x pipeline depth (x 2 when scattered) = {} bytes (give at least {})",
                 total_buffer_size, per_thread, needed,
             ));
         }
@@ -567,6 +614,9 @@ impl Cli {
                 recreate_xfer: self.recreate_xfer,
                 check_consistency: self.check_consistency,
                 memory: self.memory,
+                descriptor_layout: self.descriptor_layout,
+                merge_descriptors: self.merge_descriptors,
+                baselines: self.baselines,
                 total_buffer_size,
             },
             timeouts: Timeouts {

@@ -108,6 +108,20 @@ async fn drive(
     let loopback = target_endpoint
         .parse::<SocketAddr>()
         .is_ok_and(|a| a.ip().is_loopback());
+    let baselines = if config.sweep.baselines {
+        let sizes: Vec<u64> = config
+            .sweep
+            .points()
+            .iter()
+            .map(|p| p.block_size * p.batch_size as u64)
+            .collect();
+        let b = tokio::task::spawn_blocking(move || crate::baseline::measure(&sizes))
+            .await
+            .map_err(|e| BenchError::new(format!("baseline measurement failed: {e}")))??;
+        Some(b)
+    } else {
+        None
+    };
     let run = RunInfo {
         versions: Versions::current(),
         mode: target.mode,
@@ -119,12 +133,13 @@ async fn drive(
             target_process: target.process,
             loopback,
             library: backend::library_report(&config.backend, &config.backend_params),
+            data_path: backend.data_path(&peer),
         },
         sweep: config.sweep.clone(),
-        merge_descriptors: false,
         timeouts_s: config.timeouts,
         units: Units::default(),
         notes: config.notes.clone(),
+        baselines,
     };
     let session = Arc::new(Session {
         agent: agent.clone(),
@@ -198,10 +213,13 @@ async fn finish(channel: &mut Channel, timeout: Duration) -> Result<()> {
     }
 }
 
-/// Connection info as text when it is text (tcp: `ip:port`), else its size.
+/// Connection info as text when it is text (tcp: `ip:port`, without the `;key=value`
+/// parts after it), else its size.
 fn endpoint(info: &[u8]) -> String {
     match std::str::from_utf8(info) {
-        Ok(s) if !s.is_empty() && s.chars().all(|c| c.is_ascii_graphic()) => s.to_owned(),
+        Ok(s) if !s.is_empty() && s.chars().all(|c| c.is_ascii_graphic()) => {
+            s.split(';').next().unwrap_or_default().to_owned()
+        }
         _ => format!("<{} bytes of connection info>", info.len()),
     }
 }
@@ -228,6 +246,7 @@ async fn sweep(
             depth: s.pipeline_depth,
             threads: s.num_threads,
             thread_stride: s.thread_buffer_size(),
+            spacing: s.descriptor_layout.spacing(block_size),
         };
         let what = format!("{op} {block_size} B x {batch_size}");
         let (warmup, iters) = s.iterations(block_size);
@@ -244,6 +263,7 @@ async fn sweep(
             layout,
             iters_per_thread,
             recreate: s.recreate_xfer,
+            merge: s.merge_descriptors,
             xfer_timeout: config.timeouts.xfer,
         };
         if warmup > 0 {

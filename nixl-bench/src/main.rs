@@ -19,6 +19,7 @@
 #![forbid(unsafe_code)]
 
 mod backend;
+mod baseline;
 mod buffer;
 mod child;
 mod cli;

@@ -46,6 +46,9 @@ pub(crate) struct Transport {
     pub(crate) loopback: bool,
     /// The native library the backend bound (version, real paths), if any.
     pub(crate) library: Option<String>,
+    /// How the backend moves data to the target, as it says once connected (same-host
+    /// shared memory, cross-memory attach, TCP, and why a faster path is off).
+    pub(crate) data_path: Option<String>,
 }
 
 /// Everything about a run except its results.
@@ -59,11 +62,11 @@ pub(crate) struct RunInfo {
     pub(crate) transport: Transport,
     #[serde(flatten)]
     pub(crate) sweep: Sweep,
-    /// Whether contiguous descriptors are merged (off: a batch is `batch_size` blocks).
-    pub(crate) merge_descriptors: bool,
     pub(crate) timeouts_s: Timeouts,
     pub(crate) units: Units,
     pub(crate) notes: Vec<String>,
+    /// Figures without nixl from this run (`--baselines`).
+    pub(crate) baselines: Option<crate::baseline::Baselines>,
 }
 
 /// Units of the result fields.
@@ -224,6 +227,9 @@ fn write_header(out: &mut impl Write, run: &RunInfo) -> io::Result<()> {
         ),
     )?;
     line(out, "Target", t.target_process.clone())?;
+    if let Some(path) = &t.data_path {
+        line(out, "Data path", path.clone())?;
+    }
     if let Some(lib) = &t.library {
         line(out, "Library", lib.clone())?;
     }
@@ -290,6 +296,42 @@ fn write_header(out: &mut impl Write, run: &RunInfo) -> io::Result<()> {
         "Units",
         "GB = 10^9 bytes; times in us; Avg Lat. = elapsed / (iterations per thread x batch)".into(),
     )?;
+    line(
+        out,
+        "Descriptors",
+        format!(
+            "{} blocks, {}",
+            match s.descriptor_layout {
+                crate::cli::DescLayout::Consecutive => "consecutive",
+                crate::cli::DescLayout::Scattered => "scattered (a gap after every block)",
+            },
+            if s.merge_descriptors {
+                "contiguous ones merged"
+            } else {
+                "one segment each (not merged)"
+            }
+        ),
+    )?;
+    if let Some(b) = &run.baselines {
+        let copies: Vec<_> = b
+            .memcpy
+            .iter()
+            .map(|&(n, g)| format!("{} {g:.2}", human_size(n)))
+            .collect();
+        line(
+            out,
+            "Baseline",
+            format!("memcpy GB/s, one thread: {}", copies.join(", ")),
+        )?;
+        line(
+            out,
+            "Baseline",
+            format!(
+                "loopback TCP: stream {:.2} GB/s; half round trip {:.1} us (64 B), {:.1} us (4 KiB, 24 B reply)",
+                b.tcp_stream_gbps, b.tcp_half_rtt_us, b.tcp_half_rtt_4k_us
+            ),
+        )?;
+    }
     for note in &run.notes {
         line(out, "Note", note.clone())?;
     }

@@ -38,6 +38,8 @@ pub(crate) struct Phase {
     pub(crate) layout: Layout,
     pub(crate) iters_per_thread: usize,
     pub(crate) recreate: bool,
+    /// Merge contiguous descriptors.
+    pub(crate) merge: bool,
     /// Bound on waiting for any request to complete.
     pub(crate) xfer_timeout: Duration,
 }
@@ -149,9 +151,10 @@ async fn worker(s: &Session, t: usize, p: Phase) -> Result<PhaseStats> {
                 .collect(),
         }
     };
-    // Keep every descriptor its own segment: a batch is `batch` blocks, as in nixlbench.
+    // Off by default: every descriptor its own segment, a batch is `batch` blocks, as
+    // in nixlbench.
     let options = RequestOptions {
-        merge: false,
+        merge: p.merge,
         ..RequestOptions::default()
     };
     let make = |slot: usize, prep: &mut Samples| -> Result<XferRequest> {
