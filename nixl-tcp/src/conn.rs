@@ -5,9 +5,18 @@
 //! sends a WRITE payload from memory, the pending table while the request waits for its
 //! answer, or the reader task while it receives READ data into memory. Whoever fails or
 //! finishes a request completes it, and nobody touches its memory afterwards.
+//!
+//! Small requests skip the writer task when it is idle: [`Conn::submit`] writes the
+//! whole frame (a WRITE's payload copied into it) from the caller's thread with one
+//! non-blocking write, so a lone 4 KiB transfer costs no task wake-up before it
+//! reaches the socket. What does not fit in the socket buffer goes to the writer,
+//! and while the writer has anything queued or unflushed every request queues
+//! behind it, so the byte stream keeps the order requests were submitted in.
 
 use std::collections::HashMap;
+use std::io::Write;
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -23,6 +32,30 @@ use crate::io::{recv_slice, send_slice, IO_BUF};
 use crate::same_host::{self, RemoteSeg, SameHost, Unsuitable};
 use crate::wire::{self, RequestHeader, ResponseHeader};
 use crate::{Started, TcpOptions};
+
+/// Requests whose whole frame (header, descriptor table, notification and a WRITE's
+/// payload) is at most this long are written from the submitting thread when the
+/// connection is idle; larger ones always go through the writer task, which sends
+/// payloads straight from registered memory.
+const FAST_FRAME_MAX: usize = 64 * 1024;
+
+/// What the writer task sends.
+enum Item {
+    Job(Job),
+    /// The rest of a frame [`Conn::submit`] began writing itself.
+    Raw(Vec<u8>),
+}
+
+/// Who may write to the socket right now.
+#[derive(Default)]
+struct Fast {
+    /// A duplicate of the connection's socket (non-blocking), while it is up.
+    socket: Option<std::net::TcpStream>,
+    /// The writer task has work queued or bytes unflushed: submissions queue behind it.
+    busy: bool,
+    /// The next request id, shared by both writers.
+    next_id: u64,
+}
 
 /// A request handed to the connection's writer.
 pub(crate) struct Job {
@@ -99,7 +132,8 @@ enum State {
 /// A connection to a peer.
 pub(crate) struct Conn {
     peer: String,
-    tx: mpsc::UnboundedSender<Job>,
+    tx: mpsc::UnboundedSender<Item>,
+    fast: Arc<Mutex<Fast>>,
     table: Arc<Mutex<Table>>,
     dead: Arc<AtomicBool>,
     cancel: CancellationToken,
@@ -173,9 +207,14 @@ impl Conn {
     ) -> Arc<Self> {
         let (tx, rx) = mpsc::unbounded_channel();
         let (state_tx, state) = watch::channel(State::Connecting);
+        let fast = Arc::new(Mutex::new(Fast {
+            next_id: 1,
+            ..Fast::default()
+        }));
         let conn = Arc::new(Self {
             peer: peer.clone(),
             tx,
+            fast: fast.clone(),
             table: Arc::default(),
             dead: Arc::default(),
             cancel: started.cancel.child_token(),
@@ -197,6 +236,7 @@ impl Conn {
             dead: conn.dead.clone(),
             cancel: conn.cancel.clone(),
             tracker: started.ctx.tracker.clone(),
+            fast,
         };
         started.ctx.tracker.spawn(task.run(rx, state_tx));
         conn
@@ -233,14 +273,123 @@ impl Conn {
         }
     }
 
+    /// Send `job` over TCP: written here when the connection is idle and the frame is
+    /// small, otherwise queued for the writer task.
     pub(crate) fn submit(&self, job: Job) {
         if self.is_dead() {
             job.done.complete(Err(dead_error(&self.table, &self.peer)));
             return;
         }
-        if let Err(mpsc::error::SendError(job)) = self.tx.send(job) {
+        let mut fast = self.fast.lock().unwrap();
+        let job = match &fast.socket {
+            Some(_) if !fast.busy => match self.write_now(&mut fast, job) {
+                Some(job) => job,
+                None => return,
+            },
+            _ => job,
+        };
+        // Queued under the lock, so that no request is written ahead of it.
+        fast.busy = true;
+        if let Err(mpsc::error::SendError(Item::Job(job))) = self.tx.send(Item::Job(job)) {
             job.done.complete(Err(dead_error(&self.table, &self.peer)));
         }
+    }
+
+    /// Write `job`'s whole frame to the idle socket. Gives the job back when it is
+    /// not small enough (or a WRITE being dropped); otherwise it is parked in the
+    /// pending table and whatever the socket did not take goes to the writer.
+    fn write_now(&self, fast: &mut Fast, job: Job) -> Option<Job> {
+        let notif = job.notif.as_deref().unwrap_or_default();
+        let (kind, segments, table, payload, read) = match &job.kind {
+            JobKind::Notify => (wire::REQ_NOTIFY, 0, &[][..], 0, None),
+            JobKind::Transfer {
+                op: Op::Read,
+                table,
+                local,
+                total,
+                ..
+            } => (
+                wire::REQ_READ,
+                local.len(),
+                &table[..],
+                0,
+                Some((local.clone(), *total)),
+            ),
+            JobKind::Transfer {
+                op: Op::Write,
+                table,
+                local,
+                total,
+                ..
+            } => (wire::REQ_WRITE, local.len(), &table[..], *total, None),
+        };
+        let len = wire::HEADER_LEN as u64 + table.len() as u64 + notif.len() as u64 + payload;
+        if len > FAST_FRAME_MAX as u64 || job.done.is_canceled() {
+            return Some(job);
+        }
+        let id = fast.next_id;
+        let h = RequestHeader {
+            kind,
+            has_notif: job.notif.is_some(),
+            segments: segments as u32,
+            id,
+            notif_len: notif.len() as u32,
+        };
+        let mut frame = Vec::with_capacity(len as usize);
+        frame.extend_from_slice(&h.encode());
+        frame.extend_from_slice(table);
+        frame.extend_from_slice(notif);
+        if let JobKind::Transfer {
+            op: Op::Write,
+            local,
+            ..
+        } = &job.kind
+        {
+            for seg in local.iter() {
+                let at = frame.len();
+                frame.resize(at + seg.len(), 0);
+                if let Err(e) = seg.read_into(0, &mut frame[at..]) {
+                    job.done.complete(Err(e));
+                    return None;
+                }
+            }
+        }
+        fast.next_id += 1;
+        // The payload is in `frame`: the request's memory is no longer needed here,
+        // and the answer may come as soon as the first byte leaves.
+        if !park(&self.table, id, job.done, read) {
+            return None;
+        }
+        let socket = fast.socket.as_ref().expect("checked by the caller");
+        let mut at = 0;
+        while at < frame.len() {
+            match (&*socket).write(&frame[at..]) {
+                Ok(0) => break,
+                Ok(n) => at += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    fail(
+                        &self.table,
+                        &self.dead,
+                        Error::new(
+                            ErrorKind::RemoteDisconnected,
+                            "tcp transfer",
+                            format!("sending to peer {:?} failed", self.peer),
+                        )
+                        .with_source(e),
+                    );
+                    self.cancel.cancel();
+                    return None;
+                }
+            }
+        }
+        if at < frame.len() {
+            fast.busy = true;
+            // On failure the connection is closing and the parked request fails with it.
+            let _ = self.tx.send(Item::Raw(frame.split_off(at)));
+        }
+        None
     }
 
     /// Close: fail everything pending with `kind`, stop the tasks.
@@ -310,10 +459,11 @@ struct Task {
     dead: Arc<AtomicBool>,
     cancel: CancellationToken,
     tracker: tokio_util::task::TaskTracker,
+    fast: Arc<Mutex<Fast>>,
 }
 
 impl Task {
-    async fn run(self, mut rx: mpsc::UnboundedReceiver<Job>, state: watch::Sender<State>) {
+    async fn run(self, mut rx: mpsc::UnboundedReceiver<Item>, state: watch::Sender<State>) {
         let connected = tokio::select! {
             _ = self.cancel.cancelled() => Err(Error::new(ErrorKind::Canceled, "tcp connect", "canceled")),
             r = tokio::time::timeout(self.options.connect_timeout, self.establish()) => match r {
@@ -336,6 +486,14 @@ impl Task {
                 return;
             }
         };
+        // Submitters write small frames through a duplicate of the socket while the
+        // writer is idle (without one, everything goes through the writer).
+        match stream.as_fd().try_clone_to_owned() {
+            Ok(fd) => self.fast.lock().unwrap().socket = Some(std::net::TcpStream::from(fd)),
+            Err(e) => {
+                tracing::debug!(peer = %self.peer, error = %e, "tcp: no duplicate socket; every request goes through the writer task")
+            }
+        }
         let _ = state.send(State::Up);
         tracing::debug!(peer = %self.peer, addr = %self.addr, "tcp connected");
         let (rd, wr) = stream.into_split();
@@ -350,19 +508,23 @@ impl Task {
             _ = self.cancel.cancelled() => Error::new(ErrorKind::Canceled, "tcp transfer", format!("connection to {:?} closed", self.peer)),
             e = self.writer(wr, &mut rx) => e,
         };
+        // Closing the duplicate too lets the socket close.
+        self.fast.lock().unwrap().socket = None;
         self.finish(&mut rx, e);
         // The writer's future is gone: a WRITE it was sending can be failed now.
         self.held.fail(&self.table, &self.peer);
     }
 
     /// Fail pending and queued work, stop the reader.
-    fn finish(&self, rx: &mut mpsc::UnboundedReceiver<Job>, e: Error) {
+    fn finish(&self, rx: &mut mpsc::UnboundedReceiver<Item>, e: Error) {
         fail(&self.table, &self.dead, e);
         self.cancel.cancel();
         rx.close();
         // Queued work fails with the first reason the connection died for.
-        while let Ok(job) = rx.try_recv() {
-            job.done.complete(Err(dead_error(&self.table, &self.peer)));
+        while let Ok(item) = rx.try_recv() {
+            if let Item::Job(job) = item {
+                job.done.complete(Err(dead_error(&self.table, &self.peer)));
+            }
         }
     }
 
@@ -522,32 +684,44 @@ impl Task {
     }
 
     /// Send jobs until the queue closes or the socket fails; returns why it stopped.
-    async fn writer(&self, wr: OwnedWriteHalf, rx: &mut mpsc::UnboundedReceiver<Job>) -> Error {
+    async fn writer(&self, wr: OwnedWriteHalf, rx: &mut mpsc::UnboundedReceiver<Item>) -> Error {
         let mut w = BufWriter::with_capacity(IO_BUF, wr);
         let mut scratch = Vec::new();
-        let mut next_id: u64 = 1;
+        let failed = |e: std::io::Error| {
+            Error::new(
+                ErrorKind::RemoteDisconnected,
+                "tcp transfer",
+                format!("sending to peer {:?} failed", self.peer),
+            )
+            .with_source(e)
+        };
         loop {
-            let Some(job) = rx.recv().await else {
+            let Some(item) = rx.recv().await else {
                 return Error::new(ErrorKind::Canceled, "tcp transfer", "connection dropped");
             };
-            let id = next_id;
-            next_id += 1;
-            if let Err(e) = self.send(&mut w, &mut scratch, id, job).await {
-                return Error::new(
-                    ErrorKind::RemoteDisconnected,
-                    "tcp transfer",
-                    format!("sending to peer {:?} failed", self.peer),
-                )
-                .with_source(e);
+            let sent = match item {
+                Item::Raw(bytes) => w.write_all(&bytes).await,
+                Item::Job(job) => {
+                    let id = {
+                        let mut fast = self.fast.lock().unwrap();
+                        fast.next_id += 1;
+                        fast.next_id - 1
+                    };
+                    self.send(&mut w, &mut scratch, id, job).await
+                }
+            };
+            if let Err(e) = sent {
+                return failed(e);
             }
             if rx.is_empty() {
                 if let Err(e) = w.flush().await {
-                    return Error::new(
-                        ErrorKind::RemoteDisconnected,
-                        "tcp transfer",
-                        format!("sending to peer {:?} failed", self.peer),
-                    )
-                    .with_source(e);
+                    return failed(e);
+                }
+                // Idle once everything is on the socket and nothing was queued since;
+                // submitters queue under this lock, so none can slip in between.
+                let mut fast = self.fast.lock().unwrap();
+                if rx.is_empty() {
+                    fast.busy = false;
                 }
             }
         }
@@ -567,7 +741,7 @@ impl Task {
         let notif_len = notif.as_ref().map_or(0, |n| n.len() as u32);
         match kind {
             JobKind::Notify => {
-                if !self.park(id, done, None) {
+                if !park(&self.table, id, done, None) {
                     return Ok(());
                 }
                 let h = RequestHeader {
@@ -587,7 +761,7 @@ impl Task {
                 total,
                 ..
             } => {
-                if !self.park(id, done, Some((local.clone(), total))) {
+                if !park(&self.table, id, done, Some((local.clone(), total))) {
                     return Ok(());
                 }
                 let h = RequestHeader {
@@ -696,19 +870,24 @@ impl Task {
             Err(_) => Some(job),
         }
     }
+}
 
-    /// Put a request in the pending table before sending it; false if the connection
-    /// is already dead (then it was failed here).
-    fn park(&self, id: u64, done: Completer, read: Option<(Arc<[RegionSlice]>, u64)>) -> bool {
-        let mut t = self.table.lock().unwrap();
-        if let Some(e) = t.dead.as_ref().map(Error::cloned) {
-            drop(t);
-            done.complete(Err(e));
-            return false;
-        }
-        t.pending.insert(id, Pending { done, read });
-        true
+/// Put a request in the pending table before sending it; false if the connection is
+/// already dead (then it was failed here).
+fn park(
+    table: &Mutex<Table>,
+    id: u64,
+    done: Completer,
+    read: Option<(Arc<[RegionSlice]>, u64)>,
+) -> bool {
+    let mut t = table.lock().unwrap();
+    if let Some(e) = t.dead.as_ref().map(Error::cloned) {
+        drop(t);
+        done.complete(Err(e));
+        return false;
     }
+    t.pending.insert(id, Pending { done, read });
+    true
 }
 
 async fn reader(

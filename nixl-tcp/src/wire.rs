@@ -187,8 +187,15 @@ impl SegEntry {
 }
 
 /// Apply keepalive and user-timeout settings so a silent peer is noticed within `dead`.
+///
+/// Socket buffer sizes are left to the kernel on purpose: setting `SO_SNDBUF` or
+/// `SO_RCVBUF` turns off Linux's receive-window autotuning, which already grows the
+/// buffers to `net.ipv4.tcp_rmem`/`tcp_wmem`'s maximum on a fast link, and a fixed size
+/// would either cap long-haul links or waste memory per idle connection.
 pub(crate) fn tune(stream: &tokio::net::TcpStream, dead: std::time::Duration) {
     use std::time::Duration;
+    // Requests and answers are small frames written whole: Nagle would hold a 4 KiB
+    // WRITE's tail for the previous segment's ACK (delayed by the peer up to 40 ms).
     let _ = stream.set_nodelay(true);
     let sock = socket2::SockRef::from(stream);
     let idle = (dead / 2).max(Duration::from_secs(1));
