@@ -5,7 +5,13 @@
 //! - Remote transfers: one TCP connection per peer (made at the first transfer, or by
 //!   [`nixl::Agent::connect`]), many requests in flight on it. WRITE payloads go from
 //!   registered memory straight to the socket and from the socket straight into the
-//!   target's registered memory; READ data likewise. No bounce buffers.
+//!   target's registered memory; READ data likewise. No bounce buffers. A request
+//!   whose frame is at most 64 KiB, posted while the connection is idle, is written
+//!   by `post` itself (payload copied into the frame, one non-blocking write); the
+//!   connection's writer task takes over only what the socket buffer does not take,
+//!   and queues everything after it, so requests reach the peer in posting order.
+//!   Nagle is off; socket buffers are left to the kernel's autotuning. Several
+//!   connections per peer for large transfers are not implemented yet.
 //! - Peers on the same host (proven, not guessed from the address) move data without
 //!   the socket: memory from [`nixl::Agent::alloc`] is shared memory the initiator maps
 //!   once, other memory goes by cross-memory attach, and the TCP connection carries
