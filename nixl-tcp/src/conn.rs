@@ -528,17 +528,20 @@ impl Task {
         }
     }
 
+    /// A handshake step that failed on the socket.
+    fn connect_error(&self, what: &str, e: std::io::Error) -> Error {
+        Error::new(
+            ErrorKind::RemoteDisconnected,
+            "tcp connect",
+            format!("peer {:?} at {}: {what}", self.peer, self.addr),
+        )
+        .with_source(e)
+    }
+
     /// Connect, say hello, authenticate, and set up the same-host path where possible.
     /// Returns the stream, the same-host peer and a description of the data path.
     async fn establish(&self) -> Result<(TcpStream, Option<same_host::Peer>, String)> {
-        let io = |what: &str, e: std::io::Error| {
-            Error::new(
-                ErrorKind::RemoteDisconnected,
-                "tcp connect",
-                format!("peer {:?} at {}: {what}", self.peer, self.addr),
-            )
-            .with_source(e)
-        };
+        let io = |what: &str, e: std::io::Error| self.connect_error(what, e);
         let mut s = TcpStream::connect(self.addr)
             .await
             .map_err(|e| io("connect", e))?;
@@ -622,14 +625,7 @@ impl Task {
         &self,
         s: &mut TcpStream,
     ) -> Result<(Option<same_host::Peer>, String)> {
-        let io = |what: &str, e: std::io::Error| {
-            Error::new(
-                ErrorKind::RemoteDisconnected,
-                "tcp connect",
-                format!("peer {:?} at {}: {what}", self.peer, self.addr),
-            )
-            .with_source(e)
-        };
+        let io = |what: &str, e: std::io::Error| self.connect_error(what, e);
         let want = self.want_same_host.is_ok();
         s.write_all(&[u8::from(want)])
             .await

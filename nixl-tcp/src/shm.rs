@@ -440,30 +440,24 @@ pub(crate) fn cma(
         .collect();
     let pid =
         libc::pid_t::try_from(pid).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let call = if write {
+        libc::process_vm_writev
+    } else {
+        libc::process_vm_readv
+    };
     // SAFETY: the local iovecs name live host memory (each `RegionSlice` keeps its
     // registration alive for the call); the kernel reads them (writev) or writes them
     // (readv) and checks the remote ranges itself against the other process's
     // address space, which is never ours to corrupt by a bad address.
     let n = unsafe {
-        if write {
-            libc::process_vm_writev(
-                pid,
-                liov.as_ptr(),
-                liov.len() as _,
-                riov.as_ptr(),
-                riov.len() as _,
-                0,
-            )
-        } else {
-            libc::process_vm_readv(
-                pid,
-                liov.as_ptr(),
-                liov.len() as _,
-                riov.as_ptr(),
-                riov.len() as _,
-                0,
-            )
-        }
+        call(
+            pid,
+            liov.as_ptr(),
+            liov.len() as _,
+            riov.as_ptr(),
+            riov.len() as _,
+            0,
+        )
     };
     if n < 0 {
         Err(io::Error::last_os_error())
