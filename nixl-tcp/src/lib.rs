@@ -23,7 +23,11 @@
 //!   per-registration random key only its metadata carries; a forged key or an
 //!   out-of-range segment refuses the whole request before any byte is touched.
 //! - Notifications ride on the same connection, after the data, so a peer sees them in
-//!   posting order and only once the data is in its memory.
+//!   posting order and only once the data is in its memory. On the same-host path a
+//!   notification is sent when its copy finishes, so a transfer larger than
+//!   [`TcpOptions::inline_copy_max`] (copied on the copy thread) can see its
+//!   notification overtaken by a smaller one posted after it; await the first
+//!   transfer before posting the second where the order matters.
 //! - A peer that dies or disconnects fails every in-flight transfer to it with
 //!   [`ErrorKind::RemoteDisconnected`]; TCP keepalive and `TCP_USER_TIMEOUT` bound how
 //!   long a silent network failure can take to notice ([`TcpOptions::dead_peer_timeout`]).
