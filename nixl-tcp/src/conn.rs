@@ -145,6 +145,18 @@ pub(crate) struct Conn {
     require: bool,
 }
 
+/// The error of a transfer that cannot go same-host when the options require it.
+fn required_error(peer: &str, why: &Unsuitable) -> Error {
+    Error::new(
+        ErrorKind::NotSupported,
+        "tcp transfer",
+        format!(
+            "peer {peer:?}: the same-host path is required, but {}",
+            why.0
+        ),
+    )
+}
+
 /// End a transfer whose data moved directly: its notification follows over TCP (so
 /// it arrives after the data), and the transfer completes once the target has it.
 pub(crate) fn finish_direct(c: &Conn, r: Result<()>, notif: Option<Bytes>, done: Completer) {
@@ -260,14 +272,7 @@ impl Conn {
     /// require the same-host path.
     pub(crate) fn submit_indirect(&self, job: Job, why: Unsuitable) {
         if self.require {
-            job.done.complete(Err(Error::new(
-                ErrorKind::NotSupported,
-                "tcp transfer",
-                format!(
-                    "peer {:?}: the same-host path is required, but {}",
-                    self.peer, why.0
-                ),
-            )));
+            job.done.complete(Err(required_error(&self.peer, &why)));
         } else {
             self.submit(job);
         }
@@ -853,14 +858,7 @@ impl Task {
                 }
             }
             Err(why) if self.options.same_host == SameHost::Require => {
-                job.done.complete(Err(Error::new(
-                    ErrorKind::NotSupported,
-                    "tcp transfer",
-                    format!(
-                        "peer {:?}: the same-host path is required, but {}",
-                        self.peer, why.0
-                    ),
-                )));
+                job.done.complete(Err(required_error(&self.peer, &why)));
                 None
             }
             Err(_) => Some(job),
