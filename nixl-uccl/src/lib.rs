@@ -1,0 +1,1496 @@
+//! # nixl-uccl
+//!
+//! A [`nixl`] backend over UCCL's p2p engine (`libuccl_p2p.so`, from the PyPI wheel
+//! `uccl`), loaded at run time: the default build needs neither CUDA nor UCCL.
+//!
+//! - **Binding.** The engine's `uccl_engine_*` API has C++ linkage. This crate declares
+//!   the functions it uses itself and resolves them by mangled name
+//!   ([`library::SYMBOLS`]), so a library whose signatures changed fails to load instead
+//!   of being called wrongly; a test checks every symbol against the real wheel. The
+//!   library needs the CUDA driver (`libcuda.so.1`) and runtime (`libcudart.so.12`):
+//!   where they are missing, [`UcclBackend::new`] returns
+//!   [`ErrorKind::UnavailableLibrary`] naming them. What was bound is in
+//!   [`UcclBackend::library_report`] (the core's shared [`LibraryReport`]).
+//! - **Lifecycle** (the part NIXL's UCCL backend got wrong; see `DESIGN.md`).
+//!   - The accept loop is one thread the agent owns
+//!     ([`nixl::BackendContext::spawn_thread`]); shutdown cancels it, wakes it with
+//!     UCCL's stop-accept and joins it within the agent's bound; an overrun is named in
+//!     the shutdown report, never waited on forever. UCCL's accept does not return
+//!     before the engine's first registration, whatever stop-accept says, so the loop
+//!     does not enter it until this agent has registered memory: it waits on a
+//!     condition that registration and shutdown both signal. An agent that never
+//!     registers shuts down as fast as any other.
+//!   - Every engine handle belongs to one owner whose `Drop` closes the connections
+//!     still open, then destroys the memory regions still registered, then the engine.
+//!     Every thread and connection that can call into the engine holds that owner, so
+//!     the engine is never destroyed while a call (a stuck connect, the accept loop) is
+//!     still running in it: [`nixl::Backend::destroy`] releases the backend's hold and
+//!     reports when another holder keeps the engine alive.
+//!   - Peers are keyed by agent name, learned in this crate's own handshake on a
+//!     control connection, never by IP address: two agents on one host, and several in
+//!     one process, do not collide. Inbound engine connections are kept in a list (to
+//!     close them at teardown), not in a map keyed by address.
+//!   - An initiator calls UCCL's (blocking, uncancellable) connect only after the
+//!     target said, on the control connection, that its engine accepts (it has
+//!     registered memory); the call runs on an agent-owned thread and is waited on
+//!     for at most [`UcclOptions::connect_timeout`].
+//! - **Data path.** A registration is `uccl_engine_reg` plus `uccl_engine_prepare_fifo`;
+//!   the 64-byte `FifoItem` (address, length, remote key) is the registration's public
+//!   blob. A transfer is one `uccl_engine_write`/`uccl_engine_read` per piece (segments
+//!   split at [`UcclOptions::max_piece`]; UCCL's lengths are 32-bit), at most
+//!   [`UcclOptions::window`] pieces outstanding per transfer, issued and polled by one
+//!   progress thread the agent owns. The thread sleeps on a condition variable when
+//!   nothing is in flight (no busy polling when idle) and polls
+//!   `uccl_engine_xfer_status` while something is, backing off to short sleeps.
+//! - **Failures.** UCCL's status says only "done or not". A peer's liveness comes from
+//!   the control connection: it is pinged, and a connection that closes, errs or stays
+//!   silent for [`UcclOptions::liveness_timeout`] marks the peer dead, which fails its
+//!   in-flight transfers with [`ErrorKind::RemoteDisconnected`] within that bound
+//!   (plus one poll interval). A transfer not done after [`UcclOptions::stall_timeout`]
+//!   fails with [`ErrorKind::TimedOut`]. UCCL cannot cancel an operation it accepted:
+//!   after such a failure the NIC may still complete it.
+//! - **Notifications.** UCCL's own go over a separate TCP channel, unordered with the
+//!   data, into one process-wide list, truncated to 256 bytes. This crate does not use
+//!   them. A notification is sent on the control connection by the initiator once every
+//!   piece of its transfer is done (so the data is in the target's memory first),
+//!   delivered only to the agent it is for, only when asked for, and never truncated:
+//!   up to [`MAX_NOTIFICATION`] bytes, longer ones are refused when posted.
+//! - **Serialization.** UCCL keeps its registration table in one unguarded
+//!   process-wide map; every engine call that touches it (register, deregister, read,
+//!   write, status, connection and engine destruction) runs under one process-wide
+//!   lock. Accept, stop-accept and connect, which block or must run while accept
+//!   blocks, run outside it.
+//! - **One-sided.** The target does not see requests: [`Capabilities::target_checks`]
+//!   is `false`; the initiating agent checks every descriptor and the NIC checks keys.
+//! - **VRAM** is refused with [`ErrorKind::NotSupported`] until the core's GPU memory
+//!   support lands.
+//! - **Not yet run on hardware.** The data path has not run against a real UCCL engine
+//!   (that needs an NVIDIA GPU and an RDMA NIC). What runs in CI: the symbol check
+//!   against the real wheel, the missing-driver error, the codecs, and the whole
+//!   lifecycle and conformance suite against [`test_double`] (feature `test-double`),
+//!   an in-process stand-in that reproduces UCCL's blocking behaviour. It proves this
+//!   crate's structure, not UCCL's data path.
+#![deny(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+#[allow(unsafe_code)]
+pub mod api;
+pub mod library;
+#[cfg(feature = "test-double")]
+#[allow(unsafe_code)]
+pub mod test_double;
+mod wire;
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use nixl::native::{LibraryReport, LibrarySource};
+use nixl::{
+    Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, Op,
+    PreparedTransfer, RegionRef, Result, Target, TransferPlan,
+};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+
+use api::{ConnHandle, EngineApi, EngineHandle, FifoItem};
+use wire::{ConnInfo, Frame};
+
+/// Longest notification this backend carries, in bytes (UCCL's own stop at 256).
+pub const MAX_NOTIFICATION: usize = 1 << 20;
+
+/// Options of [`UcclBackend`].
+#[derive(Clone, Debug)]
+pub struct UcclOptions {
+    /// `libuccl_p2p.so` to load; else `NIXL_UCCL_LIB`, else the soname.
+    pub library: Option<PathBuf>,
+    /// Address the control listener binds and announces; default: the address UCCL's
+    /// engine announces (so peers that reach the engine reach the control listener).
+    pub control_ip: Option<IpAddr>,
+    /// Bound on connecting to a peer (control handshake, then the engine's connect).
+    pub connect_timeout: Duration,
+    /// A peer silent this long on the control connection is dead (pinged at a third
+    /// of it).
+    pub liveness_timeout: Duration,
+    /// A transfer not done after this long fails with [`ErrorKind::TimedOut`].
+    pub stall_timeout: Duration,
+    /// Largest piece of one engine operation (UCCL's lengths are 32-bit).
+    pub max_piece: usize,
+    /// Most pieces of one transfer outstanding in the engine at once.
+    pub window: usize,
+}
+
+impl Default for UcclOptions {
+    fn default() -> Self {
+        Self {
+            library: None,
+            control_ip: None,
+            connect_timeout: Duration::from_secs(10),
+            liveness_timeout: Duration::from_secs(5),
+            stall_timeout: Duration::from_secs(60),
+            max_piece: 1 << 30,
+            window: 64,
+        }
+    }
+}
+
+impl UcclOptions {
+    fn request(&self) -> (String, LibrarySource) {
+        if let Some(p) = &self.library {
+            return (p.display().to_string(), LibrarySource::Option);
+        }
+        match std::env::var(library::ENV_LIB) {
+            Ok(v) if !v.is_empty() => (v, LibrarySource::Env),
+            _ => (library::DEFAULT_SONAME.to_owned(), LibrarySource::Default),
+        }
+    }
+}
+
+/// Load the UCCL library `options` name (without creating an engine) and report what
+/// was bound.
+///
+/// # Errors
+/// [`ErrorKind::UnavailableLibrary`] naming what is missing (the library, the CUDA
+/// driver or runtime, a symbol).
+pub fn probe(options: &UcclOptions) -> Result<LibraryReport> {
+    let (req, src) = options.request();
+    library::bind(&req, src).map(|(_, r)| r)
+}
+
+fn err<T>(kind: ErrorKind, op: &'static str, msg: impl Into<String>) -> Result<T> {
+    Err(Error::new(kind, op, msg))
+}
+
+/// The engine and everything created in it. Dropped last: connections still open
+/// first, then memory regions, then the engine.
+#[derive(Debug)]
+struct EngineOwner {
+    api: Arc<dyn EngineApi>,
+    engine: EngineHandle,
+    /// Memory regions by registration id.
+    mrs: Mutex<HashMap<u64, u64>>,
+    /// Inbound connections, to close at teardown (never keyed by address).
+    inbound: Mutex<Vec<ConnHandle>>,
+}
+
+impl EngineOwner {
+    fn close_inbound(&self) {
+        let conns = std::mem::take(&mut *self.inbound.lock().unwrap());
+        for c in conns {
+            // SAFETY: accepted on this engine, and removed from the list so nothing
+            // uses it again.
+            #[allow(unsafe_code)]
+            unsafe {
+                self.api.conn_destroy(c)
+            };
+        }
+    }
+}
+
+impl Drop for EngineOwner {
+    fn drop(&mut self) {
+        self.close_inbound();
+        let mrs = std::mem::take(&mut *self.mrs.lock().unwrap());
+        for (_, mr) in mrs {
+            self.api.mr_destroy(self.engine, mr);
+        }
+        // SAFETY: this owner is the engine's last holder: every thread, connection and
+        // registration that could call into it held this value and is gone.
+        #[allow(unsafe_code)]
+        unsafe {
+            self.api.destroy(self.engine)
+        };
+    }
+}
+
+/// Liveness and the control writer of one outbound peer link. Tasks hold this, never
+/// the engine connection.
+#[derive(Debug)]
+struct LinkState {
+    dead: CancellationToken,
+    why: Mutex<Option<String>>,
+    out: mpsc::UnboundedSender<Out>,
+    /// The target said its engine accepts connections.
+    ready: watch::Sender<bool>,
+}
+
+impl LinkState {
+    fn kill(&self, why: String) {
+        let mut w = self.why.lock().unwrap();
+        if w.is_none() {
+            tracing::debug!(%why, "UCCL peer link down");
+            *w = Some(why);
+        }
+        drop(w);
+        self.dead.cancel();
+    }
+
+    fn why(&self) -> String {
+        self.why
+            .lock()
+            .unwrap()
+            .clone()
+            .unwrap_or_else(|| "the peer link is closed".into())
+    }
+}
+
+/// What the control writer sends.
+#[derive(Debug)]
+enum Out {
+    Notif(Bytes, Completer),
+}
+
+/// An engine connection; dropping it closes it. It holds the engine's owner, so the
+/// engine outlives every connection, wherever one ends up (a link, a channel nobody
+/// reads any more).
+#[derive(Debug)]
+struct OwnedConn {
+    conn: ConnHandle,
+    owner: Arc<EngineOwner>,
+}
+
+impl Drop for OwnedConn {
+    fn drop(&mut self) {
+        // SAFETY: connected on this engine; this value was its only holder.
+        #[allow(unsafe_code)]
+        unsafe {
+            self.owner.api.conn_destroy(self.conn)
+        };
+    }
+}
+
+/// One connected peer: the control link, and the engine connection once a transfer
+/// needed it (closed when the last transfer using it and the peer table let go).
+#[derive(Debug)]
+struct Link {
+    peer: String,
+    conn: std::sync::OnceLock<OwnedConn>,
+    state: Arc<LinkState>,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.state.kill("the peer link was closed".into());
+    }
+}
+
+#[derive(Debug)]
+struct PeerSlot {
+    info: ConnInfo,
+    gate: Arc<tokio::sync::Mutex<()>>,
+    link: Option<Arc<Link>>,
+    seq: Arc<Sequencer>,
+}
+
+/// Puts a peer's notifications on the wire in posting order, whatever order their
+/// transfers finish in: each gets a ticket when posted, and a ticket is sent only
+/// after every earlier one was sent or dropped (its transfer failed).
+#[derive(Debug, Default)]
+struct Sequencer {
+    s: Mutex<SeqState>,
+}
+
+#[derive(Debug, Default)]
+struct SeqState {
+    next_post: u64,
+    next_send: u64,
+    ready: std::collections::BTreeMap<u64, Option<(Bytes, Completer, Arc<LinkState>)>>,
+}
+
+impl Sequencer {
+    fn ticket(self: &Arc<Self>) -> Ticket {
+        let mut s = self.s.lock().unwrap();
+        let seq = s.next_post;
+        s.next_post += 1;
+        Ticket {
+            seq,
+            seqr: Some(self.clone()),
+        }
+    }
+
+    fn resolve(&self, seq: u64, v: Option<(Bytes, Completer, Arc<LinkState>)>) {
+        let mut s = self.s.lock().unwrap();
+        s.ready.insert(seq, v);
+        loop {
+            let next = s.next_send;
+            let Some(v) = s.ready.remove(&next) else {
+                break;
+            };
+            s.next_send += 1;
+            if let Some((msg, done, st)) = v {
+                send_notif(&st, msg, done);
+            }
+        }
+    }
+}
+
+/// A notification's place in its peer's order; dropping it unsent gives the place up.
+#[derive(Debug)]
+struct Ticket {
+    seq: u64,
+    seqr: Option<Arc<Sequencer>>,
+}
+
+impl Ticket {
+    fn send(mut self, msg: Bytes, done: Completer, st: Arc<LinkState>) {
+        if let Some(s) = self.seqr.take() {
+            s.resolve(self.seq, Some((msg, done, st)));
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if let Some(s) = self.seqr.take() {
+            s.resolve(self.seq, None);
+        }
+    }
+}
+
+fn send_notif(st: &LinkState, msg: Bytes, done: Completer) {
+    if let Err(mpsc::error::SendError(Out::Notif(_, done))) = st.out.send(Out::Notif(msg, done)) {
+        done.complete(Err(Error::new(
+            ErrorKind::RemoteDisconnected,
+            "uccl notify",
+            st.why(),
+        )));
+    }
+}
+
+/// One piece of a transfer, resolved.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    mr: u64,
+    addr: usize,
+    len: usize,
+    remote: FifoItem,
+}
+
+/// A posted transfer in the progress thread.
+#[derive(Debug)]
+struct Job {
+    op: Op,
+    pieces: Arc<[Piece]>,
+    link: Arc<Link>,
+    conn: ConnHandle,
+    notif: Option<(Bytes, Ticket)>,
+    done: Completer,
+    issued: usize,
+    /// Transfer ids in flight, oldest first, with the piece index.
+    inflight: std::collections::VecDeque<u64>,
+    started: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    new: Vec<Job>,
+}
+
+#[derive(Debug, Default)]
+struct Progress {
+    q: Mutex<Queue>,
+    cv: Condvar,
+}
+
+impl Progress {
+    fn push(&self, j: Job) {
+        self.q.lock().unwrap().new.push(j);
+        self.cv.notify_one();
+    }
+}
+
+/// Waits the accept loop does before the engine's first registration.
+#[derive(Debug, Default)]
+struct AcceptGate {
+    registered: Mutex<bool>,
+    cv: Condvar,
+}
+
+#[derive(Debug)]
+struct Started {
+    ctx: BackendContext,
+    owner: Arc<EngineOwner>,
+    info: Bytes,
+    engine_meta: String,
+    progress: Arc<Progress>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    options: UcclOptions,
+    api: Arc<dyn EngineApi>,
+    report: Option<LibraryReport>,
+    started: Mutex<Option<Arc<Started>>>,
+    /// Registered regions: id to (memory region, the region kept alive).
+    regs: Mutex<HashMap<u64, (u64, RegionRef)>>,
+    peers: Mutex<HashMap<String, PeerSlot>>,
+    gate: Arc<AcceptGate>,
+    registered: watch::Sender<bool>,
+}
+
+/// The UCCL backend. See the [crate docs](crate).
+#[derive(Clone, Debug)]
+pub struct UcclBackend {
+    inner: Arc<Inner>,
+}
+
+impl UcclBackend {
+    /// Load UCCL (see [`UcclOptions::library`]) with default options.
+    ///
+    /// # Errors
+    /// [`ErrorKind::UnavailableLibrary`] naming what is missing.
+    pub fn new() -> Result<Self> {
+        Self::with_options(UcclOptions::default())
+    }
+
+    /// Load UCCL with `options`.
+    ///
+    /// # Errors
+    /// As [`UcclBackend::new`].
+    pub fn with_options(options: UcclOptions) -> Result<Self> {
+        let (req, src) = options.request();
+        let (lib, report) = library::bind(&req, src)?;
+        Ok(Self::build(lib, Some(report), options))
+    }
+
+    /// A backend over another implementation of the engine API: the
+    /// [`test_double`] (feature `test-double`), or an alternative binding.
+    pub fn with_api(api: Arc<dyn EngineApi>, options: UcclOptions) -> Self {
+        Self::build(api, None, options)
+    }
+
+    fn build(api: Arc<dyn EngineApi>, report: Option<LibraryReport>, options: UcclOptions) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                options,
+                api,
+                report,
+                started: Mutex::new(None),
+                regs: Mutex::new(HashMap::new()),
+                peers: Mutex::new(HashMap::new()),
+                gate: Arc::default(),
+                registered: watch::channel(false).0,
+            }),
+        }
+    }
+
+    /// What was loaded, and from where (`None` over [`UcclBackend::with_api`]).
+    pub fn library_report(&self) -> Option<&LibraryReport> {
+        self.inner.report.as_ref()
+    }
+
+    /// The engine's own connection string (`ip:port?gpu`), once started.
+    pub fn engine_metadata(&self) -> Option<String> {
+        self.inner.started().ok().map(|s| s.engine_meta.clone())
+    }
+}
+
+impl Inner {
+    fn started(&self) -> Result<Arc<Started>> {
+        self.started.lock().unwrap().clone().ok_or_else(|| {
+            Error::new(
+                ErrorKind::ShutDown,
+                "uccl",
+                "the backend is not started (or was destroyed)",
+            )
+        })
+    }
+
+    fn mark_registered(&self) {
+        *self.gate.registered.lock().unwrap() = true;
+        self.gate.cv.notify_all();
+        self.registered.send_replace(true);
+    }
+
+    /// A live link to `peer`, connecting first if needed.
+    async fn link(self: &Arc<Self>, peer: &str) -> Result<Arc<Link>> {
+        const OP: &str = "uccl connect";
+        let (info, gate) = {
+            let peers = self.peers.lock().unwrap();
+            let Some(s) = peers.get(peer) else {
+                return err(
+                    ErrorKind::UnknownPeer,
+                    OP,
+                    format!("no metadata loaded for {peer:?}"),
+                );
+            };
+            if let Some(l) = &s.link {
+                if !l.state.dead.is_cancelled() {
+                    return Ok(l.clone());
+                }
+            }
+            (s.info.clone(), s.gate.clone())
+        };
+        let _g = gate.lock().await;
+        if let Some(l) = self.live_link(peer) {
+            return Ok(l);
+        }
+        let st = self.started()?;
+        let link = tokio::time::timeout(self.options.connect_timeout, self.dial(&st, peer, &info))
+            .await
+            .map_err(|_| {
+                Error::new(
+                    ErrorKind::TimedOut,
+                    OP,
+                    format!(
+                        "connecting to {peer:?} took longer than {:?}",
+                        self.options.connect_timeout
+                    ),
+                )
+            })??;
+        let mut peers = self.peers.lock().unwrap();
+        match peers.get_mut(peer) {
+            Some(s) if s.info == info => {
+                s.link = Some(link.clone());
+                Ok(link)
+            }
+            _ => err(
+                ErrorKind::UnknownPeer,
+                OP,
+                format!("{peer:?} was removed while connecting"),
+            ),
+        }
+    }
+
+    /// The next place in `peer`'s notification order.
+    fn ticket(&self, peer: &str) -> Result<Ticket> {
+        let peers = self.peers.lock().unwrap();
+        match peers.get(peer) {
+            Some(s) => Ok(s.seq.ticket()),
+            None => err(
+                ErrorKind::UnknownPeer,
+                "uccl notify",
+                format!("no metadata loaded for {peer:?}"),
+            ),
+        }
+    }
+
+    fn live_link(&self, peer: &str) -> Option<Arc<Link>> {
+        let peers = self.peers.lock().unwrap();
+        peers
+            .get(peer)?
+            .link
+            .as_ref()
+            .filter(|l| !l.state.dead.is_cancelled())
+            .cloned()
+    }
+
+    /// A live link to `peer` with its engine connection, connecting both if needed.
+    async fn data_link(self: &Arc<Self>, peer: &str) -> Result<Arc<Link>> {
+        const OP: &str = "uccl connect";
+        let link = self.link(peer).await?;
+        if link.conn.get().is_some() {
+            return Ok(link);
+        }
+        let (info, gate) = {
+            let peers = self.peers.lock().unwrap();
+            let s = peers.get(peer).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::UnknownPeer,
+                    OP,
+                    format!("{peer:?} was removed while connecting"),
+                )
+            })?;
+            (s.info.clone(), s.gate.clone())
+        };
+        let _g = gate.lock().await;
+        if link.conn.get().is_some() {
+            return Ok(link);
+        }
+        let st = self.started()?;
+        let t = self.options.connect_timeout;
+        let conn = tokio::time::timeout(t, self.engine_connect(&st, &link, peer, &info))
+            .await
+            .map_err(|_| {
+                Error::new(
+                    ErrorKind::TimedOut,
+                    OP,
+                    format!("the engine connection to {peer:?} took longer than {t:?}"),
+                )
+            })??;
+        // Only one connect runs per peer (the gate), so this sets it; were it set
+        // already, the new connection would just be closed again.
+        let _ = link.conn.set(conn);
+        Ok(link)
+    }
+
+    /// Wait for the target's Ready, then UCCL's connect on an agent-owned thread.
+    async fn engine_connect(
+        &self,
+        st: &Arc<Started>,
+        link: &Link,
+        peer: &str,
+        info: &ConnInfo,
+    ) -> Result<OwnedConn> {
+        const OP: &str = "uccl connect";
+        let (ip, port, gpu) = info.engine_endpoint().ok_or_else(|| {
+            Error::new(
+                ErrorKind::Corrupt,
+                OP,
+                format!(
+                    "{peer:?}'s engine address {:?} is not ip:port?gpu",
+                    info.engine
+                ),
+            )
+        })?;
+        // The target says Ready once its engine accepts (after its first
+        // registration): UCCL's connect would block until then, uncancellably.
+        let mut ready = link.state.ready.subscribe();
+        tokio::select! {
+            r = ready.wait_for(|r| *r) => { r.map_err(|_| Error::new(ErrorKind::RemoteDisconnected, OP, link.state.why()))?; }
+            _ = link.state.dead.cancelled() => return err(ErrorKind::RemoteDisconnected, OP, link.state.why()),
+        }
+        let (tx, rx) = oneshot::channel::<Result<OwnedConn>>();
+        let owner = st.owner.clone();
+        st.ctx.spawn_thread(
+            "uccl-connect",
+            move |_stop| {
+                let r = owner
+                    .api
+                    .connect(owner.engine, &ip, &gpu, port)
+                    .map(|conn| OwnedConn {
+                        conn,
+                        owner: owner.clone(),
+                    });
+                // Nobody waiting any more (timed out, shut down) drops it: closed.
+                let _ = tx.send(r);
+            },
+            || {},
+        )?;
+        rx.await
+            .map_err(|_| Error::new(ErrorKind::ShutDown, OP, "the agent stopped during connect"))?
+    }
+
+    /// The control handshake.
+    async fn dial(&self, st: &Arc<Started>, peer: &str, info: &ConnInfo) -> Result<Arc<Link>> {
+        const OP: &str = "uccl connect";
+        let gone = |e: std::io::Error| {
+            Error::new(
+                ErrorKind::RemoteDisconnected,
+                OP,
+                format!("control connection to {peer:?} ({}): {e}", info.control),
+            )
+        };
+        let mut stream = TcpStream::connect(&info.control).await.map_err(gone)?;
+        let _ = stream.set_nodelay(true);
+        stream
+            .write_all(&Frame::Hello(st.ctx.agent_name.clone()).encode())
+            .await
+            .map_err(gone)?;
+        match wire::read_frame(&mut stream).await.map_err(gone)? {
+            Some(Frame::HelloAck(name)) if name == peer => {}
+            Some(Frame::HelloAck(name)) => {
+                return err(
+                    ErrorKind::Mismatch,
+                    OP,
+                    format!("{} answers as {name:?}, not {peer:?}", info.control),
+                )
+            }
+            other => {
+                return err(
+                    ErrorKind::Corrupt,
+                    OP,
+                    format!("{peer:?} answered {other:?} to hello"),
+                )
+            }
+        }
+        let (out_tx, out_rx) = mpsc::unbounded_channel();
+        let state = Arc::new(LinkState {
+            dead: st.ctx.cancel.child_token(),
+            why: Mutex::new(None),
+            out: out_tx,
+            ready: watch::channel(false).0,
+        });
+        let (rd, wr) = stream.into_split();
+        st.ctx.spawn(control_reader(
+            rd,
+            state.clone(),
+            self.options.liveness_timeout,
+            peer.to_owned(),
+        ));
+        st.ctx.spawn(control_writer(
+            wr,
+            state.clone(),
+            out_rx,
+            self.options.liveness_timeout / 3,
+        ));
+        Ok(Arc::new(Link {
+            peer: peer.to_owned(),
+            conn: std::sync::OnceLock::new(),
+            state,
+        }))
+    }
+
+    fn post_job(
+        self: &Arc<Self>,
+        peer: String,
+        op: Op,
+        pieces: Arc<[Piece]>,
+        notif: Option<Bytes>,
+        done: Completer,
+    ) {
+        let st = match self.started() {
+            Ok(s) => s,
+            Err(e) => return done.complete(Err(e)),
+        };
+        let notif = match notif
+            .map(|m| self.ticket(&peer).map(|t| (m, t)))
+            .transpose()
+        {
+            Ok(n) => n,
+            Err(e) => return done.complete(Err(e)),
+        };
+        if let Some(link) = self.live_link(&peer).filter(|l| l.conn.get().is_some()) {
+            st.progress.push(Job::new(op, pieces, link, notif, done));
+            return;
+        }
+        let inner = self.clone();
+        let progress = st.progress.clone();
+        // Dropped (and `done` with it: Canceled) if the agent stops first.
+        st.ctx.spawn(async move {
+            match inner.data_link(&peer).await {
+                Ok(link) => progress.push(Job::new(op, pieces, link, notif, done)),
+                Err(e) => done.complete(Err(e)),
+            }
+        });
+    }
+}
+
+impl Job {
+    fn new(
+        op: Op,
+        pieces: Arc<[Piece]>,
+        link: Arc<Link>,
+        notif: Option<(Bytes, Ticket)>,
+        done: Completer,
+    ) -> Self {
+        let conn = link
+            .conn
+            .get()
+            .expect("a data link has its engine connection")
+            .conn;
+        Self {
+            op,
+            pieces,
+            link,
+            conn,
+            notif,
+            done,
+            issued: 0,
+            inflight: Default::default(),
+            started: Instant::now(),
+        }
+    }
+}
+
+/// Initiator side: reads Pongs; a silent, closed or broken connection kills the link.
+async fn control_reader(
+    mut rd: tokio::net::tcp::OwnedReadHalf,
+    state: Arc<LinkState>,
+    liveness: Duration,
+    peer: String,
+) {
+    loop {
+        tokio::select! {
+            _ = state.dead.cancelled() => return,
+            r = tokio::time::timeout(liveness, wire::read_frame(&mut rd)) => match r {
+                Err(_) => return state.kill(format!("{peer:?} was silent for {liveness:?} on the control connection")),
+                Ok(Ok(Some(Frame::Ready))) => {
+                    state.ready.send_replace(true);
+                }
+                Ok(Ok(Some(_))) => {}
+                Ok(Ok(None)) => return state.kill(format!("{peer:?} closed the control connection")),
+                Ok(Err(e)) => return state.kill(format!("control connection to {peer:?}: {e}")),
+            },
+        }
+    }
+}
+
+/// Initiator side: notifications in completion order, and pings.
+async fn control_writer(
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    state: Arc<LinkState>,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    ping: Duration,
+) {
+    let mut tick = tokio::time::interval(ping.max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = state.dead.cancelled() => break,
+            _ = tick.tick() => {
+                if let Err(e) = wr.write_all(&Frame::Ping.encode()).await {
+                    state.kill(format!("control connection: {e}"));
+                    break;
+                }
+            }
+            m = rx.recv() => match m {
+                None => break,
+                Some(Out::Notif(msg, done)) => {
+                    let r = wr.write_all(&Frame::Notif(msg).encode()).await;
+                    match r {
+                        Ok(()) => done.complete(Ok(())),
+                        Err(e) => {
+                            state.kill(format!("control connection: {e}"));
+                            done.complete(Err(Error::new(ErrorKind::RemoteDisconnected, "uccl notify", state.why())));
+                            break;
+                        }
+                    }
+                }
+            },
+        }
+    }
+    // Fail what is still queued.
+    rx.close();
+    while let Ok(Out::Notif(_, done)) = rx.try_recv() {
+        done.complete(Err(Error::new(
+            ErrorKind::RemoteDisconnected,
+            "uccl notify",
+            state.why(),
+        )));
+    }
+}
+
+/// Target side: one inbound control connection.
+async fn serve_control(
+    stream: TcpStream,
+    me: String,
+    sink: nixl::NotificationSink,
+    mut registered: watch::Receiver<bool>,
+    liveness: Duration,
+    connect_timeout: Duration,
+) {
+    let _ = stream.set_nodelay(true);
+    let (mut rd, mut wr) = stream.into_split();
+    let name = match tokio::time::timeout(liveness, wire::read_frame(&mut rd)).await {
+        Ok(Ok(Some(Frame::Hello(n)))) => n,
+        other => {
+            tracing::debug!(?other, "UCCL control: no hello");
+            return;
+        }
+    };
+    if wr.write_all(&Frame::HelloAck(me).encode()).await.is_err() {
+        return;
+    }
+    let (pong_tx, mut pong_rx) = mpsc::unbounded_channel::<()>();
+    let writer = async move {
+        if registered.wait_for(|r| *r).await.is_err() {
+            return;
+        }
+        if wr.write_all(&Frame::Ready.encode()).await.is_err() {
+            return;
+        }
+        while pong_rx.recv().await.is_some() {
+            if wr.write_all(&Frame::Pong.encode()).await.is_err() {
+                return;
+            }
+        }
+    };
+    // The initiator pings only once connected, which may take up to its connect
+    // timeout after the hello; allow for that.
+    let silence = liveness + connect_timeout;
+    let reader = async move {
+        loop {
+            match tokio::time::timeout(silence, wire::read_frame(&mut rd)).await {
+                Ok(Ok(Some(Frame::Notif(m)))) => sink.deliver(&name, m),
+                Ok(Ok(Some(Frame::Ping))) => {
+                    let _ = pong_tx.send(());
+                }
+                Ok(Ok(Some(f))) => {
+                    tracing::debug!(?f, peer = %name, "UCCL control: unexpected frame");
+                    return;
+                }
+                _ => return,
+            }
+        }
+    };
+    tokio::select! {
+        _ = reader => {}
+        _ = writer => {}
+    }
+}
+
+/// The progress thread: issues pieces, polls the engine, finishes transfers.
+fn progress_loop(
+    p: Arc<Progress>,
+    stop: CancellationToken,
+    api: Arc<dyn EngineApi>,
+    opts: UcclOptions,
+) {
+    let mut active: Vec<Job> = Vec::new();
+    let mut idle_rounds = 0u32;
+    loop {
+        {
+            let mut q = p.q.lock().unwrap();
+            if active.is_empty() {
+                while q.new.is_empty() && !stop.is_cancelled() {
+                    q = p.cv.wait(q).unwrap();
+                }
+            } else if q.new.is_empty() && idle_rounds > 64 {
+                // In flight but nothing moved for a while: back off, still waking at
+                // once for new work.
+                let pause = Duration::from_micros(if idle_rounds > 4096 { 1000 } else { 50 });
+                q = p.cv.wait_timeout(q, pause).unwrap().0;
+            }
+            if stop.is_cancelled() {
+                active.append(&mut q.new);
+                break;
+            }
+            active.append(&mut q.new);
+        }
+        let mut moved = false;
+        let mut i = 0;
+        while i < active.len() {
+            match step(&mut active[i], api.as_ref(), &opts) {
+                Step::Pending(m) => {
+                    moved |= m;
+                    i += 1;
+                }
+                Step::Finished(r) => {
+                    moved = true;
+                    finish(active.swap_remove(i), r);
+                }
+            }
+        }
+        idle_rounds = if moved {
+            0
+        } else {
+            idle_rounds.saturating_add(1)
+        };
+        if !moved && idle_rounds <= 64 {
+            std::thread::yield_now();
+        }
+    }
+    for j in active {
+        j.done.complete(Err(Error::new(
+            ErrorKind::ShutDown,
+            "uccl transfer",
+            "the agent stopped",
+        )));
+    }
+}
+
+enum Step {
+    Pending(bool),
+    Finished(Result<()>),
+}
+
+/// Advance one job: retire done pieces in order, issue more up to the window, check
+/// liveness and the stall bound.
+fn step(j: &mut Job, api: &dyn EngineApi, opts: &UcclOptions) -> Step {
+    const OP: &str = "uccl transfer";
+    let mut moved = false;
+    if j.issued == 0 && j.done.is_canceled() {
+        return Step::Finished(Err(Error::new(
+            ErrorKind::Canceled,
+            OP,
+            "dropped before it started",
+        )));
+    }
+    if j.link.state.dead.is_cancelled() {
+        return Step::Finished(Err(Error::new(
+            ErrorKind::RemoteDisconnected,
+            OP,
+            j.link.state.why(),
+        )));
+    }
+    while let Some(&id) = j.inflight.front() {
+        if !api.done(j.conn, id) {
+            break;
+        }
+        j.inflight.pop_front();
+        moved = true;
+    }
+    while j.issued < j.pieces.len() && j.inflight.len() < opts.window.max(1) {
+        let pc = j.pieces[j.issued];
+        // SAFETY: the piece lies in registration `mr` (checked by the agent and at
+        // prepare), which stays registered while this transfer is in flight (the agent
+        // refuses to deregister it), and `j.done` keeps its memory alive until the
+        // job finishes.
+        #[allow(unsafe_code)]
+        let r = unsafe {
+            match j.op {
+                Op::Write => api.write(j.conn, pc.mr, pc.addr, pc.len, pc.remote),
+                Op::Read => api.read(j.conn, pc.mr, pc.addr, pc.len, pc.remote),
+            }
+        };
+        match r {
+            Ok(id) => {
+                j.inflight.push_back(id);
+                j.issued += 1;
+                moved = true;
+            }
+            Err(e) => return Step::Finished(Err(e)),
+        }
+    }
+    if j.issued == j.pieces.len() && j.inflight.is_empty() {
+        return Step::Finished(Ok(()));
+    }
+    if j.started.elapsed() > opts.stall_timeout {
+        return Step::Finished(Err(Error::new(
+            ErrorKind::TimedOut,
+            OP,
+            format!(
+                "not done after {:?} (peer {:?})",
+                opts.stall_timeout, j.link.peer
+            ),
+        )));
+    }
+    Step::Pending(moved)
+}
+
+fn finish(j: Job, r: Result<()>) {
+    match (r, j.notif) {
+        (Ok(()), Some((msg, t))) => t.send(msg, j.done, j.link.state.clone()),
+        // A failed transfer gives its notification's place up (the ticket drops).
+        (r, _) => j.done.complete(r),
+    }
+}
+
+/// A prepared transfer.
+#[derive(Debug)]
+struct Prepared {
+    inner: Arc<Inner>,
+    peer: String,
+    op: Op,
+    pieces: Arc<[Piece]>,
+    /// Keeps the plan's regions alive (the agent does too, per post).
+    _plan: TransferPlan,
+}
+
+impl PreparedTransfer for Prepared {
+    fn post(&self, notif: Option<Bytes>, done: Completer) {
+        self.inner
+            .post_job(self.peer.clone(), self.op, self.pieces.clone(), notif, done);
+    }
+}
+
+#[async_trait]
+impl Backend for UcclBackend {
+    fn name(&self) -> &str {
+        "uccl"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            local: false,
+            remote: true,
+            notifications: true,
+            dram: true,
+            vram: false,
+            target_checks: false,
+            max_segments: usize::MAX,
+            max_notification: MAX_NOTIFICATION,
+        }
+    }
+
+    async fn start(&self, ctx: BackendContext) -> Result<()> {
+        const OP: &str = "start uccl";
+        let inner = &self.inner;
+        if inner.started.lock().unwrap().is_some() {
+            return err(ErrorKind::InvalidArgument, OP, "already started");
+        }
+        let api = inner.api.clone();
+        let engine = tokio::task::spawn_blocking(move || api.create())
+            .await
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Backend,
+                    OP,
+                    format!("engine creation panicked: {e}"),
+                )
+            })??;
+        let owner = Arc::new(EngineOwner {
+            api: inner.api.clone(),
+            engine,
+            mrs: Mutex::new(HashMap::new()),
+            inbound: Mutex::new(Vec::new()),
+        });
+        let engine_meta = owner.api.metadata(engine)?;
+        let engine_ip = engine_meta
+            .split_once('?')
+            .and_then(|(a, _)| a.rsplit_once(':'))
+            .map(|(ip, _)| ip.trim_start_matches('[').trim_end_matches(']').to_owned());
+        let ip = match (inner.options.control_ip, engine_ip.as_deref().map(str::parse::<IpAddr>)) {
+            (Some(ip), _) => ip,
+            (None, Some(Ok(ip))) => ip,
+            _ => {
+                return err(ErrorKind::Backend, OP, format!("cannot tell the engine's address from {engine_meta:?}; set UcclOptions::control_ip"))
+            }
+        };
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+            .await
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Backend,
+                    OP,
+                    format!("control listener on {ip}: {e}"),
+                )
+            })?;
+        let control = listener
+            .local_addr()
+            .map_err(|e| Error::new(ErrorKind::Backend, OP, e.to_string()))?;
+        let info = ConnInfo {
+            control: control.to_string(),
+            engine: engine_meta.clone(),
+        }
+        .encode();
+
+        // The accept loop: never enters UCCL's accept before the first registration.
+        let gate = inner.gate.clone();
+        let wake_gate = gate.clone();
+        let acc_owner = owner.clone();
+        let wake_owner = owner.clone();
+        ctx.spawn_thread(
+            "uccl-accept",
+            move |stop| accept_loop(&acc_owner, &gate, &stop),
+            move || {
+                // Take the lock so a loop between its check and its wait sees the wake.
+                drop(wake_gate.registered.lock().unwrap());
+                wake_gate.cv.notify_all();
+                wake_owner.api.stop_accept(wake_owner.engine);
+            },
+        )?;
+
+        let progress = Arc::new(Progress::default());
+        let (p, papi, popts) = (progress.clone(), inner.api.clone(), inner.options.clone());
+        let wake_p = progress.clone();
+        ctx.spawn_thread(
+            "uccl-progress",
+            move |stop| progress_loop(p, stop, papi, popts),
+            move || {
+                drop(wake_p.q.lock().unwrap());
+                wake_p.cv.notify_all();
+            },
+        )?;
+
+        // The control listener.
+        let (me, sink) = (ctx.agent_name.clone(), ctx.notifications.clone());
+        let (liveness, connect_timeout) = (
+            inner.options.liveness_timeout,
+            inner.options.connect_timeout,
+        );
+        let registered = inner.registered.subscribe();
+        let spawn_ctx = ctx.clone();
+        ctx.spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((s, _)) => spawn_ctx.spawn(serve_control(
+                        s,
+                        me.clone(),
+                        sink.clone(),
+                        registered.clone(),
+                        liveness,
+                        connect_timeout,
+                    )),
+                    Err(e) => {
+                        tracing::warn!(%e, "UCCL control listener");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+            }
+        });
+
+        *inner.started.lock().unwrap() = Some(Arc::new(Started {
+            ctx,
+            owner,
+            info,
+            engine_meta,
+            progress,
+        }));
+        // Memory registered before start (not possible through the agent, but cheap to
+        // honour) already counts.
+        if !inner.regs.lock().unwrap().is_empty() {
+            inner.mark_registered();
+        }
+        Ok(())
+    }
+
+    fn connection_info(&self) -> Bytes {
+        self.inner
+            .started()
+            .map(|s| s.info.clone())
+            .unwrap_or_default()
+    }
+
+    fn register(&self, region: &RegionRef) -> Result<Bytes> {
+        const OP: &str = "uccl register";
+        if region.kind() != MemKind::Dram {
+            return err(
+                ErrorKind::NotSupported,
+                OP,
+                format!("{} memory: nixl-uccl registers host memory only until the core's GPU memory support lands", region.kind()),
+            );
+        }
+        let st = self.inner.started()?;
+        let seg = region.segment();
+        let (addr, len) = (seg.addr() as usize, seg.len());
+        let o = &st.owner;
+        // SAFETY: `region` (kept in `regs` until deregister, which destroys the memory
+        // region first) keeps the memory alive while UCCL has it registered.
+        #[allow(unsafe_code)]
+        let mr = unsafe { o.api.reg(o.engine, addr, len)? };
+        let fifo = match o.api.prepare_fifo(o.engine, mr, addr, len) {
+            Ok(f) => f,
+            Err(e) => {
+                o.api.mr_destroy(o.engine, mr);
+                return Err(e);
+            }
+        };
+        o.mrs.lock().unwrap().insert(region.id(), mr);
+        self.inner
+            .regs
+            .lock()
+            .unwrap()
+            .insert(region.id(), (mr, region.clone()));
+        self.inner.mark_registered();
+        Ok(Bytes::copy_from_slice(&fifo.encode()))
+    }
+
+    fn deregister(&self, region_id: u64) -> Result<()> {
+        let removed = self.inner.regs.lock().unwrap().remove(&region_id);
+        let Some((_mr, _region)) = removed else {
+            return err(
+                ErrorKind::NotFound,
+                "uccl deregister",
+                format!("region {region_id} is not registered"),
+            );
+        };
+        if let Ok(st) = self.inner.started() {
+            if let Some(mr) = st.owner.mrs.lock().unwrap().remove(&region_id) {
+                st.owner.api.mr_destroy(st.owner.engine, mr);
+            }
+        }
+        Ok(())
+    }
+
+    fn data_path(&self, peer: &str) -> Option<String> {
+        let connected = self.inner.live_link(peer).is_some();
+        Some(format!(
+            "UCCL p2p engine ({}), one-sided write/read per piece{}; notifications on nixl-uccl's control connection",
+            self.inner.api.describe(),
+            if connected { "" } else { " (not connected yet)" }
+        ))
+    }
+
+    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+        let info = ConnInfo::decode(conn_info).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Corrupt,
+                "uccl add peer",
+                format!(
+                    "{peer:?}: connection info is not nixl-uccl's (version {})",
+                    wire::INFO_VERSION
+                ),
+            )
+        })?;
+        let mut peers = self.inner.peers.lock().unwrap();
+        match peers.get_mut(peer) {
+            Some(s) if s.info == info => {}
+            Some(s) => {
+                s.info = info;
+                s.link = None;
+            }
+            None => {
+                peers.insert(
+                    peer.to_owned(),
+                    PeerSlot {
+                        info,
+                        gate: Arc::default(),
+                        link: None,
+                        seq: Arc::default(),
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    async fn connect(&self, peer: &str) -> Result<()> {
+        self.inner.link(peer).await.map(|_| ())
+    }
+
+    fn remove_peer(&self, peer: &str) -> Result<()> {
+        let slot = self.inner.peers.lock().unwrap().remove(peer);
+        if let Some(PeerSlot { link: Some(l), .. }) = slot {
+            // In-flight transfers fail at their next poll; the engine connection closes
+            // when the last of them lets go.
+            l.state.kill(format!("{peer:?} was removed"));
+        }
+        Ok(())
+    }
+
+    fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
+        const OP: &str = "uccl prepare";
+        let Some(peer) = plan.peer.clone() else {
+            return err(
+                ErrorKind::NotSupported,
+                OP,
+                "nixl-uccl moves data between agents only",
+            );
+        };
+        let max = self.inner.options.max_piece.clamp(1, u32::MAX as usize);
+        let regs = self.inner.regs.lock().unwrap();
+        let mut pieces = Vec::with_capacity(plan.segments.len());
+        for s in &plan.segments {
+            let Some(&(mr, _)) = regs.get(&s.local.id()) else {
+                return err(
+                    ErrorKind::NotFound,
+                    OP,
+                    format!("local region {} is not registered with uccl", s.local.id()),
+                );
+            };
+            let Target::Remote {
+                addr: raddr, blob, ..
+            } = &s.target
+            else {
+                return err(
+                    ErrorKind::NotSupported,
+                    OP,
+                    "a local target on a remote transfer",
+                );
+            };
+            let fifo = FifoItem::decode(blob).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Corrupt,
+                    OP,
+                    format!(
+                        "{peer:?}'s registration blob is {} bytes, not a 64-byte FifoItem",
+                        blob.len()
+                    ),
+                )
+            })?;
+            let base = s.local.segment().addr() as usize;
+            let mut off = 0usize;
+            while off < s.local.len() {
+                let n = (s.local.len() - off).min(max);
+                pieces.push(Piece {
+                    mr,
+                    addr: base + off,
+                    len: n,
+                    remote: fifo.at(raddr + off as u64, n as u32),
+                });
+                off += n;
+            }
+        }
+        drop(regs);
+        Ok(Box::new(Prepared {
+            inner: self.inner.clone(),
+            peer,
+            op: plan.op,
+            pieces: pieces.into(),
+            _plan: plan,
+        }))
+    }
+
+    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
+        let st = match self.inner.started() {
+            Ok(s) => s,
+            Err(e) => return done.complete(Err(e)),
+        };
+        let t = match self.inner.ticket(peer) {
+            Ok(t) => t,
+            Err(e) => return done.complete(Err(e)),
+        };
+        if let Some(l) = self.inner.live_link(peer) {
+            return t.send(msg, done, l.state.clone());
+        }
+        let inner = self.inner.clone();
+        let peer = peer.to_owned();
+        st.ctx.spawn(async move {
+            match inner.link(&peer).await {
+                Ok(l) => t.send(msg, done, l.state.clone()),
+                Err(e) => done.complete(Err(e)),
+            }
+        });
+    }
+
+    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
+        // Threads (accept loop, progress, connects) were stopped and joined by the
+        // agent before this. Close connections: outbound links, then inbound ones.
+        let slots: Vec<PeerSlot> = self
+            .inner
+            .peers
+            .lock()
+            .unwrap()
+            .drain()
+            .map(|(_, s)| s)
+            .collect();
+        for s in &slots {
+            if let Some(l) = &s.link {
+                l.state.kill("the agent is shutting down".into());
+            }
+        }
+        drop(slots);
+        if let Ok(st) = self.inner.started() {
+            st.owner.close_inbound();
+        }
+        Ok(())
+    }
+
+    fn destroy(&self) -> Result<()> {
+        let Some(st) = self.inner.started.lock().unwrap().take() else {
+            return Ok(());
+        };
+        let holders = Arc::strong_count(&st.owner);
+        drop(st);
+        // `Started` held one reference; the rest are threads or links still alive.
+        if holders > 1 {
+            return err(
+                ErrorKind::TimedOut,
+                "uccl destroy",
+                format!("the engine is still in use by {} holder(s) (a thread still inside a UCCL call, or a connection still open); it is destroyed when the last lets go", holders - 1),
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Order when the agent was dropped without shutdown: peers (connections)
+        // first, then the engine owner (regions, then the engine) once its last
+        // holder lets go.
+        if let Ok(p) = self.peers.get_mut() {
+            p.clear();
+        }
+        if let Ok(s) = self.started.get_mut() {
+            s.take();
+        }
+    }
+}
+
+fn accept_loop(owner: &EngineOwner, gate: &AcceptGate, stop: &CancellationToken) {
+    {
+        let mut r = gate.registered.lock().unwrap();
+        while !*r && !stop.is_cancelled() {
+            r = gate.cv.wait(r).unwrap();
+        }
+    }
+    loop {
+        if stop.is_cancelled() {
+            return;
+        }
+        match owner.api.accept(owner.engine) {
+            Some(a) => {
+                tracing::debug!(ip = %a.ip, "UCCL engine accepted a connection");
+                owner.inbound.lock().unwrap().push(a.conn);
+                if stop.is_cancelled() {
+                    return;
+                }
+            }
+            None => {
+                if stop.is_cancelled() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}

@@ -1,0 +1,538 @@
+//! A **test double** of UCCL's engine API: in-process engines that reproduce the
+//! behaviour of `libuccl_p2p.so` that bit NIXL's UCCL backend, so this crate's
+//! lifecycle can be tested on any machine.
+//!
+//! It proves this crate's structure (who calls what, when, from which thread, in which
+//! order), not UCCL's data path: a "transfer" is a `memcpy` between two registrations
+//! of this process. What it reproduces:
+//! - `accept` does not return before the engine's first registration, and ignores
+//!   stop-accept while it waits for it (UCCL's `Endpoint::accept` spins on
+//!   `engine_initialized_`); after that it blocks until a peer connects or
+//!   stop-accept (sticky, as a flag) is called;
+//! - `connect` blocks until the peer's engine accepts it (or that engine is
+//!   destroyed);
+//! - a transfer towards an engine that was destroyed or [frozen](freeze) is never done
+//!   (UCCL's status says only "done or not");
+//! - a process-wide notification list (UCCL's `notify_list`), which this crate must
+//!   never use: [`notifications_sent`] counts what went into it.
+//!
+//! Misuse that would crash or hang the real library is recorded as a
+//! [violation](violations) instead: a call on a destroyed engine or connection,
+//! destroying an engine with connections or registrations still open, entering accept
+//! before any registration.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use nixl::{Error, ErrorKind, Result};
+
+use crate::api::{Accepted, ConnHandle, EngineApi, EngineHandle, FifoItem};
+
+#[derive(Debug, Default)]
+struct Engine {
+    port: u16,
+    regs: HashMap<u64, (usize, usize, u32)>,
+    registered_once: bool,
+    pending: VecDeque<usize>,
+    stop_accept: bool,
+    frozen: bool,
+    holding: bool,
+    /// Connections made from or accepted by this engine and not destroyed.
+    conns: usize,
+}
+
+#[derive(Debug)]
+struct Conn {
+    /// The engine this handle belongs to.
+    engine: usize,
+    /// The other side's engine.
+    peer: usize,
+    accepted: bool,
+}
+
+#[derive(Debug, Default)]
+struct World {
+    next: usize,
+    engines: HashMap<usize, Engine>,
+    by_port: HashMap<u16, usize>,
+    conns: HashMap<usize, Conn>,
+    /// Transfer id to done.
+    xfers: HashMap<u64, bool>,
+    violations: Vec<String>,
+    notifications: usize,
+    live_engines: usize,
+    next_port: u16,
+}
+
+static WORLD: Mutex<Option<World>> = Mutex::new(None);
+static CHANGED: Condvar = Condvar::new();
+
+fn world() -> MutexGuard<'static, Option<World>> {
+    WORLD.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn with<R>(f: impl FnOnce(&mut World) -> R) -> R {
+    let mut g = world();
+    f(g.get_or_insert_with(World::default))
+}
+
+impl World {
+    fn id(&mut self) -> usize {
+        self.next += 1;
+        self.next
+    }
+
+    fn violation(&mut self, v: String) {
+        tracing::error!(violation = %v, "UCCL test double: misuse");
+        self.violations.push(v);
+    }
+}
+
+fn fail(op: &'static str, msg: impl Into<String>) -> Error {
+    Error::new(ErrorKind::Backend, op, msg)
+}
+
+/// The test double. Stateless: every engine lives in one process-wide world.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TestDouble;
+
+impl TestDouble {
+    /// The double as an engine API for [`crate::UcclBackend::with_api`].
+    pub fn api() -> Arc<dyn EngineApi> {
+        Arc::new(Self)
+    }
+}
+
+/// Misuse recorded so far (see the module docs), process-wide.
+pub fn violations() -> Vec<String> {
+    with(|w| w.violations.clone())
+}
+
+/// Notifications sent through the double's process-wide list (UCCL's own channel).
+/// nixl-uccl never uses it.
+pub fn notifications_sent() -> usize {
+    with(|w| w.notifications)
+}
+
+/// Engines created and not yet destroyed, process-wide.
+pub fn live_engines() -> usize {
+    with(|w| w.live_engines)
+}
+
+/// Connections not yet destroyed, process-wide.
+pub fn live_connections() -> usize {
+    with(|w| w.conns.len())
+}
+
+fn engine_mut(w: &mut World, engine_metadata: &str) -> Option<usize> {
+    let port = engine_metadata
+        .split_once('?')
+        .and_then(|(a, _)| a.rsplit_once(':'))
+        .and_then(|(_, p)| p.parse::<u16>().ok())?;
+    w.by_port.get(&port).copied()
+}
+
+/// The connections not yet destroyed, described (for failure messages).
+pub fn connection_details() -> Vec<String> {
+    with(|w| {
+        w.conns
+            .iter()
+            .map(|(id, c)| {
+                format!(
+                    "conn {id} of engine {} (engine live: {}), to {}, accepted {}",
+                    c.engine,
+                    w.engines.contains_key(&c.engine),
+                    c.peer,
+                    c.accepted
+                )
+            })
+            .collect()
+    })
+}
+
+/// Make transfers towards the engine announced as `engine_metadata` never complete
+/// (a peer whose NIC went away while its process lives on).
+pub fn freeze(engine_metadata: &str) {
+    with(|w| {
+        if let Some(e) = engine_mut(w, engine_metadata) {
+            w.engines.get_mut(&e).unwrap().frozen = true;
+        }
+    });
+}
+
+/// Make the engine announced as `engine_metadata` leave inbound connections pending
+/// (`hold = true`: connects to it block) or take them again.
+pub fn hold_accepts(engine_metadata: &str, hold: bool) {
+    with(|w| {
+        if let Some(e) = engine_mut(w, engine_metadata) {
+            w.engines.get_mut(&e).unwrap().holding = hold;
+        }
+    });
+    CHANGED.notify_all();
+}
+
+/// The double's version of UCCL's notification call, counted in
+/// [`notifications_sent`]; present so tests can show this crate never calls it.
+pub fn send_notif_through_engine() {
+    with(|w| w.notifications += 1);
+}
+
+impl EngineApi for TestDouble {
+    fn describe(&self) -> String {
+        "UCCL engine test double (in-process; not UCCL's data path)".into()
+    }
+
+    fn create(&self) -> Result<EngineHandle> {
+        Ok(EngineHandle(with(|w| {
+            let id = w.id();
+            // A port no live engine has (ports are the double's addresses).
+            let port = loop {
+                w.next_port = w.next_port.wrapping_add(1).max(1024);
+                if !w.by_port.contains_key(&w.next_port) {
+                    break w.next_port;
+                }
+            };
+            w.engines.insert(
+                id,
+                Engine {
+                    port,
+                    ..Default::default()
+                },
+            );
+            w.by_port.insert(port, id);
+            w.live_engines += 1;
+            id
+        })))
+    }
+
+    unsafe fn destroy(&self, e: EngineHandle) {
+        with(|w| match w.engines.remove(&e.0) {
+            None => w.violation(format!("destroy of engine {} twice or never created", e.0)),
+            Some(eng) => {
+                w.by_port.remove(&eng.port);
+                w.live_engines -= 1;
+                if eng.conns > 0 {
+                    w.violation(format!(
+                        "engine {} destroyed with {} connection(s) open",
+                        e.0, eng.conns
+                    ));
+                }
+                if !eng.regs.is_empty() {
+                    w.violation(format!(
+                        "engine {} destroyed with {} registration(s)",
+                        e.0,
+                        eng.regs.len()
+                    ));
+                }
+            }
+        });
+        CHANGED.notify_all();
+    }
+
+    fn metadata(&self, e: EngineHandle) -> Result<String> {
+        with(|w| match w.engines.get(&e.0) {
+            Some(eng) => Ok(format!("127.0.0.1:{}?double", eng.port)),
+            None => {
+                w.violation(format!("metadata of destroyed engine {}", e.0));
+                Err(fail("UCCL metadata", "no such engine"))
+            }
+        })
+    }
+
+    fn connect(&self, e: EngineHandle, _ip: &str, _gpu: &str, port: u16) -> Result<ConnHandle> {
+        const OP: &str = "UCCL connect";
+        let mut g = world();
+        let w = g.get_or_insert_with(World::default);
+        if !w.engines.contains_key(&e.0) {
+            w.violation(format!("connect on destroyed engine {}", e.0));
+            return Err(fail(OP, "no such engine"));
+        }
+        let Some(&peer) = w.by_port.get(&port) else {
+            return Err(Error::new(
+                ErrorKind::RemoteDisconnected,
+                OP,
+                format!("nothing listens on {port}"),
+            ));
+        };
+        let id = w.id();
+        w.conns.insert(
+            id,
+            Conn {
+                engine: e.0,
+                peer,
+                accepted: false,
+            },
+        );
+        w.engines.get_mut(&e.0).unwrap().conns += 1;
+        w.engines.get_mut(&peer).unwrap().pending.push_back(id);
+        CHANGED.notify_all();
+        // Blocks until accepted, like UCCL's; only the peer engine's end stops it.
+        loop {
+            let w = g.as_mut().unwrap();
+            if w.conns.get(&id).is_some_and(|c| c.accepted) {
+                return Ok(ConnHandle(id));
+            }
+            if !w.engines.contains_key(&peer) {
+                w.conns.remove(&id);
+                if let Some(eng) = w.engines.get_mut(&e.0) {
+                    eng.conns -= 1;
+                }
+                return Err(Error::new(
+                    ErrorKind::RemoteDisconnected,
+                    OP,
+                    "the peer engine went away",
+                ));
+            }
+            g = CHANGED.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn accept(&self, e: EngineHandle) -> Option<Accepted> {
+        let mut g = world();
+        {
+            let w = g.get_or_insert_with(World::default);
+            match w.engines.get(&e.0) {
+                None => {
+                    w.violation(format!("accept on destroyed engine {}", e.0));
+                    return None;
+                }
+                Some(eng) if !eng.registered_once => {
+                    w.violation(format!("accept entered on engine {} before its first registration (UCCL would ignore stop-accept here)", e.0));
+                }
+                Some(_) => {}
+            }
+        }
+        // UCCL: wait for the first registration, deaf to stop-accept.
+        loop {
+            let w = g.as_mut().unwrap();
+            match w.engines.get(&e.0) {
+                Some(eng) if eng.registered_once => break,
+                Some(_) => {}
+                None => return None,
+            }
+            g = CHANGED.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        loop {
+            let w = g.as_mut().unwrap();
+            let eng = w.engines.get_mut(&e.0)?;
+            if eng.stop_accept {
+                return None;
+            }
+            if let Some(c) = (!eng.holding).then(|| eng.pending.pop_front()).flatten() {
+                eng.conns += 1;
+                let id = w.id();
+                w.conns.insert(
+                    id,
+                    Conn {
+                        engine: e.0,
+                        peer: usize::MAX,
+                        accepted: true,
+                    },
+                );
+                if let Some(out) = w.conns.get_mut(&c) {
+                    out.accepted = true;
+                }
+                CHANGED.notify_all();
+                return Some(Accepted {
+                    conn: ConnHandle(id),
+                    ip: "127.0.0.1".into(),
+                });
+            }
+            g = CHANGED.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn stop_accept(&self, e: EngineHandle) {
+        with(|w| match w.engines.get_mut(&e.0) {
+            Some(eng) => eng.stop_accept = true,
+            None => w.violation(format!("stop_accept on destroyed engine {}", e.0)),
+        });
+        CHANGED.notify_all();
+    }
+
+    unsafe fn reg(&self, e: EngineHandle, addr: usize, len: usize) -> Result<u64> {
+        let r = with(|w| {
+            let id = w.id() as u64;
+            match w.engines.get_mut(&e.0) {
+                Some(eng) => {
+                    eng.regs.insert(id, (addr, len, (id as u32) ^ 0x5a5a_0000));
+                    eng.registered_once = true;
+                    Ok(id)
+                }
+                None => {
+                    w.violation(format!("reg on destroyed engine {}", e.0));
+                    Err(fail("UCCL register", "no such engine"))
+                }
+            }
+        });
+        CHANGED.notify_all();
+        r
+    }
+
+    fn mr_destroy(&self, e: EngineHandle, mr: u64) {
+        with(|w| match w.engines.get_mut(&e.0) {
+            Some(eng) => {
+                eng.regs.remove(&mr);
+            }
+            None => w.violation(format!("mr_destroy on destroyed engine {}", e.0)),
+        });
+    }
+
+    fn prepare_fifo(&self, e: EngineHandle, mr: u64, addr: usize, len: usize) -> Result<FifoItem> {
+        with(|w| {
+            let Some(&(_, _, rkey)) = w.engines.get(&e.0).and_then(|eng| eng.regs.get(&mr)) else {
+                return Err(fail("UCCL register", "no such region"));
+            };
+            Ok(FifoItem {
+                addr: addr as u64,
+                size: len.min(u32::MAX as usize) as u32,
+                rkey,
+                nmsgs: 0,
+                rid: 0,
+                idx: mr,
+                padding: [0; 32],
+            })
+        })
+    }
+
+    unsafe fn write(
+        &self,
+        c: ConnHandle,
+        mr: u64,
+        addr: usize,
+        len: usize,
+        remote: FifoItem,
+    ) -> Result<u64> {
+        // SAFETY: forwarded contract.
+        unsafe { self.xfer(c, mr, addr, len, remote, true) }
+    }
+
+    unsafe fn read(
+        &self,
+        c: ConnHandle,
+        mr: u64,
+        addr: usize,
+        len: usize,
+        remote: FifoItem,
+    ) -> Result<u64> {
+        // SAFETY: forwarded contract.
+        unsafe { self.xfer(c, mr, addr, len, remote, false) }
+    }
+
+    fn done(&self, c: ConnHandle, id: u64) -> bool {
+        with(|w| {
+            if !w.conns.contains_key(&c.0) {
+                w.violation(format!("status on destroyed connection {}", c.0));
+                return false;
+            }
+            match w.xfers.get(&id) {
+                Some(true) => {
+                    w.xfers.remove(&id);
+                    true
+                }
+                Some(false) => false,
+                None => {
+                    w.violation(format!("status of unknown or finished transfer {id}"));
+                    false
+                }
+            }
+        })
+    }
+
+    unsafe fn conn_destroy(&self, c: ConnHandle) {
+        with(|w| match w.conns.remove(&c.0) {
+            Some(conn) => {
+                if let Some(eng) = w.engines.get_mut(&conn.engine) {
+                    eng.conns -= 1;
+                } else {
+                    w.violation(format!("connection {} destroyed after its engine", c.0));
+                }
+            }
+            None => w.violation(format!("destroy of connection {} twice or never made", c.0)),
+        });
+        CHANGED.notify_all();
+    }
+}
+
+impl TestDouble {
+    /// # Safety
+    /// As [`EngineApi::write`].
+    unsafe fn xfer(
+        &self,
+        c: ConnHandle,
+        mr: u64,
+        addr: usize,
+        len: usize,
+        remote: FifoItem,
+        write: bool,
+    ) -> Result<u64> {
+        const OP: &str = "UCCL transfer";
+        with(|w| {
+            let Some(conn) = w.conns.get(&c.0) else {
+                w.violation(format!("transfer on destroyed connection {}", c.0));
+                return Err(fail(OP, "no such connection"));
+            };
+            let (local_engine, peer) = (conn.engine, conn.peer);
+            let local_ok = w
+                .engines
+                .get(&local_engine)
+                .and_then(|e| e.regs.get(&mr))
+                .is_some_and(|&(a, l, _)| addr >= a && addr + len <= a + l);
+            if !local_ok {
+                return Err(fail(
+                    OP,
+                    format!("local range {addr:#x}+{len} is not in region {mr}"),
+                ));
+            }
+            let id = w.id() as u64;
+            let Some(target) = w.engines.get(&peer) else {
+                // The peer engine is gone: like a NIC whose peer vanished, never done.
+                w.xfers.insert(id, false);
+                return Ok(id);
+            };
+            if target.frozen {
+                w.xfers.insert(id, false);
+                return Ok(id);
+            }
+            let hit = target
+                .regs
+                .values()
+                .find(|&&(_, _, k)| k == remote.rkey)
+                .copied();
+            let Some((ra, rl, _)) = hit else {
+                return Err(fail(
+                    OP,
+                    format!("remote key {:#x} unknown to the peer", remote.rkey),
+                ));
+            };
+            let raddr = remote.addr as usize;
+            if len > remote.size as usize || raddr < ra || raddr + len > ra + rl {
+                return Err(fail(
+                    OP,
+                    format!("remote range {raddr:#x}+{len} outside the peer's region"),
+                ));
+            }
+            let (src, dst) = if write { (addr, raddr) } else { (raddr, addr) };
+            // SAFETY: both ranges lie in live registrations of this process (checked
+            // above against the two engines' tables; the caller keeps the local one
+            // alive, the peer's owner keeps its regions registered while its engine
+            // lives); registered memory is only ever accessed through raw pointers.
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+            w.xfers.insert(id, true);
+            Ok(id)
+        })
+    }
+}
+
+/// Wait (bounded) until `f` holds on the world; for tests.
+pub fn wait_until(timeout: Duration, f: impl Fn() -> bool) -> bool {
+    let end = std::time::Instant::now() + timeout;
+    while std::time::Instant::now() < end {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    f()
+}

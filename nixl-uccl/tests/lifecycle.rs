@@ -1,0 +1,289 @@
+//! nixl-uccl's lifecycle against the engine **test double** (`nixl_uccl::test_double`),
+//! in the situations that hung or crashed NIXL's UCCL backend. The double reproduces
+//! UCCL's blocking behaviour; these tests prove this crate's structure, not UCCL's
+//! data path.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use nixl::{Agent, AgentOptions, DescList, ErrorKind, MemKind, Op, Registration};
+use nixl_uccl::test_double::{self, TestDouble};
+use nixl_uccl::{UcclBackend, UcclOptions, MAX_NOTIFICATION};
+
+/// Catches hangs; never a performance bound.
+const HANG: Duration = Duration::from_secs(30);
+
+fn options() -> UcclOptions {
+    UcclOptions {
+        liveness_timeout: Duration::from_secs(1),
+        ..Default::default()
+    }
+}
+
+async fn agent_with(name: &str, o: UcclOptions) -> (Agent, UcclBackend) {
+    let b = UcclBackend::with_api(TestDouble::api(), o);
+    let a = Agent::builder(name)
+        .backend_arc(Arc::new(b.clone()))
+        .options(AgentOptions {
+            drain_timeout: Duration::from_secs(1),
+            shutdown_timeout: Duration::from_secs(2),
+        })
+        .build()
+        .await
+        .unwrap();
+    (a, b)
+}
+
+async fn agent(name: &str) -> (Agent, UcclBackend) {
+    agent_with(name, options()).await
+}
+
+fn one(d: nixl::Desc) -> DescList {
+    DescList::from_descs(MemKind::Dram, [d])
+}
+
+fn remote(a: &Agent, peer: &str, r: &Registration) -> nixl::Desc {
+    let info = a
+        .remote_regions(peer)
+        .unwrap()
+        .into_iter()
+        .find(|x| x.id == r.id())
+        .unwrap();
+    info.desc(0, info.len)
+}
+
+async fn bounded<F: std::future::Future>(what: &str, f: F) -> F::Output {
+    tokio::time::timeout(HANG, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what} hung"))
+}
+
+fn no_misuse() {
+    assert_eq!(test_double::violations(), Vec::<String>::new());
+    assert_eq!(test_double::notifications_sent(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_that_never_registered_shuts_down_at_once() {
+    let (a, _) = agent("lonely").await;
+    // Let the accept loop reach whatever it blocks in.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t0 = Instant::now();
+    let r = bounded("shutdown", a.shutdown()).await;
+    assert!(r.is_clean(), "{r:?}");
+    // Well inside the agent's 2 s bound: nothing waited for a registration.
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // Dropped without shutdown, too.
+    let (b, _) = agent("lonely-dropped").await;
+    drop(b);
+    no_misuse();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_during_connect_never_races_destroy() {
+    let (a, _) = agent("a-connect").await;
+    let (b, bb) = agent("b-held").await;
+    let src = a.register(vec![1u8; 4096]).unwrap();
+    let dst = b.register(vec![0u8; 4096]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    // B's engine leaves inbound connections pending: A's UCCL connect blocks inside
+    // the engine, as UCCL's does when the peer does not accept.
+    let meta = bb.engine_metadata().unwrap();
+    test_double::hold_accepts(&meta, true);
+    let t = a
+        .transfer(
+            Op::Write,
+            &one(src.whole()),
+            "b-held",
+            &one(remote(&a, "b-held", &dst)),
+            None,
+        )
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t0 = Instant::now();
+    let r = bounded("shutdown during connect", a.shutdown()).await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "shutdown was not bounded"
+    );
+    // The connect thread is still inside the engine: named, not waited on.
+    assert_eq!(r.threads_left, vec!["uccl-connect".to_string()], "{r:?}");
+    assert!(bounded("transfer", t).await.is_err());
+    let engines_before = test_double::live_engines();
+    // B goes away: the stuck connect returns, and only then is A's engine destroyed.
+    b.shutdown().await;
+    assert!(
+        test_double::wait_until(Duration::from_secs(10), || test_double::live_engines()
+            <= engines_before - 2),
+        "A's engine was not destroyed after its last user returned"
+    );
+    no_misuse();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vanished_peer_fails_transfers_within_the_liveness_bound() {
+    let (a, _) = agent("a-vanish").await;
+    let (b, bb) = agent("b-vanish").await;
+    let src = a.register(vec![1u8; 1 << 16]).unwrap();
+    let dst = b.register(vec![0u8; 1 << 16]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    // Connected and working first.
+    a.write(
+        &one(src.whole()),
+        "b-vanish",
+        &one(remote(&a, "b-vanish", &dst)),
+        None,
+    )
+    .await
+    .unwrap();
+    // Then B's engine stops completing anything ("done" never comes), and B dies.
+    test_double::freeze(&bb.engine_metadata().unwrap());
+    let t = a
+        .transfer(
+            Op::Write,
+            &one(src.whole()),
+            "b-vanish",
+            &one(remote(&a, "b-vanish", &dst)),
+            None,
+        )
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t0 = Instant::now();
+    drop(b);
+    let e = bounded("transfer to a vanished peer", t).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::RemoteDisconnected, "{e}");
+    // Within the documented bound (liveness, 1 s here), with slack for a loaded host.
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    // Later posts fail fast too.
+    let e = bounded(
+        "post after",
+        a.write(
+            &one(src.whole()),
+            "b-vanish",
+            &one(remote(&a, "b-vanish", &dst)),
+            None,
+        ),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(
+            e.kind(),
+            ErrorKind::RemoteDisconnected | ErrorKind::TimedOut
+        ),
+        "{e}"
+    );
+    assert!(a.shutdown().await.threads_left.is_empty());
+    no_misuse();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_but_live_peer_times_out() {
+    let (a, _) = agent_with(
+        "a-stall",
+        UcclOptions {
+            stall_timeout: Duration::from_millis(500),
+            ..options()
+        },
+    )
+    .await;
+    let (b, bb) = agent("b-stall").await;
+    let src = a.register(vec![1u8; 4096]).unwrap();
+    let dst = b.register(vec![0u8; 4096]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    test_double::freeze(&bb.engine_metadata().unwrap());
+    let e = bounded(
+        "stalled write",
+        a.write(
+            &one(src.whole()),
+            "b-stall",
+            &one(remote(&a, "b-stall", &dst)),
+            Some(Bytes::from_static(b"never")),
+        ),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    // Its notification was never sent: B's stream stays empty.
+    let mut nb = b.notifications().unwrap();
+    assert!(tokio::time::timeout(Duration::from_millis(300), nb.recv())
+        .await
+        .is_err());
+    a.shutdown().await;
+    b.shutdown().await;
+    no_misuse();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_go_to_their_agent_whole_and_named() {
+    let (a, _) = agent("a-notes").await;
+    let (c, _) = agent("c-notes").await;
+    let (b, _) = agent("b-notes").await;
+    let (d, _) = agent("d-notes").await;
+    let dst = b.register(vec![0u8; 1 << 16]).unwrap();
+    let dst_d = d.register(vec![0u8; 16]).unwrap();
+    let sa = a.register(vec![0xaa; 1 << 16]).unwrap();
+    let sc = c.register(vec![0xcc; 1 << 15]).unwrap();
+    for x in [&a, &c] {
+        x.load_metadata(&b.metadata().unwrap()).unwrap();
+        x.load_metadata(&d.metadata().unwrap()).unwrap();
+    }
+    let big = Bytes::from((0..64 * 1024).map(|i| i as u8).collect::<Vec<u8>>());
+    let mut nb = b.notifications().unwrap();
+    let mut nd = d.notifications().unwrap();
+    // Two initiators in one process (one host) write to B, each with a notification
+    // far beyond UCCL's 256 bytes.
+    a.write(
+        &one(sa.whole()),
+        "b-notes",
+        &one(remote(&a, "b-notes", &dst)),
+        Some(big.clone()),
+    )
+    .await
+    .unwrap();
+    let half = remote(&c, "b-notes", &dst);
+    c.write(
+        &one(sc.whole()),
+        "b-notes",
+        &one(nixl::Desc {
+            len: 1 << 15,
+            ..half
+        }),
+        Some(Bytes::from_static(b"from c")),
+    )
+    .await
+    .unwrap();
+    let n1 = bounded("b's first", nb.recv()).await.unwrap();
+    let n2 = bounded("b's second", nb.recv()).await.unwrap();
+    assert_eq!((n1.peer.as_str(), n1.msg.len()), ("a-notes", big.len()));
+    assert_eq!(n1.msg, big, "never truncated");
+    assert_eq!((n2.peer.as_str(), &n2.msg[..]), ("c-notes", &b"from c"[..]));
+    // The data is there: C's half over A's.
+    let got = dst.to_vec().unwrap();
+    assert!(got[..1 << 15].iter().all(|&x| x == 0xcc) && got[1 << 15..].iter().all(|&x| x == 0xaa));
+    // D got nothing of it (nothing is process-wide).
+    assert!(tokio::time::timeout(Duration::from_millis(200), nd.recv())
+        .await
+        .is_err());
+    let _ = dst_d;
+    // Oversize is refused when posted, with a clear error.
+    let e = a
+        .notify("b-notes", vec![0u8; MAX_NOTIFICATION + 1])
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    // Exactly the limit goes through whole.
+    bounded(
+        "max notify",
+        a.notify("b-notes", vec![7u8; MAX_NOTIFICATION]).unwrap(),
+    )
+    .await
+    .unwrap();
+    let n = bounded("max recv", nb.recv()).await.unwrap();
+    assert_eq!(n.msg.len(), MAX_NOTIFICATION);
+    for x in [a, b, c, d] {
+        let r = x.shutdown().await;
+        assert!(r.is_clean(), "{r:?}");
+    }
+    no_misuse();
+}
