@@ -1,0 +1,41 @@
+//! The conformance suite on nixl-uccl over its engine **test double**
+//! (`nixl_uccl::test_double`): in-process engines that reproduce UCCL's blocking
+//! behaviour (accept deaf to stop-accept until the first registration, connect that
+//! blocks until accepted, transfers to a vanished peer that are never done) and copy
+//! bytes between registrations of this process.
+//!
+//! This proves nixl-uccl's structure (handshake, ordering of notifications after data,
+//! liveness, teardown order) on any machine. It does not exercise UCCL's data path:
+//! `tests/uccl.rs` runs the same suite against the real engine where one loads.
+
+use std::sync::Arc;
+
+use nixl_conformance::{conformance_tests, BackendUnderTest};
+use nixl_uccl::test_double::TestDouble;
+use nixl_uccl::{UcclBackend, UcclOptions};
+
+const UCCL_DOUBLE: BackendUnderTest = BackendUnderTest {
+    name: "uccl (test double)",
+    make: || {
+        Ok(Arc::new(UcclBackend::with_api(
+            TestDouble::api(),
+            UcclOptions::default(),
+        )))
+    },
+    skip_case: |_| None,
+};
+
+conformance_tests!(UCCL_DOUBLE);
+
+/// Nothing the suite did misused the engine (a call on a destroyed engine or
+/// connection, an engine destroyed with connections or registrations open, accept
+/// entered before the first registration), and nothing went through UCCL's
+/// process-wide notification list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zz_no_engine_misuse() {
+    // Runs alongside the other cases; the world is process-wide, so violations from
+    // any of them show up here or in the cases' own runs.
+    nixl_conformance::cases::three_agents_one_process(&UCCL_DOUBLE).await;
+    assert_eq!(nixl_uccl::test_double::violations(), Vec::<String>::new());
+    assert_eq!(nixl_uccl::test_double::notifications_sent(), 0);
+}
