@@ -10,7 +10,7 @@ use nixl::Backend;
 use crate::error::{fail, Result};
 
 /// Every backend name the bench knows, built in or not.
-pub(crate) const NAMES: &[&str] = &["tcp", "ucx"];
+pub(crate) const NAMES: &[&str] = &["tcp", "ucx", "uccl"];
 
 /// Build backend `name` from its parameters. `host` is the address peers reach this
 /// machine on, for backends that listen (tcp's default `listen` is `host:0`).
@@ -33,6 +33,10 @@ pub(crate) fn make(
         "ucx" => ucx::make(params),
         #[cfg(not(feature = "ucx"))]
         "ucx" => fail("backend ucx is not compiled in; rebuild nixl-bench with `--features ucx` (it loads libucp from the host at run time: apt-get install libucx0, or set NIXL_UCX_LIB)"),
+        #[cfg(feature = "uccl")]
+        "uccl" => uccl::make(params),
+        #[cfg(not(feature = "uccl"))]
+        "uccl" => fail("backend uccl is not compiled in; rebuild nixl-bench with `--features uccl` (it loads libuccl_p2p.so from the PyPI wheel `uccl` at run time, with the CUDA driver and runtime: set NIXL_UCCL_LIB)"),
         _ => fail(format!(
             "unknown backend {name:?}; known backends: {}",
             NAMES.join(", ")
@@ -42,11 +46,13 @@ pub(crate) fn make(
 
 /// A one-line report of the native library a backend bound (version and real paths),
 /// for the header and JSON; `None` for pure-Rust backends.
-#[cfg_attr(not(feature = "ucx"), allow(unused_variables))]
+#[cfg_attr(not(any(feature = "ucx", feature = "uccl")), allow(unused_variables))]
 pub(crate) fn library_report(name: &str, params: &[(String, String)]) -> Option<String> {
     match name {
         #[cfg(feature = "ucx")]
         "ucx" => ucx::report(params),
+        #[cfg(feature = "uccl")]
+        "uccl" => uccl::report(params),
         _ => None,
     }
 }
@@ -199,14 +205,20 @@ mod tests {
 
     #[test]
     fn unavailable_backends_say_why_and_how() {
-        for (name, needle) in [
-            ("ucx", "rebuild nixl-bench with `--features ucx`"),
+        let mut cases = vec![
             (
                 "verbs",
-                "unknown backend \"verbs\"; known backends: tcp, ucx",
+                "unknown backend \"verbs\"; known backends: tcp, ucx, uccl",
             ),
             ("gds", "unknown backend \"gds\""),
-        ] {
+        ];
+        if cfg!(not(feature = "ucx")) {
+            cases.push(("ucx", "rebuild nixl-bench with `--features ucx`"));
+        }
+        if cfg!(not(feature = "uccl")) {
+            cases.push(("uccl", "rebuild nixl-bench with `--features uccl`"));
+        }
+        for (name, needle) in cases {
             let e = make(name, &[], LO).unwrap_err().to_string();
             assert!(e.contains(needle), "{name}: {e}");
         }
@@ -274,5 +286,78 @@ mod ucx {
     pub(super) fn report(params: &[(String, String)]) -> Option<String> {
         let o = options(params).ok()?;
         nixl_ucx::probe(&o).ok().map(|r| r.to_string())
+    }
+}
+
+#[cfg(feature = "uccl")]
+mod uccl {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use nixl::Backend;
+    use nixl_uccl::{UcclBackend, UcclOptions};
+
+    use crate::error::{fail, Result};
+
+    const KEYS: &[&str] = &["lib", "control_ip", "liveness_ms", "window"];
+
+    fn options(params: &[(String, String)]) -> Result<UcclOptions> {
+        let mut o = UcclOptions::default();
+        for (k, v) in params {
+            match k.as_str() {
+                "lib" => o.library = Some(v.into()),
+                "control_ip" => match v.parse() {
+                    Ok(ip) => o.control_ip = Some(ip),
+                    Err(_) => return fail(format!("uccl control_ip={v}: expected an IP address")),
+                },
+                "liveness_ms" => match v.parse::<u64>() {
+                    Ok(ms) if ms > 0 => o.liveness_timeout = Duration::from_millis(ms),
+                    _ => return fail(format!("uccl liveness_ms={v}: expected milliseconds > 0")),
+                },
+                "window" => match v.parse::<usize>() {
+                    Ok(n) if n > 0 => o.window = n,
+                    _ => return fail(format!("uccl window={v}: expected a count > 0")),
+                },
+                _ => {
+                    return fail(format!(
+                        "unknown uccl backend parameter {k:?}; known: {}",
+                        KEYS.join(", ")
+                    ))
+                }
+            }
+        }
+        Ok(o)
+    }
+
+    pub(super) fn make(params: &[(String, String)]) -> Result<Arc<dyn Backend>> {
+        let o = options(params)?;
+        match UcclBackend::with_options(o) {
+            Ok(b) => Ok(Arc::new(b)),
+            Err(e) => fail(format!("backend uccl is unavailable: {e}")),
+        }
+    }
+
+    pub(super) fn report(params: &[(String, String)]) -> Option<String> {
+        let o = options(params).ok()?;
+        nixl_uccl::probe(&o).ok().map(|r| r.to_string())
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn missing_engine_says_why() {
+            let p = vec![("lib".to_string(), "/nonexistent/libuccl_p2p.so".to_string())];
+            let e = super::make(&p).unwrap_err().to_string();
+            assert!(
+                e.contains("backend uccl is unavailable")
+                    && e.contains("/nonexistent/libuccl_p2p.so"),
+                "{e}"
+            );
+            let p = vec![("bogus".to_string(), "1".to_string())];
+            assert!(super::make(&p)
+                .unwrap_err()
+                .to_string()
+                .contains("unknown uccl backend parameter"));
+        }
     }
 }

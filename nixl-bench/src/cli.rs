@@ -79,7 +79,7 @@ pub(crate) struct Cli {
     #[arg(long, hide = true)]
     pub(crate) stdio: bool,
 
-    /// Transport: tcp (built in) or ucx (feature `ucx`).
+    /// Transport: tcp (built in), ucx (feature `ucx`) or uccl (feature `uccl`).
     #[arg(long, default_value = "tcp")]
     pub(crate) backend: String,
 

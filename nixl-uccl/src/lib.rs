@@ -69,7 +69,11 @@
 //!   against the real wheel, the missing-driver error, the codecs, and the whole
 //!   lifecycle and conformance suite against [`test_double`] (feature `test-double`),
 //!   an in-process stand-in that reproduces UCCL's blocking behaviour. It proves this
-//!   crate's structure, not UCCL's data path.
+//!   crate's structure, not UCCL's data path. Known UCCL 0.1.1 behaviour to check on
+//!   hardware: towards a peer on the same host UCCL takes its IPC path, which handles
+//!   GPU memory only (`UCCL_P2P_DISABLE_IPC=1` forces the network path); UCCL keeps
+//!   registrations in one process-wide map keyed by address, so two agents of one
+//!   process must not register the same buffer.
 #![deny(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
 

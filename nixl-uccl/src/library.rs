@@ -585,3 +585,59 @@ pub(crate) fn bind(
     );
     Ok((lib, report))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_comes_from_the_wheel_the_library_lies_in() {
+        let root = std::env::temp_dir().join(format!("nixl-uccl-wheel-{}", std::process::id()));
+        let lib = root.join("uccl/lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::create_dir_all(root.join("uccl-0.1.1.dist-info")).unwrap();
+        let so = lib.join("libuccl_p2p.so");
+        assert_eq!(wheel_version(&so).as_deref(), Some("0.1.1"));
+        assert_eq!(wheel_version(Path::new("/usr/lib/libuccl_p2p.so")), None);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn symbols_are_unique_and_mangled() {
+        let mut names: Vec<_> = SYMBOLS.iter().map(|s| s.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), SYMBOLS.len());
+        for s in SYMBOLS {
+            // `_Z<len>uccl_engine_<name>`: the function name the declaration gives.
+            let f = s
+                .declaration
+                .split('(')
+                .next()
+                .unwrap()
+                .rsplit(' ')
+                .next()
+                .unwrap();
+            let f = f.trim_start_matches('*');
+            assert!(s.mangled.starts_with(&format!("_Z{}{f}", f.len())), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn load_errors_say_what_to_do() {
+        let m = explain_load_failure(DEFAULT_SONAME, LibrarySource::Default, "x: cannot open");
+        assert!(
+            m.contains("PyPI wheel `uccl`") && m.contains(ENV_LIB),
+            "{m}"
+        );
+        let m = explain_load_failure(
+            "/p",
+            LibrarySource::Env,
+            "libcudart.so.12: cannot open shared object file",
+        );
+        assert!(
+            m.contains("NIXL_UCCL_LIB=/p") && m.contains("nvidia-cuda-runtime-cu12"),
+            "{m}"
+        );
+    }
+}
