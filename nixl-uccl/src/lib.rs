@@ -1100,16 +1100,33 @@ impl Backend for UcclBackend {
         if inner.started.lock().unwrap().is_some() {
             return err(ErrorKind::InvalidArgument, OP, "already started");
         }
+        // Creating an engine initialises the NIC and GPU and may take a while: on an
+        // agent-owned thread that ends right after (not tokio's blocking pool, whose
+        // idle threads would outlive the agent).
         let api = inner.api.clone();
-        let engine = tokio::task::spawn_blocking(move || api.create())
-            .await
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::Backend,
-                    OP,
-                    format!("engine creation panicked: {e}"),
-                )
-            })??;
+        let (tx, rx) = oneshot::channel::<Result<EngineHandle>>();
+        ctx.spawn_thread(
+            "uccl-create",
+            move |_stop| {
+                let r = api.create();
+                if let Err(Ok(e)) = tx.send(r) {
+                    // Nobody waits any more (the agent stopped): nothing else has it.
+                    // SAFETY: just created, never shared.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        api.destroy(e)
+                    };
+                }
+            },
+            || {},
+        )?;
+        let engine = rx.await.map_err(|_| {
+            Error::new(
+                ErrorKind::Backend,
+                OP,
+                "engine creation ended without a result",
+            )
+        })??;
         let owner = Arc::new(EngineOwner {
             api: inner.api.clone(),
             engine,

@@ -16,7 +16,12 @@ use nixl_uccl::test_double::{self, TestDouble};
 use nixl_uccl::{UcclBackend, UcclOptions};
 
 const WATCHDOG: Duration = Duration::from_secs(20);
-const THREADS: [&str; 3] = ["uccl-accept", "uccl-progress", "uccl-connect"];
+const THREADS: [&str; 4] = [
+    "uccl-accept",
+    "uccl-progress",
+    "uccl-connect",
+    "uccl-create",
+];
 
 struct Rng(u64);
 impl Rng {

@@ -33,8 +33,9 @@ conformance_tests!(UCCL_DOUBLE);
 /// process-wide notification list.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zz_no_engine_misuse() {
-    // Runs alongside the other cases; the world is process-wide, so violations from
-    // any of them show up here or in the cases' own runs.
+    // The world is process-wide: under `cargo test` this sees every case of the
+    // file; under nextest (a process per case) only its own, and nixl-uccl's
+    // lifecycle and stress tests check theirs.
     nixl_conformance::cases::three_agents_one_process(&UCCL_DOUBLE).await;
     assert_eq!(nixl_uccl::test_double::violations(), Vec::<String>::new());
     assert_eq!(nixl_uccl::test_double::notifications_sent(), 0);
