@@ -883,15 +883,25 @@ async fn serve_control(
         return;
     }
     let (pong_tx, mut pong_rx) = mpsc::unbounded_channel::<()>();
+    // Pongs from the start; Ready once this agent has registered memory (its engine
+    // accepts only then), whenever that is.
     let writer = async move {
-        if registered.wait_for(|r| *r).await.is_err() {
-            return;
-        }
-        if wr.write_all(&Frame::Ready.encode()).await.is_err() {
-            return;
-        }
-        while pong_rx.recv().await.is_some() {
-            if wr.write_all(&Frame::Pong.encode()).await.is_err() {
+        let mut ready_sent = false;
+        loop {
+            let frame = tokio::select! {
+                r = registered.wait_for(|r| *r), if !ready_sent => match r {
+                    Ok(_) => {
+                        ready_sent = true;
+                        Frame::Ready
+                    }
+                    Err(_) => return,
+                },
+                p = pong_rx.recv() => match p {
+                    Some(()) => Frame::Pong,
+                    None => return,
+                },
+            };
+            if wr.write_all(&frame.encode()).await.is_err() {
                 return;
             }
         }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use nixl::{Agent, AgentOptions, DescList, ErrorKind, MemKind, Op, Registration};
+use nixl::{Agent, AgentOptions, Backend, DescList, ErrorKind, MemKind, Op, Registration};
 use nixl_uccl::test_double::{self, TestDouble};
 use nixl_uccl::{UcclBackend, UcclOptions, MAX_NOTIFICATION};
 
@@ -285,5 +285,34 @@ async fn notifications_go_to_their_agent_whole_and_named() {
         let r = x.shutdown().await;
         assert!(r.is_clean(), "{r:?}");
     }
+    no_misuse();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_link_to_an_unregistered_peer_stays_up() {
+    // Liveness 1 s: an idle link to a target that never registers memory must keep
+    // answering pings (it only withholds "ready" for the engine connection).
+    let (a, ab) = agent("a-idle").await;
+    let (b, _) = agent("b-unregistered").await;
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let mut nb = b.notifications().unwrap();
+    bounded("first", a.notify("b-unregistered", "one").unwrap())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let path = ab.data_path("b-unregistered").unwrap();
+    assert!(
+        !path.contains("not connected"),
+        "the link dropped while idle: {path}"
+    );
+    bounded("second", a.notify("b-unregistered", "two").unwrap())
+        .await
+        .unwrap();
+    for want in ["one", "two"] {
+        let n = bounded("recv", nb.recv()).await.unwrap();
+        assert_eq!(&n.msg[..], want.as_bytes());
+    }
+    a.shutdown().await;
+    b.shutdown().await;
     no_misuse();
 }
