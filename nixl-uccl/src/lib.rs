@@ -48,18 +48,36 @@
 //!   in-flight transfers with [`ErrorKind::RemoteDisconnected`] within that bound
 //!   (plus one poll interval). A transfer not done after [`UcclOptions::stall_timeout`]
 //!   fails with [`ErrorKind::TimedOut`]. UCCL cannot cancel an operation it accepted:
-//!   after such a failure the NIC may still complete it.
+//!   after such a failure the NIC may still complete it (see abandoned operations).
+//!   UCCL 0.1.1 also reports an operation that failed inside the engine as done, so a
+//!   transfer (and its notification) can report success without the data having
+//!   moved; on a peer that dies, liveness usually wins, since an RC queue pair
+//!   reports the failure only after its retry timeout.
 //! - **Notifications.** UCCL's own go over a separate TCP channel, unordered with the
 //!   data, into one process-wide list, truncated to 256 bytes. This crate does not use
 //!   them. A notification is sent on the control connection by the initiator once every
 //!   piece of its transfer is done (so the data is in the target's memory first),
 //!   delivered only to the agent it is for, only when asked for, and never truncated:
-//!   up to [`MAX_NOTIFICATION`] bytes, longer ones are refused when posted.
+//!   up to [`MAX_NOTIFICATION`] bytes, longer ones are refused when posted. Order
+//!   holds per control connection: after a reconnect, frames still in flight on the
+//!   old one may arrive after new ones. The control connection is not authenticated
+//!   (the name in its hello is taken as given), like UCCL's own channel: run it on a
+//!   trusted network.
 //! - **Serialization.** UCCL keeps its registration table in one unguarded
-//!   process-wide map; every engine call that touches it (register, deregister, read,
-//!   write, status, connection and engine destruction) runs under one process-wide
-//!   lock. Accept, stop-accept and connect, which block or must run while accept
-//!   blocks, run outside it.
+//!   process-wide map: registering and deregistering (and creating or destroying
+//!   engines and connections) hold one process-wide lock exclusively, read and write
+//!   share it, and the status poll takes none (a post spinning on a full queue must
+//!   not keep completions from being polled). Accept, stop-accept and connect, which
+//!   block or must run while accept blocks, run outside it.
+//! - **Abandoned operations.** An operation UCCL accepted cannot be cancelled: when
+//!   its transfer fails first (dead peer, stall), the progress thread keeps polling it,
+//!   and its registrations' memory regions (and memory) stay alive, even across
+//!   deregistration, until it is done. At shutdown it gets a short grace; one never
+//!   reported done leaves the engine, its regions and their memory alive for the rest
+//!   of the process rather than destroying them under the NIC.
+//! - **C++ exceptions.** UCCL 0.1.1 throws from some calls (a write on a connection
+//!   whose setup failed); an exception reaching this crate's frames aborts the
+//!   process. Catching them needs a C++ shim, which this crate does not have yet.
 //! - **One-sided.** The target does not see requests: [`Capabilities::target_checks`]
 //!   is `false`; the initiating agent checks every descriptor and the NIC checks keys.
 //! - **VRAM** is refused with [`ErrorKind::NotSupported`] until the core's GPU memory
@@ -128,6 +146,9 @@ pub struct UcclOptions {
     pub max_piece: usize,
     /// Most pieces of one transfer outstanding in the engine at once.
     pub window: usize,
+    /// Most operations outstanding in the engine at once, across all transfers of
+    /// this agent (UCCL's queues are finite, and a full one makes its post call spin).
+    pub max_outstanding: usize,
 }
 
 impl Default for UcclOptions {
@@ -140,6 +161,7 @@ impl Default for UcclOptions {
             stall_timeout: Duration::from_secs(60),
             max_piece: 1 << 30,
             window: 64,
+            max_outstanding: 256,
         }
     }
 }
@@ -177,10 +199,24 @@ fn err<T>(kind: ErrorKind, op: &'static str, msg: impl Into<String>) -> Result<T
 struct EngineOwner {
     api: Arc<dyn EngineApi>,
     engine: EngineHandle,
-    /// Memory regions by registration id.
-    mrs: Mutex<HashMap<u64, u64>>,
+    mrs: Mutex<MrTable>,
     /// Inbound connections, to close at teardown (never keyed by address).
     inbound: Mutex<Vec<ConnHandle>>,
+    /// Set when operations were abandoned inside the engine (never seen done): the
+    /// engine may still touch their memory, so neither the regions nor the engine are
+    /// destroyed, and that memory is never freed.
+    poisoned: std::sync::atomic::AtomicBool,
+}
+
+/// Memory regions by registration id, each with the memory it covers, which stays
+/// alive until the region is destroyed (so a peer's key never reaches freed memory).
+#[derive(Debug, Default)]
+struct MrTable {
+    live: HashMap<u64, (u64, RegionRef)>,
+    /// Abandoned operations still using a registration.
+    busy: HashMap<u64, usize>,
+    /// Deregistered while busy: destroyed when the last operation is seen done.
+    doomed: HashMap<u64, (u64, RegionRef)>,
 }
 
 impl EngineOwner {
@@ -195,21 +231,102 @@ impl EngineOwner {
             };
         }
     }
+
+    fn insert(&self, id: u64, mr: u64, region: RegionRef) {
+        self.mrs.lock().unwrap().live.insert(id, (mr, region));
+    }
+
+    /// Deregister `id` now, or once the abandoned operations using it are done.
+    fn deregister(&self, id: u64) -> bool {
+        let mut t = self.mrs.lock().unwrap();
+        let Some(entry) = t.live.remove(&id) else {
+            return false;
+        };
+        if t.busy.get(&id).is_some_and(|&n| n > 0) {
+            t.doomed.insert(id, entry);
+        } else {
+            drop(t);
+            self.api.mr_destroy(self.engine, entry.0);
+        }
+        true
+    }
+
+    fn hold(&self, ids: &[u64]) {
+        let mut t = self.mrs.lock().unwrap();
+        for id in ids {
+            *t.busy.entry(*id).or_default() += 1;
+        }
+    }
+
+    fn release(&self, ids: &[u64]) {
+        let mut done = Vec::new();
+        {
+            let mut t = self.mrs.lock().unwrap();
+            for id in ids {
+                let n = t.busy.entry(*id).or_default();
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    t.busy.remove(id);
+                    if let Some(e) = t.doomed.remove(id) {
+                        done.push(e);
+                    }
+                }
+            }
+        }
+        for (mr, _region) in done {
+            self.api.mr_destroy(self.engine, mr);
+        }
+    }
 }
+
+/// How long dropping the owner waits for `uccl_engine_destroy` (which joins UCCL's
+/// own threads) before leaving it to finish alone.
+const DESTROY_BOUND: Duration = Duration::from_secs(10);
 
 impl Drop for EngineOwner {
     fn drop(&mut self) {
         self.close_inbound();
-        let mrs = std::mem::take(&mut *self.mrs.lock().unwrap());
-        for (_, mr) in mrs {
+        let t = std::mem::take(&mut *self.mrs.lock().unwrap());
+        if self.poisoned.load(std::sync::atomic::Ordering::Acquire) {
+            tracing::warn!(
+                regions = t.live.len() + t.doomed.len(),
+                "UCCL engine left alive: operations it never reported done may still use registered memory, which stays allocated"
+            );
+            for (_, (_, region)) in t.live.into_iter().chain(t.doomed) {
+                std::mem::forget(region);
+            }
+            return;
+        }
+        for (_, (mr, _region)) in t.live.into_iter().chain(t.doomed) {
             self.api.mr_destroy(self.engine, mr);
         }
-        // SAFETY: this owner is the engine's last holder: every thread, connection and
-        // registration that could call into it held this value and is gone.
-        #[allow(unsafe_code)]
-        unsafe {
-            self.api.destroy(self.engine)
+        let (api, engine) = (self.api.clone(), self.engine);
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let destroy = move || {
+            // SAFETY: this owner was the engine's last holder: every thread,
+            // connection and registration that could call into it held the owner
+            // and is gone.
+            #[allow(unsafe_code)]
+            unsafe {
+                api.destroy(engine)
+            };
+            let _ = tx.send(());
         };
+        // UCCL's destroy joins its own threads, which can take a while (its accept
+        // polls once a second): bounded, then left to finish on its own thread.
+        match std::thread::Builder::new()
+            .name("uccl-destroy".into())
+            .spawn(destroy)
+        {
+            Ok(_) => {
+                if rx.recv_timeout(DESTROY_BOUND).is_err() {
+                    tracing::warn!(
+                        "uccl_engine_destroy did not return within {DESTROY_BOUND:?}; left running"
+                    );
+                }
+            }
+            Err(e) => tracing::warn!(%e, "no thread for uccl_engine_destroy; engine leaked"),
+        }
     }
 }
 
@@ -275,6 +392,8 @@ impl Drop for OwnedConn {
 struct Link {
     peer: String,
     conn: std::sync::OnceLock<OwnedConn>,
+    /// A UCCL connect still running after its caller gave up.
+    pending: Mutex<Option<oneshot::Receiver<Result<OwnedConn>>>>,
     state: Arc<LinkState>,
 }
 
@@ -370,6 +489,8 @@ fn send_notif(st: &LinkState, msg: Bytes, done: Completer) {
 /// One piece of a transfer, resolved.
 #[derive(Clone, Copy, Debug)]
 struct Piece {
+    /// The local registration and its memory region.
+    region: u64,
     mr: u64,
     addr: usize,
     len: usize,
@@ -609,29 +730,46 @@ impl Inner {
         }
         let st = self.started()?;
         let t = self.options.connect_timeout;
-        let conn = tokio::time::timeout(t, self.engine_connect(&st, &link, peer, &info))
-            .await
-            .map_err(|_| {
-                Error::new(
-                    ErrorKind::TimedOut,
-                    OP,
-                    format!("the engine connection to {peer:?} took longer than {t:?}"),
-                )
-            })??;
+        let timed_out = || {
+            Error::new(
+                ErrorKind::TimedOut,
+                OP,
+                format!("the engine connection to {peer:?} took longer than {t:?}"),
+            )
+        };
+        let deadline = tokio::time::Instant::now() + t;
+        // At most one UCCL connect per link: a connect that outlived an earlier
+        // caller's timeout is waited for again, never started twice.
+        let pending = link.pending.lock().unwrap().take();
+        let mut rx = match pending {
+            Some(rx) => rx,
+            None => tokio::time::timeout_at(deadline, self.engine_connect(&st, &link, peer, &info))
+                .await
+                .map_err(|_| timed_out())??,
+        };
+        let conn = match tokio::time::timeout_at(deadline, &mut rx).await {
+            Ok(r) => r.map_err(|_| {
+                Error::new(ErrorKind::ShutDown, OP, "the agent stopped during connect")
+            })??,
+            Err(_) => {
+                *link.pending.lock().unwrap() = Some(rx);
+                return Err(timed_out());
+            }
+        };
         // Only one connect runs per peer (the gate), so this sets it; were it set
         // already, the new connection would just be closed again.
         let _ = link.conn.set(conn);
         Ok(link)
     }
 
-    /// Wait for the target's Ready, then UCCL's connect on an agent-owned thread.
+    /// Wait for the target's Ready, then start UCCL's connect on an agent-owned thread.
     async fn engine_connect(
         &self,
         st: &Arc<Started>,
         link: &Link,
         peer: &str,
         info: &ConnInfo,
-    ) -> Result<OwnedConn> {
+    ) -> Result<oneshot::Receiver<Result<OwnedConn>>> {
         const OP: &str = "uccl connect";
         let (ip, port, gpu) = info.engine_endpoint().ok_or_else(|| {
             Error::new(
@@ -667,8 +805,7 @@ impl Inner {
             },
             || {},
         )?;
-        rx.await
-            .map_err(|_| Error::new(ErrorKind::ShutDown, OP, "the agent stopped during connect"))?
+        Ok(rx)
     }
 
     /// The control handshake.
@@ -727,6 +864,7 @@ impl Inner {
         Ok(Arc::new(Link {
             peer: peer.to_owned(),
             conn: std::sync::OnceLock::new(),
+            pending: Mutex::new(None),
             state,
         }))
     }
@@ -872,7 +1010,8 @@ async fn serve_control(
 ) {
     let _ = stream.set_nodelay(true);
     let (mut rd, mut wr) = stream.into_split();
-    let name = match tokio::time::timeout(liveness, wire::read_frame(&mut rd)).await {
+    // Before the hello, only a hello-sized frame is read.
+    let name = match tokio::time::timeout(liveness, wire::read_frame_max(&mut rd, 1024)).await {
         Ok(Ok(Some(Frame::Hello(n)))) => n,
         other => {
             tracing::debug!(?other, "UCCL control: no hello");
@@ -930,6 +1069,29 @@ async fn serve_control(
     }
 }
 
+/// Operations of a failed transfer that the engine accepted and never reported done.
+/// UCCL cannot cancel them, so the progress thread keeps polling them, keeping their
+/// connection open and their registrations' memory regions (and memory) alive until
+/// they are done.
+#[derive(Debug)]
+struct Zombie {
+    link: Arc<Link>,
+    conn: ConnHandle,
+    ids: std::collections::VecDeque<u64>,
+    regions: Vec<u64>,
+}
+
+impl Zombie {
+    fn owner(&self) -> &EngineOwner {
+        &self
+            .link
+            .conn
+            .get()
+            .expect("a zombie had a connection")
+            .owner
+    }
+}
+
 /// The progress thread: issues pieces, polls the engine, finishes transfers.
 fn progress_loop(
     p: Arc<Progress>,
@@ -938,56 +1100,130 @@ fn progress_loop(
     opts: UcclOptions,
 ) {
     let mut active: Vec<Job> = Vec::new();
+    let mut zombies: Vec<Zombie> = Vec::new();
+    // Operations in the engine, across all transfers: UCCL's queues are finite and a
+    // full one makes its post spin (with completions only collected by our polls).
+    let mut outstanding = 0usize;
     let mut idle_rounds = 0u32;
     loop {
         {
             let mut q = p.q.lock().unwrap();
-            if active.is_empty() {
+            if active.is_empty() && zombies.is_empty() {
                 while q.new.is_empty() && !stop.is_cancelled() {
                     q = p.cv.wait(q).unwrap();
                 }
-            } else if q.new.is_empty() && idle_rounds > 64 {
-                // In flight but nothing moved for a while: back off, still waking at
-                // once for new work.
-                let pause = Duration::from_micros(if idle_rounds > 4096 { 1000 } else { 50 });
+            } else if q.new.is_empty() && (idle_rounds > 64 || active.is_empty()) {
+                // In flight but nothing moved for a while (or only abandoned
+                // operations left): back off, still waking at once for new work.
+                let pause = if active.is_empty() {
+                    Duration::from_millis(10)
+                } else if idle_rounds > 4096 {
+                    Duration::from_millis(1)
+                } else {
+                    Duration::from_micros(50)
+                };
                 q = p.cv.wait_timeout(q, pause).unwrap().0;
             }
+            active.append(&mut q.new);
             if stop.is_cancelled() {
-                active.append(&mut q.new);
                 break;
             }
-            active.append(&mut q.new);
         }
         let mut moved = false;
         let mut i = 0;
         while i < active.len() {
-            match step(&mut active[i], api.as_ref(), &opts) {
+            match step(&mut active[i], api.as_ref(), &opts, &mut outstanding) {
                 Step::Pending(m) => {
                     moved |= m;
                     i += 1;
                 }
                 Step::Finished(r) => {
                     moved = true;
-                    finish(active.swap_remove(i), r);
+                    let mut j = active.swap_remove(i);
+                    if !j.inflight.is_empty() {
+                        zombies.push(zombie(&mut j));
+                    }
+                    finish(j, r);
                 }
             }
         }
+        zombies.retain_mut(|z| {
+            while let Some(&id) = z.ids.front() {
+                if !api.done(z.conn, id) {
+                    return true;
+                }
+                z.ids.pop_front();
+                outstanding -= 1;
+            }
+            z.owner().release(&z.regions);
+            false
+        });
         idle_rounds = if moved {
             0
         } else {
             idle_rounds.saturating_add(1)
         };
-        if !moved && idle_rounds <= 64 {
+        if !moved && idle_rounds <= 64 && !active.is_empty() {
             std::thread::yield_now();
         }
     }
-    for j in active {
+    for mut j in active {
+        if !j.inflight.is_empty() {
+            zombies.push(zombie(&mut j));
+        }
         j.done.complete(Err(Error::new(
             ErrorKind::ShutDown,
             "uccl transfer",
             "the agent stopped",
         )));
     }
+    // Give operations still in the engine a moment to be reported done (a flush
+    // after the peer went away), then give up on them.
+    let until = Instant::now() + ABANDON_GRACE;
+    while !zombies.is_empty() && Instant::now() < until {
+        zombies.retain_mut(|z| {
+            while let Some(&id) = z.ids.front() {
+                if !api.done(z.conn, id) {
+                    return true;
+                }
+                z.ids.pop_front();
+            }
+            z.owner().release(&z.regions);
+            false
+        });
+        if !zombies.is_empty() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    for z in zombies {
+        // Never seen done: the engine may still use that memory.
+        tracing::warn!(
+            peer = %z.link.peer,
+            operations = z.ids.len(),
+            "UCCL operations never reported done; the engine and their memory are left alive"
+        );
+        z.owner()
+            .poisoned
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// How long a stopping progress thread still polls operations of failed transfers.
+const ABANDON_GRACE: Duration = Duration::from_millis(500);
+
+/// Take a failed job's operations still in the engine, and hold their registrations.
+fn zombie(j: &mut Job) -> Zombie {
+    let mut regions: Vec<u64> = j.pieces.iter().map(|p| p.region).collect();
+    regions.sort_unstable();
+    regions.dedup();
+    let z = Zombie {
+        link: j.link.clone(),
+        conn: j.conn,
+        ids: std::mem::take(&mut j.inflight),
+        regions,
+    };
+    z.owner().hold(&z.regions);
+    z
 }
 
 enum Step {
@@ -995,9 +1231,9 @@ enum Step {
     Finished(Result<()>),
 }
 
-/// Advance one job: retire done pieces in order, issue more up to the window, check
-/// liveness and the stall bound.
-fn step(j: &mut Job, api: &dyn EngineApi, opts: &UcclOptions) -> Step {
+/// Advance one job: retire done pieces in order, issue more up to the window (and the
+/// global bound), check liveness and the stall bound.
+fn step(j: &mut Job, api: &dyn EngineApi, opts: &UcclOptions, outstanding: &mut usize) -> Step {
     const OP: &str = "uccl transfer";
     let mut moved = false;
     if j.issued == 0 && j.done.is_canceled() {
@@ -1019,14 +1255,17 @@ fn step(j: &mut Job, api: &dyn EngineApi, opts: &UcclOptions) -> Step {
             break;
         }
         j.inflight.pop_front();
+        *outstanding -= 1;
         moved = true;
     }
-    while j.issued < j.pieces.len() && j.inflight.len() < opts.window.max(1) {
+    while j.issued < j.pieces.len()
+        && j.inflight.len() < opts.window.max(1)
+        && *outstanding < opts.max_outstanding.max(1)
+    {
         let pc = j.pieces[j.issued];
         // SAFETY: the piece lies in registration `mr` (checked by the agent and at
-        // prepare), which stays registered while this transfer is in flight (the agent
-        // refuses to deregister it), and `j.done` keeps its memory alive until the
-        // job finishes.
+        // prepare); the engine owner keeps that registration's memory alive until its
+        // region is destroyed, which waits for operations abandoned in the engine.
         #[allow(unsafe_code)]
         let r = unsafe {
             match j.op {
@@ -1038,6 +1277,7 @@ fn step(j: &mut Job, api: &dyn EngineApi, opts: &UcclOptions) -> Step {
             Ok(id) => {
                 j.inflight.push_back(id);
                 j.issued += 1;
+                *outstanding += 1;
                 moved = true;
             }
             Err(e) => return Step::Finished(Err(e)),
@@ -1140,8 +1380,9 @@ impl Backend for UcclBackend {
         let owner = Arc::new(EngineOwner {
             api: inner.api.clone(),
             engine,
-            mrs: Mutex::new(HashMap::new()),
+            mrs: Mutex::default(),
             inbound: Mutex::new(Vec::new()),
+            poisoned: Default::default(),
         });
         let engine_meta = owner.api.metadata(engine)?;
         let engine_ip = engine_meta
@@ -1274,7 +1515,7 @@ impl Backend for UcclBackend {
                 return Err(e);
             }
         };
-        o.mrs.lock().unwrap().insert(region.id(), mr);
+        o.insert(region.id(), mr, region.clone());
         self.inner
             .regs
             .lock()
@@ -1293,10 +1534,10 @@ impl Backend for UcclBackend {
                 format!("region {region_id} is not registered"),
             );
         };
+        // The owner keeps the memory until its region is destroyed (now, or once
+        // abandoned operations on it are done, or with the engine).
         if let Ok(st) = self.inner.started() {
-            if let Some(mr) = st.owner.mrs.lock().unwrap().remove(&region_id) {
-                st.owner.api.mr_destroy(st.owner.engine, mr);
-            }
+            st.owner.deregister(region_id);
         }
         Ok(())
     }
@@ -1402,6 +1643,7 @@ impl Backend for UcclBackend {
             while off < s.local.len() {
                 let n = (s.local.len() - off).min(max);
                 pieces.push(Piece {
+                    region: s.local.id(),
                     mr,
                     addr: base + off,
                     len: n,
@@ -1469,7 +1711,8 @@ impl Backend for UcclBackend {
         let Some(st) = self.inner.started.lock().unwrap().take() else {
             return Ok(());
         };
-        let holders = Arc::strong_count(&st.owner);
+        // Tasks mid-connect may hold `Started` (and so the owner) a moment longer.
+        let holders = Arc::strong_count(&st.owner) + Arc::strong_count(&st) - 1;
         drop(st);
         // `Started` held one reference; the rest are threads or links still alive.
         if holders > 1 {

@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Mutex, RwLock};
 
 use nixl::native::{self, BoundObject, LibraryReport, LibrarySource, NativeLibrary};
 use nixl::{Error, ErrorKind, Result};
@@ -173,13 +173,22 @@ impl std::fmt::Debug for Uccl {
     }
 }
 
-/// UCCL keeps its registration table (`mem_reg_info`) in one unguarded global map that
-/// `reg`, `mr_destroy`, `read` and `write` all touch, whatever the engine: every such
-/// call in the process goes under this lock.
-static ENGINE_LOCK: Mutex<()> = Mutex::new(());
+/// UCCL keeps its registration table (`mem_reg_info`) in one unguarded global map,
+/// whatever the engine: `reg` and `mr_destroy` change it, and `read`/`write` look
+/// addresses up in it on a same-host connection. Calls that change it (and engine or
+/// connection creation and destruction) take this lock exclusively; `read`/`write`
+/// share it. `xfer_status` touches no shared state and takes none, so a post that
+/// spins on a full queue can never keep the completions that would drain the queue
+/// from being polled by another thread (the progress thread also bounds what it
+/// keeps outstanding, `UcclOptions::max_outstanding`).
+static ENGINE_LOCK: RwLock<()> = RwLock::new(());
 
-fn locked() -> std::sync::MutexGuard<'static, ()> {
-    ENGINE_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+fn locked() -> std::sync::RwLockWriteGuard<'static, ()> {
+    ENGINE_LOCK.write().unwrap_or_else(|e| e.into_inner())
+}
+
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    ENGINE_LOCK.read().unwrap_or_else(|e| e.into_inner())
 }
 
 fn backend_err(op: &'static str, what: String) -> Error {
@@ -242,7 +251,9 @@ impl EngineApi for Uccl {
         let ip_c = CString::new(ip).map_err(|_| backend_err(OP, "an address with a NUL".into()))?;
         let gpu_c = CString::new(gpu).map_err(|_| backend_err(OP, "a GPU id with a NUL".into()))?;
         // Not under ENGINE_LOCK: connect blocks on the network and does not touch the
-        // global registration map; UCCL's Endpoint guards its connection table itself.
+        // global registration map. (UCCL 0.1.1's own passive accept thread updates the
+        // endpoint's tables concurrently with some unlocked reads of its own; nothing
+        // a caller can serialize.)
         // SAFETY: `e` is live; both strings are NUL-terminated and outlive the call.
         let c = unsafe {
             (self.connect)(
@@ -349,7 +360,7 @@ impl EngineApi for Uccl {
     ) -> Result<u64> {
         let mut id = 0u64;
         let rc = {
-            let _g = locked();
+            let _g = shared();
             // SAFETY: the caller guarantees the local range and the handles; `remote`
             // goes by value as UCCL's FifoItem (same layout, see api::FifoItem).
             unsafe {
@@ -382,7 +393,7 @@ impl EngineApi for Uccl {
     ) -> Result<u64> {
         let mut id = 0u64;
         let rc = {
-            let _g = locked();
+            let _g = shared();
             // SAFETY: as for write.
             unsafe {
                 (self.read)(
@@ -405,7 +416,6 @@ impl EngineApi for Uccl {
     }
 
     fn done(&self, c: ConnHandle, id: u64) -> bool {
-        let _g = locked();
         // SAFETY: `c` is live and `id` one of its transfers, not yet seen done.
         unsafe { (self.xfer_status)(c.0 as *mut c_void, id) }
     }

@@ -11,8 +11,10 @@
 //!   stop-accept (sticky, as a flag) is called;
 //! - `connect` blocks until the peer's engine accepts it (or that engine is
 //!   destroyed);
-//! - a transfer towards an engine that was destroyed or [frozen](freeze) is never done
-//!   (UCCL's status says only "done or not");
+//! - a transfer towards a [frozen](freeze) engine is never done (UCCL's status says
+//!   only "done or not"); one towards an engine that was destroyed is reported done
+//!   without moving data (a queue pair whose peer died is flushed, and UCCL reports
+//!   a failed operation as done), at once or after a [delay](set_flush_delay);
 //! - a process-wide notification list (UCCL's `notify_list`), which this crate must
 //!   never use: [`notifications_sent`] counts what went into it.
 //!
@@ -38,6 +40,8 @@ struct Engine {
     stop_accept: bool,
     frozen: bool,
     holding: bool,
+    /// How long after this engine's destruction operations towards it are flushed.
+    flush_delay: Duration,
     /// Connections made from or accepted by this engine and not destroyed.
     conns: usize,
 }
@@ -57,12 +61,14 @@ struct World {
     engines: HashMap<usize, Engine>,
     by_port: HashMap<u16, usize>,
     conns: HashMap<usize, Conn>,
-    /// Transfer id to done.
-    xfers: HashMap<u64, bool>,
+    /// Transfer id to (done, the peer engine it goes to).
+    xfers: HashMap<u64, (bool, usize)>,
     violations: Vec<String>,
     notifications: usize,
     live_engines: usize,
     next_port: u16,
+    /// Destroyed engines: when, and their flush delay.
+    gone: HashMap<usize, (std::time::Instant, Duration)>,
 }
 
 static WORLD: Mutex<Option<World>> = Mutex::new(None);
@@ -161,6 +167,46 @@ pub fn freeze(engine_metadata: &str) {
     });
 }
 
+/// Operations towards the engine announced as `engine_metadata` that are in flight
+/// when it is destroyed are flushed (reported done) `delay` later, not at once: an RC
+/// queue pair notices a dead peer only after its retry timeout.
+pub fn set_flush_delay(engine_metadata: &str, delay: Duration) {
+    with(|w| {
+        if let Some(e) = engine_mut(w, engine_metadata) {
+            w.engines.get_mut(&e).unwrap().flush_delay = delay;
+        }
+    });
+}
+
+/// Undo [`freeze`]: operations towards that engine that were never done are reported
+/// done from now on (late completions; their data is not moved).
+pub fn thaw(engine_metadata: &str) {
+    with(|w| {
+        if let Some(e) = engine_mut(w, engine_metadata) {
+            w.engines.get_mut(&e).unwrap().frozen = false;
+            for x in w.xfers.values_mut() {
+                if x.1 == e {
+                    x.0 = true;
+                }
+            }
+        }
+    });
+}
+
+/// Whether the engine announced as `engine_metadata` still exists.
+pub fn engine_alive(engine_metadata: &str) -> bool {
+    with(|w| engine_mut(w, engine_metadata).is_some())
+}
+
+/// Memory regions registered in the engine announced as `engine_metadata`.
+pub fn registrations(engine_metadata: &str) -> usize {
+    with(|w| {
+        engine_mut(w, engine_metadata)
+            .and_then(|e| w.engines.get(&e))
+            .map_or(0, |e| e.regs.len())
+    })
+}
+
 /// Make the engine announced as `engine_metadata` leave inbound connections pending
 /// (`hold = true`: connects to it block) or take them again.
 pub fn hold_accepts(engine_metadata: &str, hold: bool) {
@@ -212,6 +258,8 @@ impl EngineApi for TestDouble {
             Some(eng) => {
                 w.by_port.remove(&eng.port);
                 w.live_engines -= 1;
+                w.gone
+                    .insert(e.0, (std::time::Instant::now(), eng.flush_delay));
                 if eng.conns > 0 {
                     w.violation(format!(
                         "engine {} destroyed with {} connection(s) open",
@@ -426,12 +474,18 @@ impl EngineApi for TestDouble {
                 w.violation(format!("status on destroyed connection {}", c.0));
                 return false;
             }
-            match w.xfers.get(&id) {
-                Some(true) => {
+            match w.xfers.get(&id).copied() {
+                // Done, or flushed: the peer engine is gone (an RC queue pair whose
+                // peer died completes its work in error; UCCL reports that as done).
+                Some((done, peer))
+                    if done
+                        || (!w.engines.contains_key(&peer)
+                            && w.gone.get(&peer).is_none_or(|(at, d)| at.elapsed() >= *d)) =>
+                {
                     w.xfers.remove(&id);
                     true
                 }
-                Some(false) => false,
+                Some(_) => false,
                 None => {
                     w.violation(format!("status of unknown or finished transfer {id}"));
                     false
@@ -487,12 +541,12 @@ impl TestDouble {
             }
             let id = w.id() as u64;
             let Some(target) = w.engines.get(&peer) else {
-                // The peer engine is gone: like a NIC whose peer vanished, never done.
-                w.xfers.insert(id, false);
+                // The peer engine is gone: completes (flushed) without moving data.
+                w.xfers.insert(id, (false, peer));
                 return Ok(id);
             };
             if target.frozen {
-                w.xfers.insert(id, false);
+                w.xfers.insert(id, (false, peer));
                 return Ok(id);
             }
             let hit = target
@@ -519,7 +573,7 @@ impl TestDouble {
             // alive, the peer's owner keeps its regions registered while its engine
             // lives); registered memory is only ever accessed through raw pointers.
             unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
-            w.xfers.insert(id, true);
+            w.xfers.insert(id, (true, peer));
             Ok(id)
         })
     }

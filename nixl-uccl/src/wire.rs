@@ -129,15 +129,24 @@ impl Frame {
 pub(crate) async fn read_frame<R: tokio::io::AsyncRead + Unpin>(
     r: &mut R,
 ) -> std::io::Result<Option<Frame>> {
+    read_frame_max(r, MAX_FRAME).await
+}
+
+/// [`read_frame`] refusing frames longer than `max` (a peer that has not said who it
+/// is gets a small limit).
+pub(crate) async fn read_frame_max<R: tokio::io::AsyncRead + Unpin>(
+    r: &mut R,
+    max: usize,
+) -> std::io::Result<Option<Frame>> {
     use tokio::io::AsyncReadExt;
     let mut len = [0u8; 4];
-    match r.read_exact(&mut len).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e),
+    // End of stream is clean only between frames; inside a header it is an error.
+    if r.read(&mut len[..1]).await? == 0 {
+        return Ok(None);
     }
+    r.read_exact(&mut len[1..]).await?;
     let n = u32::from_le_bytes(len) as usize;
-    if n == 0 || n > MAX_FRAME {
+    if n == 0 || n > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("control frame of {n} bytes"),
@@ -219,6 +228,16 @@ mod tests {
         assert!(read_frame(&mut zero.as_slice()).await.is_err());
         let empty: &[u8] = &[];
         assert!(read_frame(&mut &*empty).await.unwrap().is_none());
+        // A cut header is not a clean end.
+        let cut: &[u8] = &[5, 0];
+        assert!(read_frame(&mut &*cut).await.is_err());
+        // A small limit holds.
+        let hello = Frame::Hello("x".repeat(100)).encode();
+        assert!(read_frame_max(&mut &hello[..], 64).await.is_err());
+        assert!(read_frame_max(&mut &hello[..], 200)
+            .await
+            .unwrap()
+            .is_some());
     }
 
     proptest! {

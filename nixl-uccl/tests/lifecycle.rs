@@ -82,8 +82,9 @@ async fn agent_that_never_registered_shuts_down_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_during_connect_never_races_destroy() {
-    let (a, _) = agent("a-connect").await;
+    let (a, ab) = agent("a-connect").await;
     let (b, bb) = agent("b-held").await;
+    let a_meta = ab.engine_metadata().unwrap();
     let src = a.register(vec![1u8; 4096]).unwrap();
     let dst = b.register(vec![0u8; 4096]).unwrap();
     a.load_metadata(&b.metadata().unwrap()).unwrap();
@@ -110,12 +111,16 @@ async fn stop_during_connect_never_races_destroy() {
     // The connect thread is still inside the engine: named, not waited on.
     assert_eq!(r.threads_left, vec!["uccl-connect".to_string()], "{r:?}");
     assert!(bounded("transfer", t).await.is_err());
-    let engines_before = test_double::live_engines();
+    assert!(
+        test_double::engine_alive(&a_meta),
+        "destroyed under a running connect"
+    );
     // B goes away: the stuck connect returns, and only then is A's engine destroyed.
     b.shutdown().await;
     assert!(
-        test_double::wait_until(Duration::from_secs(10), || test_double::live_engines()
-            <= engines_before - 2),
+        test_double::wait_until(Duration::from_secs(10), || !test_double::engine_alive(
+            &a_meta
+        )),
         "A's engine was not destroyed after its last user returned"
     );
     no_misuse();
@@ -137,8 +142,12 @@ async fn vanished_peer_fails_transfers_within_the_liveness_bound() {
     )
     .await
     .unwrap();
-    // Then B's engine stops completing anything ("done" never comes), and B dies.
-    test_double::freeze(&bb.engine_metadata().unwrap());
+    // Then B's engine stops completing anything ("done" never comes), and B dies;
+    // its queue pairs would be flushed only after a retry timeout (10 s here), so
+    // only the liveness of the control connection can fail the transfer in time.
+    let b_meta = bb.engine_metadata().unwrap();
+    test_double::freeze(&b_meta);
+    test_double::set_flush_delay(&b_meta, Duration::from_secs(10));
     let t = a
         .transfer(
             Op::Write,
@@ -180,7 +189,7 @@ async fn vanished_peer_fails_transfers_within_the_liveness_bound() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_but_live_peer_times_out() {
-    let (a, _) = agent_with(
+    let (a, ab) = agent_with(
         "a-stall",
         UcclOptions {
             stall_timeout: Duration::from_millis(500),
@@ -192,7 +201,8 @@ async fn frozen_but_live_peer_times_out() {
     let src = a.register(vec![1u8; 4096]).unwrap();
     let dst = b.register(vec![0u8; 4096]).unwrap();
     a.load_metadata(&b.metadata().unwrap()).unwrap();
-    test_double::freeze(&bb.engine_metadata().unwrap());
+    let b_meta = bb.engine_metadata().unwrap();
+    test_double::freeze(&b_meta);
     let e = bounded(
         "stalled write",
         a.write(
@@ -210,8 +220,31 @@ async fn frozen_but_live_peer_times_out() {
     assert!(tokio::time::timeout(Duration::from_millis(300), nb.recv())
         .await
         .is_err());
-    a.shutdown().await;
+    // The operation is still in the engine: deregistering the source must not
+    // destroy its memory region (nor free its memory) until the engine is done.
+    let a_meta = ab.engine_metadata().unwrap();
+    assert_eq!(test_double::registrations(&a_meta), 1);
+    a.deregister(&src).unwrap();
+    drop(src);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        test_double::registrations(&a_meta),
+        1,
+        "destroyed under an operation in flight"
+    );
+    test_double::thaw(&b_meta);
+    assert!(
+        test_double::wait_until(Duration::from_secs(10), || test_double::registrations(
+            &a_meta
+        ) == 0),
+        "the region was not destroyed once the engine was done"
+    );
+    let r = a.shutdown().await;
+    assert!(r.is_clean(), "{r:?}");
     b.shutdown().await;
+    assert!(test_double::wait_until(Duration::from_secs(10), || {
+        !test_double::engine_alive(&a_meta)
+    }));
     no_misuse();
 }
 
@@ -313,6 +346,56 @@ async fn control_link_to_an_unregistered_peer_stays_up() {
         assert_eq!(&n.msg[..], want.as_bytes());
     }
     a.shutdown().await;
+    b.shutdown().await;
+    no_misuse();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operations_never_done_leave_engine_and_memory_alive() {
+    // A transfer fails (stall bound) while its operation stays in the engine, and the
+    // agent then shuts down with it still there: the engine may yet write that
+    // memory, so the memory region, its memory and the engine are left alive on
+    // purpose rather than destroyed under it.
+    let (a, ab) = agent_with(
+        "a-poison",
+        UcclOptions {
+            stall_timeout: Duration::from_millis(300),
+            ..options()
+        },
+    )
+    .await;
+    let (b, bb) = agent("b-poison").await;
+    let dst = a.register(vec![0u8; 4096]).unwrap();
+    let src = b.register(vec![9u8; 4096]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let b_meta = bb.engine_metadata().unwrap();
+    test_double::freeze(&b_meta);
+    let e = bounded(
+        "stalled read",
+        a.read(
+            &one(dst.whole()),
+            "b-poison",
+            &one(remote(&a, "b-poison", &src)),
+            None,
+        ),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    let a_meta = ab.engine_metadata().unwrap();
+    a.shutdown().await;
+    drop((a, ab, dst));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        test_double::engine_alive(&a_meta),
+        "engine destroyed under an operation"
+    );
+    assert_eq!(
+        test_double::registrations(&a_meta),
+        1,
+        "region destroyed under an operation"
+    );
+    test_double::thaw(&b_meta);
     b.shutdown().await;
     no_misuse();
 }

@@ -129,18 +129,29 @@ async fn run(seed: u64, i: u64) -> &'static str {
                 }
                 "transfer done, then teardown"
             } else if scenario == 3 {
-                // In flight (never done) while the initiator stops.
-                if rng.below(2) == 0 {
-                    test_double::freeze(&bb.engine_metadata().unwrap());
+                // In flight while the initiator stops. When frozen, the target thaws
+                // (late completions) or goes away (flushed) first, so nothing stays
+                // in the engine for good (that case is poisoned and leaked on
+                // purpose; see the lifecycle tests).
+                let frozen = rng.below(2) == 0;
+                let meta = bb.engine_metadata().unwrap();
+                if frozen {
+                    test_double::freeze(&meta);
                 }
                 let t = a
                     .transfer(Op::Write, &one(src.whole()), &n("tgt"), &rd, notif)
                     .unwrap();
                 tokio::time::sleep(Duration::from_micros(rng.below(3000))).await;
                 let sd = rng.below(2) == 0;
-                end(a, sd, "initiator stops mid-transfer").await;
+                if frozen && rng.below(2) == 0 {
+                    end(b, sd, "target first").await;
+                    end(a, sd, "initiator stops mid-transfer").await;
+                } else {
+                    test_double::thaw(&meta);
+                    end(a, sd, "initiator stops mid-transfer").await;
+                    end(b, sd, "target after").await;
+                }
                 let _ = t.await;
-                end(b, sd, "target after").await;
                 "initiator stops mid-transfer"
             } else {
                 // The target vanishes mid-transfer.
@@ -150,10 +161,10 @@ async fn run(seed: u64, i: u64) -> &'static str {
                     .unwrap();
                 tokio::time::sleep(Duration::from_micros(rng.below(3000))).await;
                 drop(b);
-                assert!(
-                    t.await.is_err(),
-                    "a transfer to a vanished peer cannot succeed"
-                );
+                // Failed (liveness), or "done" because the engine flushed it first:
+                // UCCL reports a flushed operation as done, and a one-sided
+                // transport cannot tell. Either way it ends.
+                let _ = t.await;
                 end(a, true, "after the peer vanished").await;
                 "peer vanishes mid-transfer"
             }
