@@ -318,8 +318,11 @@ impl Drop for EngineOwner {
             .name("uccl-destroy".into())
             .spawn(destroy)
         {
-            Ok(_) => {
-                if rx.recv_timeout(DESTROY_BOUND).is_err() {
+            Ok(h) => {
+                if rx.recv_timeout(DESTROY_BOUND).is_ok() {
+                    // Done: reap the thread so it does not outlive the agent.
+                    let _ = h.join();
+                } else {
                     tracing::warn!(
                         "uccl_engine_destroy did not return within {DESTROY_BOUND:?}; left running"
                     );
