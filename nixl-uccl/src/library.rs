@@ -358,29 +358,8 @@ impl EngineApi for Uccl {
         len: usize,
         remote: FifoItem,
     ) -> Result<u64> {
-        let mut id = 0u64;
-        let rc = {
-            let _g = shared();
-            // SAFETY: the caller guarantees the local range and the handles; `remote`
-            // goes by value as UCCL's FifoItem (same layout, see api::FifoItem).
-            unsafe {
-                (self.write)(
-                    c.0 as *mut c_void,
-                    mr,
-                    addr as *const c_void,
-                    len,
-                    remote,
-                    &mut id,
-                )
-            }
-        };
-        if rc != 0 {
-            return Err(backend_err(
-                "UCCL write",
-                format!("uccl_engine_write returned {rc}"),
-            ));
-        }
-        Ok(id)
+        // SAFETY: forwarded contract.
+        unsafe { xfer(self.write, "UCCL write", c, mr, addr, len, remote) }
     }
 
     unsafe fn read(
@@ -391,28 +370,8 @@ impl EngineApi for Uccl {
         len: usize,
         remote: FifoItem,
     ) -> Result<u64> {
-        let mut id = 0u64;
-        let rc = {
-            let _g = shared();
-            // SAFETY: as for write.
-            unsafe {
-                (self.read)(
-                    c.0 as *mut c_void,
-                    mr,
-                    addr as *const c_void,
-                    len,
-                    remote,
-                    &mut id,
-                )
-            }
-        };
-        if rc != 0 {
-            return Err(backend_err(
-                "UCCL read",
-                format!("uccl_engine_read returned {rc}"),
-            ));
-        }
-        Ok(id)
+        // SAFETY: forwarded contract.
+        unsafe { xfer(self.read, "UCCL read", c, mr, addr, len, remote) }
     }
 
     fn done(&self, c: ConnHandle, id: u64) -> bool {
@@ -425,6 +384,41 @@ impl EngineApi for Uccl {
         // SAFETY: the caller guarantees `c` is live and unused from now on.
         unsafe { (self.conn_destroy)(c.0 as *mut c_void) }
     }
+}
+
+/// One `uccl_engine_write`/`uccl_engine_read` (same signature).
+///
+/// # Safety
+/// As [`EngineApi::write`].
+unsafe fn xfer(
+    f: XferFn,
+    op: &'static str,
+    c: ConnHandle,
+    mr: u64,
+    addr: usize,
+    len: usize,
+    remote: FifoItem,
+) -> Result<u64> {
+    let mut id = 0u64;
+    let rc = {
+        let _g = shared();
+        // SAFETY: the caller guarantees the local range and the handles; `remote` goes
+        // by value as UCCL's FifoItem (same layout, see api::FifoItem).
+        unsafe {
+            f(
+                c.0 as *mut c_void,
+                mr,
+                addr as *const c_void,
+                len,
+                remote,
+                &mut id,
+            )
+        }
+    };
+    if rc != 0 {
+        return Err(backend_err(op, format!("{op} returned {rc}")));
+    }
+    Ok(id)
 }
 
 struct Bound {
