@@ -94,11 +94,12 @@ async fn track(slot: usize, transfer: Transfer, posted: Instant) -> Done {
 
 /// How a thread makes its requests.
 enum Maker {
-    /// Lists resolved once; requests made by index.
+    /// Lists resolved once; requests made by index (slot `k` takes descriptors
+    /// `k * batch..(k + 1) * batch`).
     Prepared {
-        local: PreparedDescs,
-        remote: PreparedDescs,
-        idx: Vec<Vec<usize>>,
+        local: Box<PreparedDescs>,
+        remote: Box<PreparedDescs>,
+        batch: usize,
     },
     /// Plain lists per request, checked and prepared on every make.
     Recreate { lists: Vec<(DescList, DescList)> },
@@ -144,11 +145,9 @@ async fn worker(s: &Session, t: usize, p: Phase) -> Result<PhaseStats> {
     } else {
         let (lo, re) = descs(0..depth * batch);
         Maker::Prepared {
-            local: s.agent.prep_local(&dram(lo))?,
-            remote: s.agent.prep_remote(&s.peer, &dram(re))?,
-            idx: (0..depth)
-                .map(|slot| (slot * batch..(slot + 1) * batch).collect())
-                .collect(),
+            local: Box::new(s.agent.prep_local(&dram(lo))?),
+            remote: Box::new(s.agent.prep_remote(&s.peer, &dram(re))?),
+            batch,
         }
     };
     // Off by default: every descriptor its own segment, a batch is `batch` blocks, as
@@ -160,9 +159,15 @@ async fn worker(s: &Session, t: usize, p: Phase) -> Result<PhaseStats> {
     let make = |slot: usize, prep: &mut Samples| -> Result<XferRequest> {
         let t0 = Instant::now();
         let req = match &maker {
-            Maker::Prepared { local, remote, idx } => s
-                .agent
-                .make_request(p.op, local, &idx[slot], remote, &idx[slot], &options),
+            Maker::Prepared {
+                local,
+                remote,
+                batch,
+            } => {
+                let k = slot * batch..(slot + 1) * batch;
+                s.agent
+                    .make_request(p.op, local, k.clone(), remote, k, &options)
+            }
             Maker::Recreate { lists } => {
                 let (lo, re) = &lists[slot];
                 s.agent.create_request(p.op, lo, &s.peer, re, &options)

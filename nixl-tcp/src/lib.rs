@@ -497,7 +497,7 @@ impl Backend for TcpBackend {
         let mut local = Vec::with_capacity(plan.segments.len());
         let mut direct = Vec::with_capacity(plan.segments.len());
         let mut total = 0u64;
-        for s in plan.segments {
+        for s in plan.segments.iter() {
             let Target::Remote {
                 addr, len, blob, ..
             } = s.target

@@ -1613,7 +1613,7 @@ impl Backend for UcclBackend {
         let max = self.inner.options.max_piece.clamp(1, u32::MAX as usize);
         let regs = self.inner.regs.lock().unwrap();
         let mut pieces = Vec::with_capacity(plan.segments.len());
-        for s in &plan.segments {
+        for s in plan.segments.iter() {
             let Some(&(mr, _)) = regs.get(&s.local.id()) else {
                 return err(
                     ErrorKind::NotFound,

@@ -664,7 +664,7 @@ impl Backend for UcxBackend {
         let mut segs = Vec::with_capacity(plan.segments.len());
         let mut epoch = 0;
         self.with_core(OP, |core| {
-            for s in &plan.segments {
+            for s in plan.segments.iter() {
                 let Target::Remote {
                     addr,
                     len,

@@ -21,8 +21,8 @@ use crate::transfer::{CompletionState, Op};
 /// backends by capabilities, never by name.
 ///
 /// The agent enforces the limits before anything reaches the backend: a request with
-/// more segments than [`Capabilities::max_segments`] (after merging) is refused when
-/// it is made, a notification longer than [`Capabilities::max_notification`] when it
+/// more segment runs than [`Capabilities::max_segments`] (after merging) is refused
+/// when it is made, a notification longer than [`Capabilities::max_notification`] when it
 /// is posted, both with [`ErrorKind::InvalidArgument`]. Backends need not re-check.
 ///
 /// `Default` is a backend that can do nothing, with no limits.
@@ -44,7 +44,10 @@ pub struct Capabilities {
     /// One-sided RDMA transports cannot: there, only the initiator's checks and the
     /// NIC's key and bounds checks stand between a peer and registered memory.
     pub target_checks: bool,
-    /// Most segments one request may carry after merging (`usize::MAX`: no limit).
+    /// Most segment runs ([`Segments::runs`]) one request may carry after merging
+    /// (`usize::MAX`: no limit). A run of regularly spaced segments counts once: a
+    /// backend that expands runs into one entry per segment sets its own limit
+    /// accordingly in [`Backend::prepare`].
     pub max_segments: usize,
     /// Longest notification, in bytes, a transfer or a standalone notification may
     /// carry (`usize::MAX`: no limit).
@@ -179,6 +182,158 @@ pub struct Segment {
     pub target: Target,
 }
 
+/// `count` segments of equal length at regular strides on both sides: the run form
+/// in which the agent hands segments to backends, so a request over a strided
+/// descriptor list reaches the backend in O(runs), not O(blocks).
+///
+/// Segment `i` is `local` moved `i * local_stride` bytes on in the same registration,
+/// paired with `target` moved `i * target_stride` bytes on. The agent checked every
+/// one of them against its registration; [`SegmentRun::segment`] builds one.
+#[derive(Clone, Debug)]
+pub struct SegmentRun {
+    /// Local side of the first segment.
+    pub local: RegionSlice,
+    /// Distance from one segment's local start to the next one's.
+    pub local_stride: usize,
+    /// Target side of the first segment.
+    pub target: Target,
+    /// Distance from one segment's target start to the next one's.
+    pub target_stride: u64,
+    /// Number of segments (at least 1).
+    pub count: usize,
+}
+
+impl SegmentRun {
+    /// Bytes in each segment.
+    pub fn seg_len(&self) -> usize {
+        self.local.len()
+    }
+
+    /// Bytes in all segments.
+    pub fn bytes(&self) -> u64 {
+        self.local.len() as u64 * self.count as u64
+    }
+
+    /// Offset into the local registration of segment `i`'s start.
+    pub fn local_offset(&self, i: usize) -> usize {
+        self.local.offset() + i * self.local_stride
+    }
+
+    /// Segment `i`'s target start: the address in the peer's space for a remote
+    /// target, the offset into the registration for a local one.
+    pub fn target_start(&self, i: usize) -> u64 {
+        let first = match &self.target {
+            Target::Local(t) => t.offset() as u64,
+            Target::Remote { addr, .. } => *addr,
+        };
+        first + i as u64 * self.target_stride
+    }
+
+    /// Segment `i` (`i < count`).
+    ///
+    /// # Panics
+    /// When `i >= count`.
+    pub fn segment(&self, i: usize) -> Segment {
+        assert!(i < self.count, "segment {i} of a run of {}", self.count);
+        let len = self.local.len();
+        let local = self
+            .local
+            .region()
+            .slice(self.local_offset(i), len)
+            .expect("the agent checked every segment of the run");
+        let target = match &self.target {
+            Target::Local(t) => Target::Local(
+                t.region()
+                    .slice(self.target_start(i) as usize, len)
+                    .expect("the agent checked every segment of the run"),
+            ),
+            Target::Remote {
+                len, region, blob, ..
+            } => Target::Remote {
+                addr: self.target_start(i),
+                len: *len,
+                region: *region,
+                blob: blob.clone(),
+            },
+        };
+        Segment { local, target }
+    }
+
+    /// Every segment, in order.
+    pub fn iter(&self) -> impl Iterator<Item = Segment> + '_ {
+        (0..self.count).map(|i| self.segment(i))
+    }
+}
+
+impl From<Segment> for SegmentRun {
+    fn from(s: Segment) -> Self {
+        Self {
+            local: s.local,
+            local_stride: 0,
+            target: s.target,
+            target_stride: 0,
+            count: 1,
+        }
+    }
+}
+
+/// The segments of one transfer, in order, as runs ([`SegmentRun`]).
+///
+/// [`Segments::len`] counts segments (what [`Capabilities::max_segments`] limits);
+/// [`Segments::runs`] is the compressed form, [`Segments::iter`] the expanded one.
+#[derive(Clone, Debug, Default)]
+pub struct Segments {
+    runs: Vec<SegmentRun>,
+    count: usize,
+    bytes: u64,
+}
+
+impl Segments {
+    /// Segments from runs, in order; runs of 0 segments are dropped.
+    pub fn from_runs(runs: impl IntoIterator<Item = SegmentRun>) -> Self {
+        let mut s = Self::default();
+        for r in runs {
+            if r.count > 0 {
+                s.count += r.count;
+                s.bytes += r.bytes();
+                s.runs.push(r);
+            }
+        }
+        s
+    }
+
+    /// Number of segments (not runs).
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Bytes in all segments.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The runs, in order.
+    pub fn runs(&self) -> &[SegmentRun] {
+        &self.runs
+    }
+
+    /// Every segment, in order (expands the runs).
+    pub fn iter(&self) -> impl Iterator<Item = Segment> + '_ {
+        self.runs.iter().flat_map(SegmentRun::iter)
+    }
+}
+
+impl FromIterator<Segment> for Segments {
+    fn from_iter<I: IntoIterator<Item = Segment>>(iter: I) -> Self {
+        Self::from_runs(iter.into_iter().map(SegmentRun::from))
+    }
+}
+
 /// A fully checked transfer, handed to [`Backend::prepare`].
 #[derive(Debug)]
 pub struct TransferPlan {
@@ -186,8 +341,8 @@ pub struct TransferPlan {
     pub op: Op,
     /// The peer, or `None` for a local transfer.
     pub peer: Option<String>,
-    /// Segments, already merged where contiguous.
-    pub segments: Vec<Segment>,
+    /// Segments, already merged where contiguous, as runs.
+    pub segments: Segments,
 }
 
 /// A backend's prepared transfer: everything resolved, ready to post many times.

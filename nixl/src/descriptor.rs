@@ -31,11 +31,68 @@ impl Desc {
     }
 }
 
-/// A list of descriptors of one memory kind.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// `count` descriptors of `len` bytes each, the first at `addr` and each next one
+/// `stride` bytes after the previous: the blocks of a KV cache, kept as one entry.
+///
+/// `stride` may be smaller than `len` (blocks overlap) or 0 (one block repeated);
+/// blocks ascend. A run whose blocks would pass `u64::MAX` can be built; preparing it
+/// fails with [`ErrorKind::OutOfRange`] at the first block that does not fit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Strided {
+    /// Start address of the first block.
+    pub addr: u64,
+    /// Length of every block in bytes (must be non-zero).
+    pub len: u64,
+    /// Distance from one block's start to the next block's start.
+    pub stride: u64,
+    /// Number of blocks.
+    pub count: usize,
+    /// Device id (0 for DRAM).
+    pub dev: u32,
+}
+
+impl Strided {
+    /// `count` blocks shaped like `first`, each `stride` bytes after the previous.
+    pub fn new(first: Desc, stride: u64, count: usize) -> Self {
+        Self {
+            addr: first.addr,
+            len: first.len,
+            stride,
+            count,
+            dev: first.dev,
+        }
+    }
+
+    /// Block `i` (counting from 0), or `None` when `i >= count` or its address
+    /// overflows.
+    pub fn block(&self, i: usize) -> Option<Desc> {
+        if i >= self.count {
+            return None;
+        }
+        let addr = self.stride.checked_mul(i as u64)?.checked_add(self.addr)?;
+        Some(Desc::new(addr, self.len, self.dev))
+    }
+
+    /// Every block, in order (stops early at an address that overflows).
+    pub fn blocks(&self) -> impl Iterator<Item = Desc> + '_ {
+        (0..self.count).map_while(|i| self.block(i))
+    }
+}
+
+/// A list of descriptors of one memory kind, kept as runs of regularly spaced
+/// blocks ([`Strided`]).
+///
+/// Indices count descriptors (blocks), not runs. [`DescList::push`] extends the last
+/// run when the new descriptor continues its stride with the same length, so a
+/// regular list built one descriptor at a time is stored, checked and transferred as
+/// one run; [`DescList::push_strided`] adds a run directly. Either way the cost of
+/// preparing a list and of building requests from it grows with the number of runs,
+/// not of blocks.
+#[derive(Clone, Debug)]
 pub struct DescList {
     kind: MemKind,
-    descs: Vec<Desc>,
+    runs: Vec<Strided>,
+    len: usize,
 }
 
 impl DescList {
@@ -43,21 +100,68 @@ impl DescList {
     pub fn new(kind: MemKind) -> Self {
         Self {
             kind,
-            descs: Vec::new(),
+            runs: Vec::new(),
+            len: 0,
         }
     }
 
     /// A list of `kind` memory from descriptors.
     pub fn from_descs(kind: MemKind, descs: impl IntoIterator<Item = Desc>) -> Self {
-        Self {
-            kind,
-            descs: descs.into_iter().collect(),
+        let mut l = Self::new(kind);
+        for d in descs {
+            l.push(d);
         }
+        l
     }
 
-    /// Append a descriptor.
+    /// A list of one run: `count` blocks shaped like `first`, `stride` bytes apart.
+    pub fn strided(kind: MemKind, first: Desc, stride: u64, count: usize) -> Self {
+        let mut l = Self::new(kind);
+        l.push_strided(Strided::new(first, stride, count));
+        l
+    }
+
+    /// Append a descriptor (extends the last run when it continues its stride).
+    ///
+    /// # Panics
+    /// When the list would hold more than `usize::MAX` descriptors.
     pub fn push(&mut self, d: Desc) -> &mut Self {
-        self.descs.push(d);
+        if let Some(last) = self.runs.last_mut() {
+            if last.len == d.len && last.dev == d.dev {
+                if last.count == 1 && d.addr >= last.addr {
+                    last.stride = d.addr - last.addr;
+                    last.count = 2;
+                    self.len = self.len.checked_add(1).expect("descriptor count overflows");
+                    return self;
+                }
+                let next = (last.count as u64)
+                    .checked_mul(last.stride)
+                    .and_then(|o| o.checked_add(last.addr));
+                if next == Some(d.addr) {
+                    last.count = last
+                        .count
+                        .checked_add(1)
+                        .expect("descriptor count overflows");
+                    self.len = self.len.checked_add(1).expect("descriptor count overflows");
+                    return self;
+                }
+            }
+        }
+        self.push_strided(Strided::new(d, 0, 1))
+    }
+
+    /// Append a run of blocks. A run of 0 blocks adds nothing.
+    ///
+    /// # Panics
+    /// When the list would hold more than `usize::MAX` descriptors.
+    pub fn push_strided(&mut self, run: Strided) -> &mut Self {
+        if run.count > 0 {
+            self.len = self
+                .len
+                .checked_add(run.count)
+                .expect("descriptor count overflows");
+            self.runs.push(run);
+        }
         self
     }
 
@@ -66,24 +170,42 @@ impl DescList {
         self.kind
     }
 
-    /// Number of descriptors.
+    /// Number of descriptors (blocks, not runs).
     pub fn len(&self) -> usize {
-        self.descs.len()
+        self.len
     }
 
     /// Whether the list is empty.
     pub fn is_empty(&self) -> bool {
-        self.descs.is_empty()
+        self.len == 0
     }
 
-    /// The descriptors.
-    pub fn descs(&self) -> &[Desc] {
-        &self.descs
+    /// The runs the list is stored as.
+    pub fn runs(&self) -> &[Strided] {
+        &self.runs
+    }
+
+    /// Every descriptor, in order (expands the runs).
+    pub fn iter(&self) -> impl Iterator<Item = Desc> + '_ {
+        self.runs.iter().flat_map(Strided::blocks)
     }
 }
 
+/// Lists are equal when they name the same descriptors in the same order, however
+/// they are split into runs.
+impl PartialEq for DescList {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind
+            && self.len == other.len
+            && (self.runs == other.runs || self.iter().eq(other.iter()))
+    }
+}
+
+impl Eq for DescList {}
+
 /// Something with an address range, for [`RangeIndex`].
 pub(crate) trait Ranged {
+    fn id(&self) -> u64;
     fn start(&self) -> u64;
     fn len(&self) -> u64;
     fn kind(&self) -> MemKind;
@@ -154,6 +276,7 @@ impl<T: Ranged + Clone> RangeIndex<T> {
     /// Errors: [`ErrorKind::ZeroLength`], [`ErrorKind::OutOfRange`] (not inside any
     /// range), [`ErrorKind::SpansRegions`] (starts in one range, runs into the next),
     /// [`ErrorKind::Mismatch`] (memory kind differs).
+    #[cfg(test)]
     pub(crate) fn lookup(
         &self,
         kind: MemKind,
@@ -161,6 +284,18 @@ impl<T: Ranged + Clone> RangeIndex<T> {
         op: &'static str,
         what: impl Fn() -> String,
     ) -> Result<(T, u64)> {
+        self.lookup_ref(kind, d, op, what)
+            .map(|(r, off)| (r.clone(), off))
+    }
+
+    /// [`RangeIndex::lookup`] without cloning the range.
+    fn lookup_ref(
+        &self,
+        kind: MemKind,
+        d: &Desc,
+        op: &'static str,
+        what: impl Fn() -> String,
+    ) -> Result<(&T, u64)> {
         if d.len == 0 {
             return err(
                 ErrorKind::ZeroLength,
@@ -206,7 +341,7 @@ impl<T: Ranged + Clone> RangeIndex<T> {
                 format!("{}: region is {}, list is {kind}", what(), r.kind()),
             );
         }
-        let r_end = r.start() + r.len();
+        let r_end = r.start().saturating_add(r.len());
         if end > r_end {
             // Does it run into an adjacent region, or off the end into nothing?
             let spans = self
@@ -233,7 +368,52 @@ impl<T: Ranged + Clone> RangeIndex<T> {
                 ),
             );
         }
-        Ok((r.clone(), d.addr - r.start()))
+        Ok((r, d.addr - r.start()))
+    }
+
+    /// Check a run of blocks: every block must lie inside one range, as
+    /// [`RangeIndex::lookup`] checks a descriptor. Calls `piece(range, offset of the
+    /// piece's first block in it, blocks)` for each stretch of blocks that lie in one
+    /// range, in order.
+    ///
+    /// Costs one lookup per range the run touches, not one per block: once a block
+    /// fits, every later block up to the last one that ends inside the same range fits
+    /// too (blocks ascend). The first block that fails gives the error
+    /// [`RangeIndex::lookup`] gives for it; `what(i)` names block `i` of the run.
+    pub(crate) fn lookup_run(
+        &self,
+        kind: MemKind,
+        run: &Strided,
+        op: &'static str,
+        what: impl Fn(usize) -> String,
+        mut piece: impl FnMut(&T, u64, usize),
+    ) -> Result<()> {
+        let mut i = 0;
+        while i < run.count {
+            let Some(d) = run.block(i) else {
+                return err(
+                    ErrorKind::OutOfRange,
+                    op,
+                    format!(
+                        "{}: block address {:#x}+{i}*{} overflows",
+                        what(i),
+                        run.addr,
+                        run.stride
+                    ),
+                );
+            };
+            let (r, offset) = self.lookup_ref(kind, &d, op, || what(i))?;
+            let left = run.count - i;
+            // Bytes after this block's end up to the range's end.
+            let room = r.start().saturating_add(r.len()) - d.addr - d.len;
+            let fit = match room.checked_div(run.stride) {
+                Some(more) => usize::try_from(more).map_or(left, |m| m.saturating_add(1).min(left)),
+                None => left,
+            };
+            piece(r, offset, fit);
+            i += fit;
+        }
+        Ok(())
     }
 }
 
@@ -252,6 +432,9 @@ mod tests {
         }
         fn kind(&self) -> MemKind {
             MemKind::Dram
+        }
+        fn id(&self) -> u64 {
+            self.0
         }
     }
 
@@ -296,5 +479,131 @@ mod tests {
         assert!(i.insert(R(90, 20), "t").is_err());
         assert!(i.insert(R(250, 10), "t").is_ok());
         assert_eq!(i.len(), 4);
+    }
+
+    #[test]
+    fn push_recognizes_strides() {
+        let mut l = DescList::new(MemKind::Dram);
+        for i in 0..1000u64 {
+            l.push(Desc::new(4096 + i * 128, 64, 0));
+        }
+        l.push(Desc::new(10, 64, 0));
+        l.push(Desc::new(10, 64, 0));
+        l.push(Desc::new(5, 8, 0));
+        assert_eq!(l.len(), 1003);
+        assert_eq!(
+            l.runs(),
+            &[
+                Strided::new(Desc::new(4096, 64, 0), 128, 1000),
+                Strided::new(Desc::new(10, 64, 0), 0, 2),
+                Strided::new(Desc::new(5, 8, 0), 0, 1),
+            ]
+        );
+        assert_eq!(l.iter().nth(999), Some(Desc::new(4096 + 999 * 128, 64, 0)));
+        let flat = DescList::from_descs(MemKind::Dram, l.iter());
+        assert_eq!(flat, l);
+        let mut apart = DescList::new(MemKind::Dram);
+        for d in l.iter() {
+            apart.push_strided(Strided::new(d, 0, 1));
+        }
+        assert_eq!(apart.runs().len(), 1003);
+        assert_eq!(apart, l, "equality compares descriptors, not runs");
+        assert_ne!(
+            DescList::strided(MemKind::Dram, Desc::new(0, 8, 0), 8, 2),
+            l
+        );
+        assert!(DescList::strided(MemKind::Dram, Desc::new(0, 8, 0), 8, 0).is_empty());
+    }
+
+    /// The first failing block's error kind, or each block's (range start, offset),
+    /// checking one block at a time: the reference for [`RangeIndex::lookup_run`].
+    fn per_block(
+        i: &RangeIndex<R>,
+        run: &Strided,
+    ) -> std::result::Result<Vec<(u64, u64)>, (usize, ErrorKind)> {
+        (0..run.count)
+            .map(|b| {
+                let Some(d) = run.block(b) else {
+                    return Err((b, ErrorKind::OutOfRange));
+                };
+                i.lookup(MemKind::Dram, &d, "t", || "d".into())
+                    .map(|(r, off)| (r.0, off))
+                    .map_err(|e| (b, e.kind()))
+            })
+            .collect()
+    }
+
+    fn by_run(
+        i: &RangeIndex<R>,
+        run: &Strided,
+    ) -> std::result::Result<Vec<(u64, u64)>, (usize, ErrorKind)> {
+        let mut out = Vec::new();
+        let failed = std::cell::Cell::new(usize::MAX);
+        i.lookup_run(
+            MemKind::Dram,
+            run,
+            "t",
+            |b| {
+                failed.set(b);
+                format!("block {b}")
+            },
+            |r, off, n| {
+                for k in 0..n as u64 {
+                    out.push((r.0, off + k * run.stride));
+                }
+            },
+        )
+        .map_err(|e| (failed.get(), e.kind()))?;
+        Ok(out)
+    }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Up to 4 regions, some adjacent, some with gaps, maybe near `u64::MAX`.
+        fn regions() -> impl Strategy<Value = (u64, Vec<(u64, u64)>)> {
+            (
+                prop_oneof![Just(0u64), Just(u64::MAX - 4096), 0u64..1 << 40],
+                prop::collection::vec((0u64..64, 1u64..512), 1..5),
+            )
+                .prop_map(|(base, parts)| {
+                    let mut at = base;
+                    let mut out = Vec::new();
+                    for (gap, len) in parts {
+                        let Some(start) = at.checked_add(gap) else {
+                            break;
+                        };
+                        let Some(end) = start.checked_add(len) else {
+                            break;
+                        };
+                        out.push((start, len));
+                        at = end;
+                    }
+                    (base, out)
+                })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+            /// A run is accepted, piece by piece, exactly when every block would be,
+            /// and otherwise fails at the same block with the same kind of error.
+            #[test]
+            fn run_checks_match_block_checks(
+                (base, parts) in regions(),
+                start in -64i64..2048,
+                len in prop_oneof![Just(0u64), 1u64..200, Just(u64::MAX)],
+                stride in prop_oneof![Just(0u64), 1u64..300, Just(u64::MAX / 2)],
+                count in 0usize..40,
+            ) {
+                let mut i = RangeIndex::default();
+                for (s, l) in &parts {
+                    i.insert(R(*s, *l), "t").unwrap();
+                }
+                let addr = base.wrapping_add_signed(start);
+                let run = Strided::new(Desc::new(addr, len, 0), stride, count);
+                prop_assert_eq!(by_run(&i, &run), per_block(&i, &run));
+            }
+        }
     }
 }

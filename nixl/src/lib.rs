@@ -41,15 +41,15 @@ mod thread;
 mod transfer;
 
 pub use agent::{
-    random_u64, Agent, AgentBuilder, AgentOptions, PreparedDescs, RegisterOptions, RequestOptions,
-    ShutdownReport, TaskMonitor,
+    random_u64, Agent, AgentBuilder, AgentOptions, Indices, PreparedDescs, RegisterOptions,
+    RequestOptions, ShutdownReport, TaskMonitor,
 };
 pub use backend::{
     Backend, BackendContext, Capabilities, Completer, NotificationSink, PreparedTransfer, Segment,
-    Target, TransferPlan,
+    SegmentRun, Segments, Target, TransferPlan,
 };
 pub use bytes::Bytes;
-pub use descriptor::{Desc, DescList};
+pub use descriptor::{Desc, DescList, Strided};
 pub use error::{Error, ErrorKind, Result};
 pub use exchange::{SharedSecret, SideChannelOptions};
 pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, PAGE_SIZE};

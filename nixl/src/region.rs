@@ -31,6 +31,9 @@ impl RegionInner {
 }
 
 impl Ranged for Arc<RegionInner> {
+    fn id(&self) -> u64 {
+        self.id
+    }
     fn start(&self) -> u64 {
         self.mem.addr()
     }
@@ -434,6 +437,9 @@ impl RemoteRegion {
 }
 
 impl Ranged for Arc<RemoteRegion> {
+    fn id(&self) -> u64 {
+        self.id
+    }
     fn start(&self) -> u64 {
         self.addr
     }

@@ -256,6 +256,7 @@ pub struct XferRequest {
     pub(crate) regions: Vec<Arc<RegionInner>>,
     pub(crate) bytes: u64,
     pub(crate) segments: usize,
+    pub(crate) runs: usize,
     /// The serving backend's [`Capabilities::max_notification`](crate::Capabilities).
     pub(crate) max_notification: usize,
     pub(crate) last: Mutex<Option<Arc<CompletionState>>>,
@@ -357,6 +358,12 @@ impl XferRequest {
     pub fn segments(&self) -> usize {
         self.segments
     }
+
+    /// Number of segment runs the backend got ([`Segments::runs`](crate::Segments::runs)):
+    /// regularly spaced segments of a strided list count once.
+    pub fn segment_runs(&self) -> usize {
+        self.runs
+    }
 }
 
 impl fmt::Debug for XferRequest {
@@ -367,6 +374,7 @@ impl fmt::Debug for XferRequest {
             .field("backend", &self.backend)
             .field("bytes", &self.bytes)
             .field("segments", &self.segments)
+            .field("runs", &self.runs)
             .field("status", &self.status())
             .finish()
     }

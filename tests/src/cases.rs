@@ -232,6 +232,93 @@ pub async fn many_descriptors_and_merging(but: &BackendUnderTest) {
     b.shutdown().await;
 }
 
+/// Strided lists (a KV cache's blocks at a regular stride): WRITE and READ move every
+/// block and nothing between them, by whole lists and by index, with a notification
+/// after the data; the backend gets the blocks as runs.
+pub async fn strided_lists(but: &BackendUnderTest) {
+    need!(but, "strided_lists", remote, dram);
+    let (a, b) = but.pair().await;
+    const BLOCKS: usize = 2000;
+    const LEN: u64 = 48;
+    let src = a.register(pattern(11, BLOCKS * 128)).unwrap();
+    let back = a.register(vec![0u8; BLOCKS * 128]).unwrap();
+    let dst = b.register(vec![0u8; BLOCKS * 256]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let rdst = remote(&a, "target", dst.id());
+    // Local blocks every 128 bytes, remote blocks every 256 bytes from offset 16.
+    let local = DescList::strided(MemKind::Dram, src.desc(0, LEN), 128, BLOCKS);
+    let far = DescList::strided(MemKind::Dram, rdst.desc(16, LEN), 256, BLOCKS);
+    let req = a
+        .create_request(
+            Op::Write,
+            &local,
+            "target",
+            &far,
+            &RequestOptions::default(),
+        )
+        .unwrap();
+    assert_eq!((req.segments(), req.segment_runs()), (BLOCKS, 1));
+    let mut n = b.notifications().unwrap();
+    bounded(
+        "strided write",
+        req.post(Some(Bytes::from_static(b"kv"))).unwrap(),
+    )
+    .await
+    .unwrap();
+    let got = bounded("strided notification", n.recv()).await.unwrap();
+    assert_eq!(&got.msg[..], b"kv");
+    let s = src.to_vec().unwrap();
+    let d = dst.to_vec().unwrap();
+    for i in 0..BLOCKS {
+        let (lo, ro) = (i * 128, 16 + i * 256);
+        assert_eq!(
+            &s[lo..lo + LEN as usize],
+            &d[ro..ro + LEN as usize],
+            "block {i}"
+        );
+        assert!(
+            d[ro + LEN as usize..(ro + 256).min(d.len())]
+                .iter()
+                .all(|&x| x == 0),
+            "gap after block {i}"
+        );
+    }
+    assert!(d[..16].iter().all(|&x| x == 0));
+    // READ back a selection by index (consecutive runs and single blocks).
+    let lp = a
+        .prep_local(&DescList::strided(
+            MemKind::Dram,
+            back.desc(0, LEN),
+            128,
+            BLOCKS,
+        ))
+        .unwrap();
+    let rp = a.prep_remote("target", &far).unwrap();
+    let pick: Vec<usize> = (100..400).chain([7, 1999, 3]).chain(1000..1500).collect();
+    let req = a
+        .make_request(Op::Read, &lp, &pick, &rp, &pick, &RequestOptions::default())
+        .unwrap();
+    assert_eq!((req.segments(), req.segment_runs()), (pick.len(), 5));
+    bounded("strided read", req.post(None).unwrap())
+        .await
+        .unwrap();
+    let r = back.to_vec().unwrap();
+    for i in 0..BLOCKS {
+        let lo = i * 128;
+        let want: &[u8] = if pick.contains(&i) {
+            &s[lo..lo + LEN as usize]
+        } else {
+            &[0u8; LEN as usize]
+        };
+        assert_eq!(&r[lo..lo + LEN as usize], want, "block {i}");
+    }
+    assert!((0..BLOCKS).all(|i| r[i * 128 + LEN as usize..(i + 1) * 128]
+        .iter()
+        .all(|&x| x == 0)));
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 /// Transfers between two regions of one agent, with a notification to itself.
 pub async fn local_transfers(but: &BackendUnderTest) {
     // Same-agent DRAM transfers are the agent's own copies, whatever the backend

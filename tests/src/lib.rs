@@ -36,6 +36,7 @@ macro_rules! conformance_tests {
             metadata_round_trip,
             write_read_sizes,
             many_descriptors_and_merging,
+            strided_lists,
             local_transfers,
             notifications_after_data_in_order,
             standalone_notifications,

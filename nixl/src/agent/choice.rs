@@ -22,6 +22,7 @@ pub(super) struct Need {
     pub(super) remote: bool,
     pub(super) local_kind: MemKind,
     pub(super) remote_kind: MemKind,
+    /// Segment runs after merging.
     pub(super) segments: usize,
 }
 
@@ -41,7 +42,7 @@ pub(super) fn refusal(c: &Candidate<'_>, need: &Need) -> Option<String> {
         "a remote region is not registered with it at the peer"
     } else if need.segments > c.caps.max_segments {
         return Some(format!(
-            "{} segments, more than its limit of {}",
+            "{} segment runs, more than its limit of {}",
             need.segments, c.caps.max_segments
         ));
     } else {
@@ -138,7 +139,10 @@ mod tests {
         let c = [cand("small", small), cand("big", caps(true, false))];
         assert_eq!(choose(&c, &DRAM_REMOTE), Ok(1));
         let e = choose(&c[..1], &DRAM_REMOTE).unwrap_err();
-        assert!(e.contains("4 segments, more than its limit of 2"), "{e}");
+        assert!(
+            e.contains("4 segment runs, more than its limit of 2"),
+            "{e}"
+        );
     }
 
     #[test]

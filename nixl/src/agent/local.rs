@@ -3,29 +3,31 @@
 
 use bytes::Bytes;
 
-use crate::backend::{Completer, NotificationSink, PreparedTransfer};
-use crate::region::RegionSlice;
+use crate::backend::{Completer, NotificationSink, PreparedTransfer, Segments, Target};
 use crate::transfer::Op;
 
 /// Name reported by [`XferRequest::backend`](crate::XferRequest::backend) for requests
 /// the agent serves itself.
 pub(crate) const AGENT_COPY: &str = "agent";
 
-/// Pairs of (local, target) slices of one agent, copied with `memmove`.
+/// Segments between regions of one agent, copied with `memmove`.
 #[derive(Debug)]
 pub(super) struct LocalCopy {
     pub(super) op: Op,
-    pub(super) pairs: Vec<(RegionSlice, RegionSlice)>,
+    pub(super) segments: Segments,
     pub(super) agent: String,
     pub(super) sink: NotificationSink,
 }
 
 impl PreparedTransfer for LocalCopy {
     fn post(&self, notif: Option<Bytes>, done: Completer) {
-        for (local, target) in &self.pairs {
+        for s in self.segments.iter() {
+            let Target::Local(target) = &s.target else {
+                unreachable!("a same-agent request has local targets")
+            };
             let r = match self.op {
-                Op::Write => target.copy_from(local),
-                Op::Read => local.copy_from(target),
+                Op::Write => target.copy_from(&s.local),
+                Op::Read => s.local.copy_from(target),
             };
             if let Err(e) = r {
                 return done.complete(Err(e));

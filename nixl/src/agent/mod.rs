@@ -37,7 +37,7 @@ use crate::thread::ThreadSet;
 use crate::transfer::{CompletionState, InflightCounter, RequestOwner, Transfer};
 
 pub use builder::{AgentBuilder, AgentOptions, RegisterOptions, RequestOptions};
-pub use request::PreparedDescs;
+pub use request::{Indices, PreparedDescs};
 pub use shutdown::ShutdownReport;
 
 /// A reference to an agent that does not keep it alive.

@@ -1,5 +1,7 @@
 //! Descriptor preparation and request building.
 
+use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
@@ -7,21 +9,29 @@ use bytes::Bytes;
 
 use super::choice::{self, Candidate, Need};
 use super::local::{LocalCopy, AGENT_COPY};
-use super::segments::build_segments;
+use super::segments::{build_segments, merge_runs, PairRun, Sides};
 use super::{Agent, RequestOptions};
-use crate::backend::{PreparedTransfer, Target, TransferPlan};
-use crate::descriptor::DescList;
+use crate::backend::{PreparedTransfer, Segments, TransferPlan};
+use crate::descriptor::{DescList, RangeIndex, Ranged};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::memory::MemKind;
 use crate::region::{RegionInner, RemoteRegion};
 use crate::transfer::{Op, RequestOwner, Transfer, XferRequest};
 
 /// Descriptor lists checked once, to build many requests from by index.
+///
+/// Kept as runs of blocks that each lie in one registration (a strided list that
+/// stays inside one registration is one run, however many blocks it has), so
+/// preparing and building requests costs O(runs).
 #[derive(Debug)]
 pub struct PreparedDescs {
     side: Side,
     kind: MemKind,
-    entries: Vec<Resolved>,
+    regions: RegionTable,
+    runs: Vec<PrepRun>,
+    /// Index of the first block of each run.
+    starts: Vec<usize>,
+    len: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,37 +40,144 @@ enum Side {
     Remote { peer: String, generation: u64 },
 }
 
-#[derive(Debug, Clone)]
-pub(super) enum Resolved {
-    Local {
-        region: Arc<RegionInner>,
-        offset: u64,
-        len: u64,
-    },
-    Remote {
-        region: Arc<RemoteRegion>,
-        offset: u64,
-        len: u64,
-    },
+/// The registrations a prepared list touches; runs refer to them by position.
+#[derive(Debug)]
+pub(super) enum RegionTable {
+    Local(Vec<Arc<RegionInner>>),
+    Remote(Vec<Arc<RemoteRegion>>),
 }
 
-impl Resolved {
-    fn len(&self) -> u64 {
+impl RegionTable {
+    fn len(&self) -> usize {
         match self {
-            Self::Local { len, .. } | Self::Remote { len, .. } => *len,
+            Self::Local(v) => v.len(),
+            Self::Remote(v) => v.len(),
         }
     }
+}
+
+/// `count` blocks of `len` bytes in registration `region` of the table, the first
+/// at `offset` into it, `stride` bytes apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct PrepRun {
+    pub(super) region: u32,
+    pub(super) offset: u64,
+    pub(super) len: u64,
+    pub(super) stride: u64,
+    pub(super) count: usize,
+}
+
+/// Which descriptors of a prepared list a request uses, in order.
+///
+/// `&[usize]`, `&Vec<usize>` and `&[usize; N]` convert into a list of indices; a
+/// `Range<usize>` and [`Indices::All`] name consecutive descriptors without
+/// materializing their indices, so a request over a whole strided list costs
+/// O(runs). A list of indices costs a comparison per index: consecutive indices
+/// within one run become one run of segments.
+#[derive(Clone, Debug)]
+pub enum Indices<'a> {
+    /// Every descriptor, in order.
+    All,
+    /// Descriptors `start..end`, in order.
+    Range(Range<usize>),
+    /// These descriptors, in this order.
+    List(&'a [usize]),
+}
+
+impl Indices<'_> {
+    fn count(&self, list_len: usize) -> usize {
+        match self {
+            Self::All => list_len,
+            Self::Range(r) => r.end.saturating_sub(r.start),
+            Self::List(l) => l.len(),
+        }
+    }
+}
+
+impl<'a> From<&'a [usize]> for Indices<'a> {
+    fn from(l: &'a [usize]) -> Self {
+        Self::List(l)
+    }
+}
+
+impl<'a> From<&'a Vec<usize>> for Indices<'a> {
+    fn from(l: &'a Vec<usize>) -> Self {
+        Self::List(l)
+    }
+}
+
+impl<'a, const N: usize> From<&'a [usize; N]> for Indices<'a> {
+    fn from(l: &'a [usize; N]) -> Self {
+        Self::List(l)
+    }
+}
+
+impl From<Range<usize>> for Indices<'_> {
+    fn from(r: Range<usize>) -> Self {
+        Self::Range(r)
+    }
+}
+
+/// Check every run of `descs` against `index`, splitting runs where they cross from
+/// one registration into the next.
+fn resolve<T: Ranged + Clone>(
+    index: &RangeIndex<T>,
+    descs: &DescList,
+    op: &'static str,
+    what: impl Fn(usize) -> String,
+) -> Result<(Vec<T>, Vec<PrepRun>, Vec<usize>)> {
+    let mut table: Vec<T> = Vec::new();
+    let mut slots: HashMap<u64, u32> = HashMap::new();
+    let mut runs = Vec::with_capacity(descs.runs().len());
+    let mut starts = Vec::with_capacity(descs.runs().len());
+    let mut first = 0usize;
+    for run in descs.runs() {
+        let mut block = first;
+        index.lookup_run(
+            descs.kind(),
+            run,
+            op,
+            |i| what(first + i),
+            |r, offset, count| {
+                // Most lists stay in one registration: check the last one first.
+                let slot = match table.last() {
+                    Some(t) if t.id() == r.id() => table.len() as u32 - 1,
+                    _ => *slots.entry(r.id()).or_insert_with(|| {
+                        table.push(r.clone());
+                        table.len() as u32 - 1
+                    }),
+                };
+                runs.push(PrepRun {
+                    region: slot,
+                    offset,
+                    len: run.len,
+                    stride: run.stride,
+                    count,
+                });
+                starts.push(block);
+                block += count;
+            },
+        )?;
+        first += run.count;
+    }
+    Ok((table, runs, starts))
 }
 
 impl PreparedDescs {
     /// Number of descriptors.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.len
     }
 
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.len == 0
+    }
+
+    /// Number of runs the descriptors are kept as (each run lies in one
+    /// registration).
+    pub fn runs(&self) -> usize {
+        self.runs.len()
     }
 
     /// Memory kind.
@@ -75,37 +192,129 @@ impl PreparedDescs {
             Side::Remote { peer, .. } => Some(peer),
         }
     }
+
+    /// The run holding descriptor `idx` (`idx < len`), trying `hint` and the run
+    /// after it before searching.
+    fn run_of(&self, idx: usize, hint: usize) -> usize {
+        for k in [hint, hint + 1] {
+            if let (Some(&s), Some(r)) = (self.starts.get(k), self.runs.get(k)) {
+                if idx >= s && idx - s < r.count {
+                    return k;
+                }
+            }
+        }
+        self.starts.partition_point(|&s| s <= idx) - 1
+    }
+}
+
+/// Consecutive descriptors of one run of a prepared list that a request uses.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    /// The run.
+    run: usize,
+    /// First block within the run.
+    first: usize,
+    /// Blocks.
+    n: usize,
+    /// Index of the first block in the list (for errors).
+    index: usize,
+}
+
+/// A request's descriptors of one list, as spans, in order.
+struct Spans<'a> {
+    list: &'a PreparedDescs,
+    indices: Indices<'a>,
+    /// Position in `indices`.
+    pos: usize,
+    /// Run of the last span (a search hint).
+    hint: usize,
+    which: &'static str,
+}
+
+impl<'a> Spans<'a> {
+    fn new(list: &'a PreparedDescs, indices: Indices<'a>, which: &'static str) -> Self {
+        Self {
+            list,
+            indices,
+            pos: 0,
+            hint: 0,
+            which,
+        }
+    }
+
+    fn out_of_bounds(&self, idx: usize) -> Error {
+        Error::new(
+            ErrorKind::NotFound,
+            "make transfer request",
+            format!(
+                "{} index {idx} out of bounds ({} descriptors)",
+                self.which, self.list.len
+            ),
+        )
+    }
+
+    fn next(&mut self) -> Option<Result<Span>> {
+        let l = self.list;
+        let (idx, limit) = match &self.indices {
+            Indices::All => (self.pos, l.len),
+            Indices::Range(r) => (r.start.checked_add(self.pos)?, r.end),
+            Indices::List(v) => (*v.get(self.pos)?, usize::MAX),
+        };
+        if idx >= limit {
+            return None;
+        }
+        if idx >= l.len {
+            return Some(Err(self.out_of_bounds(idx)));
+        }
+        let k = l.run_of(idx, self.hint);
+        let first = idx - l.starts[k];
+        let room = l.runs[k].count - first;
+        let n = match &self.indices {
+            Indices::All | Indices::Range(_) => room.min(limit - idx),
+            Indices::List(v) => {
+                let rest = &v[self.pos + 1..];
+                1 + rest
+                    .iter()
+                    .take(room - 1)
+                    .zip(idx + 1..)
+                    .take_while(|(&a, b)| a == *b)
+                    .count()
+            }
+        };
+        self.pos += n;
+        self.hint = k;
+        Some(Ok(Span {
+            run: k,
+            first,
+            n,
+            index: idx,
+        }))
+    }
 }
 
 impl Agent {
     /// Check a local descriptor list once.
     ///
+    /// Costs one registration lookup per run of the list and per registration a run
+    /// crosses into, not one per descriptor.
+    ///
     /// # Errors
-    /// Per descriptor: [`ErrorKind::ZeroLength`], [`ErrorKind::OutOfRange`],
-    /// [`ErrorKind::SpansRegions`], [`ErrorKind::Mismatch`].
+    /// For the first descriptor that fails: [`ErrorKind::ZeroLength`],
+    /// [`ErrorKind::OutOfRange`], [`ErrorKind::SpansRegions`], [`ErrorKind::Mismatch`].
     pub fn prep_local(&self, descs: &DescList) -> Result<PreparedDescs> {
         const OP: &str = "prepare local descriptors";
         self.shared.check_running(OP)?;
         let regions = self.shared.regions.read().unwrap();
-        let entries = descs
-            .descs()
-            .iter()
-            .enumerate()
-            .map(|(i, d)| {
-                let (region, offset) = regions
-                    .index
-                    .lookup(descs.kind(), d, OP, || format!("local descriptor {i}"))?;
-                Ok(Resolved::Local {
-                    region,
-                    offset,
-                    len: d.len,
-                })
-            })
-            .collect::<Result<_>>()?;
+        let (table, runs, starts) = resolve(&regions.index, descs, OP, |i| {
+            format!("local descriptor {i}")
+        })?;
         Ok(PreparedDescs {
             side: Side::Local,
             kind: descs.kind(),
-            entries,
+            regions: RegionTable::Local(table),
+            runs,
+            starts,
+            len: descs.len(),
         })
     }
 
@@ -121,32 +330,27 @@ impl Agent {
         }
         self.shared.check_running(OP)?;
         let p = self.peer(peer, OP)?;
-        let entries = descs
-            .descs()
-            .iter()
-            .enumerate()
-            .map(|(i, d)| {
-                let (region, offset) = p.regions.lookup(descs.kind(), d, OP, || {
-                    format!("remote descriptor {i} of {peer:?}")
-                })?;
-                Ok(Resolved::Remote {
-                    region,
-                    offset,
-                    len: d.len,
-                })
-            })
-            .collect::<Result<_>>()?;
+        let (table, runs, starts) = resolve(&p.regions, descs, OP, |i| {
+            format!("remote descriptor {i} of {peer:?}")
+        })?;
         Ok(PreparedDescs {
             side: Side::Remote {
                 peer: peer.to_owned(),
                 generation: p.generation,
             },
             kind: descs.kind(),
-            entries,
+            regions: RegionTable::Remote(table),
+            runs,
+            starts,
+            len: descs.len(),
         })
     }
 
-    /// Build a request from prepared lists, pairing `local_idx[i]` with `remote_idx[i]`.
+    /// Build a request from prepared lists, pairing the `i`th descriptor `local_idx`
+    /// names with the `i`th one `remote_idx` names.
+    ///
+    /// Indices are `&[usize]` (or `&Vec<usize>`, `&[usize; N]`), a `Range<usize>`,
+    /// or [`Indices::All`]; see [`Indices`] for what each costs.
     ///
     /// Same-agent requests between DRAM regions are served by the agent itself
     /// (`memmove`; [`XferRequest::backend`] says `"agent"`); everything else by the
@@ -158,16 +362,17 @@ impl Agent {
     /// [`ErrorKind::InvalidArgument`] (empty, or `local` is not a local list);
     /// [`ErrorKind::StaleGeneration`]; [`ErrorKind::NotSupported`] (no backend can serve
     /// it, for example more segments than any backend carries); backend errors.
-    pub fn make_request(
+    pub fn make_request<'i>(
         &self,
         op: Op,
         local: &PreparedDescs,
-        local_idx: &[usize],
+        local_idx: impl Into<Indices<'i>>,
         remote: &PreparedDescs,
-        remote_idx: &[usize],
+        remote_idx: impl Into<Indices<'i>>,
         options: &RequestOptions,
     ) -> Result<XferRequest> {
         const OP: &str = "make transfer request";
+        let (local_idx, remote_idx) = (local_idx.into(), remote_idx.into());
         self.shared.check_running(OP)?;
         if local.side != Side::Local {
             return err(
@@ -176,18 +381,15 @@ impl Agent {
                 "the local list was prepared for a peer",
             );
         }
-        if local_idx.len() != remote_idx.len() {
+        let (nl, nr) = (local_idx.count(local.len), remote_idx.count(remote.len));
+        if nl != nr {
             return err(
                 ErrorKind::LengthMismatch,
                 OP,
-                format!(
-                    "{} local vs {} remote descriptors",
-                    local_idx.len(),
-                    remote_idx.len()
-                ),
+                format!("{nl} local vs {nr} remote descriptors"),
             );
         }
-        if local_idx.is_empty() {
+        if nl == 0 {
             return err(ErrorKind::InvalidArgument, OP, "no descriptors");
         }
         let peer = match &remote.side {
@@ -200,50 +402,37 @@ impl Agent {
                 Some(self.peer(peer, OP)?)
             }
         };
-        fn pick<'a>(list: &'a PreparedDescs, idx: usize, which: &str) -> Result<&'a Resolved> {
-            list.entries.get(idx).ok_or_else(|| {
-                Error::new(
-                    ErrorKind::NotFound,
-                    OP,
-                    format!(
-                        "{which} index {idx} out of bounds ({} descriptors)",
-                        list.entries.len()
-                    ),
-                )
-            })
-        }
-        let mut pairs = Vec::with_capacity(local_idx.len());
-        for (&li, &ri) in local_idx.iter().zip(remote_idx) {
-            let l = pick(local, li, "local")?;
-            let r = pick(remote, ri, "remote")?;
-            if l.len() != r.len() {
-                return err(
-                    ErrorKind::LengthMismatch,
-                    OP,
-                    format!(
-                        "local descriptor {li} has {} bytes, remote descriptor {ri} has {}",
-                        l.len(),
-                        r.len()
-                    ),
-                );
-            }
-            pairs.push((l, r));
-        }
+        let pairs = pair_spans(
+            Spans::new(local, local_idx, "local"),
+            Spans::new(remote, remote_idx, "remote"),
+        )?;
         // Regions this request keeps alive while in flight.
+        let mut used_l = vec![false; local.regions.len()];
+        let mut used_r = vec![false; remote.regions.len()];
+        for p in &pairs {
+            used_l[p.l.region as usize] = true;
+            used_r[p.r.region as usize] = true;
+        }
         let mut keep: Vec<Arc<RegionInner>> = Vec::new();
-        for (l, r) in &pairs {
-            for x in [l, r] {
-                if let Resolved::Local { region, .. } = x {
-                    if !region.registered.load(Ordering::Acquire) {
-                        return err(
-                            ErrorKind::NotFound,
-                            OP,
-                            format!("registration {} was deregistered", region.id),
-                        );
+        let mut remotes: Vec<&Arc<RemoteRegion>> = Vec::new();
+        for (table, used) in [(&local.regions, &used_l), (&remote.regions, &used_r)] {
+            match table {
+                RegionTable::Local(v) => {
+                    for region in v.iter().zip(used).filter(|(_, u)| **u).map(|(r, _)| r) {
+                        if !region.registered.load(Ordering::Acquire) {
+                            return err(
+                                ErrorKind::NotFound,
+                                OP,
+                                format!("registration {} was deregistered", region.id),
+                            );
+                        }
+                        if !keep.iter().any(|k| Arc::ptr_eq(k, region)) {
+                            keep.push(region.clone());
+                        }
                     }
-                    if !keep.iter().any(|k| Arc::ptr_eq(k, region)) {
-                        keep.push(region.clone());
-                    }
+                }
+                RegionTable::Remote(v) => {
+                    remotes.extend(v.iter().zip(used).filter(|(_, u)| **u).map(|(r, _)| r));
                 }
             }
         }
@@ -255,8 +444,7 @@ impl Agent {
         let owner: Arc<dyn RequestOwner> = self.shared.clone();
         let request = |backend: String,
                        prepared: Box<dyn PreparedTransfer>,
-                       bytes: u64,
-                       segments: usize,
+                       (bytes, segments, runs): (u64, usize, usize),
                        max_notification: usize| XferRequest {
             owner: Arc::downgrade(&owner),
             op,
@@ -267,41 +455,36 @@ impl Agent {
             regions: keep.clone(),
             bytes,
             segments,
+            runs,
             max_notification,
             last: Mutex::new(None),
+        };
+        let merged = merge_runs(&pairs, options.merge);
+        let sides = Sides {
+            local: &local.regions,
+            remote: &remote.regions,
         };
 
         // Backend names are checked even when the agent serves the request itself.
         let order = self.backend_order(options.backends.as_deref(), OP)?;
         if peer.is_none() && local.kind == MemKind::Dram && remote.kind == MemKind::Dram {
-            let segments = build_segments(&pairs, AGENT_COPY, options.merge);
-            let bytes = segments.iter().map(|s| s.local.len() as u64).sum();
-            let n = segments.len();
-            let pairs = segments
-                .into_iter()
-                .map(|s| match s.target {
-                    Target::Local(t) => (s.local, t),
-                    Target::Remote { .. } => unreachable!("local request"),
-                })
-                .collect();
+            let segments = build_segments(&merged, &sides, AGENT_COPY);
+            let shape = shape(&segments);
             let copy = LocalCopy {
                 op,
-                pairs,
+                segments,
                 agent: self.shared.name.clone(),
                 sink: self.shared.sink.clone(),
             };
             return Ok(request(
                 AGENT_COPY.to_owned(),
                 Box::new(copy),
-                bytes,
-                n,
+                shape,
                 usize::MAX,
             ));
         }
 
-        // Backend choice needs the merged segment count; merging does not depend on
-        // the backend (only the blob does).
-        let nseg = build_segments(&pairs, "", options.merge).len();
+        let nseg = merged.len();
         let candidates: Vec<Candidate<'_>> = order
             .iter()
             .map(|&i| {
@@ -311,10 +494,7 @@ impl Agent {
                     caps: self.shared.caps[i],
                     locals_registered: keep.iter().all(|r| r.registered_with(i)),
                     peer_offers: peer.as_ref().is_none_or(|p| p.offers(name)),
-                    remotes_registered: pairs.iter().all(|(_, r)| match r {
-                        Resolved::Remote { region, .. } => region.blob(name).is_some(),
-                        Resolved::Local { .. } => true,
-                    }),
+                    remotes_registered: remotes.iter().all(|r| r.blob(name).is_some()),
                 }
             })
             .collect();
@@ -335,9 +515,8 @@ impl Agent {
             }
         };
         let b = &self.shared.backends[backend];
-        let segments = build_segments(&pairs, b.name(), options.merge);
-        let bytes = segments.iter().map(|s| s.local.len() as u64).sum();
-        let n = segments.len();
+        let segments = build_segments(&merged, &sides, b.name());
+        let shape = shape(&segments);
         let prepared = b.prepare(TransferPlan {
             op,
             peer: peer_name.clone(),
@@ -346,8 +525,7 @@ impl Agent {
         Ok(request(
             b.name().to_owned(),
             prepared,
-            bytes,
-            n,
+            shape,
             self.shared.caps[backend].max_notification,
         ))
     }
@@ -379,8 +557,7 @@ impl Agent {
         }
         let l = self.prep_local(local)?;
         let r = self.prep_remote(peer, remote)?;
-        let idx: Vec<usize> = (0..local.len()).collect();
-        self.make_request(op, &l, &idx, &r, &idx, options)
+        self.make_request(op, &l, Indices::All, &r, Indices::All, options)
     }
 
     /// One-shot transfer: check, prepare and post. Await the returned future.
@@ -425,5 +602,67 @@ impl Agent {
         notif: Option<Bytes>,
     ) -> Result<()> {
         self.transfer(Op::Read, local, peer, remote, notif)?.await
+    }
+}
+
+/// Bytes, segments and runs of a request.
+fn shape(s: &Segments) -> (u64, usize, usize) {
+    (s.bytes(), s.len(), s.runs().len())
+}
+
+/// Pair the spans of both sides position by position into runs of segment pairs.
+/// Errors come in position order: at one position, the local index, then the remote
+/// index, then the lengths.
+fn pair_spans(mut ls: Spans<'_>, mut rs: Spans<'_>) -> Result<Vec<PairRun>> {
+    let (lp, rp) = (ls.list, rs.list);
+    let mut out = Vec::new();
+    let (mut l, mut r): (Option<Span>, Option<Span>) = (None, None);
+    loop {
+        if l.is_none() {
+            l = ls.next().transpose()?;
+        }
+        if r.is_none() {
+            r = rs.next().transpose()?;
+        }
+        let (Some(a), Some(b)) = (l.as_mut(), r.as_mut()) else {
+            // Both index lists have the same length: both end together.
+            debug_assert!(l.is_none() && r.is_none());
+            return Ok(out);
+        };
+        let (x, y) = (&lp.runs[a.run], &rp.runs[b.run]);
+        if x.len != y.len {
+            return err(
+                ErrorKind::LengthMismatch,
+                "make transfer request",
+                format!(
+                    "local descriptor {} has {} bytes, remote descriptor {} has {}",
+                    a.index, x.len, b.index, y.len
+                ),
+            );
+        }
+        let n = a.n.min(b.n);
+        out.push(PairRun {
+            l: PrepRun {
+                offset: x.offset + a.first as u64 * x.stride,
+                count: n,
+                ..*x
+            },
+            r: PrepRun {
+                offset: y.offset + b.first as u64 * y.stride,
+                count: n,
+                ..*y
+            },
+        });
+        for s in [&mut *a, &mut *b] {
+            s.first += n;
+            s.index += n;
+            s.n -= n;
+        }
+        if a.n == 0 {
+            l = None;
+        }
+        if r.as_ref().is_some_and(|b| b.n == 0) {
+            r = None;
+        }
     }
 }

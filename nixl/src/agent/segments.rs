@@ -1,10 +1,106 @@
-//! Turning checked descriptor pairs into backend segments, merging neighbours.
+//! Turning checked runs of descriptor pairs into backend segments, merging neighbours.
 
 use std::sync::Arc;
 
-use super::request::Resolved;
-use crate::backend::{Segment, Target};
+use super::request::{PrepRun, RegionTable};
+use crate::backend::{SegmentRun, Segments, Target};
 use crate::region::{RegionInner, RegionRef, RegionSlice};
+
+/// `l.count` pairs of blocks: local blocks `l`, target blocks `r` (same count, same
+/// length).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct PairRun {
+    pub(super) l: PrepRun,
+    pub(super) r: PrepRun,
+}
+
+impl PairRun {
+    /// Offsets of block `i` on both sides.
+    fn at(&self, i: usize) -> (u64, u64) {
+        (
+            self.l.offset + i as u64 * self.l.stride,
+            self.r.offset + i as u64 * self.r.stride,
+        )
+    }
+
+    /// The single pair `i`, `len` bytes long.
+    fn single(&self, i: usize, len: u64) -> Self {
+        let (lo, ro) = self.at(i);
+        let one = |p: PrepRun, offset| PrepRun {
+            offset,
+            len,
+            count: 1,
+            stride: 0,
+            ..p
+        };
+        Self {
+            l: one(self.l, lo),
+            r: one(self.r, ro),
+        }
+    }
+}
+
+/// With `merge`, join pairs that continue each other in the same registrations on
+/// both sides, exactly as joining them one pair at a time would: a run contiguous on
+/// both sides becomes one pair, and a pair that continues the previous run's last
+/// pair extends it. Without, the runs as they are.
+pub(super) fn merge_runs(pairs: &[PairRun], merge: bool) -> Vec<PairRun> {
+    let mut out: Vec<PairRun> = Vec::with_capacity(pairs.len());
+    for p in pairs {
+        let mut p = *p;
+        if !merge {
+            out.push(p);
+            continue;
+        }
+        if p.l.count > 1 && p.l.stride == p.l.len && p.r.stride == p.r.len {
+            // Contiguous on both sides: within one registration, so the product
+            // fits.
+            p = p.single(0, p.l.len * p.l.count as u64);
+        }
+        if let Some(last) = out.last_mut() {
+            let (lo, ro) = last.at(last.l.count - 1);
+            if last.l.region == p.l.region
+                && last.r.region == p.r.region
+                && lo + last.l.len == p.l.offset
+                && ro + last.r.len == p.r.offset
+            {
+                let joined = last.single(last.l.count - 1, last.l.len + p.l.len);
+                if last.l.count == 1 {
+                    *last = joined;
+                } else {
+                    last.l.count -= 1;
+                    last.r.count -= 1;
+                    out.push(joined);
+                }
+                if p.l.count == 1 {
+                    continue;
+                }
+                // The rest of `p` cannot continue the joined pair: `p` is not
+                // contiguous on both sides.
+                p = PairRun {
+                    l: PrepRun {
+                        offset: p.l.offset + p.l.stride,
+                        count: p.l.count - 1,
+                        ..p.l
+                    },
+                    r: PrepRun {
+                        offset: p.r.offset + p.r.stride,
+                        count: p.r.count - 1,
+                        ..p.r
+                    },
+                };
+            }
+        }
+        out.push(p);
+    }
+    out
+}
+
+/// The two registration tables the pairs refer to.
+pub(super) struct Sides<'a> {
+    pub(super) local: &'a RegionTable,
+    pub(super) remote: &'a RegionTable,
+}
 
 fn slice(region: &Arc<RegionInner>, offset: u64, len: u64) -> RegionSlice {
     RegionRef {
@@ -14,185 +110,143 @@ fn slice(region: &Arc<RegionInner>, offset: u64, len: u64) -> RegionSlice {
     .expect("descriptors were checked against the region")
 }
 
-fn grow(s: &RegionSlice, len: usize) -> RegionSlice {
-    s.region()
-        .slice(s.offset(), len)
-        .expect("merged descriptors were checked against the region")
-}
-
-/// Turn checked pairs into backend segments. With `merge`, a pair that continues the
-/// previous one in the same region on both sides extends it instead.
-pub(super) fn build_segments(
-    pairs: &[(&Resolved, &Resolved)],
-    backend: &str,
-    merge: bool,
-) -> Vec<Segment> {
-    let mut out: Vec<Segment> = Vec::with_capacity(pairs.len());
-    // (local region id, local end offset, target region id, target end offset) of the
-    // last segment.
-    let mut last: Option<(u64, u64, u64, u64)> = None;
-    for (l, r) in pairs {
-        let Resolved::Local {
-            region: lr,
-            offset: lo,
-            len,
-        } = l
-        else {
-            unreachable!("the local side is always local")
-        };
-        let (rid, ro) = match r {
-            Resolved::Local { region, offset, .. } => (region.id, *offset),
-            Resolved::Remote { region, offset, .. } => (region.id, *offset),
-        };
-        if let (true, Some((a, ae, b, be)), Some(seg)) = (merge, last, out.last_mut()) {
-            if a == lr.id && ae == *lo && b == rid && be == ro {
-                let new_len = seg.local.len() + *len as usize;
-                seg.local = grow(&seg.local, new_len);
-                match &mut seg.target {
-                    Target::Local(t) => *t = grow(t, new_len),
-                    Target::Remote { len: l, .. } => *l = new_len as u64,
-                }
-                last = Some((a, ae + len, b, be + len));
-                continue;
+/// Segment runs for `backend` (the blob of a remote target is that backend's).
+pub(super) fn build_segments(pairs: &[PairRun], sides: &Sides<'_>, backend: &str) -> Segments {
+    let RegionTable::Local(locals) = sides.local else {
+        unreachable!("the local side is always local")
+    };
+    Segments::from_runs(pairs.iter().map(|p| {
+        let target = match sides.remote {
+            RegionTable::Local(v) => {
+                Target::Local(slice(&v[p.r.region as usize], p.r.offset, p.r.len))
             }
-        }
-        let target = match r {
-            Resolved::Local {
-                region,
-                offset,
-                len,
-            } => Target::Local(slice(region, *offset, *len)),
-            Resolved::Remote {
-                region,
-                offset,
-                len,
-            } => Target::Remote {
-                addr: region.addr + offset,
-                len: *len,
-                region: region.id,
-                blob: region.blob(backend).cloned().unwrap_or_default(),
-            },
+            RegionTable::Remote(v) => {
+                let region = &v[p.r.region as usize];
+                Target::Remote {
+                    addr: region.addr + p.r.offset,
+                    len: p.r.len,
+                    region: region.id,
+                    blob: region.blob(backend).cloned().unwrap_or_default(),
+                }
+            }
         };
-        out.push(Segment {
-            local: slice(lr, *lo, *len),
+        SegmentRun {
+            local: slice(&locals[p.l.region as usize], p.l.offset, p.l.len),
+            local_stride: p.l.stride as usize,
             target,
-        });
-        last = Some((lr.id, lo + len, rid, ro + len));
-    }
-    out
+            target_stride: p.r.stride,
+            count: p.l.count,
+        }
+    }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::{MemKind, Memory};
-    use crate::region::RemoteRegion;
-    use bytes::Bytes;
-    use std::sync::atomic::AtomicBool;
-    use std::sync::Mutex;
+    use proptest::prelude::*;
 
-    fn local_region(id: u64, len: usize) -> Arc<RegionInner> {
-        Arc::new(RegionInner {
-            id,
-            mem: Memory::from(vec![0u8; len]),
-            inflight: Default::default(),
-            registered: AtomicBool::new(true),
-            backends: Mutex::new(Vec::new()),
-        })
+    /// One pair of blocks: (local region, local offset, target region, target
+    /// offset, length).
+    type Block = (u32, u64, u32, u64, u64);
+
+    fn blocks(runs: &[PairRun]) -> Vec<Block> {
+        runs.iter()
+            .flat_map(|p| {
+                (0..p.l.count).map(move |i| {
+                    let (lo, ro) = p.at(i);
+                    (p.l.region, lo, p.r.region, ro, p.l.len)
+                })
+            })
+            .collect()
     }
 
-    fn remote_region(id: u64, addr: u64, len: u64) -> Arc<RemoteRegion> {
-        Arc::new(RemoteRegion {
-            id,
-            kind: MemKind::Dram,
-            addr,
-            len,
-            blobs: vec![("tcp".into(), Bytes::from_static(b"key"))],
-        })
-    }
-
-    fn l(region: &Arc<RegionInner>, offset: u64, len: u64) -> Resolved {
-        Resolved::Local {
-            region: region.clone(),
-            offset,
-            len,
-        }
-    }
-
-    fn r(region: &Arc<RemoteRegion>, offset: u64, len: u64) -> Resolved {
-        Resolved::Remote {
-            region: region.clone(),
-            offset,
-            len,
-        }
-    }
-
-    fn remote_len(t: &Target) -> (u64, u64) {
-        match t {
-            Target::Remote { addr, len, .. } => (*addr, *len),
-            Target::Local(_) => panic!("expected a remote target"),
-        }
-    }
-
-    #[test]
-    fn contiguous_pairs_merge_and_gaps_split() {
-        let a = local_region(1, 4096);
-        let p = remote_region(9, 0x10_000, 4096);
-        let descs = [
-            (l(&a, 0, 100), r(&p, 0, 100)),
-            (l(&a, 100, 100), r(&p, 100, 100)),
-            // A gap on the remote side only: no merge.
-            (l(&a, 200, 50), r(&p, 300, 50)),
-            (l(&a, 250, 50), r(&p, 350, 50)),
-        ];
-        let pairs: Vec<_> = descs.iter().map(|(a, b)| (a, b)).collect();
-        let segs = build_segments(&pairs, "tcp", true);
-        assert_eq!(segs.len(), 2);
-        assert_eq!((segs[0].local.offset(), segs[0].local.len()), (0, 200));
-        assert_eq!(remote_len(&segs[0].target), (0x10_000, 200));
-        assert_eq!((segs[1].local.offset(), segs[1].local.len()), (200, 100));
-        assert_eq!(remote_len(&segs[1].target), (0x10_000 + 300, 100));
-        assert_eq!(segs[0].local.id(), 1);
-        match &segs[0].target {
-            Target::Remote { region, blob, .. } => {
-                assert_eq!((*region, &blob[..]), (9, &b"key"[..]));
+    /// The reference: join one pair at a time into the previous one when it continues
+    /// it on both sides.
+    fn greedy(pairs: &[Block]) -> Vec<Block> {
+        let mut out: Vec<Block> = Vec::new();
+        for &(a, lo, b, ro, len) in pairs {
+            if let Some(last) = out.last_mut() {
+                if last.0 == a && last.1 + last.4 == lo && last.2 == b && last.3 + last.4 == ro {
+                    last.4 += len;
+                    continue;
+                }
             }
-            Target::Local(_) => unreachable!(),
+            out.push((a, lo, b, ro, len));
+        }
+        out
+    }
+
+    fn run(
+        region: (u32, u32),
+        offsets: (u64, u64),
+        len: u64,
+        strides: (u64, u64),
+        count: usize,
+    ) -> PairRun {
+        let side = |region, offset, stride| PrepRun {
+            region,
+            offset,
+            len,
+            stride,
+            count,
+        };
+        PairRun {
+            l: side(region.0, offsets.0, strides.0),
+            r: side(region.1, offsets.1, strides.1),
         }
     }
 
     #[test]
-    fn no_merge_keeps_every_pair() {
-        let a = local_region(1, 4096);
-        let p = remote_region(9, 0x10_000, 4096);
-        let descs = [
-            (l(&a, 0, 100), r(&p, 0, 100)),
-            (l(&a, 100, 100), r(&p, 100, 100)),
+    fn contiguous_runs_merge_and_strided_ones_stay() {
+        let runs = [
+            // Contiguous on both sides: one pair.
+            run((0, 0), (0, 0), 64, (64, 64), 10),
+            // Continues it, then strides on the target side only.
+            run((0, 0), (640, 640), 64, (64, 128), 5),
+            // Another target region: never joins.
+            run((0, 1), (960, 0), 64, (64, 64), 2),
         ];
-        let pairs: Vec<_> = descs.iter().map(|(a, b)| (a, b)).collect();
-        assert_eq!(build_segments(&pairs, "tcp", false).len(), 2);
+        let merged = merge_runs(&runs, true);
+        assert_eq!(
+            blocks(&merged),
+            vec![
+                (0, 0, 0, 0, 704),
+                (0, 704, 0, 768, 64),
+                (0, 768, 0, 896, 64),
+                (0, 832, 0, 1024, 64),
+                (0, 896, 0, 1152, 64),
+                (0, 960, 1, 0, 128),
+            ]
+        );
+        assert_eq!(merged.len(), 3, "runs stay runs: {merged:?}");
+        assert_eq!(merge_runs(&runs, false), runs.to_vec());
     }
 
-    #[test]
-    fn different_regions_never_merge() {
-        let a = local_region(1, 4096);
-        let b = local_region(2, 4096);
-        let descs = [
-            (l(&a, 0, 64), l(&b, 0, 64)),
-            (l(&a, 64, 64), l(&b, 64, 64)),
-            // Continues in `a` but the target jumps back into `a` itself.
-            (l(&a, 128, 64), l(&a, 1024, 64)),
-        ];
-        let pairs: Vec<_> = descs.iter().map(|(a, b)| (a, b)).collect();
-        let segs = build_segments(&pairs, "tcp", true);
-        assert_eq!(segs.len(), 2);
-        match &segs[0].target {
-            Target::Local(t) => assert_eq!((t.id(), t.offset(), t.len()), (2, 0, 128)),
-            Target::Remote { .. } => unreachable!(),
-        }
-        match &segs[1].target {
-            Target::Local(t) => assert_eq!((t.id(), t.offset(), t.len()), (1, 1024, 64)),
-            Target::Remote { .. } => unreachable!(),
+    fn arb_run() -> impl Strategy<Value = PairRun> {
+        (
+            (0u32..2, 0u32..2),
+            (0u64..8, 0u64..8),
+            1u64..4,
+            (0u64..6, 0u64..6),
+            1usize..6,
+        )
+            .prop_map(|(r, (lo, ro), len, (ls, rs), count)| {
+                // Offsets and strides in units of the length make joins likely.
+                run(r, (lo * len, ro * len), len, (ls * len, rs * len), count)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4000))]
+        /// Merging runs gives exactly what merging their pairs one by one gives, and
+        /// without merging every pair stays.
+        #[test]
+        fn merging_runs_matches_merging_pairs(runs in prop::collection::vec(arb_run(), 1..8)) {
+            let merged = merge_runs(&runs, true);
+            prop_assert_eq!(greedy(&blocks(&merged)), blocks(&merged));
+            prop_assert_eq!(blocks(&merged), greedy(&blocks(&runs)));
+            prop_assert!(merged.len() <= runs.len() * 2);
+            prop_assert_eq!(blocks(&merge_runs(&runs, false)), blocks(&runs));
         }
     }
 }
