@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
-use nixl::{Completer, Error, ErrorKind, Op, RegionSlice, Result};
+use nixl::{Completer, Error, ErrorKind, Op, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -29,6 +29,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::io::{recv_slice, send_slice, IO_BUF};
+use crate::runs::{blocks, LocalRun};
 use crate::same_host::{self, RemoteSeg, SameHost, Unsuitable};
 use crate::wire::{self, RequestHeader, ResponseHeader};
 use crate::{Started, TcpOptions};
@@ -68,7 +69,7 @@ enum JobKind {
     Transfer {
         op: Op,
         table: Arc<[u8]>,
-        local: Arc<[RegionSlice]>,
+        local: Arc<[LocalRun]>,
         /// The remote side for the same-host path, when the target granted it.
         direct: Option<Arc<[RemoteSeg]>>,
         total: u64,
@@ -80,7 +81,7 @@ impl Job {
     pub(crate) fn transfer(
         op: Op,
         table: Arc<[u8]>,
-        local: Arc<[RegionSlice]>,
+        local: Arc<[LocalRun]>,
         direct: Option<Arc<[RemoteSeg]>>,
         total: u64,
         notif: Option<Bytes>,
@@ -111,7 +112,7 @@ impl Job {
 struct Pending {
     done: Completer,
     /// For READs: where the data goes, and how much.
-    read: Option<(Arc<[RegionSlice]>, u64)>,
+    read: Option<(Arc<[LocalRun]>, u64)>,
 }
 
 #[derive(Default)]
@@ -350,7 +351,7 @@ impl Conn {
             ..
         } = &job.kind
         {
-            for seg in local.iter() {
+            for seg in blocks(local) {
                 let at = frame.len();
                 frame.resize(at + seg.len(), 0);
                 if let Err(e) = seg.read_into(0, &mut frame[at..]) {
@@ -802,8 +803,8 @@ impl Task {
                 w.write_all(&h.encode()).await?;
                 w.write_all(&table).await?;
                 w.write_all(notif.as_deref().unwrap_or_default()).await?;
-                for seg in local.iter() {
-                    send_slice(w, seg, scratch).await?;
+                for seg in blocks(&local) {
+                    send_slice(w, &seg, scratch).await?;
                 }
                 // Payload sent: hand the completer to the table (or finish it, if the
                 // answer already came).
@@ -872,7 +873,7 @@ fn park(
     table: &Mutex<Table>,
     id: u64,
     done: Completer,
-    read: Option<(Arc<[RegionSlice]>, u64)>,
+    read: Option<(Arc<[LocalRun]>, u64)>,
 ) -> bool {
     let mut t = table.lock().unwrap();
     if let Some(e) = t.dead.as_ref().map(Error::cloned) {
@@ -975,8 +976,8 @@ async fn read_loop(rd: OwnedReadHalf, peer: &str, table: &Mutex<Table>, held: &H
                     return protocol("data length mismatch".into());
                 }
                 held.put(done);
-                for seg in segs.iter() {
-                    if let Err(e) = recv_slice(&mut r, seg).await {
+                for seg in blocks(&segs) {
+                    if let Err(e) = recv_slice(&mut r, &seg).await {
                         return lost(e);
                     }
                 }

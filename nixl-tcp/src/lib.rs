@@ -87,6 +87,7 @@
 
 mod conn;
 mod io;
+mod runs;
 mod same_host;
 mod shm;
 mod target;
@@ -103,7 +104,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
     random_u64, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
-    PreparedTransfer, RegionRef, RegionSlice, Result, Target, TransferPlan,
+    PreparedTransfer, RegionRef, Result, Target, TransferPlan,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -333,7 +334,7 @@ impl Backend for TcpBackend {
             dram: true,
             vram: false,
             target_checks: true,
-            max_segments: wire::MAX_SEGMENTS as usize,
+            max_segments: wire::MAX_ENTRIES as usize,
             max_notification: self.inner.options.max_notification,
         }
     }
@@ -493,14 +494,14 @@ impl Backend for TcpBackend {
                 "the tcp backend serves transfers between agents only",
             ));
         };
-        let mut table = Vec::with_capacity(plan.segments.len() * wire::SEG_LEN);
-        let mut local = Vec::with_capacity(plan.segments.len());
-        let mut direct = Vec::with_capacity(plan.segments.len());
-        let mut total = 0u64;
-        for s in plan.segments.iter() {
+        let runs = plan.segments.runs();
+        let mut table = Vec::with_capacity(runs.len() * wire::SEG_LEN);
+        let mut local = Vec::with_capacity(runs.len());
+        let mut direct = Vec::with_capacity(runs.len());
+        for s in runs {
             let Target::Remote {
                 addr, len, blob, ..
-            } = s.target
+            } = &s.target
             else {
                 return Err(Error::new(
                     ErrorKind::InvalidArgument,
@@ -508,7 +509,7 @@ impl Backend for TcpBackend {
                     "remote transfer with a local target",
                 ));
             };
-            let (key, slot) = decode_blob(&blob).ok_or_else(|| {
+            let (key, slot) = decode_blob(blob).ok_or_else(|| {
                 Error::new(
                     ErrorKind::Corrupt,
                     OP,
@@ -518,16 +519,22 @@ impl Backend for TcpBackend {
                     ),
                 )
             })?;
-            direct.push(slot.map(|slot| same_host::RemoteSeg {
-                slot,
+            let entry = wire::SegEntry {
                 key,
-                addr,
-                len,
-            }));
-            wire::SegEntry { key, addr, len }.encode_into(&mut table);
-            total += len;
-            local.push(s.local);
+                addr: *addr,
+                len: *len,
+                stride: s.target_stride,
+                blocks: s.count as u64,
+            };
+            direct.push(slot.map(|slot| same_host::RemoteSeg { slot, entry }));
+            entry.encode_into(&mut table);
+            local.push(runs::LocalRun {
+                first: s.local.clone(),
+                stride: s.local_stride,
+                count: s.count,
+            });
         }
+        let total = plan.segments.bytes();
         // The same-host path takes a transfer whole or not at all.
         let direct: Option<Arc<[same_host::RemoteSeg]>> = direct
             .into_iter()
@@ -591,7 +598,7 @@ struct RemotePrepared {
     peer: String,
     op: Op,
     table: Arc<[u8]>,
-    local: Arc<[RegionSlice]>,
+    local: Arc<[runs::LocalRun]>,
     /// The remote side for the same-host path, when the target granted every segment.
     direct: Option<Arc<[same_host::RemoteSeg]>>,
     total: u64,

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use nixl::{Error, ErrorKind, Op, RegionRef, RegionSlice, Result};
 
+use crate::runs::LocalRun;
 use crate::shm::{self, Access, Grant, Mapping, Table};
+use crate::wire::SegEntry;
 
 /// Whether nixl-tcp moves data between agents on one host without the socket.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -217,13 +219,13 @@ pub(crate) struct Peer {
     maps: Mutex<HashMap<u32, (u64, Arc<Mapping>)>>,
 }
 
-/// A remote segment of a prepared transfer, as the grant check needs it.
+/// The remote side of one run of a prepared transfer, as the grant check needs it:
+/// the target's same-host slot and the run's entry (key, first block, length,
+/// stride, blocks).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RemoteSeg {
     pub(crate) slot: u32,
-    pub(crate) key: u64,
-    pub(crate) addr: u64,
-    pub(crate) len: u64,
+    pub(crate) entry: SegEntry,
 }
 
 /// Why a transfer cannot go direct (it goes over TCP, or fails under `Require`).
@@ -257,14 +259,15 @@ impl Peer {
     pub(crate) fn transfer(
         &self,
         op: Op,
-        local: &[RegionSlice],
+        local: &[LocalRun],
         remote: &[RemoteSeg],
     ) -> std::result::Result<Result<()>, Unsuitable> {
         const OP: &str = "tcp same-host transfer";
         debug_assert_eq!(local.len(), remote.len());
         let mut held: Vec<(Access<'_>, Grant)> = Vec::with_capacity(remote.len());
         for (i, r) in remote.iter().enumerate() {
-            let Some((access, g)) = self.table.acquire(r.slot).filter(|(_, g)| g.key == r.key)
+            let e = &r.entry;
+            let Some((access, g)) = self.table.acquire(r.slot).filter(|(_, g)| g.key == e.key)
             else {
                 if self.table.is_closed() {
                     return Ok(Err(Error::new(
@@ -276,21 +279,22 @@ impl Peer {
                 return Ok(Err(Error::new(
                     ErrorKind::NotAllowed,
                     OP,
-                    format!("segment {i}: unknown or forged key (not granted by the target)"),
+                    format!("run {i}: unknown or forged key (not granted by the target)"),
                 )));
             };
-            let inside = r
-                .addr
-                .checked_sub(g.addr)
-                .zip(r.addr.checked_add(r.len))
-                .is_some_and(|(_, end)| end <= g.addr + g.len);
-            if !inside || r.len == 0 {
+            // Blocks ascend: the run lies inside the grant when its first block starts
+            // and its last block ends inside.
+            let inside = e.addr >= g.addr
+                && e.last()
+                    .and_then(|last| last.checked_add(e.len))
+                    .is_some_and(|end| end <= g.addr + g.len);
+            if !inside || e.len == 0 {
                 return Ok(Err(Error::new(
                     ErrorKind::OutOfRange,
                     OP,
                     format!(
-                        "segment {i}: {:#x}+{} is outside registration {:#x}+{}",
-                        r.addr, r.len, g.addr, g.len
+                        "run {i}: {} blocks of {:#x}+{} every {} bytes are not all inside registration {:#x}+{}",
+                        e.blocks, e.addr, e.len, e.stride, g.addr, g.len
                     ),
                 )));
             }
@@ -303,33 +307,44 @@ impl Peer {
         }
         let write = op == Op::Write;
         // Shared memory first, then the rest by cross-memory attach in batches.
-        let mut batch_l: Vec<&RegionSlice> = Vec::new();
+        let mut batch_l: Vec<RegionSlice> = Vec::new();
         let mut batch_r: Vec<(u64, u64)> = Vec::new();
         for ((l, r), (_, g)) in local.iter().zip(remote).zip(&held) {
-            match g.memfd {
-                Some(fd) => {
-                    let map = match self.mapping(r.slot, g, fd) {
-                        Ok(m) => m,
-                        Err(e) => return Ok(Err(e)),
-                    };
-                    if let Err(e) = shm::copy_mapped(l, &map, (r.addr - g.addr) as usize, write) {
-                        return Ok(Err(Error::new(
-                            ErrorKind::Backend,
-                            OP,
-                            "copy through shared memory failed",
-                        )
-                        .with_source(e)));
-                    }
-                }
-                None => {
-                    batch_l.push(l);
-                    batch_r.push((r.addr, r.len));
-                    if batch_l.len() == shm::IOV_MAX {
-                        if let Err(e) = self.cma(write, &batch_l, &batch_r) {
-                            return Ok(Err(e));
+            let e = &r.entry;
+            let map = match g.memfd {
+                Some(fd) => match self.mapping(r.slot, g, fd) {
+                    Ok(m) => Some(m),
+                    Err(e) => return Ok(Err(e)),
+                },
+                None => None,
+            };
+            for j in 0..l.count {
+                let block = l.block(j);
+                // Inside the grant (checked above for the whole run).
+                let addr = e.addr + j as u64 * e.stride;
+                match &map {
+                    Some(map) => {
+                        if let Err(e) =
+                            shm::copy_mapped(&block, map, (addr - g.addr) as usize, write)
+                        {
+                            return Ok(Err(Error::new(
+                                ErrorKind::Backend,
+                                OP,
+                                "copy through shared memory failed",
+                            )
+                            .with_source(e)));
                         }
-                        batch_l.clear();
-                        batch_r.clear();
+                    }
+                    None => {
+                        batch_l.push(block);
+                        batch_r.push((addr, e.len));
+                        if batch_l.len() == shm::IOV_MAX {
+                            if let Err(e) = self.cma(write, &batch_l, &batch_r) {
+                                return Ok(Err(e));
+                            }
+                            batch_l.clear();
+                            batch_r.clear();
+                        }
                     }
                 }
             }
@@ -343,7 +358,7 @@ impl Peer {
         Ok(Ok(()))
     }
 
-    fn cma(&self, write: bool, local: &[&RegionSlice], remote: &[(u64, u64)]) -> Result<()> {
+    fn cma(&self, write: bool, local: &[RegionSlice], remote: &[(u64, u64)]) -> Result<()> {
         const OP: &str = "tcp same-host transfer";
         let want: u64 = remote.iter().map(|r| r.1).sum();
         match shm::cma(self.pid, write, local, remote) {

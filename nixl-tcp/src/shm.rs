@@ -415,7 +415,7 @@ pub(crate) const IOV_MAX: usize = 1024;
 pub(crate) fn cma(
     pid: u32,
     write: bool,
-    local: &[&RegionSlice],
+    local: &[RegionSlice],
     remote: &[(u64, u64)],
 ) -> io::Result<usize> {
     if local.len() > IOV_MAX

@@ -8,11 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use nixl::{NotificationSink, RegionSlice};
+use nixl::NotificationSink;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::io::{recv_slice, send_slice, IO_BUF};
+use crate::runs::{blocks, LocalRun};
 use crate::same_host::{ConnTable, Offer, SameHost};
 use crate::shm;
 use crate::wire::{self, RequestHeader, ResponseHeader, SegEntry};
@@ -156,7 +157,7 @@ async fn serve(
     let max_notif = inner.options.max_notification;
     let mut hbuf = [0u8; wire::HEADER_LEN];
     let mut table = Vec::new();
-    let mut segs: Vec<RegionSlice> = Vec::new();
+    let mut segs: Vec<LocalRun> = Vec::new();
     let mut scratch = Vec::new();
     loop {
         match r.read_exact(&mut hbuf).await {
@@ -176,8 +177,8 @@ async fn serve(
                 ack(&mut w, h.id, wire::ST_OK, "").await?;
             }
             wire::REQ_WRITE | wire::REQ_READ => {
-                if h.segments > wire::MAX_SEGMENTS {
-                    ack(&mut w, h.id, wire::ST_TOO_LARGE, "too many segments").await?;
+                if h.segments > wire::MAX_ENTRIES {
+                    ack(&mut w, h.id, wire::ST_TOO_LARGE, "too many run entries").await?;
                     return Err(proto(format!("{} segments", h.segments)));
                 }
                 table.resize(h.segments as usize * wire::SEG_LEN, 0);
@@ -189,15 +190,16 @@ async fn serve(
                 };
                 let mut total: u64 = 0;
                 for e in SegEntry::decode_all(&table) {
-                    total = total
-                        .checked_add(e.len)
+                    total = e
+                        .bytes()
+                        .and_then(|b| total.checked_add(b))
                         .ok_or_else(|| proto("segment lengths overflow"))?;
                 }
                 let checked = check(&inner, &table, &mut segs);
                 match (h.kind, checked) {
                     (wire::REQ_WRITE, Ok(())) => {
-                        for seg in &segs {
-                            recv_slice(&mut r, seg).await?;
+                        for seg in blocks(&segs) {
+                            recv_slice(&mut r, &seg).await?;
                         }
                         // Data is in memory: now the notification.
                         if let Some(n) = notif {
@@ -214,8 +216,8 @@ async fn serve(
                             data_len: total,
                         };
                         w.write_all(&d.encode()).await?;
-                        for seg in &segs {
-                            send_slice(&mut w, seg, &mut scratch).await?;
+                        for seg in blocks(&segs) {
+                            send_slice(&mut w, &seg, &mut scratch).await?;
                         }
                         if let Some(n) = notif {
                             sink.deliver(&peer, n);
@@ -280,32 +282,43 @@ impl Drop for Detach {
     }
 }
 
-/// Check every segment of a request; fill `segs` only if all pass (each keeps its
-/// registration alive until the request is served).
-fn check(inner: &Inner, table: &[u8], segs: &mut Vec<RegionSlice>) -> Result<(), Refusal> {
+/// Check every run of a request; fill `segs` only if all pass (each keeps its
+/// registration alive until the request is served). A run is checked by its first
+/// and last block: blocks ascend, so every block between lies inside too.
+fn check(inner: &Inner, table: &[u8], segs: &mut Vec<LocalRun>) -> Result<(), Refusal> {
     segs.clear();
     let regions = inner.regions.read().unwrap();
     for (i, e) in SegEntry::decode_all(table).enumerate() {
         let Some(region) = regions.get(&e.key) else {
             return Err(Refusal {
                 status: wire::ST_BAD_KEY,
-                msg: format!("segment {i}: unknown or forged key"),
+                msg: format!("run {i}: unknown or forged key"),
             });
         };
-        let Some(seg) = region.slice_at(e.addr, e.len).filter(|s| !s.is_empty()) else {
+        let first = region.slice_at(e.addr, e.len).filter(|s| !s.is_empty());
+        let last = e.last().and_then(|a| region.slice_at(a, e.len));
+        let stride = usize::try_from(e.stride).ok();
+        let count = usize::try_from(e.blocks).ok();
+        let (Some(first), Some(_), Some(stride), Some(count)) = (first, last, stride, count) else {
             let whole = region.segment();
             return Err(Refusal {
                 status: wire::ST_OUT_OF_RANGE,
                 msg: format!(
-                    "segment {i}: {:#x}+{} is outside registration {:#x}+{}",
+                    "run {i}: {} blocks of {:#x}+{} every {} bytes are not all inside registration {:#x}+{}",
+                    e.blocks,
                     e.addr,
                     e.len,
+                    e.stride,
                     whole.addr(),
                     whole.len()
                 ),
             });
         };
-        segs.push(seg);
+        segs.push(LocalRun {
+            first,
+            stride,
+            count,
+        });
     }
     Ok(())
 }

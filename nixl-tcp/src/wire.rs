@@ -13,24 +13,26 @@
 //! target answers each with an ACK (READs: DATA first).
 //!
 //! Request header (24 bytes): kind u8, flags u8 (bit 0: carries a notification), 2 zero
-//! bytes, segment count u32, request id u64,
-//! notification length u32, 4 zero bytes. Then `count` segment entries (key u64, addr
-//! u64, len u64), the notification bytes and, for WRITE, the payload (all segments'
-//! bytes in order).
+//! bytes, entry count u32, request id u64,
+//! notification length u32, 4 zero bytes. Then `count` run entries (key u64, addr
+//! u64, len u64, stride u64, blocks u64: `blocks` segments of `len` bytes, the first
+//! at `addr`, each `stride` bytes after the previous, so a strided request costs one
+//! entry per run, not per block), the notification bytes and, for WRITE, the payload
+//! (every segment's bytes, in order).
 //!
 //! Response header (24 bytes): kind u8, status u8, 2 zero bytes, message length u32,
 //! request id u64, data length u64. ACK: then `message length` bytes of UTF-8 error
 //! text. DATA: then `data length` bytes.
 
 pub(crate) const MAGIC: [u8; 4] = *b"NXTC";
-pub(crate) const VERSION: u16 = 2;
+pub(crate) const VERSION: u16 = 3;
 pub(crate) const MAX_NAME: usize = 256;
-/// Most segments one request may carry.
-pub(crate) const MAX_SEGMENTS: u32 = 1 << 20;
+/// Most run entries one request may carry.
+pub(crate) const MAX_ENTRIES: u32 = 1 << 20;
 /// Longest error message in an ACK.
 pub(crate) const MAX_ERROR_MSG: u32 = 4096;
 pub(crate) const HEADER_LEN: usize = 24;
-pub(crate) const SEG_LEN: usize = 24;
+pub(crate) const SEG_LEN: usize = 40;
 
 pub(crate) const REQ_WRITE: u8 = 1;
 pub(crate) const REQ_READ: u8 = 2;
@@ -161,19 +163,21 @@ impl ResponseHeader {
     }
 }
 
-/// One segment entry of a request.
+/// One run entry of a request: `blocks` segments of `len` bytes, `stride` apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SegEntry {
     pub(crate) key: u64,
     pub(crate) addr: u64,
     pub(crate) len: u64,
+    pub(crate) stride: u64,
+    pub(crate) blocks: u64,
 }
 
 impl SegEntry {
     pub(crate) fn encode_into(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.key.to_le_bytes());
-        out.extend_from_slice(&self.addr.to_le_bytes());
-        out.extend_from_slice(&self.len.to_le_bytes());
+        for x in [self.key, self.addr, self.len, self.stride, self.blocks] {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
     }
 
     /// Decode entries from exactly `count * SEG_LEN` bytes.
@@ -182,7 +186,21 @@ impl SegEntry {
             key: u64_at(c, 0),
             addr: u64_at(c, 8),
             len: u64_at(c, 16),
+            stride: u64_at(c, 24),
+            blocks: u64_at(c, 32),
         })
+    }
+
+    /// Bytes in all blocks, or `None` on overflow.
+    pub(crate) fn bytes(&self) -> Option<u64> {
+        self.len.checked_mul(self.blocks)
+    }
+
+    /// Start address of the last block, or `None` for no blocks or on overflow.
+    pub(crate) fn last(&self) -> Option<u64> {
+        self.stride
+            .checked_mul(self.blocks.checked_sub(1)?)?
+            .checked_add(self.addr)
     }
 }
 
@@ -256,7 +274,18 @@ mod tests {
             key: 1,
             addr: 2,
             len: 3,
+            stride: 4,
+            blocks: 5,
         };
+        assert_eq!((s.bytes(), s.last()), (Some(15), Some(18)));
+        let none = SegEntry { blocks: 0, ..s };
+        assert_eq!(none.last(), None);
+        let big = SegEntry {
+            stride: u64::MAX,
+            blocks: 3,
+            ..s
+        };
+        assert_eq!(big.last(), None);
         s.encode_into(&mut v);
         s.encode_into(&mut v);
         assert_eq!(SegEntry::decode_all(&v).collect::<Vec<_>>(), vec![s, s]);

@@ -32,7 +32,7 @@ impl Raw {
         let mut s = TcpStream::connect(addr).await.unwrap();
         let name = b"mallory";
         let mut hello = b"NXTC".to_vec();
-        hello.extend_from_slice(&2u16.to_le_bytes());
+        hello.extend_from_slice(&3u16.to_le_bytes());
         hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
         hello.extend_from_slice(name);
         s.write_all(&hello).await.unwrap();
@@ -44,7 +44,8 @@ impl Raw {
         Self { s, next: 1 }
     }
 
-    /// Send a request; returns the ACK status and whether DATA came before it.
+    /// Send a request of single blocks (key, address, length); returns the ACK status
+    /// and whether DATA came before it.
     async fn request(
         &mut self,
         kind: u8,
@@ -52,18 +53,30 @@ impl Raw {
         notif: Option<&[u8]>,
         payload: &[u8],
     ) -> (u8, bool) {
+        let runs: Vec<_> = segs.iter().map(|&(k, a, l)| (k, a, l, 0, 1)).collect();
+        self.request_runs(kind, &runs, notif, payload).await
+    }
+
+    /// Send a request of runs (key, address, length, stride, blocks).
+    async fn request_runs(
+        &mut self,
+        kind: u8,
+        runs: &[(u64, u64, u64, u64, u64)],
+        notif: Option<&[u8]>,
+        payload: &[u8],
+    ) -> (u8, bool) {
         self.send_raw(
             kind,
-            segs.len() as u32,
+            runs.len() as u32,
             notif.map_or(0, |n| n.len() as u32),
             notif.is_some(),
         )
         .await;
         let mut body = Vec::new();
-        for (k, a, l) in segs {
-            body.extend_from_slice(&k.to_le_bytes());
-            body.extend_from_slice(&a.to_le_bytes());
-            body.extend_from_slice(&l.to_le_bytes());
+        for &(k, a, l, stride, blocks) in runs {
+            for x in [k, a, l, stride, blocks] {
+                body.extend_from_slice(&x.to_le_bytes());
+            }
         }
         body.extend_from_slice(notif.unwrap_or_default());
         body.extend_from_slice(payload);
@@ -218,6 +231,44 @@ async fn hostile_requests_refused_memory_unchanged() {
         ST_BAD_KEY,
         "stale key of a deregistered region",
     );
+    refuse(
+        c.request_runs(WRITE, &[(key, base, 16, 1024, 5)], None, &junk[..80])
+            .await
+            .0,
+        ST_OUT_OF_RANGE,
+        "a run whose last block is past the end",
+    );
+    refuse(
+        c.request_runs(
+            WRITE,
+            &[(key, base, 16, u64::MAX / 2, 3)],
+            None,
+            &junk[..48],
+        )
+        .await
+        .0,
+        ST_OUT_OF_RANGE,
+        "a run whose stride overflows",
+    );
+    refuse(
+        c.request_runs(WRITE, &[(key, base, 16, 16, 0)], None, &[])
+            .await
+            .0,
+        ST_OUT_OF_RANGE,
+        "a run of no blocks",
+    );
+    refuse(
+        c.request_runs(
+            WRITE,
+            &[(key, base, 16, 16, 2), (gkey, base, 16, 16, 2)],
+            None,
+            &junk[..64],
+        )
+        .await
+        .0,
+        ST_OUT_OF_RANGE,
+        "second run in another region: the first must not be written",
+    );
     let (st, data) = c.request(READ, &[(key, base + 4000, 200)], None, &[]).await;
     refuse(st, ST_OUT_OF_RANGE, "read past the end");
     assert!(!data, "no data for a refused read");
@@ -233,6 +284,20 @@ async fn hostile_requests_refused_memory_unchanged() {
     let (st, _) = c.request(WRITE, &[(key, base, 4)], None, b"good").await;
     assert_eq!(st, ST_OK);
     assert_eq!(&r.to_vec().unwrap()[..4], b"good");
+    // A strided run lands block by block.
+    let (st, _) = c
+        .request_runs(WRITE, &[(key, base + 100, 4, 8, 3)], None, b"aaaabbbbcccc")
+        .await;
+    assert_eq!(st, ST_OK);
+    let mut want = pattern(1, 4096)[100..120].to_vec();
+    for (i, b) in [b"aaaa", b"bbbb", b"cccc"].into_iter().enumerate() {
+        want[i * 8..i * 8 + 4].copy_from_slice(b);
+    }
+    assert_eq!(&r.to_vec().unwrap()[100..120], &want[..]);
+    let (st, data) = c
+        .request_runs(READ, &[(key, base + 100, 4, 8, 3)], None, &[])
+        .await;
+    assert_eq!((st, data), (ST_OK, true));
     let before = sums(&[&r, &guard]);
     // Oversized: a segment count the target will not allocate for, then a notification
     // over the limit. Each is refused and closes only that connection.
@@ -244,6 +309,16 @@ async fn hostile_requests_refused_memory_unchanged() {
     big.send_raw(WRITE, 1, u32::MAX, true).await;
     assert_eq!(big.ack().await.0, ST_TOO_LARGE);
     assert!(big.closed().await);
+    // Run lengths whose total overflows: a protocol error, only this connection closes.
+    let mut big = Raw::connect(addr).await;
+    big.send_raw(WRITE, 1, 0, false).await;
+    let mut entry = Vec::new();
+    for x in [key, base, 16, 0, u64::MAX] {
+        entry.extend_from_slice(&x.to_le_bytes());
+    }
+    big.s.write_all(&entry).await.unwrap();
+    assert!(big.closed().await);
+    tried += 1;
     // Unknown request kind: closed.
     let mut odd = Raw::connect(addr).await;
     odd.send_raw(0x42, 0, 0, false).await;
@@ -320,7 +395,7 @@ async fn shared_secret_gates_every_connection() {
     }
     // A raw client that guesses a MAC is refused before any request is read.
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"NXTC\x02\x00\x01\x00m").await.unwrap();
+    s.write_all(b"NXTC\x03\x00\x01\x00m").await.unwrap();
     let mut reply = [0u8; 7 + 32];
     s.read_exact(&mut reply).await.unwrap();
     assert_eq!(reply[6], 4, "authentication required");
