@@ -661,10 +661,10 @@ impl Backend for UcxBackend {
             ));
         };
         let peer: Arc<str> = Arc::from(peer);
-        let mut segs = Vec::with_capacity(plan.segments.len());
+        let mut segs = Vec::with_capacity(plan.segments.runs().len());
         let mut epoch = 0;
         self.with_core(OP, |core| {
-            for s in plan.segments.iter() {
+            for s in plan.segments.runs() {
                 let Target::Remote {
                     addr,
                     len,
@@ -686,13 +686,20 @@ impl Backend for UcxBackend {
                     ));
                 };
                 // The agent checked this against the peer's advertised region; the
-                // blob's own bounds are a second, independent check.
-                let end = addr.checked_add(*len);
+                // blob's own bounds are a second, independent check, of the run's
+                // first and last segment (segments ascend).
+                let end = (s.count as u64 - 1)
+                    .checked_mul(s.target_stride)
+                    .and_then(|o| o.checked_add(*addr))
+                    .and_then(|last| last.checked_add(*len));
                 if *addr < b.base || end.is_none_or(|e| e > b.base.saturating_add(b.len)) {
                     return Err(Error::new(
                         ErrorKind::OutOfRange,
                         OP,
-                        format!("peer {peer:?} region {region}: {addr:#x}+{len} is outside the mapped range"),
+                        format!(
+                            "peer {peer:?} region {region}: {} segments of {addr:#x}+{len} every {} bytes are outside the mapped range",
+                            s.count, s.target_stride
+                        ),
                     ));
                 }
                 let (ep_epoch, rkey) = core.rkey(&peer, *region, blob, b.rkey)?;
@@ -700,6 +707,9 @@ impl Backend for UcxBackend {
                 segs.push(RmaSeg {
                     local: s.local.segment(),
                     remote: *addr,
+                    local_stride: s.local_stride,
+                    remote_stride: s.target_stride,
+                    count: s.count,
                     rkey,
                 });
             }

@@ -112,13 +112,20 @@ pub(crate) struct RkeyId(u32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct FlightId(u32);
 
-/// One segment of a one-sided transfer.
+/// A run of `count` equally sized segments of a one-sided transfer: segment `i` is
+/// `local` moved `i * local_stride` bytes on, paired with `remote + i * remote_stride`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RmaSeg {
-    /// Local memory (source of a put, destination of a get).
+    /// Local memory of the first segment (source of a put, destination of a get).
     pub(crate) local: MemSegment,
-    /// Address in the peer's address space.
+    /// Address of the first segment in the peer's address space.
     pub(crate) remote: u64,
+    /// Distance between consecutive segments' local starts.
+    pub(crate) local_stride: usize,
+    /// Distance between consecutive segments' remote starts.
+    pub(crate) remote_stride: u64,
+    /// Segments in the run (at least 1).
+    pub(crate) count: usize,
     /// The peer region's key, unpacked on the endpoint the transfer uses.
     pub(crate) rkey: RkeyId,
 }
@@ -1014,8 +1021,8 @@ impl<K: HoldsMemory> Ucx<K> {
         posted(unsafe { (self.api.ep_flush_nbx)(ep, &param) })
     }
 
-    /// Post a put (`write`) or get per segment, then an endpoint flush; the flight
-    /// finishes when every segment is complete at both ends.
+    /// Post a put (`write`) or get per segment of every run, then an endpoint flush;
+    /// the flight finishes when every segment is complete at both ends.
     ///
     /// The segments must come from the transfer whose [`Completer`] `keep` carries:
     /// that keeps their memory alive, and `keep` is handed back (from
@@ -1028,32 +1035,36 @@ impl<K: HoldsMemory> Ucx<K> {
         };
         let param = sys::RequestParam::default();
         let mut first_err = sys::UCS_OK;
-        for s in segs {
+        'runs: for s in segs {
             let Some(&rkey) = rkeys.get(s.rkey.0 as usize) else {
                 first_err = sys::UCS_ERR_NOT_CONNECTED;
                 break;
             };
-            let ptr = s.local.addr() as *mut c_void;
-            // SAFETY: live endpoint and a key unpacked on it; the local range is
-            // registered memory kept alive by `keep`'s completer until this flight is
-            // handed back, which happens only after the flush below completes (so
-            // after this operation), or after the worker is destroyed. No callback
-            // (request polled through the flush).
-            let p = unsafe {
-                if write {
-                    (self.api.put_nbx)(ep, ptr, s.local.len(), s.remote, rkey, &param)
-                } else {
-                    (self.api.get_nbx)(ep, ptr, s.local.len(), s.remote, rkey, &param)
-                }
-            };
-            match posted(p) {
-                Posted::Done(sys::UCS_OK) => {}
-                // Completion is tracked by the flush; UCX frees it when it is done.
-                // SAFETY: a live request handed to us, freed once.
-                Posted::Pending(req) => unsafe { (self.api.request_free)(req) },
-                Posted::Done(st) => {
-                    first_err = st;
-                    break;
+            for i in 0..s.count {
+                let ptr = (s.local.addr() as usize + i * s.local_stride) as *mut c_void;
+                let remote = s.remote + i as u64 * s.remote_stride;
+                // SAFETY: live endpoint and a key unpacked on it; every segment of the
+                // run lies in registered memory (the agent checked each run against
+                // its registration), kept alive by `keep`'s completer until this
+                // flight is handed back, which happens only after the flush below
+                // completes (so after this operation), or after the worker is
+                // destroyed. No callback (request polled through the flush).
+                let p = unsafe {
+                    if write {
+                        (self.api.put_nbx)(ep, ptr, s.local.len(), remote, rkey, &param)
+                    } else {
+                        (self.api.get_nbx)(ep, ptr, s.local.len(), remote, rkey, &param)
+                    }
+                };
+                match posted(p) {
+                    Posted::Done(sys::UCS_OK) => {}
+                    // Completion is tracked by the flush; UCX frees it when it is done.
+                    // SAFETY: a live request handed to us, freed once.
+                    Posted::Pending(req) => unsafe { (self.api.request_free)(req) },
+                    Posted::Done(st) => {
+                        first_err = st;
+                        break 'runs;
+                    }
                 }
             }
         }
