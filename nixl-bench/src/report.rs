@@ -92,7 +92,7 @@ struct JsonReport<'a> {
 }
 
 /// Column titles of the table (nixlbench's) and of CSV/JSON.
-const COLUMNS: [(&str, &str, usize); 11] = [
+const COLUMNS: [(&str, &str, usize); 13] = [
     ("", "op", 0),
     ("Block Size (B)", "block_size", 20),
     ("Batch Size", "batch_size", 15),
@@ -104,6 +104,8 @@ const COLUMNS: [(&str, &str, usize); 11] = [
     ("P99 Post (us)", "p99_post_us", 15),
     ("Avg Tx (us)", "avg_tx_us", 15),
     ("P99 Tx (us)", "p99_tx_us", 15),
+    ("Segments", "segments", 10),
+    ("Runs", "segment_runs", 6),
 ];
 
 fn table_width() -> usize {
@@ -355,7 +357,7 @@ fn seg(s: crate::cli::SegType) -> &'static str {
 /// nixlbench's row: left-aligned fixed widths; bandwidth with 6 decimals, times with 1.
 pub(crate) fn table_row(r: &Row) -> String {
     let line = format!(
-        "{:<20}{:<15}{:<15.6}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}",
+        "{:<20}{:<15}{:<15.6}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<10}{:<6}",
         r.block_size,
         r.batch_size,
         r.bw_gbps,
@@ -365,14 +367,16 @@ pub(crate) fn table_row(r: &Row) -> String {
         r.avg_post_us,
         r.p99_post_us,
         r.avg_tx_us,
-        r.p99_tx_us
+        r.p99_tx_us,
+        r.segments,
+        r.segment_runs
     );
     line.trim_end().to_owned()
 }
 
 fn csv_row(r: &Row) -> String {
     format!(
-        "{},{},{},{:.6},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3}",
+        "{},{},{},{:.6},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{}",
         r.op,
         r.block_size,
         r.batch_size,
@@ -383,7 +387,9 @@ fn csv_row(r: &Row) -> String {
         r.avg_post_us,
         r.p99_post_us,
         r.avg_tx_us,
-        r.p99_tx_us
+        r.p99_tx_us,
+        r.segments,
+        r.segment_runs
     )
 }
 
@@ -414,6 +420,8 @@ mod tests {
             p99_post_us: 0.9,
             avg_tx_us: 30.0,
             p99_tx_us: 50.55,
+            segments: 1,
+            segment_runs: 1,
         }
     }
 
@@ -424,7 +432,7 @@ mod tests {
             s.starts_with("4096                1              0.123457       33.2"),
             "{s:?}"
         );
-        assert_eq!(s.split_whitespace().count(), 10);
+        assert_eq!(s.split_whitespace().count(), 12);
     }
 
     #[test]

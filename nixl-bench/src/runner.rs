@@ -69,6 +69,8 @@ pub(crate) async fn run(session: &Arc<Session>, phase: Phase) -> Result<PhaseSta
         out.prep.append(&mut s.prep);
         out.post.append(&mut s.post);
         out.tx.append(&mut s.tx);
+        out.segments = out.segments.max(s.segments);
+        out.runs = out.runs.max(s.runs);
     }
     out.elapsed = start.elapsed();
     Ok(out)
@@ -117,6 +119,8 @@ async fn worker(s: &Session, t: usize, p: Phase) -> Result<PhaseStats> {
         post: Samples::with_capacity(iters),
         tx: Samples::with_capacity(iters),
         elapsed: Duration::ZERO,
+        segments: 0,
+        runs: 0,
     };
     if iters == 0 {
         return Ok(out);
@@ -181,6 +185,8 @@ async fn worker(s: &Session, t: usize, p: Phase) -> Result<PhaseStats> {
     for slot in 0..depth {
         reqs.push(make(slot, &mut out.prep)?);
     }
+    out.segments = reqs[0].segments();
+    out.runs = reqs[0].segment_runs();
     let mut inflight = FuturesUnordered::new();
     let post = |slot: usize, req: &XferRequest, samples: &mut Samples| -> Result<_> {
         let t0 = Instant::now();

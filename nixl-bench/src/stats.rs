@@ -51,6 +51,10 @@ pub(crate) struct PhaseStats {
     pub(crate) tx: Samples,
     /// From starting the threads until the last one finished.
     pub(crate) elapsed: Duration,
+    /// Segments per request after merging, and the runs of them the backend got
+    /// (the most any thread's request had).
+    pub(crate) segments: usize,
+    pub(crate) runs: usize,
 }
 
 /// One line of results.
@@ -70,6 +74,11 @@ pub(crate) struct Row {
     pub(crate) p99_post_us: f64,
     pub(crate) avg_tx_us: f64,
     pub(crate) p99_tx_us: f64,
+    /// Segments per request after merging.
+    pub(crate) segments: usize,
+    /// Runs of segments the backend got per request (regularly spaced segments count
+    /// once).
+    pub(crate) segment_runs: usize,
 }
 
 fn op_name<S: serde::Serializer>(op: &Op, s: S) -> Result<S::Ok, S::Error> {
@@ -102,6 +111,8 @@ impl Row {
             p99_post_us: phase.post.p99(),
             avg_tx_us: phase.tx.avg(),
             p99_tx_us: phase.tx.p99(),
+            segments: phase.segments,
+            segment_runs: phase.runs,
         }
     }
 }
@@ -133,6 +144,8 @@ mod tests {
             post: samples(&[2.0, 4.0]),
             tx: samples(&[10.0, 30.0]),
             elapsed: Duration::from_millis(2),
+            segments: 4,
+            runs: 1,
         };
         // 2 threads x 10 iterations x 4 blocks of 1000 bytes in 2 ms = 40 MB/s... in GB/s.
         let r = Row::new(Op::Write, 1000, 4, 10, 2, phase);

@@ -23,7 +23,7 @@ const SMALL: &[&str] = &[
 /// Bound on any run here; far above what they take, low enough to catch a hang.
 const HANG: Duration = Duration::from_secs(60);
 
-const COLUMNS: [&str; 10] = [
+const COLUMNS: [&str; 12] = [
     "Block Size (B)",
     "Batch Size",
     "B/W (GB/Sec)",
@@ -34,9 +34,11 @@ const COLUMNS: [&str; 10] = [
     "P99 Post (us)",
     "Avg Tx (us)",
     "P99 Tx (us)",
+    "Segments",
+    "Runs",
 ];
 
-const FIELDS: [&str; 11] = [
+const FIELDS: [&str; 13] = [
     "op",
     "block_size",
     "batch_size",
@@ -48,6 +50,8 @@ const FIELDS: [&str; 11] = [
     "p99_post_us",
     "avg_tx_us",
     "p99_tx_us",
+    "segments",
+    "segment_runs",
 ];
 
 fn bench() -> Command {
@@ -157,8 +161,9 @@ fn table_has_nixlbench_columns_and_one_row_per_block_size() {
     let blocks: Vec<f64> = rows.iter().map(|r| r[0]).collect();
     assert_eq!(blocks, [4096.0, 8192.0, 16384.0, 32768.0, 65536.0], "{out}");
     for r in &rows {
-        assert_eq!(r.len(), 10, "{r:?}");
+        assert_eq!(r.len(), 12, "{r:?}");
         assert_eq!(r[1], 1.0, "batch size");
+        assert_eq!((r[10], r[11]), (1.0, 1.0), "one segment in one run: {r:?}");
         assert!(r[2] > 0.0, "bandwidth {r:?}");
         assert!(r[3] > 0.0 && r[8] > 0.0, "latencies {r:?}");
         // With 20 samples the p99 is the largest one, never below the mean.
@@ -226,6 +231,26 @@ fn consistency_check_passes_for_write() {
     ]));
     assert!(out.contains("consistency check on"), "{out}");
     assert_eq!(table_rows(&out).len(), 10);
+}
+
+/// Scattered blocks are a strided list: a batch of 8 reaches the backend as 8
+/// segments in one run, and every byte still checks.
+#[test]
+fn scattered_batches_reach_the_backend_as_one_run() {
+    let out = ok(&with(&[
+        "--descriptor-layout",
+        "scattered",
+        "--start-batch-size",
+        "8",
+        "--max-batch-size",
+        "8",
+        "--check-consistency",
+    ]));
+    let rows = table_rows(&out);
+    assert_eq!(rows.len(), 5, "{out}");
+    for r in &rows {
+        assert_eq!((r[1], r[10], r[11]), (8.0, 8.0, 1.0), "{r:?}");
+    }
 }
 
 /// `--memory backend` reaches the target through setup; tcp offers no memory of its
@@ -710,7 +735,7 @@ mod etcd {
             "{stdout}"
         );
         for r in &rows {
-            assert_eq!(r.len(), 10, "{r:?}");
+            assert_eq!(r.len(), 12, "{r:?}");
             assert!(r[2] > 0.0 && r[8] > 0.0, "{r:?}");
         }
         let status = wait_within(&mut target.child, Duration::from_secs(30))

@@ -9,6 +9,9 @@
 //! - Transfers (READ/WRITE) are futures: one-shot ([`Agent::write`], [`Agent::read`],
 //!   [`Agent::transfer`]) or prepared ([`Agent::prep_local`], [`Agent::prep_remote`],
 //!   [`Agent::make_request`], then [`XferRequest::post`] many times).
+//! - Descriptor lists are runs of regularly spaced blocks ([`Strided`]; a KV cache's
+//!   pages): checking a list and building requests from it cost O(runs), not
+//!   O(blocks), and backends get the segments as runs ([`Segments`]).
 //! - Transports implement the object-safe [`Backend`] trait, one crate each
 //!   (`nixl-tcp` is the embedded default).
 //!
