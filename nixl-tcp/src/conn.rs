@@ -68,7 +68,7 @@ pub(crate) struct Job {
 enum JobKind {
     Transfer {
         op: Op,
-        table: Arc<[u8]>,
+        table: Bytes,
         local: Arc<[LocalRun]>,
         /// The remote side for the same-host path, when the target granted it.
         direct: Option<Arc<[RemoteSeg]>>,
@@ -80,7 +80,7 @@ enum JobKind {
 impl Job {
     pub(crate) fn transfer(
         op: Op,
-        table: Arc<[u8]>,
+        table: Bytes,
         local: Arc<[LocalRun]>,
         direct: Option<Arc<[RemoteSeg]>>,
         total: u64,

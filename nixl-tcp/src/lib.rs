@@ -495,9 +495,12 @@ impl Backend for TcpBackend {
             ));
         };
         let runs = plan.segments.runs();
+        // One pass decodes the keys and writes the table; the local and same-host
+        // sides are then collected straight into their shared slices (one allocation
+        // each: requests can carry a million runs).
         let mut table = Vec::with_capacity(runs.len() * wire::SEG_LEN);
-        let mut local = Vec::with_capacity(runs.len());
-        let mut direct = Vec::with_capacity(runs.len());
+        let mut entries = Vec::with_capacity(runs.len());
+        let mut all_direct = true;
         for s in runs {
             let Target::Remote {
                 addr, len, blob, ..
@@ -526,26 +529,33 @@ impl Backend for TcpBackend {
                 stride: s.target_stride,
                 blocks: s.count as u64,
             };
-            direct.push(slot.map(|slot| same_host::RemoteSeg { slot, entry }));
             entry.encode_into(&mut table);
-            local.push(runs::LocalRun {
+            all_direct &= slot.is_some();
+            entries.push((entry, slot.unwrap_or_default()));
+        }
+        let total = plan.segments.bytes();
+        let local: Arc<[runs::LocalRun]> = runs
+            .iter()
+            .map(|s| runs::LocalRun {
                 first: s.local.clone(),
                 stride: s.local_stride,
                 count: s.count,
-            });
-        }
-        let total = plan.segments.bytes();
+            })
+            .collect();
         // The same-host path takes a transfer whole or not at all.
-        let direct: Option<Arc<[same_host::RemoteSeg]>> = direct
-            .into_iter()
-            .collect::<Option<Vec<_>>>()
-            .map(Into::into);
+        let direct: Option<Arc<[same_host::RemoteSeg]>> = all_direct.then(|| {
+            entries
+                .iter()
+                .map(|&(entry, slot)| same_host::RemoteSeg { slot, entry })
+                .collect()
+        });
+        drop(entries);
         Ok(Box::new(RemotePrepared {
             backend: self.clone(),
             peer,
             op: plan.op,
-            table: table.into(),
-            local: local.into(),
+            table: Bytes::from(table),
+            local,
             direct,
             total,
         }))
@@ -597,7 +607,7 @@ struct RemotePrepared {
     backend: TcpBackend,
     peer: String,
     op: Op,
-    table: Arc<[u8]>,
+    table: Bytes,
     local: Arc<[runs::LocalRun]>,
     /// The remote side for the same-host path, when the target granted every segment.
     direct: Option<Arc<[same_host::RemoteSeg]>>,

@@ -9,7 +9,7 @@ use bytes::Bytes;
 
 use super::choice::{self, Candidate, Need};
 use super::local::{LocalCopy, AGENT_COPY};
-use super::segments::{build_segments, merge_runs, PairRun, Sides};
+use super::segments::{build_segments, Merger, PairRun, Sides};
 use super::{Agent, RequestOptions};
 use crate::backend::{PreparedTransfer, Segments, TransferPlan};
 use crate::descriptor::{DescList, RangeIndex, Ranged};
@@ -402,14 +402,15 @@ impl Agent {
                 Some(self.peer(peer, OP)?)
             }
         };
-        let pairs = pair_spans(
+        let merged = pair_spans(
             Spans::new(local, local_idx, "local"),
             Spans::new(remote, remote_idx, "remote"),
+            options.merge,
         )?;
         // Regions this request keeps alive while in flight.
         let mut used_l = vec![false; local.regions.len()];
         let mut used_r = vec![false; remote.regions.len()];
-        for p in &pairs {
+        for p in &merged {
             used_l[p.l.region as usize] = true;
             used_r[p.r.region as usize] = true;
         }
@@ -459,7 +460,6 @@ impl Agent {
             max_notification,
             last: Mutex::new(None),
         };
-        let merged = merge_runs(&pairs, options.merge);
         let sides = Sides {
             local: &local.regions,
             remote: &remote.regions,
@@ -610,12 +610,14 @@ fn shape(s: &Segments) -> (u64, usize, usize) {
     (s.bytes(), s.len(), s.runs().len())
 }
 
-/// Pair the spans of both sides position by position into runs of segment pairs.
-/// Errors come in position order: at one position, the local index, then the remote
-/// index, then the lengths.
-fn pair_spans(mut ls: Spans<'_>, mut rs: Spans<'_>) -> Result<Vec<PairRun>> {
+/// Pair the spans of both sides position by position into runs of segment pairs,
+/// merged where `merge` says ([`Merger`]). Errors come in position order: at one
+/// position, the local index, then the remote index, then the lengths.
+fn pair_spans(mut ls: Spans<'_>, mut rs: Spans<'_>, merge: bool) -> Result<Vec<PairRun>> {
     let (lp, rp) = (ls.list, rs.list);
-    let mut out = Vec::new();
+    // At most one run per run of either side, and never more than the indices.
+    let bound = (lp.runs.len() + rp.runs.len()).min(ls.indices.count(lp.len));
+    let mut out = Merger::new(merge, bound);
     let (mut l, mut r): (Option<Span>, Option<Span>) = (None, None);
     loop {
         if l.is_none() {
@@ -627,7 +629,7 @@ fn pair_spans(mut ls: Spans<'_>, mut rs: Spans<'_>) -> Result<Vec<PairRun>> {
         let (Some(a), Some(b)) = (l.as_mut(), r.as_mut()) else {
             // Both index lists have the same length: both end together.
             debug_assert!(l.is_none() && r.is_none());
-            return Ok(out);
+            return Ok(out.out);
         };
         let (x, y) = (&lp.runs[a.run], &rp.runs[b.run]);
         if x.len != y.len {

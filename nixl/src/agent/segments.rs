@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
+
 use super::request::{PrepRun, RegionTable};
 use crate::backend::{SegmentRun, Segments, Target};
 use crate::region::{RegionInner, RegionRef, RegionSlice};
@@ -40,17 +42,32 @@ impl PairRun {
     }
 }
 
-/// With `merge`, join pairs that continue each other in the same registrations on
-/// both sides, exactly as joining them one pair at a time would: a run contiguous on
-/// both sides becomes one pair, and a pair that continues the previous run's last
-/// pair extends it. Without, the runs as they are.
-pub(super) fn merge_runs(pairs: &[PairRun], merge: bool) -> Vec<PairRun> {
-    let mut out: Vec<PairRun> = Vec::with_capacity(pairs.len());
-    for p in pairs {
-        let mut p = *p;
-        if !merge {
+/// Collects pair runs in order. With `merge`, joins pairs that continue each other
+/// in the same registrations on both sides, exactly as joining them one pair at a
+/// time would: a run contiguous on both sides becomes one pair, and a pair that
+/// continues the previous run's last pair extends it. Without, keeps the runs as
+/// they come.
+#[derive(Debug)]
+pub(super) struct Merger {
+    pub(super) out: Vec<PairRun>,
+    merge: bool,
+}
+
+impl Merger {
+    /// `capacity`: the runs expected (an upper bound saves regrowing a vector of
+    /// millions).
+    pub(super) fn new(merge: bool, capacity: usize) -> Self {
+        Self {
+            out: Vec::with_capacity(capacity),
+            merge,
+        }
+    }
+
+    pub(super) fn push(&mut self, mut p: PairRun) {
+        let out = &mut self.out;
+        if !self.merge {
             out.push(p);
-            continue;
+            return;
         }
         if p.l.count > 1 && p.l.stride == p.l.len && p.r.stride == p.r.len {
             // Contiguous on both sides: within one registration, so the product
@@ -73,7 +90,7 @@ pub(super) fn merge_runs(pairs: &[PairRun], merge: bool) -> Vec<PairRun> {
                     out.push(joined);
                 }
                 if p.l.count == 1 {
-                    continue;
+                    return;
                 }
                 // The rest of `p` cannot continue the joined pair: `p` is not
                 // contiguous on both sides.
@@ -93,7 +110,16 @@ pub(super) fn merge_runs(pairs: &[PairRun], merge: bool) -> Vec<PairRun> {
         }
         out.push(p);
     }
-    out
+}
+
+/// [`Merger`] over a list of runs.
+#[cfg(test)]
+fn merge_runs(pairs: &[PairRun], merge: bool) -> Vec<PairRun> {
+    let mut m = Merger::new(merge, 0);
+    for p in pairs {
+        m.push(*p);
+    }
+    m.out
 }
 
 /// The two registration tables the pairs refer to.
@@ -115,6 +141,14 @@ pub(super) fn build_segments(pairs: &[PairRun], sides: &Sides<'_>, backend: &str
     let RegionTable::Local(locals) = sides.local else {
         unreachable!("the local side is always local")
     };
+    // Each remote registration's blob for this backend, looked up once.
+    let blobs: Vec<Bytes> = match sides.remote {
+        RegionTable::Local(_) => Vec::new(),
+        RegionTable::Remote(v) => v
+            .iter()
+            .map(|r| r.blob(backend).cloned().unwrap_or_default())
+            .collect(),
+    };
     Segments::from_runs(pairs.iter().map(|p| {
         let target = match sides.remote {
             RegionTable::Local(v) => {
@@ -126,7 +160,7 @@ pub(super) fn build_segments(pairs: &[PairRun], sides: &Sides<'_>, backend: &str
                     addr: region.addr + p.r.offset,
                     len: p.r.len,
                     region: region.id,
-                    blob: region.blob(backend).cloned().unwrap_or_default(),
+                    blob: blobs[p.r.region as usize].clone(),
                 }
             }
         };
