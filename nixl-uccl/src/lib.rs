@@ -127,6 +127,11 @@ use wire::{ConnInfo, Frame};
 /// Longest notification this backend carries, in bytes (UCCL's own stop at 256).
 pub const MAX_NOTIFICATION: usize = 1 << 20;
 
+/// Most segments one transfer may carry: nixl-uccl makes one UCCL call per segment
+/// (and per piece of a large one), so it expands runs of segments when it prepares
+/// and refuses more than this with [`ErrorKind::NotSupported`].
+pub const MAX_SEGMENTS: usize = 1 << 24;
+
 /// Options of [`UcclBackend`].
 #[derive(Clone, Debug)]
 pub struct UcclOptions {
@@ -1610,6 +1615,18 @@ impl Backend for UcclBackend {
                 "nixl-uccl moves data between agents only",
             );
         };
+        // One UCCL call per piece: runs are expanded here, so bound what they expand
+        // to before allocating for it.
+        if plan.segments.len() > MAX_SEGMENTS {
+            return err(
+                ErrorKind::NotSupported,
+                OP,
+                format!(
+                    "{} segments, more than nixl-uccl posts in one transfer ({MAX_SEGMENTS})",
+                    plan.segments.len()
+                ),
+            );
+        }
         let max = self.inner.options.max_piece.clamp(1, u32::MAX as usize);
         let regs = self.inner.regs.lock().unwrap();
         let mut pieces = Vec::with_capacity(plan.segments.len());

@@ -21,9 +21,10 @@ use crate::transfer::{CompletionState, Op};
 /// backends by capabilities, never by name.
 ///
 /// The agent enforces the limits before anything reaches the backend: a request with
-/// more segment runs than [`Capabilities::max_segments`] (after merging) is refused
-/// when it is made, a notification longer than [`Capabilities::max_notification`] when it
-/// is posted, both with [`ErrorKind::InvalidArgument`]. Backends need not re-check.
+/// more segment runs than [`Capabilities::max_segments`] (after merging) goes to
+/// another backend or is refused when it is made ([`ErrorKind::NotSupported`]), a
+/// notification longer than [`Capabilities::max_notification`] when it is posted
+/// ([`ErrorKind::InvalidArgument`]). Backends need not re-check.
 ///
 /// `Default` is a backend that can do nothing, with no limits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -209,9 +210,10 @@ impl SegmentRun {
         self.local.len()
     }
 
-    /// Bytes in all segments.
+    /// Bytes in all segments (saturating; the agent refuses requests over
+    /// `u64::MAX` bytes).
     pub fn bytes(&self) -> u64 {
-        self.local.len() as u64 * self.count as u64
+        (self.local.len() as u64).saturating_mul(self.count as u64)
     }
 
     /// Offset into the local registration of segment `i`'s start.
@@ -279,8 +281,8 @@ impl From<Segment> for SegmentRun {
 
 /// The segments of one transfer, in order, as runs ([`SegmentRun`]).
 ///
-/// [`Segments::len`] counts segments (what [`Capabilities::max_segments`] limits);
-/// [`Segments::runs`] is the compressed form, [`Segments::iter`] the expanded one.
+/// [`Segments::len`] counts segments; [`Segments::runs`] is the compressed form
+/// (what [`Capabilities::max_segments`] limits), [`Segments::iter`] the expanded one.
 #[derive(Clone, Debug, Default)]
 pub struct Segments {
     runs: Vec<SegmentRun>,
@@ -294,8 +296,8 @@ impl Segments {
         let mut s = Self::default();
         for r in runs {
             if r.count > 0 {
-                s.count += r.count;
-                s.bytes += r.bytes();
+                s.count = s.count.saturating_add(r.count);
+                s.bytes = s.bytes.saturating_add(r.bytes());
                 s.runs.push(r);
             }
         }

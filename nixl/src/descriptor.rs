@@ -73,6 +73,13 @@ impl Strided {
         Some(Desc::new(addr, self.len, self.dev))
     }
 
+    /// Block `i`'s address modulo 2^64, and whether computing it overflowed.
+    fn raw_addr(&self, i: usize) -> (u64, bool) {
+        let (off, o1) = self.stride.overflowing_mul(i as u64);
+        let (addr, o2) = self.addr.overflowing_add(off);
+        (addr, o1 || o2)
+    }
+
     /// Every block, in order (stops early at an address that overflows).
     pub fn blocks(&self) -> impl Iterator<Item = Desc> + '_ {
         (0..self.count).map_while(|i| self.block(i))
@@ -192,12 +199,34 @@ impl DescList {
 }
 
 /// Lists are equal when they name the same descriptors in the same order, however
-/// they are split into runs.
+/// they are split into runs (a block whose address overflows equals only a block
+/// whose address overflows to the same value). Runs that line up are compared whole; lists split into runs with
+/// different strides cost a comparison per descriptor where they differ.
 impl PartialEq for DescList {
     fn eq(&self, other: &Self) -> bool {
-        self.kind == other.kind
-            && self.len == other.len
-            && (self.runs == other.runs || self.iter().eq(other.iter()))
+        if self.kind != other.kind || self.len != other.len {
+            return false;
+        }
+        // Cursors: (run index, block within it) on each side.
+        let (mut a, mut b) = ((0usize, 0usize), (0usize, 0usize));
+        while a.0 < self.runs.len() && b.0 < other.runs.len() {
+            let (x, y) = (&self.runs[a.0], &other.runs[b.0]);
+            let n = (x.count - a.1).min(y.count - b.1);
+            if x.raw_addr(a.1) != y.raw_addr(b.1) || x.len != y.len || x.dev != y.dev {
+                return false;
+            }
+            // Equal first blocks and strides: the next `n` blocks are equal too.
+            let step = if n == 1 || x.stride == y.stride { n } else { 1 };
+            a.1 += step;
+            b.1 += step;
+            if a.1 == x.count {
+                a = (a.0 + 1, 0);
+            }
+            if b.1 == y.count {
+                b = (b.0 + 1, 0);
+            }
+        }
+        true
     }
 }
 
@@ -513,6 +542,19 @@ mod tests {
             l
         );
         assert!(DescList::strided(MemKind::Dram, Desc::new(0, 8, 0), 8, 0).is_empty());
+        // Blocks past u64::MAX are compared, not skipped.
+        let high =
+            |stride| DescList::strided(MemKind::Dram, Desc::new(u64::MAX - 1, 1, 0), stride, 2);
+        assert_ne!(high(10), high(20));
+        assert_eq!(high(10), high(10));
+        // Huge lists split differently compare run by run.
+        let mut halves = DescList::new(MemKind::Dram);
+        halves.push_strided(Strided::new(Desc::new(0, 8, 0), 0, 1 << 40));
+        halves.push_strided(Strided::new(Desc::new(0, 8, 0), 0, 1 << 40));
+        assert_eq!(
+            halves,
+            DescList::strided(MemKind::Dram, Desc::new(0, 8, 0), 0, 1 << 41)
+        );
     }
 
     /// The first failing block's error kind, or each block's (range start, offset),

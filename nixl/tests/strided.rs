@@ -316,6 +316,13 @@ fn strided_requests_match_their_expanded_form() {
             );
             match (&got, &want) {
                 (Ok((bytes, n, seen)), Ok((wbytes, wn, wseen))) => {
+                    // Independent of the reference: every index was in bounds and
+                    // every pair reached the backend.
+                    prop_assert!(ll.iter().all(|&i| i < local.len()));
+                    prop_assert!(rl.iter().all(|&i| i < remote.len()));
+                    if !merge {
+                        prop_assert_eq!(*n, ll.len());
+                    }
                     prop_assert_eq!((bytes, n, &seen.segments), (wbytes, wn, &wseen.segments));
                     prop_assert!(seen.runs <= wseen.runs);
                     compared[0].set(compared[0].get() + 1);
@@ -468,6 +475,28 @@ async fn runs_split_at_registration_boundaries_and_fail_at_the_first_bad_block()
         e.to_string().contains("local index 48 out of bounds"),
         "{e}"
     );
+    // Also the largest index there is, in a list (not taken for the end of it).
+    let opts = RequestOptions::default();
+    let e = a
+        .make_request(Op::Write, &p, &[0, usize::MAX], &p, &[1, 2], &opts)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    let want = format!("local index {} out of bounds", usize::MAX);
+    assert!(e.to_string().contains(&want), "{e}");
+    let e = a
+        .make_request(Op::Write, &p, &[usize::MAX], &p, &[usize::MAX], &opts)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    let e = a
+        .make_request(Op::Write, &p, &[0, 1], &p, &[2, usize::MAX], &opts)
+        .unwrap_err();
+    assert!(e.to_string().contains("remote index"), "{e}");
+    // One block named 2^60 times: checked in O(1), refused for its byte count.
+    let many = DescList::strided(MemKind::Dram, Desc::new(base, 512, 0), 0, 1 << 60);
+    let e = a
+        .create_request(Op::Write, &many, "a", &many, &opts)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     let _ = rec;
     a.shutdown().await;
 }

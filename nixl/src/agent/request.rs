@@ -255,12 +255,13 @@ impl<'a> Spans<'a> {
 
     fn next(&mut self) -> Option<Result<Span>> {
         let l = self.list;
+        // The next index, and for ranges the end (exclusive) of the indices.
         let (idx, limit) = match &self.indices {
             Indices::All => (self.pos, l.len),
             Indices::Range(r) => (r.start.checked_add(self.pos)?, r.end),
             Indices::List(v) => (*v.get(self.pos)?, usize::MAX),
         };
-        if idx >= limit {
+        if !matches!(self.indices, Indices::List(_)) && idx >= limit {
             return None;
         }
         if idx >= l.len {
@@ -361,7 +362,7 @@ impl Agent {
     /// in size); [`ErrorKind::NotFound`] (index out of bounds, deregistered region);
     /// [`ErrorKind::InvalidArgument`] (empty, or `local` is not a local list);
     /// [`ErrorKind::StaleGeneration`]; [`ErrorKind::NotSupported`] (no backend can serve
-    /// it, for example more segments than any backend carries); backend errors.
+    /// it, for example more segment runs than any backend carries); backend errors.
     pub fn make_request<'i>(
         &self,
         op: Op,
@@ -407,6 +408,20 @@ impl Agent {
             Spans::new(remote, remote_idx, "remote"),
             options.merge,
         )?;
+        // A stride-0 run may name one block a huge number of times: the total must
+        // still be a byte count.
+        let total = merged.iter().try_fold(0u64, |t, p| {
+            p.l.len
+                .checked_mul(p.l.count as u64)
+                .and_then(|b| t.checked_add(b))
+        });
+        if total.is_none() {
+            return err(
+                ErrorKind::InvalidArgument,
+                OP,
+                "the request would move more than 2^64 bytes",
+            );
+        }
         // Regions this request keeps alive while in flight.
         let mut used_l = vec![false; local.regions.len()];
         let mut used_r = vec![false; remote.regions.len()];
@@ -627,8 +642,15 @@ fn pair_spans(mut ls: Spans<'_>, mut rs: Spans<'_>, merge: bool) -> Result<Vec<P
             r = rs.next().transpose()?;
         }
         let (Some(a), Some(b)) = (l.as_mut(), r.as_mut()) else {
-            // Both index lists have the same length: both end together.
-            debug_assert!(l.is_none() && r.is_none());
+            // Both index lists have the same length, so both end together; never
+            // hand a backend half a request if they did not.
+            if l.is_some() || r.is_some() {
+                return err(
+                    ErrorKind::LengthMismatch,
+                    "make transfer request",
+                    "the index lists ended at different positions",
+                );
+            }
             return Ok(out.out);
         };
         let (x, y) = (&lp.runs[a.run], &rp.runs[b.run]);
