@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
-use nixl::{Completer, Error, ErrorKind, Op, Result};
+use nixl::{Completer, Error, ErrorKind, Op, Result, Segments};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -29,8 +29,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::io::{recv_slice, send_slice, IO_BUF};
-use crate::runs::{blocks, LocalRun};
-use crate::same_host::{self, RemoteSeg, SameHost, Unsuitable};
+use crate::runs::local_blocks;
+use crate::same_host::{self, Direct, SameHost, Unsuitable};
 use crate::wire::{self, RequestHeader, ResponseHeader};
 use crate::{Started, TcpOptions};
 
@@ -69,9 +69,9 @@ enum JobKind {
     Transfer {
         op: Op,
         table: Bytes,
-        local: Arc<[LocalRun]>,
+        local: Arc<Segments>,
         /// The remote side for the same-host path, when the target granted it.
-        direct: Option<Arc<[RemoteSeg]>>,
+        direct: Option<Arc<Direct>>,
         total: u64,
     },
     Notify,
@@ -81,8 +81,8 @@ impl Job {
     pub(crate) fn transfer(
         op: Op,
         table: Bytes,
-        local: Arc<[LocalRun]>,
-        direct: Option<Arc<[RemoteSeg]>>,
+        local: Arc<Segments>,
+        direct: Option<Arc<Direct>>,
         total: u64,
         notif: Option<Bytes>,
         done: Completer,
@@ -112,7 +112,7 @@ impl Job {
 struct Pending {
     done: Completer,
     /// For READs: where the data goes, and how much.
-    read: Option<(Arc<[LocalRun]>, u64)>,
+    read: Option<(Arc<Segments>, u64)>,
 }
 
 #[derive(Default)]
@@ -316,7 +316,7 @@ impl Conn {
                 ..
             } => (
                 wire::REQ_READ,
-                local.len(),
+                local.runs().len(),
                 &table[..],
                 0,
                 Some((local.clone(), *total)),
@@ -327,7 +327,13 @@ impl Conn {
                 local,
                 total,
                 ..
-            } => (wire::REQ_WRITE, local.len(), &table[..], *total, None),
+            } => (
+                wire::REQ_WRITE,
+                local.runs().len(),
+                &table[..],
+                *total,
+                None,
+            ),
         };
         let len = wire::HEADER_LEN as u64 + table.len() as u64 + notif.len() as u64 + payload;
         if len > FAST_FRAME_MAX as u64 || job.done.is_canceled() {
@@ -351,7 +357,7 @@ impl Conn {
             ..
         } = &job.kind
         {
-            for seg in blocks(local) {
+            for seg in local_blocks(local) {
                 let at = frame.len();
                 frame.resize(at + seg.len(), 0);
                 if let Err(e) = seg.read_into(0, &mut frame[at..]) {
@@ -769,7 +775,7 @@ impl Task {
                 let h = RequestHeader {
                     kind: wire::REQ_READ,
                     has_notif: notif.is_some(),
-                    segments: local.len() as u32,
+                    segments: local.runs().len() as u32,
                     id,
                     notif_len,
                 };
@@ -796,14 +802,14 @@ impl Task {
                 let h = RequestHeader {
                     kind: wire::REQ_WRITE,
                     has_notif: notif.is_some(),
-                    segments: local.len() as u32,
+                    segments: local.runs().len() as u32,
                     id,
                     notif_len,
                 };
                 w.write_all(&h.encode()).await?;
                 w.write_all(&table).await?;
                 w.write_all(notif.as_deref().unwrap_or_default()).await?;
-                for seg in blocks(&local) {
+                for seg in local_blocks(&local) {
                     send_slice(w, &seg, scratch).await?;
                 }
                 // Payload sent: hand the completer to the table (or finish it, if the
@@ -873,7 +879,7 @@ fn park(
     table: &Mutex<Table>,
     id: u64,
     done: Completer,
-    read: Option<(Arc<[LocalRun]>, u64)>,
+    read: Option<(Arc<Segments>, u64)>,
 ) -> bool {
     let mut t = table.lock().unwrap();
     if let Some(e) = t.dead.as_ref().map(Error::cloned) {
@@ -976,7 +982,7 @@ async fn read_loop(rd: OwnedReadHalf, peer: &str, table: &Mutex<Table>, held: &H
                     return protocol("data length mismatch".into());
                 }
                 held.put(done);
-                for seg in blocks(&segs) {
+                for seg in local_blocks(&segs) {
                     if let Err(e) = recv_slice(&mut r, &seg).await {
                         return lost(e);
                     }

@@ -104,7 +104,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
     random_u64, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
-    PreparedTransfer, RegionRef, Result, Target, TransferPlan,
+    PreparedTransfer, RegionRef, Result, Segments, TargetRegion, TransferPlan,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -494,68 +494,57 @@ impl Backend for TcpBackend {
                 "the tcp backend serves transfers between agents only",
             ));
         };
-        let runs = plan.segments.runs();
-        // One pass decodes the keys and writes the table; the local and same-host
-        // sides are then collected straight into their shared slices (one allocation
-        // each: requests can carry a million runs).
-        let mut table = Vec::with_capacity(runs.len() * wire::SEG_LEN);
-        let mut entries = Vec::with_capacity(runs.len());
-        let mut all_direct = true;
-        for s in runs {
-            let Target::Remote {
-                addr, len, blob, ..
-            } = &s.target
-            else {
-                return Err(Error::new(
+        let segs = &plan.segments;
+        // Key, same-host slot and start address of each target registration, decoded
+        // once; then one pass writes the wire table, and the local and same-host sides
+        // are collected straight into their shared slices (one allocation each:
+        // requests can carry a million runs).
+        let keys = segs
+            .targets()
+            .iter()
+            .map(|t| match t {
+                TargetRegion::Remote { addr, blob, .. } => decode_blob(blob)
+                    .map(|(key, slot)| (key, slot, *addr))
+                    .ok_or_else(|| {
+                        Error::new(
+                            ErrorKind::Corrupt,
+                            OP,
+                            format!(
+                                "peer {peer:?}: tcp region blob is {} bytes, not 8 or 12",
+                                blob.len()
+                            ),
+                        )
+                    }),
+                TargetRegion::Local(_) => Err(Error::new(
                     ErrorKind::InvalidArgument,
                     OP,
                     "remote transfer with a local target",
-                ));
-            };
-            let (key, slot) = decode_blob(blob).ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Corrupt,
-                    OP,
-                    format!(
-                        "peer {peer:?}: tcp region blob is {} bytes, not 8 or 12",
-                        blob.len()
-                    ),
-                )
-            })?;
-            let entry = wire::SegEntry {
-                key,
-                addr: *addr,
-                len: *len,
-                stride: s.target_stride,
-                blocks: s.count as u64,
-            };
-            entry.encode_into(&mut table);
-            all_direct &= slot.is_some();
-            entries.push((entry, slot.unwrap_or_default()));
-        }
-        let total = plan.segments.bytes();
-        let local: Arc<[runs::LocalRun]> = runs
-            .iter()
-            .map(|s| runs::LocalRun {
-                first: s.local.clone(),
-                stride: s.local_stride,
-                count: s.count,
+                )),
             })
-            .collect();
-        // The same-host path takes a transfer whole or not at all.
-        let direct: Option<Arc<[same_host::RemoteSeg]>> = all_direct.then(|| {
-            entries
+            .collect::<Result<Vec<_>>>()?;
+        let targets = same_host::Direct {
+            targets: keys
                 .iter()
-                .map(|&(entry, slot)| same_host::RemoteSeg { slot, entry })
-                .collect()
-        });
-        drop(entries);
+                .map(|&(key, slot, base)| (slot.unwrap_or_default(), key, base))
+                .collect(),
+        };
+        let runs = segs.runs();
+        let mut table = Vec::with_capacity(runs.len() * wire::SEG_LEN);
+        for r in runs {
+            targets.entry(r).encode_into(&mut table);
+        }
+        let total = segs.bytes();
+        // The same-host path takes a transfer whole or not at all.
+        let direct = keys
+            .iter()
+            .all(|k| k.1.is_some())
+            .then(|| Arc::new(targets));
         Ok(Box::new(RemotePrepared {
             backend: self.clone(),
             peer,
             op: plan.op,
             table: Bytes::from(table),
-            local,
+            local: Arc::new(plan.segments),
             direct,
             total,
         }))
@@ -608,9 +597,9 @@ struct RemotePrepared {
     peer: String,
     op: Op,
     table: Bytes,
-    local: Arc<[runs::LocalRun]>,
+    local: Arc<Segments>,
     /// The remote side for the same-host path, when the target granted every segment.
-    direct: Option<Arc<[same_host::RemoteSeg]>>,
+    direct: Option<Arc<same_host::Direct>>,
     total: u64,
 }
 

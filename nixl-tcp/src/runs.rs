@@ -1,11 +1,24 @@
-//! The local side of a prepared transfer as runs of regularly spaced blocks, as the
-//! agent hands them over ([`nixl::SegmentRun`]): a strided request is kept, and sent
-//! as a table, in O(runs); blocks are made one at a time while data moves.
+//! Runs of regularly spaced blocks: a prepared transfer keeps the agent's
+//! [`Segments`] as they are and the target keeps the runs it checked, so a strided
+//! request is kept, and sent as a table, in O(runs); blocks are made one at a time
+//! while data moves.
 
-use nixl::RegionSlice;
+use nixl::{RegionSlice, Segments};
+
+/// Every local block of `segs`, in order.
+pub(crate) fn local_blocks(segs: &Segments) -> impl Iterator<Item = RegionSlice> + '_ {
+    segs.runs().iter().flat_map(move |r| {
+        let region = &segs.locals()[r.local as usize];
+        (0..r.count).map(move |i| {
+            region
+                .slice(r.local_at(i) as usize, r.len as usize)
+                .expect("the agent checked every segment")
+        })
+    })
+}
 
 /// `count` blocks shaped like `first`, each `stride` bytes after the previous, in
-/// the same registration.
+/// the same registration (a run the target checked).
 #[derive(Clone, Debug)]
 pub(crate) struct LocalRun {
     pub(crate) first: RegionSlice,

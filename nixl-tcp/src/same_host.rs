@@ -5,9 +5,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nixl::{Error, ErrorKind, Op, RegionRef, RegionSlice, Result};
+use nixl::{Error, ErrorKind, Op, RegionRef, RegionSlice, Result, SegmentRun, Segments};
 
-use crate::runs::LocalRun;
 use crate::shm::{self, Access, Grant, Mapping, Table};
 use crate::wire::SegEntry;
 
@@ -219,13 +218,26 @@ pub(crate) struct Peer {
     maps: Mutex<HashMap<u32, (u64, Arc<Mapping>)>>,
 }
 
-/// The remote side of one run of a prepared transfer, as the grant check needs it:
-/// the target's same-host slot and the run's entry (key, first block, length,
-/// stride, blocks).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct RemoteSeg {
-    pub(crate) slot: u32,
-    pub(crate) entry: SegEntry,
+/// The target side of a prepared transfer as the grant check needs it: for each
+/// target registration ([`Segments::targets`]), the target's same-host slot, the
+/// registration's key and its start address.
+#[derive(Clone, Debug)]
+pub(crate) struct Direct {
+    pub(crate) targets: Vec<(u32, u64, u64)>,
+}
+
+impl Direct {
+    /// The wire entry of `run`: key, first block's address, length, stride, blocks.
+    pub(crate) fn entry(&self, run: &SegmentRun) -> SegEntry {
+        let (_, key, base) = self.targets[run.target as usize];
+        SegEntry {
+            key,
+            addr: base + run.target_offset,
+            len: run.len,
+            stride: run.target_stride,
+            blocks: run.count as u64,
+        }
+    }
 }
 
 /// Why a transfer cannot go direct (it goes over TCP, or fails under `Require`).
@@ -259,16 +271,14 @@ impl Peer {
     pub(crate) fn transfer(
         &self,
         op: Op,
-        local: &[LocalRun],
-        remote: &[RemoteSeg],
+        segs: &Segments,
+        direct: &Direct,
     ) -> std::result::Result<Result<()>, Unsuitable> {
         const OP: &str = "tcp same-host transfer";
-        debug_assert_eq!(local.len(), remote.len());
-        let mut held: Vec<(Access<'_>, Grant)> = Vec::with_capacity(remote.len());
-        for (i, r) in remote.iter().enumerate() {
-            let e = &r.entry;
-            let Some((access, g)) = self.table.acquire(r.slot).filter(|(_, g)| g.key == e.key)
-            else {
+        // Every target registration's grant, held while the data moves.
+        let mut held: Vec<(Access<'_>, Grant)> = Vec::with_capacity(direct.targets.len());
+        for (i, &(slot, key, _)) in direct.targets.iter().enumerate() {
+            let Some((access, g)) = self.table.acquire(slot).filter(|(_, g)| g.key == key) else {
                 if self.table.is_closed() {
                     return Ok(Err(Error::new(
                         ErrorKind::RemoteDisconnected,
@@ -279,9 +289,19 @@ impl Peer {
                 return Ok(Err(Error::new(
                     ErrorKind::NotAllowed,
                     OP,
-                    format!("run {i}: unknown or forged key (not granted by the target)"),
+                    format!("target registration {i}: unknown or forged key (not granted by the target)"),
                 )));
             };
+            if g.memfd.is_none() && self.cma_refused.is_some() {
+                return Err(Unsuitable(
+                    "cross-memory attach is refused and the memory is not shared",
+                ));
+            }
+            held.push((access, g));
+        }
+        for (i, r) in segs.runs().iter().enumerate() {
+            let e = direct.entry(r);
+            let g = &held[r.target as usize].1;
             // Blocks ascend: the run lies inside the grant when its first block starts
             // and its last block ends inside.
             let inside = e.addr >= g.addr
@@ -298,31 +318,32 @@ impl Peer {
                     ),
                 )));
             }
-            if g.memfd.is_none() && self.cma_refused.is_some() {
-                return Err(Unsuitable(
-                    "cross-memory attach is refused and the memory is not shared",
-                ));
-            }
-            held.push((access, g));
         }
         let write = op == Op::Write;
         // Shared memory first, then the rest by cross-memory attach in batches.
-        let mut batch_l: Vec<RegionSlice> = Vec::new();
-        let mut batch_r: Vec<(u64, u64)> = Vec::new();
-        for ((l, r), (_, g)) in local.iter().zip(remote).zip(&held) {
-            let e = &r.entry;
-            let map = match g.memfd {
-                Some(fd) => match self.mapping(r.slot, g, fd) {
+        let mut maps = Vec::with_capacity(held.len());
+        for (&(slot, ..), (_, g)) in direct.targets.iter().zip(&held) {
+            maps.push(match g.memfd {
+                Some(fd) => match self.mapping(slot, g, fd) {
                     Ok(m) => Some(m),
                     Err(e) => return Ok(Err(e)),
                 },
                 None => None,
-            };
-            for j in 0..l.count {
-                let block = l.block(j);
+            });
+        }
+        let mut batch_l: Vec<RegionSlice> = Vec::new();
+        let mut batch_r: Vec<(u64, u64)> = Vec::new();
+        for r in segs.runs() {
+            let e = direct.entry(r);
+            let g = &held[r.target as usize].1;
+            let region = &segs.locals()[r.local as usize];
+            for j in 0..r.count {
+                let block = region
+                    .slice(r.local_at(j) as usize, r.len as usize)
+                    .expect("the agent checked every segment");
                 // Inside the grant (checked above for the whole run).
                 let addr = e.addr + j as u64 * e.stride;
-                match &map {
+                match &maps[r.target as usize] {
                     Some(map) => {
                         if let Err(e) =
                             shm::copy_mapped(&block, map, (addr - g.addr) as usize, write)

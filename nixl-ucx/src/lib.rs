@@ -89,7 +89,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
     Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, Op,
-    PreparedTransfer, RegionRef, Result, Target, TransferPlan,
+    PreparedTransfer, RegionRef, Result, TargetRegion, TransferPlan,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -661,16 +661,19 @@ impl Backend for UcxBackend {
             ));
         };
         let peer: Arc<str> = Arc::from(peer);
-        let mut segs = Vec::with_capacity(plan.segments.runs().len());
+        let plan_segs = &plan.segments;
+        let mut segs = Vec::with_capacity(plan_segs.runs().len());
         let mut epoch = 0;
         self.with_core(OP, |core| {
-            for s in plan.segments.runs() {
-                let Target::Remote {
-                    addr,
-                    len,
+            // Each target registration's blob is decoded and its key unpacked once.
+            let mut keys = Vec::with_capacity(plan_segs.targets().len());
+            for t in plan_segs.targets() {
+                let TargetRegion::Remote {
                     region,
+                    addr,
                     blob,
-                } = &s.target
+                    ..
+                } = t
                 else {
                     return Err(Error::new(
                         ErrorKind::InvalidArgument,
@@ -685,32 +688,41 @@ impl Backend for UcxBackend {
                         format!("peer {peer:?} region {region}: malformed ucx blob"),
                     ));
                 };
+                let (ep_epoch, rkey) = core.rkey(&peer, *region, blob, b.rkey)?;
+                epoch = ep_epoch;
+                keys.push((*region, *addr, b, rkey));
+            }
+            for s in plan_segs.runs() {
+                let (region, base, b, rkey) = &keys[s.target as usize];
+                let addr = base + s.target_offset;
                 // The agent checked this against the peer's advertised region; the
                 // blob's own bounds are a second, independent check, of the run's
                 // first and last segment (segments ascend).
                 let end = (s.count as u64 - 1)
                     .checked_mul(s.target_stride)
-                    .and_then(|o| o.checked_add(*addr))
-                    .and_then(|last| last.checked_add(*len));
-                if *addr < b.base || end.is_none_or(|e| e > b.base.saturating_add(b.len)) {
+                    .and_then(|o| o.checked_add(addr))
+                    .and_then(|last| last.checked_add(s.len));
+                if addr < b.base || end.is_none_or(|e| e > b.base.saturating_add(b.len)) {
                     return Err(Error::new(
                         ErrorKind::OutOfRange,
                         OP,
                         format!(
-                            "peer {peer:?} region {region}: {} segments of {addr:#x}+{len} every {} bytes are outside the mapped range",
-                            s.count, s.target_stride
+                            "peer {peer:?} region {region}: {} segments of {addr:#x}+{} every {} bytes are outside the mapped range",
+                            s.count, s.len, s.target_stride
                         ),
                     ));
                 }
-                let (ep_epoch, rkey) = core.rkey(&peer, *region, blob, b.rkey)?;
-                epoch = ep_epoch;
+                let local = plan_segs.locals()[s.local as usize]
+                    .segment()
+                    .slice(s.local_offset as usize, s.len as usize)
+                    .expect("the agent checked every segment");
                 segs.push(RmaSeg {
-                    local: s.local.segment(),
-                    remote: *addr,
-                    local_stride: s.local_stride,
+                    local,
+                    remote: addr,
+                    local_stride: s.local_stride as usize,
                     remote_stride: s.target_stride,
                     count: s.count,
-                    rkey,
+                    rkey: *rkey,
                 });
             }
             Ok(())

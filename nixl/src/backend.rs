@@ -183,125 +183,109 @@ pub struct Segment {
     pub target: Target,
 }
 
-/// `count` segments of equal length at regular strides on both sides: the run form
-/// in which the agent hands segments to backends, so a request over a strided
-/// descriptor list reaches the backend in O(runs), not O(blocks).
-///
-/// Segment `i` is `local` moved `i * local_stride` bytes on in the same registration,
-/// paired with `target` moved `i * target_stride` bytes on. The agent checked every
-/// one of them against its registration; [`SegmentRun::segment`] builds one.
+/// The target side's registration of some runs of a transfer
+/// ([`Segments::targets`]).
 #[derive(Clone, Debug)]
+pub enum TargetRegion {
+    /// A registration of this agent (local transfers).
+    Local(RegionRef),
+    /// A registration a peer advertised.
+    Remote {
+        /// The peer's registration id.
+        region: u64,
+        /// Its start address in the peer's address space.
+        addr: u64,
+        /// Its length in bytes.
+        len: u64,
+        /// The peer's public blob for this backend (e.g. a key).
+        blob: Bytes,
+    },
+}
+
+/// `count` segments of `len` bytes at regular strides on both sides: the form in
+/// which the agent hands segments to backends, so a request over a strided descriptor
+/// list reaches the backend in O(runs), not O(blocks).
+///
+/// Plain data: the registrations are [`Segments::locals`]`[local]` and
+/// [`Segments::targets`]`[target]`, so a backend resolves its handles (keys, memory
+/// handles) once per registration, not per run. Segment `i` is `len` bytes at
+/// `local_offset + i * local_stride` into the local registration and
+/// `target_offset + i * target_stride` into the target one; the agent checked every
+/// one of them against its registration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SegmentRun {
-    /// Local side of the first segment.
-    pub local: RegionSlice,
+    /// Index of the local registration in [`Segments::locals`].
+    pub local: u32,
+    /// Index of the target registration in [`Segments::targets`].
+    pub target: u32,
+    /// Offset of the first segment into the local registration.
+    pub local_offset: u64,
+    /// Offset of the first segment into the target registration.
+    pub target_offset: u64,
     /// Distance from one segment's local start to the next one's.
-    pub local_stride: usize,
-    /// Target side of the first segment.
-    pub target: Target,
+    pub local_stride: u64,
     /// Distance from one segment's target start to the next one's.
     pub target_stride: u64,
+    /// Bytes in each segment.
+    pub len: u64,
     /// Number of segments (at least 1).
     pub count: usize,
 }
 
 impl SegmentRun {
-    /// Bytes in each segment.
-    pub fn seg_len(&self) -> usize {
-        self.local.len()
-    }
-
     /// Bytes in all segments (saturating; the agent refuses requests over
     /// `u64::MAX` bytes).
     pub fn bytes(&self) -> u64 {
-        (self.local.len() as u64).saturating_mul(self.count as u64)
+        self.len.saturating_mul(self.count as u64)
     }
 
-    /// Offset into the local registration of segment `i`'s start.
-    pub fn local_offset(&self, i: usize) -> usize {
-        self.local.offset() + i * self.local_stride
+    /// Offset into the local registration of segment `i`.
+    pub fn local_at(&self, i: usize) -> u64 {
+        self.local_offset + i as u64 * self.local_stride
     }
 
-    /// Segment `i`'s target start: the address in the peer's space for a remote
-    /// target, the offset into the registration for a local one.
-    pub fn target_start(&self, i: usize) -> u64 {
-        let first = match &self.target {
-            Target::Local(t) => t.offset() as u64,
-            Target::Remote { addr, .. } => *addr,
-        };
-        first + i as u64 * self.target_stride
-    }
-
-    /// Segment `i` (`i < count`).
-    ///
-    /// # Panics
-    /// When `i >= count`.
-    pub fn segment(&self, i: usize) -> Segment {
-        assert!(i < self.count, "segment {i} of a run of {}", self.count);
-        let len = self.local.len();
-        let local = self
-            .local
-            .region()
-            .slice(self.local_offset(i), len)
-            .expect("the agent checked every segment of the run");
-        let target = match &self.target {
-            Target::Local(t) => Target::Local(
-                t.region()
-                    .slice(self.target_start(i) as usize, len)
-                    .expect("the agent checked every segment of the run"),
-            ),
-            Target::Remote {
-                len, region, blob, ..
-            } => Target::Remote {
-                addr: self.target_start(i),
-                len: *len,
-                region: *region,
-                blob: blob.clone(),
-            },
-        };
-        Segment { local, target }
-    }
-
-    /// Every segment, in order.
-    pub fn iter(&self) -> impl Iterator<Item = Segment> + '_ {
-        (0..self.count).map(|i| self.segment(i))
+    /// Offset into the target registration of segment `i`.
+    pub fn target_at(&self, i: usize) -> u64 {
+        self.target_offset + i as u64 * self.target_stride
     }
 }
 
-impl From<Segment> for SegmentRun {
-    fn from(s: Segment) -> Self {
-        Self {
-            local: s.local,
-            local_stride: 0,
-            target: s.target,
-            target_stride: 0,
-            count: 1,
-        }
-    }
-}
-
-/// The segments of one transfer, in order, as runs ([`SegmentRun`]).
+/// The segments of one transfer, in order, as runs ([`SegmentRun`]) over the
+/// registrations they lie in.
 ///
 /// [`Segments::len`] counts segments; [`Segments::runs`] is the compressed form
 /// (what [`Capabilities::max_segments`] limits), [`Segments::iter`] the expanded one.
+/// Holding it keeps the registrations' memory alive.
 #[derive(Clone, Debug, Default)]
 pub struct Segments {
+    locals: Vec<RegionRef>,
+    targets: Vec<TargetRegion>,
     runs: Vec<SegmentRun>,
     count: usize,
     bytes: u64,
 }
 
 impl Segments {
-    /// Segments from runs, in order; runs of 0 segments are dropped.
-    pub fn from_runs(runs: impl IntoIterator<Item = SegmentRun>) -> Self {
-        let mut s = Self::default();
-        for r in runs {
-            if r.count > 0 {
-                s.count = s.count.saturating_add(r.count);
-                s.bytes = s.bytes.saturating_add(r.bytes());
-                s.runs.push(r);
-            }
+    /// Runs the agent checked against these registrations.
+    pub(crate) fn checked(
+        locals: Vec<RegionRef>,
+        targets: Vec<TargetRegion>,
+        runs: Vec<SegmentRun>,
+    ) -> Self {
+        let (mut count, mut bytes) = (0usize, 0u64);
+        for r in &runs {
+            debug_assert!(r.count > 0 && (r.local as usize) < locals.len());
+            debug_assert!((r.target as usize) < targets.len());
+            count = count.saturating_add(r.count);
+            bytes = bytes.saturating_add(r.bytes());
         }
-        s
+        Self {
+            locals,
+            targets,
+            runs,
+            count,
+            bytes,
+        }
     }
 
     /// Number of segments (not runs).
@@ -324,15 +308,48 @@ impl Segments {
         &self.runs
     }
 
+    /// The local registrations the runs refer to (by [`SegmentRun::local`]).
+    pub fn locals(&self) -> &[RegionRef] {
+        &self.locals
+    }
+
+    /// The target registrations the runs refer to (by [`SegmentRun::target`]).
+    pub fn targets(&self) -> &[TargetRegion] {
+        &self.targets
+    }
+
+    /// Segment `i` of `run`, as a local slice and a target (`i < run.count`).
+    ///
+    /// # Panics
+    /// When `i >= run.count` or `run` is not one of these runs' shape.
+    pub fn segment(&self, run: &SegmentRun, i: usize) -> Segment {
+        assert!(i < run.count, "segment {i} of a run of {}", run.count);
+        let len = run.len as usize;
+        let local = self.locals[run.local as usize]
+            .slice(run.local_at(i) as usize, len)
+            .expect("the agent checked every segment of the run");
+        let target = match &self.targets[run.target as usize] {
+            TargetRegion::Local(r) => Target::Local(
+                r.slice(run.target_at(i) as usize, len)
+                    .expect("the agent checked every segment of the run"),
+            ),
+            TargetRegion::Remote {
+                region, addr, blob, ..
+            } => Target::Remote {
+                addr: addr + run.target_at(i),
+                len: run.len,
+                region: *region,
+                blob: blob.clone(),
+            },
+        };
+        Segment { local, target }
+    }
+
     /// Every segment, in order (expands the runs).
     pub fn iter(&self) -> impl Iterator<Item = Segment> + '_ {
-        self.runs.iter().flat_map(SegmentRun::iter)
-    }
-}
-
-impl FromIterator<Segment> for Segments {
-    fn from_iter<I: IntoIterator<Item = Segment>>(iter: I) -> Self {
-        Self::from_runs(iter.into_iter().map(SegmentRun::from))
+        self.runs
+            .iter()
+            .flat_map(move |r| (0..r.count).map(move |i| self.segment(r, i)))
     }
 }
 

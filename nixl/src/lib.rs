@@ -49,7 +49,7 @@ pub use agent::{
 };
 pub use backend::{
     Backend, BackendContext, Capabilities, Completer, NotificationSink, PreparedTransfer, Segment,
-    SegmentRun, Segments, Target, TransferPlan,
+    SegmentRun, Segments, Target, TargetRegion, TransferPlan,
 };
 pub use bytes::Bytes;
 pub use descriptor::{Desc, DescList, Strided};

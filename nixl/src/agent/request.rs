@@ -9,9 +9,9 @@ use bytes::Bytes;
 
 use super::choice::{self, Candidate, Need};
 use super::local::{LocalCopy, AGENT_COPY};
-use super::segments::{build_segments, Merger, PairRun, Sides};
+use super::segments::{build_segments, Merger, Sides};
 use super::{Agent, RequestOptions};
-use crate::backend::{PreparedTransfer, Segments, TransferPlan};
+use crate::backend::{PreparedTransfer, SegmentRun, Segments, TransferPlan};
 use crate::descriptor::{DescList, RangeIndex, Ranged};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::memory::MemKind;
@@ -411,8 +411,8 @@ impl Agent {
         // A stride-0 run may name one block a huge number of times: the total must
         // still be a byte count.
         let total = merged.iter().try_fold(0u64, |t, p| {
-            p.l.len
-                .checked_mul(p.l.count as u64)
+            p.len
+                .checked_mul(p.count as u64)
                 .and_then(|b| t.checked_add(b))
         });
         if total.is_none() {
@@ -426,8 +426,8 @@ impl Agent {
         let mut used_l = vec![false; local.regions.len()];
         let mut used_r = vec![false; remote.regions.len()];
         for p in &merged {
-            used_l[p.l.region as usize] = true;
-            used_r[p.r.region as usize] = true;
+            used_l[p.local as usize] = true;
+            used_r[p.target as usize] = true;
         }
         let mut keep: Vec<Arc<RegionInner>> = Vec::new();
         let mut remotes: Vec<&Arc<RemoteRegion>> = Vec::new();
@@ -478,12 +478,14 @@ impl Agent {
         let sides = Sides {
             local: &local.regions,
             remote: &remote.regions,
+            used_local: &used_l,
+            used_remote: &used_r,
         };
 
         // Backend names are checked even when the agent serves the request itself.
         let order = self.backend_order(options.backends.as_deref(), OP)?;
         if peer.is_none() && local.kind == MemKind::Dram && remote.kind == MemKind::Dram {
-            let segments = build_segments(&merged, &sides, AGENT_COPY);
+            let segments = build_segments(merged, &sides, AGENT_COPY);
             let shape = shape(&segments);
             let copy = LocalCopy {
                 op,
@@ -530,7 +532,7 @@ impl Agent {
             }
         };
         let b = &self.shared.backends[backend];
-        let segments = build_segments(&merged, &sides, b.name());
+        let segments = build_segments(merged, &sides, b.name());
         let shape = shape(&segments);
         let prepared = b.prepare(TransferPlan {
             op,
@@ -628,7 +630,7 @@ fn shape(s: &Segments) -> (u64, usize, usize) {
 /// Pair the spans of both sides position by position into runs of segment pairs,
 /// merged where `merge` says ([`Merger`]). Errors come in position order: at one
 /// position, the local index, then the remote index, then the lengths.
-fn pair_spans(mut ls: Spans<'_>, mut rs: Spans<'_>, merge: bool) -> Result<Vec<PairRun>> {
+fn pair_spans(mut ls: Spans<'_>, mut rs: Spans<'_>, merge: bool) -> Result<Vec<SegmentRun>> {
     let (lp, rp) = (ls.list, rs.list);
     // At most one run per run of either side, and never more than the indices.
     let bound = (lp.runs.len() + rp.runs.len()).min(ls.indices.count(lp.len));
@@ -665,17 +667,15 @@ fn pair_spans(mut ls: Spans<'_>, mut rs: Spans<'_>, merge: bool) -> Result<Vec<P
             );
         }
         let n = a.n.min(b.n);
-        out.push(PairRun {
-            l: PrepRun {
-                offset: x.offset + a.first as u64 * x.stride,
-                count: n,
-                ..*x
-            },
-            r: PrepRun {
-                offset: y.offset + b.first as u64 * y.stride,
-                count: n,
-                ..*y
-            },
+        out.push(SegmentRun {
+            local: x.region,
+            target: y.region,
+            local_offset: x.offset + a.first as u64 * x.stride,
+            target_offset: y.offset + b.first as u64 * y.stride,
+            local_stride: x.stride,
+            target_stride: y.stride,
+            len: x.len,
+            count: n,
         });
         for s in [&mut *a, &mut *b] {
             s.first += n;

@@ -1,44 +1,21 @@
 //! Turning checked runs of descriptor pairs into backend segments, merging neighbours.
 
-use std::sync::Arc;
-
 use bytes::Bytes;
 
-use super::request::{PrepRun, RegionTable};
-use crate::backend::{SegmentRun, Segments, Target};
-use crate::region::{RegionInner, RegionRef, RegionSlice};
+use super::request::RegionTable;
+use crate::backend::{SegmentRun, Segments, TargetRegion};
+use crate::region::RegionRef;
 
-/// `l.count` pairs of blocks: local blocks `l`, target blocks `r` (same count, same
-/// length).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct PairRun {
-    pub(super) l: PrepRun,
-    pub(super) r: PrepRun,
-}
-
-impl PairRun {
-    /// Offsets of block `i` on both sides.
-    fn at(&self, i: usize) -> (u64, u64) {
-        (
-            self.l.offset + i as u64 * self.l.stride,
-            self.r.offset + i as u64 * self.r.stride,
-        )
-    }
-
-    /// The single pair `i`, `len` bytes long.
-    fn single(&self, i: usize, len: u64) -> Self {
-        let (lo, ro) = self.at(i);
-        let one = |p: PrepRun, offset| PrepRun {
-            offset,
-            len,
-            count: 1,
-            stride: 0,
-            ..p
-        };
-        Self {
-            l: one(self.l, lo),
-            r: one(self.r, ro),
-        }
+/// The single pair `i` of `p`, `len` bytes long.
+fn single(p: &SegmentRun, i: usize, len: u64) -> SegmentRun {
+    SegmentRun {
+        local_offset: p.local_at(i),
+        target_offset: p.target_at(i),
+        local_stride: 0,
+        target_stride: 0,
+        len,
+        count: 1,
+        ..*p
     }
 }
 
@@ -49,7 +26,7 @@ impl PairRun {
 /// they come.
 #[derive(Debug)]
 pub(super) struct Merger {
-    pub(super) out: Vec<PairRun>,
+    pub(super) out: Vec<SegmentRun>,
     merge: bool,
 }
 
@@ -63,48 +40,41 @@ impl Merger {
         }
     }
 
-    pub(super) fn push(&mut self, mut p: PairRun) {
+    pub(super) fn push(&mut self, mut p: SegmentRun) {
         let out = &mut self.out;
         if !self.merge {
             out.push(p);
             return;
         }
-        if p.l.count > 1 && p.l.stride == p.l.len && p.r.stride == p.r.len {
+        if p.count > 1 && p.local_stride == p.len && p.target_stride == p.len {
             // Contiguous on both sides: within one registration, so the product
             // fits.
-            p = p.single(0, p.l.len * p.l.count as u64);
+            p = single(&p, 0, p.len * p.count as u64);
         }
         if let Some(last) = out.last_mut() {
-            let (lo, ro) = last.at(last.l.count - 1);
-            if last.l.region == p.l.region
-                && last.r.region == p.r.region
-                && lo + last.l.len == p.l.offset
-                && ro + last.r.len == p.r.offset
+            let end = last.count - 1;
+            if last.local == p.local
+                && last.target == p.target
+                && last.local_at(end) + last.len == p.local_offset
+                && last.target_at(end) + last.len == p.target_offset
             {
-                let joined = last.single(last.l.count - 1, last.l.len + p.l.len);
-                if last.l.count == 1 {
+                let joined = single(last, end, last.len + p.len);
+                if last.count == 1 {
                     *last = joined;
                 } else {
-                    last.l.count -= 1;
-                    last.r.count -= 1;
+                    last.count -= 1;
                     out.push(joined);
                 }
-                if p.l.count == 1 {
+                if p.count == 1 {
                     return;
                 }
                 // The rest of `p` cannot continue the joined pair: `p` is not
                 // contiguous on both sides.
-                p = PairRun {
-                    l: PrepRun {
-                        offset: p.l.offset + p.l.stride,
-                        count: p.l.count - 1,
-                        ..p.l
-                    },
-                    r: PrepRun {
-                        offset: p.r.offset + p.r.stride,
-                        count: p.r.count - 1,
-                        ..p.r
-                    },
+                p = SegmentRun {
+                    local_offset: p.local_at(1),
+                    target_offset: p.target_at(1),
+                    count: p.count - 1,
+                    ..p
                 };
             }
         }
@@ -114,7 +84,7 @@ impl Merger {
 
 /// [`Merger`] over a list of runs.
 #[cfg(test)]
-fn merge_runs(pairs: &[PairRun], merge: bool) -> Vec<PairRun> {
+fn merge_runs(pairs: &[SegmentRun], merge: bool) -> Vec<SegmentRun> {
     let mut m = Merger::new(merge, 0);
     for p in pairs {
         m.push(*p);
@@ -122,56 +92,70 @@ fn merge_runs(pairs: &[PairRun], merge: bool) -> Vec<PairRun> {
     m.out
 }
 
-/// The two registration tables the pairs refer to.
+/// The two registration tables the runs refer to, and which entries they use.
 pub(super) struct Sides<'a> {
     pub(super) local: &'a RegionTable,
     pub(super) remote: &'a RegionTable,
+    pub(super) used_local: &'a [bool],
+    pub(super) used_remote: &'a [bool],
 }
 
-fn slice(region: &Arc<RegionInner>, offset: u64, len: u64) -> RegionSlice {
-    RegionRef {
-        inner: region.clone(),
-    }
-    .slice(offset as usize, len as usize)
-    .expect("descriptors were checked against the region")
+/// Positions of the used entries in a table of only those (`u32::MAX`: unused).
+fn renumber(used: &[bool]) -> Vec<u32> {
+    let mut next = 0;
+    used.iter()
+        .map(|&u| {
+            if u {
+                next += 1;
+                next - 1
+            } else {
+                u32::MAX
+            }
+        })
+        .collect()
 }
 
-/// Segment runs for `backend` (the blob of a remote target is that backend's).
-pub(super) fn build_segments(pairs: &[PairRun], sides: &Sides<'_>, backend: &str) -> Segments {
+/// Segments for `backend` (the blob of a remote target is that backend's): the runs,
+/// renumbered onto tables of the registrations they use.
+pub(super) fn build_segments(
+    mut runs: Vec<SegmentRun>,
+    sides: &Sides<'_>,
+    backend: &str,
+) -> Segments {
     let RegionTable::Local(locals) = sides.local else {
         unreachable!("the local side is always local")
     };
-    // Each remote registration's blob for this backend, looked up once.
-    let blobs: Vec<Bytes> = match sides.remote {
-        RegionTable::Local(_) => Vec::new(),
+    let (lmap, rmap) = (renumber(sides.used_local), renumber(sides.used_remote));
+    for r in &mut runs {
+        r.local = lmap[r.local as usize];
+        r.target = rmap[r.target as usize];
+    }
+    let locals = locals
+        .iter()
+        .zip(sides.used_local)
+        .filter(|(_, u)| **u)
+        .map(|(r, _)| RegionRef { inner: r.clone() })
+        .collect();
+    let targets = match sides.remote {
+        RegionTable::Local(v) => v
+            .iter()
+            .zip(sides.used_remote)
+            .filter(|(_, u)| **u)
+            .map(|(r, _)| TargetRegion::Local(RegionRef { inner: r.clone() }))
+            .collect(),
         RegionTable::Remote(v) => v
             .iter()
-            .map(|r| r.blob(backend).cloned().unwrap_or_default())
+            .zip(sides.used_remote)
+            .filter(|(_, u)| **u)
+            .map(|(r, _)| TargetRegion::Remote {
+                region: r.id,
+                addr: r.addr,
+                len: r.len,
+                blob: r.blob(backend).cloned().unwrap_or_else(Bytes::new),
+            })
             .collect(),
     };
-    Segments::from_runs(pairs.iter().map(|p| {
-        let target = match sides.remote {
-            RegionTable::Local(v) => {
-                Target::Local(slice(&v[p.r.region as usize], p.r.offset, p.r.len))
-            }
-            RegionTable::Remote(v) => {
-                let region = &v[p.r.region as usize];
-                Target::Remote {
-                    addr: region.addr + p.r.offset,
-                    len: p.r.len,
-                    region: region.id,
-                    blob: blobs[p.r.region as usize].clone(),
-                }
-            }
-        };
-        SegmentRun {
-            local: slice(&locals[p.l.region as usize], p.l.offset, p.l.len),
-            local_stride: p.l.stride as usize,
-            target,
-            target_stride: p.r.stride,
-            count: p.l.count,
-        }
-    }))
+    Segments::checked(locals, targets, runs)
 }
 
 #[cfg(test)]
@@ -183,13 +167,10 @@ mod tests {
     /// offset, length).
     type Block = (u32, u64, u32, u64, u64);
 
-    fn blocks(runs: &[PairRun]) -> Vec<Block> {
+    fn blocks(runs: &[SegmentRun]) -> Vec<Block> {
         runs.iter()
             .flat_map(|p| {
-                (0..p.l.count).map(move |i| {
-                    let (lo, ro) = p.at(i);
-                    (p.l.region, lo, p.r.region, ro, p.l.len)
-                })
+                (0..p.count).map(move |i| (p.local, p.local_at(i), p.target, p.target_at(i), p.len))
             })
             .collect()
     }
@@ -216,17 +197,16 @@ mod tests {
         len: u64,
         strides: (u64, u64),
         count: usize,
-    ) -> PairRun {
-        let side = |region, offset, stride| PrepRun {
-            region,
-            offset,
+    ) -> SegmentRun {
+        SegmentRun {
+            local: region.0,
+            target: region.1,
+            local_offset: offsets.0,
+            target_offset: offsets.1,
+            local_stride: strides.0,
+            target_stride: strides.1,
             len,
-            stride,
             count,
-        };
-        PairRun {
-            l: side(region.0, offsets.0, strides.0),
-            r: side(region.1, offsets.1, strides.1),
         }
     }
 
@@ -256,7 +236,7 @@ mod tests {
         assert_eq!(merge_runs(&runs, false), runs.to_vec());
     }
 
-    fn arb_run() -> impl Strategy<Value = PairRun> {
+    fn arb_run() -> impl Strategy<Value = SegmentRun> {
         (
             (0u32..2, 0u32..2),
             (0u64..8, 0u64..8),
