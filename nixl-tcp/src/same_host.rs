@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nixl::{Error, ErrorKind, Op, RegionRef, RegionSlice, Result, SegmentRun, Segments};
+use nixl::{
+    Error, ErrorKind, Op, RegionRef, RegionSlice, Result, SegmentRun, Segments, TargetRegion,
+};
 
 use crate::shm::{self, Access, Grant, Mapping, Table};
 use crate::wire::SegEntry;
@@ -277,7 +279,7 @@ impl Peer {
         const OP: &str = "tcp same-host transfer";
         // Every target registration's grant, held while the data moves.
         let mut held: Vec<(Access<'_>, Grant)> = Vec::with_capacity(direct.targets.len());
-        for (i, &(slot, key, _)) in direct.targets.iter().enumerate() {
+        for (t, &(slot, key, _)) in segs.targets().iter().zip(&direct.targets) {
             let Some((access, g)) = self.table.acquire(slot).filter(|(_, g)| g.key == key) else {
                 if self.table.is_closed() {
                     return Ok(Err(Error::new(
@@ -289,7 +291,13 @@ impl Peer {
                 return Ok(Err(Error::new(
                     ErrorKind::NotAllowed,
                     OP,
-                    format!("target registration {i}: unknown or forged key (not granted by the target)"),
+                    format!(
+                        "registration {}: unknown or forged key (not granted by the target)",
+                        match t {
+                            TargetRegion::Remote { region, .. } => *region,
+                            TargetRegion::Local(r) => r.id(),
+                        }
+                    ),
                 )));
             };
             if g.memfd.is_none() && self.cma_refused.is_some() {
@@ -307,7 +315,8 @@ impl Peer {
             let inside = e.addr >= g.addr
                 && e.last()
                     .and_then(|last| last.checked_add(e.len))
-                    .is_some_and(|end| end <= g.addr + g.len);
+                    .zip(g.addr.checked_add(g.len))
+                    .is_some_and(|(end, limit)| end <= limit);
             if !inside || e.len == 0 {
                 return Ok(Err(Error::new(
                     ErrorKind::OutOfRange,

@@ -211,6 +211,15 @@ mod tests {
     }
 
     #[test]
+    fn unused_registrations_are_left_out_and_indices_follow() {
+        assert_eq!(
+            renumber(&[false, true, false, true]),
+            vec![u32::MAX, 0, u32::MAX, 1]
+        );
+        assert_eq!(renumber(&[]), Vec::<u32>::new());
+    }
+
+    #[test]
     fn contiguous_runs_merge_and_strided_ones_stay() {
         let runs = [
             // Contiguous on both sides: one pair.
