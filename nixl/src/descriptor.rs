@@ -409,10 +409,11 @@ impl<T: Ranged + Clone> RangeIndex<T> {
     /// fits, every later block up to the last one that ends inside the same range fits
     /// too (blocks ascend). The first block that fails gives the error
     /// [`RangeIndex::lookup`] gives for it; `what(i)` names block `i` of the run.
-    pub(crate) fn lookup_run(
-        &self,
+    pub(crate) fn lookup_run<'a>(
+        &'a self,
         kind: MemKind,
         run: &Strided,
+        hint: &mut Option<&'a T>,
         op: &'static str,
         what: impl Fn(usize) -> String,
         mut piece: impl FnMut(&T, u64, usize),
@@ -431,13 +432,35 @@ impl<T: Ranged + Clone> RangeIndex<T> {
                     ),
                 );
             };
-            let (r, offset) = self.lookup_ref(kind, &d, op, || what(i))?;
+            // Most descriptors land in the range the previous one did: a block that
+            // lies wholly inside it with the right kind is what a lookup would find
+            // (ranges do not overlap); anything else goes through the lookup and its
+            // errors.
+            let cached = hint.filter(|r| {
+                d.len != 0
+                    && d.dev == kind.device()
+                    && r.kind() == kind
+                    && d.addr >= r.start()
+                    && d.end()
+                        .is_some_and(|e| e <= r.start().saturating_add(r.len()))
+            });
+            let (r, offset) = match cached {
+                Some(r) => (r, d.addr - r.start()),
+                None => self.lookup_ref(kind, &d, op, || what(i))?,
+            };
+            *hint = Some(r);
             let left = run.count - i;
-            // Bytes after this block's end up to the range's end.
-            let room = r.start().saturating_add(r.len()) - d.addr - d.len;
-            let fit = match room.checked_div(run.stride) {
-                Some(more) => usize::try_from(more).map_or(left, |m| m.saturating_add(1).min(left)),
-                None => left,
+            let fit = if left == 1 {
+                1
+            } else {
+                // Bytes after this block's end up to the range's end.
+                let room = r.start().saturating_add(r.len()) - d.addr - d.len;
+                match room.checked_div(run.stride) {
+                    Some(more) => {
+                        usize::try_from(more).map_or(left, |m| m.saturating_add(1).min(left))
+                    }
+                    None => left,
+                }
             };
             piece(r, offset, fit);
             i += fit;
@@ -575,15 +598,29 @@ mod tests {
             .collect()
     }
 
+    /// The run checked by [`RangeIndex::lookup_run`], with its hint left by checking
+    /// one byte at `prior` first (a range, or none, the run may or may not touch).
     fn by_run(
         i: &RangeIndex<R>,
         run: &Strided,
+        prior: u64,
     ) -> std::result::Result<Vec<(u64, u64)>, (usize, ErrorKind)> {
         let mut out = Vec::new();
         let failed = std::cell::Cell::new(usize::MAX);
+        let mut hint = None;
+        let one = Strided::new(Desc::new(prior, 1, 0), 0, 1);
+        let _ = i.lookup_run(
+            MemKind::Dram,
+            &one,
+            &mut hint,
+            "t",
+            |_| String::new(),
+            |_, _, _| {},
+        );
         i.lookup_run(
             MemKind::Dram,
             run,
+            &mut hint,
             "t",
             |b| {
                 failed.set(b);
@@ -637,6 +674,7 @@ mod tests {
                 len in prop_oneof![Just(0u64), 1u64..200, Just(u64::MAX)],
                 stride in prop_oneof![Just(0u64), 1u64..300, Just(u64::MAX / 2)],
                 count in 0usize..40,
+                prior in -64i64..2048,
             ) {
                 let mut i = RangeIndex::default();
                 for (s, l) in &parts {
@@ -644,7 +682,7 @@ mod tests {
                 }
                 let addr = base.wrapping_add_signed(start);
                 let run = Strided::new(Desc::new(addr, len, 0), stride, count);
-                prop_assert_eq!(by_run(&i, &run), per_block(&i, &run));
+                prop_assert_eq!(by_run(&i, &run, base.wrapping_add_signed(prior)), per_block(&i, &run));
             }
         }
     }

@@ -131,11 +131,13 @@ fn resolve<T: Ranged + Clone>(
     let mut runs = Vec::with_capacity(descs.runs().len());
     let mut starts = Vec::with_capacity(descs.runs().len());
     let mut first = 0usize;
+    let mut hint = None;
     for run in descs.runs() {
         let mut block = first;
         index.lookup_run(
             descs.kind(),
             run,
+            &mut hint,
             op,
             |i| what(first + i),
             |r, offset, count| {
