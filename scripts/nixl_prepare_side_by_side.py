@@ -49,6 +49,18 @@ def best(f, runs):
     return min(out) * 1e3
 
 
+def measure(a, n, layout, lo, re, idx, runs):
+    """Time preparing `lo` (local) and `re` (at "target"), then a request over all."""
+    pl = best(lambda: a.prep_xfer_dlist("NIXL_INIT_AGENT", lo, "DRAM"), runs)
+    pr = best(lambda: a.prep_xfer_dlist("target", re, "DRAM"), runs)
+    hl = a.prep_xfer_dlist("NIXL_INIT_AGENT", lo, "DRAM")
+    hr = a.prep_xfer_dlist("target", re, "DRAM")
+    mk = best(lambda: a.make_prepped_xfer("WRITE", hl, idx, hr, idx, skip_desc_merge=True), runs)
+    print(f"nixl {n:>9} {layout:<8} prep_local {pl:9.3f} ms  prep_remote {pr:9.3f} ms  make_request {mk:9.3f} ms", flush=True)
+    hl.release()
+    hr.release()
+
+
 def main():
     sizes = [int(s) for s in sys.argv[1:]] or [1_000, 1_000_000, 10_000_000]
     conf = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
@@ -75,25 +87,9 @@ def main():
                 m[:, 1] = DESC
                 m[:, 2] = 0
                 return m
-            lo, re = arr(la.ctypes.data), arr(lb.ctypes.data)
-            pl = best(lambda: a.prep_xfer_dlist("NIXL_INIT_AGENT", lo, "DRAM"), runs)
-            pr = best(lambda: a.prep_xfer_dlist("target", re, "DRAM"), runs)
-            hl = a.prep_xfer_dlist("NIXL_INIT_AGENT", lo, "DRAM")
-            hr = a.prep_xfer_dlist("target", re, "DRAM")
-            mk = best(lambda: a.make_prepped_xfer("WRITE", hl, idx, hr, idx, skip_desc_merge=True), runs)
-            print(f"nixl {n:>9} {layout:<8} prep_local {pl:9.3f} ms  prep_remote {pr:9.3f} ms  make_request {mk:9.3f} ms", flush=True)
-            hl.release()
-            hr.release()
-        s_lo = np.array([[la.ctypes.data, DESC, 0, DESC, n]], dtype=np.uint64)
-        s_re = np.array([[lb.ctypes.data, DESC, 0, DESC, n]], dtype=np.uint64)
-        pl = best(lambda: a.prep_xfer_dlist("NIXL_INIT_AGENT", s_lo, "DRAM"), runs)
-        pr = best(lambda: a.prep_xfer_dlist("target", s_re, "DRAM"), runs)
-        hl = a.prep_xfer_dlist("NIXL_INIT_AGENT", s_lo, "DRAM")
-        hr = a.prep_xfer_dlist("target", s_re, "DRAM")
-        mk = best(lambda: a.make_prepped_xfer("WRITE", hl, idx, hr, idx, skip_desc_merge=True), runs)
-        print(f"nixl {n:>9} strided  prep_local {pl:9.3f} ms  prep_remote {pr:9.3f} ms  make_request {mk:9.3f} ms", flush=True)
-        hl.release()
-        hr.release()
+            measure(a, n, layout, arr(la.ctypes.data), arr(lb.ctypes.data), idx, runs)
+        strided = lambda base: np.array([[base, DESC, 0, DESC, n]], dtype=np.uint64)
+        measure(a, n, "strided", strided(la.ctypes.data), strided(lb.ctypes.data), idx, runs)
         a.remove_remote_agent("target")
         a.deregister_memory(ra)
         b.deregister_memory(rb)

@@ -495,16 +495,19 @@ impl Backend for TcpBackend {
             ));
         };
         let segs = &plan.segments;
-        // Key, same-host slot and start address of each target registration, decoded
-        // once; then one pass writes the wire table, and the local and same-host sides
-        // are collected straight into their shared slices (one allocation each:
-        // requests can carry a million runs).
-        let keys = segs
+        // Same-host slot, key and start address of each target registration, decoded
+        // once; the wire table is written from them, and the plan itself is kept (runs
+        // over registration tables: O(runs), however many blocks).
+        let mut all_direct = true;
+        let targets = segs
             .targets()
             .iter()
             .map(|t| match t {
                 TargetRegion::Remote { addr, blob, .. } => decode_blob(blob)
-                    .map(|(key, slot)| (key, slot, *addr))
+                    .map(|(key, slot)| {
+                        all_direct &= slot.is_some();
+                        (slot.unwrap_or_default(), key, *addr)
+                    })
                     .ok_or_else(|| {
                         Error::new(
                             ErrorKind::Corrupt,
@@ -522,12 +525,7 @@ impl Backend for TcpBackend {
                 )),
             })
             .collect::<Result<Vec<_>>>()?;
-        let targets = same_host::Direct {
-            targets: keys
-                .iter()
-                .map(|&(key, slot, base)| (slot.unwrap_or_default(), key, base))
-                .collect(),
-        };
+        let targets = same_host::Direct { targets };
         let runs = segs.runs();
         let mut table = Vec::with_capacity(runs.len() * wire::SEG_LEN);
         for r in runs {
@@ -535,10 +533,7 @@ impl Backend for TcpBackend {
         }
         let total = segs.bytes();
         // The same-host path takes a transfer whole or not at all.
-        let direct = keys
-            .iter()
-            .all(|k| k.1.is_some())
-            .then(|| Arc::new(targets));
+        let direct = all_direct.then(|| Arc::new(targets));
         Ok(Box::new(RemotePrepared {
             backend: self.clone(),
             peer,

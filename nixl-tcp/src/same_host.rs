@@ -220,9 +220,9 @@ pub(crate) struct Peer {
     maps: Mutex<HashMap<u32, (u64, Arc<Mapping>)>>,
 }
 
-/// The target side of a prepared transfer as the grant check needs it: for each
-/// target registration ([`Segments::targets`]), the target's same-host slot, the
-/// registration's key and its start address.
+/// The target side of a prepared transfer: for each target registration
+/// ([`Segments::targets`]), the target's same-host slot (0 where it offered none: then
+/// only the wire entries are used), the registration's key and its start address.
 #[derive(Clone, Debug)]
 pub(crate) struct Direct {
     pub(crate) targets: Vec<(u32, u64, u64)>,

@@ -3,104 +3,17 @@
 //! the same segments reaching the backend, the same bytes copied), while staying
 //! compressed: a regular list reaches the backend as one run.
 
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+mod common;
 
-use async_trait::async_trait;
-use bytes::Bytes;
+use std::sync::Arc;
+
+use common::{Recorder, Seen};
 use nixl::{
-    Agent, AlignedBuf, Backend, BackendContext, Capabilities, Completer, Desc, DescList, ErrorKind,
-    Indices, MemKind, Memory, Op, PreparedTransfer, RegionRef, Registration, RequestOptions,
-    Result, Strided, Target, TransferPlan,
+    Agent, AlignedBuf, Desc, DescList, ErrorKind, Indices, MemKind, Memory, Op, Registration,
+    RequestOptions, Strided,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-
-/// What reached the backend: runs, and every segment as (local registration, local
-/// offset, length, target address or offset, target registration).
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-struct Seen {
-    runs: usize,
-    segments: Vec<(u64, usize, usize, u64, u64)>,
-}
-
-/// A test double of a transport: registers anything, records each plan it prepares,
-/// and completes every post at once without moving data.
-#[derive(Debug, Default)]
-struct Recorder {
-    /// Expand the plan's segments (off for very large plans).
-    expand: bool,
-    last: Mutex<Seen>,
-}
-
-#[derive(Debug)]
-struct Done;
-
-impl PreparedTransfer for Done {
-    fn post(&self, _notif: Option<Bytes>, done: Completer) {
-        done.complete(Ok(()));
-    }
-}
-
-#[async_trait]
-impl Backend for Recorder {
-    fn name(&self) -> &str {
-        "recorder"
-    }
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            local: true,
-            remote: true,
-            dram: true,
-            ..Capabilities::default()
-        }
-    }
-    async fn start(&self, _ctx: BackendContext) -> Result<()> {
-        Ok(())
-    }
-    fn connection_info(&self) -> Bytes {
-        Bytes::new()
-    }
-    fn register(&self, _region: &RegionRef) -> Result<Bytes> {
-        Ok(Bytes::from_static(b"key"))
-    }
-    fn deregister(&self, _region_id: u64) -> Result<()> {
-        Ok(())
-    }
-    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
-        Ok(())
-    }
-    async fn connect(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn remove_peer(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
-        let mut seen = Seen {
-            runs: plan.segments.runs().len(),
-            segments: Vec::new(),
-        };
-        if self.expand {
-            for s in plan.segments.iter() {
-                let (addr, region) = match &s.target {
-                    Target::Remote { addr, region, .. } => (*addr, *region),
-                    Target::Local(t) => (t.offset() as u64, t.id()),
-                };
-                seen.segments
-                    .push((s.local.id(), s.local.offset(), s.local.len(), addr, region));
-            }
-        }
-        *self.last.lock().unwrap() = seen;
-        Ok(Box::new(Done))
-    }
-    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
-        done.complete(Ok(()));
-    }
-    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
-        Ok(())
-    }
-}
 
 /// Region size; each agent has three adjacent regions in one buffer, then a gap.
 const PART: usize = 512;

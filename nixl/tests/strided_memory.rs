@@ -2,17 +2,14 @@
 //! counted by a global allocator around preparing both lists and building the
 //! request (its own test binary, so no other test allocates meanwhile).
 
+mod common;
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
-use nixl::{
-    Agent, Backend, BackendContext, Capabilities, Completer, DescList, Indices, MemKind,
-    PreparedTransfer, RegionRef, RequestOptions, Result, TransferPlan,
-};
+use common::Recorder;
+use nixl::{Agent, DescList, Indices, MemKind, RequestOptions};
 
 /// Counts bytes allocated (never subtracts): an upper bound of what was held.
 struct Counting;
@@ -49,77 +46,18 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-/// A test double of a transport that keeps the plan's runs as they are (what a
-/// backend that sends run headers keeps) and completes posts at once.
-#[derive(Debug)]
-struct KeepsRuns;
-
-#[derive(Debug)]
-#[allow(dead_code)]
-struct Kept(TransferPlan);
-
-impl PreparedTransfer for Kept {
-    fn post(&self, _notif: Option<Bytes>, done: Completer) {
-        done.complete(Ok(()));
-    }
-}
-
-#[async_trait]
-impl Backend for KeepsRuns {
-    fn name(&self) -> &str {
-        "keeps-runs"
-    }
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            remote: true,
-            dram: true,
-            ..Capabilities::default()
-        }
-    }
-    async fn start(&self, _ctx: BackendContext) -> Result<()> {
-        Ok(())
-    }
-    fn connection_info(&self) -> Bytes {
-        Bytes::new()
-    }
-    fn register(&self, _region: &RegionRef) -> Result<Bytes> {
-        Ok(Bytes::from_static(b"key"))
-    }
-    fn deregister(&self, _region_id: u64) -> Result<()> {
-        Ok(())
-    }
-    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
-        Ok(())
-    }
-    async fn connect(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn remove_peer(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
-        Ok(Box::new(Kept(plan)))
-    }
-    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
-        done.complete(Ok(()));
-    }
-    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
-        Ok(())
-    }
-}
-
 #[tokio::test(flavor = "current_thread")]
 async fn ten_million_block_request_holds_o_runs() {
     const N: usize = 10_000_000;
     const BLOCK: u64 = 64;
     const STRIDE: u64 = 128;
     let a = Agent::builder("a")
-        .backend_arc(Arc::new(KeepsRuns))
+        .backend_arc(Arc::new(Recorder::default()))
         .build()
         .await
         .unwrap();
     let b = Agent::builder("b")
-        .backend_arc(Arc::new(KeepsRuns))
+        .backend_arc(Arc::new(Recorder::default()))
         .build()
         .await
         .unwrap();

@@ -58,13 +58,13 @@ impl RegionTable {
 
 /// `count` blocks of `len` bytes in registration `region` of the table, the first
 /// at `offset` into it, `stride` bytes apart.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct PrepRun {
-    pub(super) region: u32,
-    pub(super) offset: u64,
-    pub(super) len: u64,
-    pub(super) stride: u64,
-    pub(super) count: usize,
+#[derive(Debug, Clone, Copy)]
+struct PrepRun {
+    region: u32,
+    offset: u64,
+    len: u64,
+    stride: u64,
+    count: usize,
 }
 
 /// Which descriptors of a prepared list a request uses, in order.
