@@ -719,6 +719,59 @@ pub async fn stale_generation_refused(but: &BackendUnderTest) {
     b.shutdown().await;
 }
 
+/// One-shot transfers prepare their own lists, so a full metadata reload racing them
+/// (a peer republishing, an exchange refreshing) is not the caller's staleness: they
+/// prepare again and succeed, and the data arrives. Reloads come every millisecond,
+/// far more often than any exchange refreshes.
+pub async fn one_shot_survives_reloads(but: &BackendUnderTest) {
+    need!(but, "one_shot_survives_reloads", remote, dram);
+    let (a, b) = but.pair().await;
+    let a = std::sync::Arc::new(a);
+    let dst = b.register(vec![0u8; 4096]).unwrap();
+    let md = b.metadata().unwrap();
+    a.load_metadata(&md).unwrap();
+    let rd = remote(&a, "target", dst.id());
+    const RELOADS: usize = 300;
+    let reloader = tokio::spawn({
+        let a = a.clone();
+        async move {
+            for _ in 0..RELOADS {
+                a.load_metadata(&md).unwrap();
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    });
+    let mut rounds = 0u32;
+    let mut failures = Vec::new();
+    while !reloader.is_finished() || rounds == 0 {
+        rounds += 1;
+        let fill = (rounds % 251) as u8;
+        let src = a.register(vec![fill; 4096]).unwrap();
+        let desc = one(rd.desc(0, 4096));
+        match bounded(
+            "one-shot write",
+            a.write(&one(src.whole()), "target", &desc, None),
+        )
+        .await
+        {
+            Ok(()) => assert!(
+                dst.to_vec().unwrap().iter().all(|&x| x == fill),
+                "write {rounds} returned Ok but its data did not arrive"
+            ),
+            Err(e) => failures.push(e.to_string()),
+        }
+    }
+    bounded("reloader", reloader).await.unwrap();
+    assert!(
+        failures.is_empty(),
+        "{} of {rounds} one-shot writes failed while metadata was reloaded {RELOADS} times; first: {}",
+        failures.len(),
+        failures[0]
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 /// Metadata with a forged key gets the transfer refused by the target; nothing changes.
 pub async fn forged_key_refused(but: &BackendUnderTest) {
     need!(but, "forged_key_refused", remote, dram, target_checks);

@@ -43,6 +43,7 @@ macro_rules! conformance_tests {
             prepared_reposts,
             invalid_inputs_rejected,
             stale_generation_refused,
+            one_shot_survives_reloads,
             forged_key_refused,
             wire_out_of_range_refused,
             deregister_in_flight_refused,

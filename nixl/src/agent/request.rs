@@ -550,7 +550,8 @@ impl Agent {
     }
 
     /// Build a request from plain descriptor lists (checks them, then prepares). `peer`
-    /// may be this agent's own name for a local transfer.
+    /// may be this agent's own name for a local transfer. A reload of the peer's
+    /// metadata while this runs makes it prepare again rather than fail.
     ///
     /// # Errors
     /// As [`Agent::prep_local`], [`Agent::prep_remote`] and [`Agent::make_request`];
@@ -575,11 +576,18 @@ impl Agent {
             );
         }
         let l = self.prep_local(local)?;
-        let r = self.prep_remote(peer, remote)?;
-        self.make_request(op, &l, Indices::All, &r, Indices::All, options)
+        retry_stale(|| {
+            let r = self.prep_remote(peer, remote)?;
+            self.make_request(op, &l, Indices::All, &r, Indices::All, options)
+        })
     }
 
     /// One-shot transfer: check, prepare and post. Await the returned future.
+    ///
+    /// The lists are prepared here, so a reload of the peer's metadata before the post
+    /// makes it prepare again against the new generation instead of failing with
+    /// [`ErrorKind::StaleGeneration`] (which it still returns if the peer is reloaded
+    /// on every attempt).
     ///
     /// # Errors
     /// As [`Agent::create_request`] and [`XferRequest::post`].
@@ -591,8 +599,11 @@ impl Agent {
         remote: &DescList,
         notif: Option<Bytes>,
     ) -> Result<Transfer> {
-        self.create_request(op, local, peer, remote, &RequestOptions::default())?
-            .post(notif)
+        let options = RequestOptions::default();
+        retry_stale(|| {
+            self.create_request(op, local, peer, remote, &options)?
+                .post(notif.clone())
+        })
     }
 
     /// One-shot WRITE of `local` into the peer's `remote`; awaits completion.
@@ -621,6 +632,29 @@ impl Agent {
         notif: Option<Bytes>,
     ) -> Result<()> {
         self.transfer(Op::Read, local, peer, remote, notif)?.await
+    }
+}
+
+/// How many times a one-shot call prepares again after the peer's metadata was
+/// reloaded under it.
+const STALE_RETRIES: usize = 8;
+
+/// Run `f`, again while it fails with [`ErrorKind::StaleGeneration`], at most
+/// [`STALE_RETRIES`] more times.
+///
+/// One-shot calls prepare the remote list themselves: a reload between their own
+/// prepare and make/post (the peer republished, an exchange refreshed it) leaves
+/// nothing stale that the caller holds, so they prepare again against the new
+/// generation instead of failing. A peer reloaded on every attempt still fails.
+fn retry_stale<T>(mut f: impl FnMut() -> Result<T>) -> Result<T> {
+    let mut tries = 0;
+    loop {
+        match f() {
+            Err(e) if e.kind() == ErrorKind::StaleGeneration && tries < STALE_RETRIES => {
+                tries += 1;
+            }
+            r => return r,
+        }
     }
 }
 
