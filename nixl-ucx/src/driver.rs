@@ -101,6 +101,10 @@ struct Probe {
 
 /// When to probe a connection, and how long to wait for the answer.
 ///
+/// Progress is an operation of the connection finishing, or a piece of its oldest
+/// one (one-sided transfers are posted in pieces of at most 4 MiB, and some pieces
+/// are watched), or the peer answering a probe.
+///
 /// A connection whose oldest operation has made no progress for `after` gets a PING
 /// on its data endpoint, sent with a UCX reply endpoint, on which the peer's progress
 /// loop answers a PONG at once (so answering never makes an endpoint). A PONG within
@@ -150,8 +154,8 @@ pub(crate) struct PeerConn {
     /// Remote keys unpacked on this connection, by the peer's region id.
     rkeys: HashMap<u64, (Bytes, RkeyId)>,
     queue: VecDeque<InFlight>,
-    /// When an operation of this connection last finished, or the queue last became
-    /// non-empty, or the peer last answered a probe.
+    /// When an operation of this connection (or a watched piece of its oldest) last
+    /// finished, or the queue last became non-empty, or the peer last answered a probe.
     last_progress: Instant,
     /// The separate endpoint for a second PING (made when first needed).
     probe_ep: Option<EpId>,
@@ -889,6 +893,11 @@ impl Core {
             while let Some(p) = self.peers.get_mut(&name) {
                 let Some(head) = p.queue.front() else { break };
                 let Some((work, res)) = self.ucx.poll(head.flight) else {
+                    // Part of a long transfer arrived: the peer is alive.
+                    if self.ucx.advanced(head.flight) {
+                        p.last_progress = self.now;
+                        p.probe = None;
+                    }
                     break;
                 };
                 // Progress: the peer (or the transport) is moving.

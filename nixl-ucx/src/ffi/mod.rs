@@ -82,6 +82,23 @@ fn check(api: &sys::Api, what: &'static str, status: sys::Status) -> Result<(), 
 }
 
 /// What a non-blocking call returned.
+/// Largest piece one put or get moves: longer segments are posted in pieces, so a
+/// long transfer shows progress as its pieces finish ([`Ucx::advanced`]).
+const MAX_PIECE: usize = 4 << 20;
+
+/// Bytes posted between two marks of a one-sided transfer (see [`Flight::marks`]).
+const MARK_BYTES: usize = 4 << 20;
+
+/// Release a flight's marks not yet freed. `ucp_request_free` may be given a request
+/// still in progress: UCX finishes the operation and frees it then.
+fn free_marks<K>(api: &sys::Api, f: &mut Flight<K>) {
+    for &req in &f.marks[f.marked..] {
+        // SAFETY: live requests of ours, each freed once (the cursor moves past them).
+        unsafe { (api.request_free)(req) };
+    }
+    f.marked = f.marks.len();
+}
+
 enum Posted {
     Done(sys::Status),
     Pending(*mut c_void),
@@ -164,6 +181,11 @@ struct Flight<K> {
     req: *mut c_void,
     status: sys::Status,
     keep: Option<K>,
+    /// Requests of some of a one-sided transfer's operations, one per [`MARK_BYTES`]
+    /// posted, in posting order; `marks[..marked]` are finished and freed. Their
+    /// completions show progress within a long transfer ([`Ucx::advanced`]).
+    marks: Vec<*mut c_void>,
+    marked: usize,
     /// Buffers UCX reads until the request finishes (active message header and data).
     _header: Vec<u8>,
     _data: Bytes,
@@ -1010,6 +1032,8 @@ impl<K: HoldsMemory> Ucx<K> {
             req: std::ptr::null_mut(),
             status,
             keep: Some(keep),
+            marks: Vec::new(),
+            marked: 0,
             _header: Vec::new(),
             _data: Bytes::new(),
         })
@@ -1035,35 +1059,54 @@ impl<K: HoldsMemory> Ucx<K> {
         };
         let param = sys::RequestParam::default();
         let mut first_err = sys::UCS_OK;
+        let mut marks = Vec::new();
+        let mut unmarked = 0usize;
         'runs: for s in segs {
             let Some(&rkey) = rkeys.get(s.rkey.0 as usize) else {
                 first_err = sys::UCS_ERR_NOT_CONNECTED;
                 break;
             };
             for i in 0..s.count {
-                let ptr = (s.local.addr() as usize + i * s.local_stride) as *mut c_void;
+                let base = s.local.addr() as usize + i * s.local_stride;
                 let remote = s.remote + i as u64 * s.remote_stride;
-                // SAFETY: live endpoint and a key unpacked on it; every segment of the
-                // run lies in registered memory (the agent checked each run against
-                // its registration), kept alive by `keep`'s completer until this
-                // flight is handed back, which happens only after the flush below
-                // completes (so after this operation), or after the worker is
-                // destroyed. No callback (request polled through the flush).
-                let p = unsafe {
-                    if write {
-                        (self.api.put_nbx)(ep, ptr, s.local.len(), remote, rkey, &param)
-                    } else {
-                        (self.api.get_nbx)(ep, ptr, s.local.len(), remote, rkey, &param)
+                let len = s.local.len();
+                let mut off = 0;
+                loop {
+                    let piece = (len - off).min(MAX_PIECE);
+                    let ptr = (base + off) as *mut c_void;
+                    // SAFETY: live endpoint and a key unpacked on it; every segment of
+                    // the run lies in registered memory (the agent checked each run
+                    // against its registration), and a piece lies in its segment. It
+                    // is kept alive by `keep`'s completer until this flight is handed
+                    // back, which happens only after the flush below completes (so
+                    // after this operation), or after the worker is destroyed. No
+                    // callback (request polled through the flush, or as a mark).
+                    let p = unsafe {
+                        if write {
+                            (self.api.put_nbx)(ep, ptr, piece, remote + off as u64, rkey, &param)
+                        } else {
+                            (self.api.get_nbx)(ep, ptr, piece, remote + off as u64, rkey, &param)
+                        }
+                    };
+                    unmarked += piece;
+                    match posted(p) {
+                        Posted::Done(sys::UCS_OK) => {}
+                        // Kept as a mark (freed once finished or with the flight).
+                        Posted::Pending(req) if unmarked >= MARK_BYTES => {
+                            marks.push(req);
+                            unmarked = 0;
+                        }
+                        // Completion is tracked by the flush; UCX frees it when done.
+                        // SAFETY: a live request handed to us, freed once.
+                        Posted::Pending(req) => unsafe { (self.api.request_free)(req) },
+                        Posted::Done(st) => {
+                            first_err = st;
+                            break 'runs;
+                        }
                     }
-                };
-                match posted(p) {
-                    Posted::Done(sys::UCS_OK) => {}
-                    // Completion is tracked by the flush; UCX frees it when it is done.
-                    // SAFETY: a live request handed to us, freed once.
-                    Posted::Pending(req) => unsafe { (self.api.request_free)(req) },
-                    Posted::Done(st) => {
-                        first_err = st;
-                        break 'runs;
+                    off += piece;
+                    if off >= len {
+                        break;
                     }
                 }
             }
@@ -1085,6 +1128,8 @@ impl<K: HoldsMemory> Ucx<K> {
             req,
             status,
             keep: Some(keep),
+            marks,
+            marked: 0,
             _header: Vec::new(),
             _data: Bytes::new(),
         })
@@ -1100,6 +1145,8 @@ impl<K: HoldsMemory> Ucx<K> {
                 req,
                 status: sys::UCS_OK,
                 keep: Some(keep),
+                marks: Vec::new(),
+                marked: 0,
                 _header: Vec::new(),
                 _data: Bytes::new(),
             }),
@@ -1151,6 +1198,8 @@ impl<K: HoldsMemory> Ucx<K> {
             req,
             status,
             keep: Some(keep),
+            marks: Vec::new(),
+            marked: 0,
             _header: header,
             _data: data,
         })
@@ -1179,12 +1228,33 @@ impl<K: HoldsMemory> Ucx<K> {
         true
     }
 
+    /// Whether operations of an unfinished flight finished since the last call: part
+    /// of a long one-sided transfer arrived, so its peer is alive.
+    pub(crate) fn advanced(&mut self, id: FlightId) -> bool {
+        let api = self.api;
+        let Some(Some(f)) = self.flights.get_mut(id.0 as usize) else {
+            return false;
+        };
+        let before = f.marked;
+        while let Some(&req) = f.marks.get(f.marked) {
+            // SAFETY: a live request of ours, not yet freed (the cursor passes it once).
+            if unsafe { (api.request_check_status)(req) } == sys::UCS_INPROGRESS {
+                break;
+            }
+            // SAFETY: finished, freed once.
+            unsafe { (api.request_free)(req) };
+            f.marked += 1;
+        }
+        f.marked > before
+    }
+
     /// Take a finished flight: its `keep` and outcome. `None` while in flight.
     pub(crate) fn poll(&mut self, id: FlightId) -> Option<(K, Result<(), UcxError>)> {
         if !self.is_done(id) {
             return None;
         }
-        let f = self.flights.get_mut(id.0 as usize)?.take()?;
+        let mut f = self.flights.get_mut(id.0 as usize)?.take()?;
+        free_marks(&self.api, &mut f);
         self.free_flights.push(id.0);
         let keep = f.keep?;
         Some((keep, check(&self.api, "transfer", f.status)))
@@ -1301,6 +1371,8 @@ impl<K> Ucx<K> {
             let mut pending = 0;
             for f in self.flights.iter_mut() {
                 let Some(fl) = f else { continue };
+                // The flush request (below) tracks the marks' operations.
+                free_marks(&api, fl);
                 if !fl.req.is_null() {
                     // SAFETY: a live request of ours.
                     if unsafe { (api.request_check_status)(fl.req) } == sys::UCS_INPROGRESS {
