@@ -221,6 +221,12 @@ pub(crate) struct Cli {
     #[arg(long, value_name = "FILE")]
     pub(crate) plot: Option<PathBuf>,
 
+    /// Serve this process's agent metrics for Prometheus at http://ADDR/metrics
+    /// during the run (the metric table is in the `nixl::telemetry` docs). Needs the
+    /// `prometheus` feature (on by default).
+    #[arg(long = "metrics-addr", value_name = "ADDR")]
+    pub(crate) metrics_addr: Option<SocketAddr>,
+
     /// Limit for starting the target and connecting to it, and for a target to appear in
     /// etcd (the target: for the initiator to arrive).
     #[arg(long = "connect-timeout", value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
@@ -427,6 +433,8 @@ pub(crate) struct Config {
     pub(crate) timeouts: Timeouts,
     pub(crate) format: Format,
     pub(crate) plot: Option<PathBuf>,
+    /// Where to serve metrics (`--metrics-addr`).
+    pub(crate) metrics_addr: Option<SocketAddr>,
     /// Notes for the header (iteration counts rounded up, ...).
     pub(crate) notes: Vec<String>,
 }
@@ -627,6 +635,7 @@ impl Cli {
             },
             format,
             plot: self.plot,
+            metrics_addr: self.metrics_addr,
             notes,
         })
     }

@@ -57,6 +57,7 @@ pub(crate) async fn start_agent(
     let agent = Agent::builder("initiator")
         .backend_arc(backend.clone())
         .options(agent_options(config.timeouts.teardown))
+        .telemetry(crate::metrics::telemetry(config))
         .build()
         .await
         .context("start the initiator agent")?;

@@ -28,6 +28,7 @@ mod error;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod initiator;
+mod metrics;
 mod plot;
 mod progress;
 mod report;
@@ -89,6 +90,11 @@ fn main() -> ExitCode {
         }
     };
     let outcome = runtime.block_on(async {
+        if let Some(addr) = config.metrics_addr {
+            if let Err(e) = metrics::serve(addr) {
+                return Some(Err(e));
+            }
+        }
         tokio::select! {
             r = run(&config) => Some(r),
             () = interrupted() => None,

@@ -67,6 +67,7 @@ pub(crate) async fn start_agent(config: &Config, host: IpAddr) -> Result<Agent> 
     Agent::builder(AGENT_NAME)
         .backend_arc(backend)
         .options(agent_options(config.timeouts.teardown))
+        .telemetry(crate::metrics::telemetry(config))
         .build()
         .await
         .context("start the target agent")

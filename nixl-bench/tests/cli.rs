@@ -802,3 +802,68 @@ mod etcd {
         assert!(status.success(), "target: {status}");
     }
 }
+
+/// GET /metrics over HTTP/1.0; the body, or `None` while nothing listens.
+fn scrape(addr: &str) -> Option<String> {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    Some(out.split_once("\r\n\r\n")?.1.to_owned())
+}
+
+/// The value of a series, given as its name and labels up to the value.
+fn series(body: &str, prefix: &str, labels: &[&str]) -> Option<f64> {
+    body.lines()
+        .filter(|l| l.starts_with(prefix) && labels.iter().all(|x| l.contains(x)))
+        .find_map(|l| l.rsplit_once(' ')?.1.parse().ok())
+}
+
+#[cfg(feature = "prometheus")]
+#[test]
+fn metrics_addr_serves_counters_during_the_run() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let (mut child, _, _rx) = start_long_run(&["--metrics-addr", &addr]);
+    let labels = ["agent=\"initiator\"", "op=\"write\"", "backend=\"tcp\""];
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while seen.len() < 2 && Instant::now() < deadline {
+        let body = scrape(&addr).expect("the bench serves metrics while it runs");
+        if let (Some(done), Some(bytes)) = (
+            series(&body, "nixl_transfers_completed_total{", &labels),
+            series(&body, "nixl_transfer_bytes_total{", &labels),
+        ) {
+            // 4 KiB blocks first, so bytes are at least 4 KiB per transfer.
+            assert!(bytes >= done * 4096.0, "{bytes} bytes for {done} transfers");
+            if seen.last().is_none_or(|&d| d < done) {
+                seen.push(done);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        seen.len() >= 2,
+        "completed transfers grew between scrapes: {seen:?}"
+    );
+}
+
+#[cfg(feature = "prometheus")]
+#[test]
+fn metrics_addr_in_use_is_an_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = run(&with(&["--metrics-addr", &addr]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("serve metrics on"), "{stderr}");
+}

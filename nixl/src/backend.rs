@@ -85,11 +85,16 @@ impl Capabilities {
 #[derive(Clone, Debug)]
 pub struct NotificationSink {
     pub(crate) tx: mpsc::UnboundedSender<Notification>,
+    /// Counts deliveries, with metrics on.
+    pub(crate) received: Option<metrics::Counter>,
 }
 
 impl NotificationSink {
     /// Deliver a notification from `peer`. Dropped silently once the agent is gone.
     pub fn deliver(&self, peer: &str, msg: Bytes) {
+        if let Some(c) = &self.received {
+            c.increment(1);
+        }
         let _ = self.tx.send(Notification {
             peer: peer.to_owned(),
             msg,

@@ -40,6 +40,7 @@ pub mod metadata;
 pub mod native;
 mod notification;
 mod region;
+pub mod telemetry;
 mod thread;
 mod transfer;
 
@@ -58,6 +59,7 @@ pub use exchange::{SharedSecret, SideChannelOptions};
 pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, PAGE_SIZE};
 pub use notification::{Notification, Notifications};
 pub use region::{RegionRef, RegionSlice, Registration, RemoteRegionInfo};
+pub use telemetry::{TelemetryOptions, TransferTelemetry};
 pub use thread::{ThreadSpawner, ThreadWake};
 pub use transfer::{Op, Status, Transfer, XferRequest};
 

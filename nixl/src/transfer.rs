@@ -13,6 +13,7 @@ use tokio::sync::Notify;
 use crate::backend::{Completer, PreparedTransfer};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::region::RegionInner;
+use crate::telemetry::{Probe, RequestTelemetry, TransferTelemetry};
 
 /// Direction of a transfer, from the initiator's point of view.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -97,10 +98,12 @@ pub(crate) struct CompletionState {
     waker: Mutex<Option<Waker>>,
     canceled: AtomicBool,
     keepalive: Mutex<Option<Keepalive>>,
+    /// The post's record, with telemetry on.
+    probe: Option<Probe>,
 }
 
 impl CompletionState {
-    fn new(keepalive: Option<Keepalive>) -> Arc<Self> {
+    fn new(keepalive: Option<Keepalive>, probe: Option<Probe>) -> Arc<Self> {
         Arc::new(Self {
             state: AtomicU8::new(PENDING),
             error_kind: Mutex::new(None),
@@ -108,17 +111,21 @@ impl CompletionState {
             waker: Mutex::new(None),
             canceled: AtomicBool::new(false),
             keepalive: Mutex::new(keepalive),
+            probe,
         })
     }
 
     pub(crate) fn standalone() -> Arc<Self> {
-        Self::new(None)
+        Self::new(None, None)
     }
 
     pub(crate) fn finish(&self, result: Result<()>) {
         // Release memory (and counters) before anyone can observe completion, so
         // deregistering right after `.await` works.
         drop(self.keepalive.lock().unwrap().take());
+        if let Some(p) = &self.probe {
+            p.finish(&result);
+        }
         let state = match result {
             Ok(()) => OK,
             Err(e) => {
@@ -206,6 +213,14 @@ impl Transfer {
     pub fn status(&self) -> Status {
         self.state.status()
     }
+
+    /// This post's record, when the agent records transfers
+    /// ([`TelemetryOptions::transfers`](crate::TelemetryOptions::transfers)); `None`
+    /// otherwise, and for standalone notifications. Await `&mut transfer` to read it
+    /// after completion.
+    pub fn telemetry(&self) -> Option<TransferTelemetry> {
+        self.state.probe.as_ref().and_then(Probe::telemetry)
+    }
 }
 
 impl Future for Transfer {
@@ -239,6 +254,8 @@ pub(crate) trait RequestOwner: Send + Sync {
     /// The peer's current generation, or an UnknownPeer error.
     fn peer_generation(&self, peer: &str, op: &'static str) -> Result<u64>;
     fn inflight(&self) -> Arc<InflightCounter>;
+    /// A post carries a notification (for the metrics).
+    fn notification_sent(&self);
 }
 
 /// A transfer request: checked, prepared by one backend, ready to post (and repost).
@@ -260,6 +277,8 @@ pub struct XferRequest {
     /// The serving backend's [`Capabilities::max_notification`](crate::Capabilities).
     pub(crate) max_notification: usize,
     pub(crate) last: Mutex<Option<Arc<CompletionState>>>,
+    /// What each post records (`None`: telemetry off).
+    pub(crate) telemetry: Option<RequestTelemetry>,
 }
 
 impl XferRequest {
@@ -317,12 +336,33 @@ impl XferRequest {
                 "the previous post of this request is still in flight",
             );
         }
-        let state =
-            CompletionState::new(Some(Keepalive::new(self.regions.clone(), owner.inflight())));
+        if notif.is_some() {
+            owner.notification_sent();
+        }
+        let probe = self.telemetry.as_ref().map(Probe::start);
+        let state = CompletionState::new(
+            Some(Keepalive::new(self.regions.clone(), owner.inflight())),
+            probe,
+        );
         *last = Some(state.clone());
         drop(last);
         self.prepared.post(notif, Completer::new(state.clone()));
+        if let Some(p) = &state.probe {
+            p.posted();
+        }
         Ok(Transfer::new(state))
+    }
+
+    /// The latest post's record, when the agent records transfers
+    /// ([`TelemetryOptions::transfers`](crate::TelemetryOptions::transfers)); `None`
+    /// otherwise or before the first post.
+    pub fn telemetry(&self) -> Option<TransferTelemetry> {
+        self.last
+            .lock()
+            .unwrap()
+            .as_ref()
+            .and_then(|s| s.probe.as_ref())
+            .and_then(Probe::telemetry)
     }
 
     /// Status of the latest post, without awaiting.

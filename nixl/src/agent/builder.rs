@@ -12,6 +12,7 @@ use tokio_util::task::TaskTracker;
 use super::{random_u64, Agent, Regions, Shared};
 use crate::backend::{Backend, BackendContext, NotificationSink};
 use crate::error::{err, ErrorKind, Result};
+use crate::telemetry::{AgentMetrics, TelemetryOptions};
 use crate::thread::{ThreadSet, ThreadSpawner};
 use crate::transfer::InflightCounter;
 
@@ -69,6 +70,7 @@ pub struct AgentBuilder {
     name: String,
     backends: Vec<Arc<dyn Backend>>,
     options: AgentOptions,
+    telemetry: TelemetryOptions,
 }
 
 impl AgentBuilder {
@@ -77,7 +79,16 @@ impl AgentBuilder {
             name,
             backends: Vec::new(),
             options: AgentOptions::default(),
+            telemetry: TelemetryOptions::default(),
         }
+    }
+
+    /// Record per-transfer telemetry and metrics (all off by default); see
+    /// [`telemetry`](crate::telemetry).
+    #[must_use]
+    pub fn telemetry(mut self, telemetry: TelemetryOptions) -> Self {
+        self.telemetry = telemetry;
+        self
     }
 
     /// Attach a backend. Backends are tried in attach order.
@@ -128,7 +139,14 @@ impl AgentBuilder {
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
         let (tx, rx) = mpsc::unbounded_channel();
-        let sink = NotificationSink { tx };
+        let metrics = self
+            .telemetry
+            .metrics
+            .then(|| Arc::new(AgentMetrics::new(&self.name, &self.telemetry)));
+        let sink = NotificationSink {
+            tx,
+            received: metrics.as_ref().map(|m| m.notifications_received.clone()),
+        };
         let shared = Arc::new(Shared {
             name: self.name,
             instance: random_u64(),
@@ -148,6 +166,8 @@ impl AgentBuilder {
             sink,
             labels: Mutex::new(HashMap::new()),
             shutdown_hooks: Mutex::new(Vec::new()),
+            telemetry: self.telemetry,
+            metrics,
         });
         let agent = Agent { shared };
         for b in &agent.shared.backends {

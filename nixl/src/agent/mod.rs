@@ -33,6 +33,7 @@ use crate::descriptor::RangeIndex;
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::notification::{Notifications, Slot};
 use crate::region::{RegionInner, RemoteRegion};
+use crate::telemetry::{AgentMetrics, TelemetryOptions};
 use crate::thread::ThreadSet;
 use crate::transfer::{CompletionState, InflightCounter, RequestOwner, Transfer};
 
@@ -126,6 +127,9 @@ struct Shared {
     /// Run by shutdown after draining, before tasks are cancelled (e.g. revoke an etcd
     /// lease while the connection still works).
     pub(crate) shutdown_hooks: Mutex<Vec<ShutdownHook>>,
+    telemetry: TelemetryOptions,
+    /// Metric handles, with [`TelemetryOptions::metrics`].
+    metrics: Option<Arc<AgentMetrics>>,
 }
 
 pub(crate) type ShutdownHook =
@@ -180,6 +184,12 @@ impl RequestOwner for Shared {
 
     fn inflight(&self) -> Arc<InflightCounter> {
         self.inflight.clone()
+    }
+
+    fn notification_sent(&self) {
+        if let Some(m) = &self.metrics {
+            m.notifications_sent.increment(1);
+        }
     }
 }
 
@@ -317,6 +327,7 @@ impl Agent {
             self.shared.backends[i].name(),
             OP,
         )?;
+        self.shared.notification_sent();
         let state = CompletionState::standalone();
         self.shared.backends[i].notify(peer, msg, Completer::new(state.clone()));
         Ok(Transfer::new(state))

@@ -157,6 +157,9 @@ impl Agent {
                 by_id,
             }),
         );
+        if let Some(m) = &self.shared.metrics {
+            m.peers.set(peers.len() as f64);
+        }
         tracing::debug!(agent = %self.shared.name, peer = %md.name, generation, partial = md.partial, regions = md.regions.len(), "loaded peer metadata");
         Ok(md.name)
     }
@@ -168,12 +171,18 @@ impl Agent {
     /// [`ErrorKind::UnknownPeer`] if it is not known; the first backend's error when
     /// closing its connections failed (the peer is forgotten all the same).
     pub fn forget_peer(&self, peer: &str) -> Result<()> {
-        if self.shared.peers.write().unwrap().remove(peer).is_none() {
-            return err(
-                ErrorKind::UnknownPeer,
-                "forget peer",
-                format!("peer {peer:?} is not known"),
-            );
+        {
+            let mut peers = self.shared.peers.write().unwrap();
+            if peers.remove(peer).is_none() {
+                return err(
+                    ErrorKind::UnknownPeer,
+                    "forget peer",
+                    format!("peer {peer:?} is not known"),
+                );
+            }
+            if let Some(m) = &self.shared.metrics {
+                m.peers.set(peers.len() as f64);
+            }
         }
         let mut first = None;
         for b in &self.shared.backends {

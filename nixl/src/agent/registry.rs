@@ -123,6 +123,9 @@ impl Agent {
             regions.index.insert(region.clone(), OP)?;
             regions.by_id.insert(region.id, region.clone());
         }
+        if let Some(m) = &self.shared.metrics {
+            m.registration(kind, region.mem.len(), true);
+        }
         let rref = RegionRef {
             inner: region.clone(),
         };
@@ -144,7 +147,10 @@ impl Agent {
     /// Forget a region and deregister it from every backend that has it; returns the
     /// backends that failed, with their errors.
     pub(super) fn unregister_region(&self, region: &Arc<RegionInner>) -> Vec<(String, Error)> {
-        region.registered.store(false, Ordering::Release);
+        let was = region.registered.swap(false, Ordering::AcqRel);
+        if let (true, Some(m)) = (was, &self.shared.metrics) {
+            m.registration(region.mem.kind(), region.mem.len(), false);
+        }
         {
             let mut regions = self.shared.regions.write().unwrap();
             regions.index.remove(region.mem.kind(), region.mem.addr());

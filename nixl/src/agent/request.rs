@@ -16,6 +16,7 @@ use crate::descriptor::{DescList, RangeIndex, Ranged};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::memory::MemKind;
 use crate::region::{RegionInner, RemoteRegion};
+use crate::telemetry::{RequestTelemetry, TransferInfo};
 use crate::transfer::{Op, RequestOwner, Transfer, XferRequest};
 
 /// Descriptor lists checked once, to build many requests from by index.
@@ -464,6 +465,7 @@ impl Agent {
                        prepared: Box<dyn PreparedTransfer>,
                        (bytes, segments, runs): (u64, usize, usize),
                        max_notification: usize| XferRequest {
+            telemetry: self.request_telemetry(op, &backend, peer_name.as_deref(), bytes, segments),
             owner: Arc::downgrade(&owner),
             op,
             peer: peer_name.clone(),
@@ -632,6 +634,39 @@ impl Agent {
         notif: Option<Bytes>,
     ) -> Result<()> {
         self.transfer(Op::Read, local, peer, remote, notif)?.await
+    }
+}
+
+impl Agent {
+    /// What a request's posts record (`None` with telemetry off).
+    fn request_telemetry(
+        &self,
+        op: Op,
+        backend: &str,
+        peer: Option<&str>,
+        bytes: u64,
+        segments: usize,
+    ) -> Option<RequestTelemetry> {
+        let t = &self.shared.telemetry;
+        if !t.transfers && self.shared.metrics.is_none() {
+            return None;
+        }
+        Some(RequestTelemetry {
+            info: Arc::new(TransferInfo {
+                op,
+                peer: peer.map(str::to_owned),
+                backend: backend.to_owned(),
+                bytes,
+                segments,
+            }),
+            agent: self.shared.name.as_str().into(),
+            record: t.transfers,
+            metrics: self
+                .shared
+                .metrics
+                .as_ref()
+                .map(|m| m.op(op, backend, peer)),
+        })
     }
 }
 
