@@ -74,6 +74,25 @@ pub(crate) struct Cli {
     )]
     pub(crate) benchmark_group: Option<String>,
 
+    /// etcd over TLS: the CA (PEM file) etcd's certificate must chain to (use
+    /// https:// endpoints).
+    #[arg(long = "etcd-ca", value_name = "FILE")]
+    pub(crate) etcd_ca: Option<PathBuf>,
+
+    /// Client certificate (PEM file) for an etcd that requires one; with --etcd-key.
+    #[arg(long = "etcd-cert", value_name = "FILE", requires = "etcd_key")]
+    pub(crate) etcd_cert: Option<PathBuf>,
+
+    /// The client certificate's private key (PEM file).
+    #[arg(long = "etcd-key", value_name = "FILE", requires = "etcd_cert")]
+    pub(crate) etcd_key: Option<PathBuf>,
+
+    /// etcd user for user/password authentication; the password comes from the
+    /// NIXL_ETCD_PASSWORD environment variable (not the command line, where other
+    /// users of the host could read it).
+    #[arg(long = "etcd-user", value_name = "USER")]
+    pub(crate) etcd_user: Option<String>,
+
     /// Internal: serve as the target over stdin/stdout (set when the bench starts its
     /// own child).
     #[arg(long, hide = true)]
@@ -415,6 +434,10 @@ pub(crate) struct EtcdConfig {
     pub(crate) endpoints: Vec<String>,
     /// The benchmark group: letters, digits, `.`, `_`, `-`.
     pub(crate) group: String,
+    /// TLS (`--etcd-ca`, `--etcd-cert`, `--etcd-key`).
+    pub(crate) tls: Option<nixl::exchange::EtcdTls>,
+    /// User and password (`--etcd-user`, `NIXL_ETCD_PASSWORD`).
+    pub(crate) auth: Option<nixl::exchange::EtcdAuth>,
 }
 
 /// Everything a run needs, checked.
@@ -687,7 +710,34 @@ impl Cli {
                 "--benchmark-group {group:?}: use 1 to 128 letters, digits, '.', '_' or '-'"
             ));
         }
-        Ok(Some(EtcdConfig { endpoints, group }))
+        let tls = match (&self.etcd_ca, &self.etcd_cert, &self.etcd_key) {
+            (None, None, None) => None,
+            (None, ..) => return fail(
+                "--etcd-cert and --etcd-key need --etcd-ca (the CA etcd's certificate chains to)",
+            ),
+            (Some(ca), cert, key) => Some(
+                nixl::exchange::EtcdTls::from_files(ca, cert.as_deref().zip(key.as_deref()))
+                    .map_err(|e| crate::error::BenchError::new(e.to_string()))?,
+            ),
+        };
+        let auth = match &self.etcd_user {
+            None => None,
+            Some(user) => match std::env::var("NIXL_ETCD_PASSWORD") {
+                Ok(password) => Some(nixl::exchange::EtcdAuth {
+                    user: user.clone(),
+                    password,
+                }),
+                Err(_) => return fail(
+                    "--etcd-user needs the password in the NIXL_ETCD_PASSWORD environment variable",
+                ),
+            },
+        };
+        Ok(Some(EtcdConfig {
+            endpoints,
+            group,
+            tls,
+            auth,
+        }))
     }
 }
 

@@ -23,8 +23,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, PutOptions, Txn, TxnOp, TxnOpResponse,
-    WatchOptions,
+    Client, Compare, CompareOp, EventType, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use nixl::exchange::{EtcdExchange, EtcdOptions, FULL_LABEL};
 use nixl::Agent;
@@ -62,6 +61,8 @@ fn exchange_options(config: &Config, etcd: &EtcdConfig) -> EtcdOptions {
         namespace: namespace(&etcd.group),
         lease_ttl: LEASE_TTL,
         timeout: config.timeouts.exchange,
+        tls: etcd.tls.clone(),
+        auth: etcd.auth.clone(),
         ..EtcdOptions::default()
     }
 }
@@ -273,15 +274,17 @@ async fn find_target(config: &Config, etcd: &EtcdConfig) -> Result<String> {
 
 /// An etcd client whose every request is bounded by `timeout`.
 async fn client(etcd: &EtcdConfig, timeout: Duration) -> Result<Client> {
-    let options = ConnectOptions::new()
-        .with_connect_timeout(timeout)
-        .with_timeout(timeout);
-    bounded(
+    let options = EtcdOptions {
+        endpoints: etcd.endpoints.clone(),
         timeout,
-        || format!("connect to etcd at {}", etcd.endpoints.join(",")),
-        Client::connect(&etcd.endpoints, Some(options)),
-    )
-    .await
+        tls: etcd.tls.clone(),
+        auth: etcd.auth.clone(),
+        ..EtcdOptions::default()
+    };
+    options
+        .client()
+        .await
+        .with_context(|| format!("connect to etcd at {}", etcd.endpoints.join(",")))
 }
 
 /// `f` within `timeout`, its error said as `what` failed.

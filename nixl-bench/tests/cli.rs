@@ -58,6 +58,7 @@ fn bench() -> Command {
     let mut c = Command::new(BIN);
     // Keep stderr free of log noise.
     c.env_remove("RUST_LOG");
+    c.env_remove("NIXL_ETCD_PASSWORD");
     c
 }
 
@@ -345,6 +346,35 @@ fn usage_errors_say_why_and_exit_2() {
         (&["--max-block-size", "1Q"][..], "unknown size suffix"),
     ] {
         let out = run(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
+
+#[cfg(feature = "etcd")]
+#[test]
+fn secured_etcd_flags_are_checked() {
+    let etcd = [
+        "--role",
+        "target",
+        "--etcd-endpoints",
+        "https://127.0.0.1:2379",
+    ];
+    for (extra, needle) in [
+        (&["--etcd-user", "nixl"][..], "NIXL_ETCD_PASSWORD"),
+        (
+            &["--etcd-ca", "/nonexistent/ca.pem"][..],
+            "cannot read /nonexistent/ca.pem",
+        ),
+        (
+            &["--etcd-cert", "c.pem", "--etcd-key", "k.pem"][..],
+            "need --etcd-ca",
+        ),
+    ] {
+        let mut args = etcd.to_vec();
+        args.extend_from_slice(extra);
+        let out = run(&args);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");

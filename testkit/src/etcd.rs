@@ -13,6 +13,23 @@ pub struct EtcdServer {
     dir: PathBuf,
     client_port: u16,
     peer_port: u16,
+    tls: Option<ServerTls>,
+    /// How the readiness check connects.
+    probe: Option<etcd_client::ConnectOptions>,
+}
+
+/// TLS for a test etcd: its certificate and key, and the CA client certificates must
+/// chain to (`--client-cert-auth`), all PEM files.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    /// Server certificate (PEM file).
+    pub cert: PathBuf,
+    /// Its private key (PEM file).
+    pub key: PathBuf,
+    /// CA of the client certificates etcd accepts (PEM file).
+    pub client_ca: PathBuf,
+    /// More etcd flags (e.g. `--auth-token-ttl=1`).
+    pub args: Vec<String>,
 }
 
 fn free_port() -> u16 {
@@ -39,6 +56,26 @@ impl EtcdServer {
     /// Start etcd and wait until it answers; `None` (after a SKIP line) when there is
     /// no etcd binary.
     pub async fn start(case: &str) -> Option<Self> {
+        Self::start_with(case, None, None).await
+    }
+
+    /// Start etcd serving clients over TLS only (`https://`), requiring client
+    /// certificates signed by `tls.client_ca`; `probe` connects for the readiness check
+    /// (it needs the CA and a client identity). `None` (after a SKIP line) without an
+    /// etcd binary.
+    pub async fn start_tls(
+        case: &str,
+        tls: ServerTls,
+        probe: etcd_client::ConnectOptions,
+    ) -> Option<Self> {
+        Self::start_with(case, Some(tls), Some(probe)).await
+    }
+
+    async fn start_with(
+        case: &str,
+        tls: Option<ServerTls>,
+        probe: Option<etcd_client::ConnectOptions>,
+    ) -> Option<Self> {
         let Some(bin) = binary() else {
             crate::skip(
                 case,
@@ -53,15 +90,25 @@ impl EtcdServer {
             dir,
             client_port: free_port(),
             peer_port: free_port(),
+            tls,
+            probe,
         };
         s.spawn(&bin).await;
         Some(s)
     }
 
     async fn spawn(&mut self, bin: &PathBuf) {
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new(bin)
+        let mut cmd = Command::new(bin);
+        if let Some(t) = &self.tls {
+            cmd.arg(format!("--cert-file={}", t.cert.display()))
+                .arg(format!("--key-file={}", t.key.display()))
+                .arg(format!("--trusted-ca-file={}", t.client_ca.display()))
+                .arg("--client-cert-auth")
+                .args(&t.args);
+        }
+        let child = cmd
             .arg("--name=nixl-test")
             .arg(format!("--data-dir={}", self.dir.display()))
             .arg(format!("--listen-client-urls={client}"))
@@ -75,7 +122,9 @@ impl EtcdServer {
             .expect("start etcd");
         self.child = Some(child);
         for _ in 0..200 {
-            if let Ok(mut c) = etcd_client::Client::connect([self.endpoint()], None).await {
+            if let Ok(mut c) =
+                etcd_client::Client::connect([self.endpoint()], self.probe.clone()).await
+            {
                 if c.get("/ready", None).await.is_ok() {
                     return;
                 }
@@ -87,7 +136,8 @@ impl EtcdServer {
 
     /// The client URL.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     /// Kill etcd (SIGKILL) and wait for it.

@@ -35,6 +35,7 @@ mod with_etcd {
             lease_ttl: Duration::from_secs(ttl),
             timeout: Duration::from_secs(2),
             max_backoff: Duration::from_millis(500),
+            ..EtcdOptions::default()
         }
     }
 

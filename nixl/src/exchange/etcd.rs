@@ -8,6 +8,14 @@
 //! errors after their timeout and the background tasks retry with backoff; when the
 //! lease was lost meanwhile, a new one is granted and everything published is put
 //! again.
+//!
+//! # Securing etcd
+//! [`EtcdOptions::tls`] connects over TLS (`https://` endpoints), verifying etcd's
+//! certificate against a CA you give and presenting a client certificate where etcd
+//! asks for one (`--client-cert-auth`); [`EtcdOptions::auth`] logs in with etcd's
+//! user/password authentication. Refused credentials fail [`EtcdExchange::connect`]
+//! with [`ErrorKind::NotAllowed`]; a certificate that does not verify fails it with
+//! [`ErrorKind::Backend`] naming the TLS error. Nothing is read or published then.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -15,7 +23,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use etcd_client::{Client, ConnectOptions, DeleteOptions, EventType, PutOptions, WatchOptions};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, DeleteOptions, EventType, Identity, PutOptions,
+    TlsOptions, WatchOptions,
+};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -39,6 +50,119 @@ pub struct EtcdOptions {
     pub timeout: Duration,
     /// Longest wait between retries while etcd is unreachable.
     pub max_backoff: Duration,
+    /// TLS for the connection (endpoints must then be `https://`). Default: none.
+    pub tls: Option<EtcdTls>,
+    /// etcd user/password authentication. Default: none.
+    pub auth: Option<EtcdAuth>,
+}
+
+/// TLS for the etcd connection.
+#[derive(Clone, Default)]
+pub struct EtcdTls {
+    /// PEM of the CA(s) etcd's server certificate must chain to.
+    pub ca_pem: Vec<u8>,
+    /// Client certificate and its private key (both PEM), for an etcd that requires
+    /// client certificates (`--client-cert-auth`).
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+    /// Name to verify the server certificate against, instead of the endpoint's host.
+    pub domain: Option<String>,
+}
+
+impl EtcdTls {
+    /// Read the CA and, optionally, a client certificate and key from PEM files.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] naming a file that cannot be read.
+    pub fn from_files(
+        ca: &std::path::Path,
+        identity: Option<(&std::path::Path, &std::path::Path)>,
+    ) -> Result<Self> {
+        let read = |p: &std::path::Path| {
+            std::fs::read(p).map_err(|e| {
+                Error::new(
+                    ErrorKind::InvalidArgument,
+                    "etcd TLS",
+                    format!("cannot read {}", p.display()),
+                )
+                .with_source(e)
+            })
+        };
+        Ok(Self {
+            ca_pem: read(ca)?,
+            identity: match identity {
+                Some((c, k)) => Some((read(c)?, read(k)?)),
+                None => None,
+            },
+            domain: None,
+        })
+    }
+}
+
+impl fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdTls")
+            .field("ca_pem", &format_args!("{} bytes", self.ca_pem.len()))
+            .field("client_certificate", &self.identity.is_some())
+            .field("domain", &self.domain)
+            .finish()
+    }
+}
+
+/// etcd user/password authentication.
+#[derive(Clone)]
+pub struct EtcdAuth {
+    /// The etcd user.
+    pub user: String,
+    /// Its password (never printed by `Debug`).
+    pub password: String,
+}
+
+impl fmt::Debug for EtcdAuth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdAuth")
+            .field("user", &self.user)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
+impl EtcdOptions {
+    /// An etcd client connected as these options say (endpoints, TLS, authentication,
+    /// timeouts), for applications that also keep keys of their own in etcd.
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotAllowed`] when etcd refuses the credentials;
+    /// [`ErrorKind::TimedOut`] or [`ErrorKind::Backend`] when it cannot be reached (a
+    /// certificate that does not verify is a [`ErrorKind::Backend`] error).
+    pub async fn client(&self) -> Result<Client> {
+        const OP: &str = "connect to etcd";
+        let mut connect = ConnectOptions::new()
+            .with_connect_timeout(self.timeout)
+            .with_timeout(self.timeout);
+        if let Some(t) = &self.tls {
+            let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(&t.ca_pem));
+            if let Some((cert, key)) = &t.identity {
+                tls = tls.identity(Identity::from_pem(cert, key));
+            }
+            if let Some(d) = &t.domain {
+                tls = tls.domain_name(d.clone());
+            }
+            connect = connect.with_tls(tls);
+        }
+        if let Some(a) = &self.auth {
+            // etcd's simple tokens expire (5 minutes by default): log in again when one
+            // has, rather than failing every request after that.
+            connect = connect
+                .with_user(a.user.clone(), a.password.clone())
+                .with_auto_token_refresh(true);
+        }
+        bounded(
+            self.timeout,
+            OP,
+            Client::connect(&self.endpoints, Some(connect)),
+        )
+        .await
+    }
 }
 
 impl Default for EtcdOptions {
@@ -49,6 +173,8 @@ impl Default for EtcdOptions {
             lease_ttl: Duration::from_secs(10),
             timeout: Duration::from_secs(5),
             max_backoff: Duration::from_secs(2),
+            tls: None,
+            auth: None,
         }
     }
 }
@@ -84,6 +210,22 @@ impl fmt::Debug for EtcdExchange {
 }
 
 fn etcd_err(op: &'static str, e: etcd_client::Error) -> Error {
+    use etcd_client::Error as E;
+    // etcd says "authentication failed" and "user name is empty" with InvalidArgument,
+    // a bad or missing token with Unauthenticated, a missing permission with
+    // PermissionDenied.
+    let refused = matches!(&e, E::GRpcStatus(s) if match s.code() {
+        tonic::Code::Unauthenticated | tonic::Code::PermissionDenied => true,
+        tonic::Code::InvalidArgument => {
+            let m = s.message();
+            m.contains("authentication failed") || m.contains("user name is empty")
+        }
+        _ => false,
+    });
+    if refused {
+        return Error::new(ErrorKind::NotAllowed, op, "etcd refused the credentials")
+            .with_source(e);
+    }
     Error::new(ErrorKind::Backend, op, "etcd request failed").with_source(e)
 }
 
@@ -132,13 +274,22 @@ impl EtcdExchange {
             );
         }
         let ns = normalize_namespace(&options.namespace)?;
-        let connect = ConnectOptions::new()
-            .with_connect_timeout(options.timeout)
-            .with_timeout(options.timeout);
-        let mut client = bounded(
+        let mut client = options.client().await?;
+        // With authentication on, any user may grant a lease: check that this one may
+        // read the namespace now, so missing rights fail here, clearly, and not at the
+        // first publish or fetch.
+        let prefix = format!("/{ns}/");
+        bounded(
             options.timeout,
             OP,
-            Client::connect(&options.endpoints, Some(connect)),
+            client.get(
+                prefix.as_bytes(),
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_count_only(),
+                ),
+            ),
         )
         .await?;
         let ttl = options.lease_ttl.as_secs().max(1) as i64;
@@ -148,7 +299,7 @@ impl EtcdExchange {
         let inner = Arc::new(Inner {
             agent: agent.downgrade(),
             name: agent.name().to_owned(),
-            prefix: format!("/{ns}/"),
+            prefix,
             options,
             client,
             lease: Mutex::new(lease),

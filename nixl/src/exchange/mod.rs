@@ -16,7 +16,10 @@ mod side_channel;
 mod etcd;
 
 #[cfg(feature = "etcd")]
-pub use etcd::{EtcdExchange, EtcdOptions};
+pub use etcd::{EtcdAuth, EtcdExchange, EtcdOptions, EtcdTls};
+/// The etcd client crate [`EtcdOptions::client`] returns a client of.
+#[cfg(feature = "etcd")]
+pub use etcd_client;
 pub use side_channel::{SharedSecret, SideChannelOptions};
 
 /// The label reserved for full metadata.
