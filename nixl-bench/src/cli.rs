@@ -35,8 +35,9 @@ Two hosts:
 
 Two hosts that find each other through etcd (nixlbench's ETCD runtime; a build with
 `--features etcd`), E being any etcd both reach:
-  host A: nixl-bench --role target --etcd-endpoints http://E:2379 --benchmark-group g1
-  host B: nixl-bench --role initiator --etcd-endpoints http://E:2379 --benchmark-group g1 [sweep flags]";
+  host A: nixl-bench --etcd-endpoints http://E:2379 --benchmark-group g1
+  host B: nixl-bench --etcd-endpoints http://E:2379 --benchmark-group g1 [sweep flags]
+(the group's first process is the target, the next the initiator; --role picks one)";
 
 /// Benchmark nixl transfers between two agents (nixlbench's counterpart).
 #[derive(Debug, Parser)]
@@ -45,8 +46,10 @@ pub(crate) struct Cli {
     /// `local`: run the target as a child process on this machine and measure from here.
     /// `target`/`initiator`: one side each, on two hosts (see --listen and --peer, or
     /// --etcd-endpoints).
-    #[arg(long, value_enum, default_value_t = Role::Local)]
-    pub(crate) role: Role,
+    /// [default: local; with --etcd-endpoints: the first process of the benchmark group
+    /// is the target, the next the initiator]
+    #[arg(long, value_enum)]
+    pub(crate) role: Option<Role>,
 
     /// Target's address (HOST:PORT of its --listen), for --role initiator.
     #[arg(long, value_name = "HOST:PORT")]
@@ -275,6 +278,10 @@ pub(crate) enum Role {
     /// Target only; waits for an initiator (--listen, and registered in etcd with
     /// --etcd-endpoints).
     Target,
+    /// Through etcd without `--role`: the group's first process is the target, the
+    /// next one the initiator.
+    #[value(skip)]
+    Auto,
 }
 
 /// Kind of memory each side transfers from or into.
@@ -505,16 +512,23 @@ impl Cli {
         let by_etcd = etcd.is_some();
         #[cfg(not(feature = "etcd"))]
         let by_etcd = false;
-        match (self.role, &self.peer) {
+        let role = self.role.unwrap_or(if self.etcd_endpoints.is_some() {
+            Role::Auto
+        } else {
+            Role::Local
+        });
+        match (role, &self.peer) {
             (Role::Initiator, None) if !by_etcd => {
                 return fail(
                     "--role initiator needs --peer HOST:PORT (the target's --listen address) or --etcd-endpoints URLS",
                 )
             }
-            (Role::Local | Role::Target, Some(_)) => return fail("--peer is for --role initiator"),
+            (Role::Local | Role::Target | Role::Auto, Some(_)) => {
+                return fail("--peer is for --role initiator")
+            }
             _ => {}
         }
-        if self.stdio && self.role != Role::Target {
+        if self.stdio && role != Role::Target {
             return fail("--stdio is for --role target");
         }
         for (which, seg) in [
@@ -620,7 +634,7 @@ impl Cli {
             SocketAddr::from(([127, 0, 0, 1], 0))
         });
         Ok(Config {
-            role: self.role,
+            role,
             peer: self.peer,
             listen,
             #[cfg(feature = "etcd")]
@@ -682,7 +696,7 @@ impl Cli {
         let Some(urls) = &self.etcd_endpoints else {
             return Ok(None);
         };
-        if self.role == Role::Local {
+        if self.role == Some(Role::Local) {
             return fail("--etcd-endpoints is for two hosts: give --role target on one and --role initiator on the other");
         }
         if self.peer.is_some() {

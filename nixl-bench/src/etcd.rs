@@ -1,6 +1,8 @@
 //! Two hosts that find each other through etcd (cargo feature `etcd`), like nixlbench's
 //! ETCD runtime: start the target and the initiator anywhere, in either order, with the
-//! same `--etcd-endpoints` and `--benchmark-group`.
+//! same `--etcd-endpoints` and `--benchmark-group`. Without `--role`, a process
+//! becomes the target when the group has none yet (or loses the race for it and becomes
+//! the initiator), and the initiator otherwise.
 //!
 //! Keys, in the namespace `nixl-bench/<group>`:
 //!
@@ -14,7 +16,8 @@
 //! initiator loads the metadata with [`EtcdExchange::fetch`], which also watches it: a
 //! target whose keys go is forgotten and its transfers fail at once. The target claims
 //! its group by creating the control key only if it is absent, so a second target in a
-//! group is refused instead of silently taking over. Once the initiator is connected to
+//! group is refused instead of silently taking over; after an etcd outage that cost
+//! the lease, the exchange claims it again under the new lease. Once the initiator is connected to
 //! the control address, the run is the plain two-host one: the same control protocol,
 //! setup, sweep and teardown, each with its time limit.
 
@@ -22,9 +25,7 @@ use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
-use etcd_client::{
-    Client, Compare, CompareOp, EventType, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
-};
+use etcd_client::{Client, EventType, WatchOptions};
 use nixl::exchange::{EtcdExchange, EtcdOptions, FULL_LABEL};
 use nixl::Agent;
 use tokio::net::TcpListener;
@@ -74,6 +75,50 @@ fn exchange_options(config: &Config, etcd: &EtcdConfig) -> EtcdOptions {
 /// etcd unreachable, the group already taken, no initiator within the connect timeout,
 /// or anything that stops the run.
 pub(crate) async fn target(config: &Config, etcd: &EtcdConfig) -> Result<()> {
+    serve_target(config, etcd, false).await.map(|_| ())
+}
+
+/// No `--role`: the first process of a group is its target, the next its initiator
+/// (nixlbench assigns ranks the same way). Returns the initiator's results, or `None`
+/// when this process was the target.
+///
+/// # Errors
+/// As [`target()`] and [`initiator()`].
+pub(crate) async fn auto(
+    config: &Config,
+    etcd: &EtcdConfig,
+) -> Result<Option<(RunInfo, Vec<Row>)>> {
+    let key = control_key(&etcd.group);
+    let mut client = client(etcd, config.timeouts.exchange).await?;
+    let free = bounded(
+        config.timeouts.exchange,
+        || format!("read {key} from etcd at {}", etcd.endpoints.join(",")),
+        client.get(key.as_str(), None),
+    )
+    .await?
+    .kvs()
+    .is_empty();
+    if free {
+        eprintln!(
+            "nixl-bench: etcd group {:?} has no target: this process is the target",
+            etcd.group
+        );
+        if serve_target(config, etcd, true).await? {
+            return Ok(None);
+        }
+        eprintln!("nixl-bench: another process became the group's target first: this one is the initiator");
+    } else {
+        eprintln!(
+            "nixl-bench: etcd group {:?} has a target: this process is the initiator",
+            etcd.group
+        );
+    }
+    initiator(config, etcd).await.map(Some)
+}
+
+/// As [`target()`]; with `yield_if_taken`, a group that already has a target is not an
+/// error: returns `false` (having stopped everything it started).
+async fn serve_target(config: &Config, etcd: &EtcdConfig, yield_if_taken: bool) -> Result<bool> {
     let t = config.timeouts;
     let listener = control::bind(config.listen).await?;
     let bound = listener.local_addr()?;
@@ -84,17 +129,17 @@ pub(crate) async fn target(config: &Config, etcd: &EtcdConfig) -> Result<()> {
     };
     let advertised = SocketAddr::new(host, bound.port());
     let agent = target::start_agent(config, host).await?;
-    let channel = match announce(config, etcd, &agent, listener, advertised).await {
-        Ok(c) => c,
-        Err(e) => {
+    let channel = match announce(config, etcd, &agent, listener, advertised, yield_if_taken).await {
+        Ok(Some(c)) => c,
+        r => {
             // Revokes the lease, so the group is free again at once.
             let _ = shutdown(&agent, t.teardown).await;
-            return Err(e);
+            return r.map(|_| false);
         }
     };
     target::serve_with(config, channel, agent).await?;
     eprintln!("nixl-bench target: done");
-    Ok(())
+    Ok(true)
 }
 
 /// Claim the group, publish the agent, say so on stdout, and wait for the initiator.
@@ -104,12 +149,21 @@ async fn announce(
     agent: &Agent,
     listener: TcpListener,
     advertised: SocketAddr,
-) -> Result<Channel> {
+    yield_if_taken: bool,
+) -> Result<Option<Channel>> {
     let t = config.timeouts;
     let exchange = EtcdExchange::connect(agent, exchange_options(config, etcd))
         .await
         .with_context(|| format!("connect to etcd at {}", etcd.endpoints.join(",")))?;
-    claim(config, etcd, &exchange, advertised).await?;
+    if let Some(holder) = claim(etcd, &exchange, advertised).await? {
+        if yield_if_taken {
+            return Ok(None);
+        }
+        return fail(format!(
+            "benchmark group {:?} already has a target (control address {holder}); give this one another --benchmark-group, or wait for that one to end (a crashed target's keys expire within {LEASE_TTL:?})",
+            etcd.group
+        ));
+    }
     exchange
         .publish()
         .await
@@ -123,53 +177,27 @@ async fn announce(
     let _ = std::io::stdout().flush();
     let (stream, from) = control::accept_one(listener, t.connect).await?;
     eprintln!("nixl-bench target: initiator connected from {from}");
-    Ok(Channel::tcp(
+    Ok(Some(Channel::tcp(
         stream,
         format!("the initiator at {from}"),
         t.exchange,
-    ))
+    )))
 }
 
 /// Create the group's control key under the agent's lease, only if no other target
-/// holds it.
+/// holds it (the exchange creates it again after a lost lease); the holder's control
+/// address when one does.
 async fn claim(
-    config: &Config,
     etcd: &EtcdConfig,
     exchange: &EtcdExchange,
     advertised: SocketAddr,
-) -> Result<()> {
-    let timeout = config.timeouts.exchange;
+) -> Result<Option<String>> {
     let key = control_key(&etcd.group);
-    let mut client = client(etcd, timeout).await?;
-    let txn = Txn::new()
-        .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
-        .and_then([TxnOp::put(
-            key.as_str(),
-            advertised.to_string(),
-            Some(PutOptions::new().with_lease(exchange.lease_id())),
-        )])
-        .or_else([TxnOp::get(key.as_str(), None)]);
-    let reply = bounded(
-        timeout,
-        || format!("register {key} in etcd at {}", etcd.endpoints.join(",")),
-        client.txn(txn),
-    )
-    .await?;
-    if reply.succeeded() {
-        return Ok(());
-    }
-    let holder = reply
-        .op_responses()
-        .into_iter()
-        .find_map(|r| match r {
-            TxnOpResponse::Get(g) => g.kvs().first().map(|kv| text(kv.value())),
-            _ => None,
-        })
-        .unwrap_or_else(|| "?".to_owned());
-    fail(format!(
-        "benchmark group {:?} already has a target (control address {holder}); give this one another --benchmark-group, or wait for that one to end (a crashed target's keys expire within {LEASE_TTL:?})",
-        etcd.group
-    ))
+    let held = exchange
+        .claim(&key, advertised.to_string())
+        .await
+        .with_context(|| format!("register {key} in etcd at {}", etcd.endpoints.join(",")))?;
+    Ok(held.map(|h| text(&h)))
 }
 
 /// Initiator: wait for the group's target in etcd, connect to it, load its metadata from

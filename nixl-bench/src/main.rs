@@ -142,7 +142,26 @@ async fn run(config: &Config) -> Result<()> {
             target::serve(config, channel, IpAddr::V4(Ipv4Addr::LOCALHOST)).await
         }
         Role::Target => remote_target(config).await,
+        Role::Auto => auto_role(config).await,
     }
+}
+
+/// Through etcd without `--role`: target or initiator, whichever the group needs.
+#[cfg(feature = "etcd")]
+async fn auto_role(config: &Config) -> Result<()> {
+    let Some(etcd) = &config.etcd else {
+        return fail("choosing the role needs --etcd-endpoints");
+    };
+    match etcd::auto(config, etcd).await? {
+        Some((run, rows)) => plot(config, &run, &rows),
+        None => Ok(()),
+    }
+}
+
+/// Without the `etcd` feature there is no etcd mode (the arguments were refused).
+#[cfg(not(feature = "etcd"))]
+async fn auto_role(_config: &Config) -> Result<()> {
+    fail("choosing the role needs etcd mode (the `etcd` feature)")
 }
 
 /// Initiator here, target in a child process, both on loopback.

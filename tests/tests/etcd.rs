@@ -131,6 +131,58 @@ mod with_etcd {
         assert!(monitor.is_empty(), "lease keeper and watches joined");
     }
 
+    /// A claimed key is held by one agent at a time, goes with its lease, and comes
+    /// back under the new lease when the old one was lost (here revoked behind the
+    /// agent's back, as etcd does when the agent could not renew it within the TTL).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claimed_key_restored_after_lost_lease() {
+        let Some(etcd) = EtcdServer::start("claimed_key_restored_after_lost_lease").await else {
+            return;
+        };
+        let a = agent("a").await;
+        let b = agent("b").await;
+        let xa = EtcdExchange::connect(&a, options(&etcd, 2)).await.unwrap();
+        let xb = EtcdExchange::connect(&b, options(&etcd, 2)).await.unwrap();
+        xa.publish().await.unwrap();
+        const KEY: &str = "/test/ns/control";
+        assert_eq!(xa.claim(KEY, "a-addr").await.unwrap(), None);
+        assert_eq!(
+            xb.claim(KEY, "b-addr").await.unwrap().as_deref(),
+            Some(&b"a-addr"[..])
+        );
+        let mut raw = etcd_client::Client::connect([etcd.endpoint()], None)
+            .await
+            .unwrap();
+        let old = xa.lease_id();
+        raw.lease_revoke(old).await.unwrap();
+        assert!(
+            raw.get(KEY, None).await.unwrap().kvs().is_empty(),
+            "gone with the lease"
+        );
+        let t0 = Instant::now();
+        loop {
+            let got = raw.get(KEY, None).await.unwrap();
+            if let Some(kv) = got.kvs().first() {
+                assert_eq!(kv.value(), b"a-addr");
+                assert_eq!(kv.lease(), xa.lease_id());
+                assert_ne!(kv.lease(), old);
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "claim not restored");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The full metadata came back too.
+        let full = raw.get(xa.key("a", "full"), None).await.unwrap();
+        assert_eq!(full.kvs().len(), 1);
+        println!("claim restored {:?} after the lease was lost", t0.elapsed());
+        a.shutdown().await;
+        assert!(
+            raw.get(KEY, None).await.unwrap().kvs().is_empty(),
+            "released at shutdown"
+        );
+        b.shutdown().await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn killed_target_forgotten_within_ttl() {
         let Some(etcd) = EtcdServer::start("killed_target_forgotten_within_ttl").await else {

@@ -195,6 +195,8 @@ struct Inner {
     lease: Mutex<i64>,
     /// label -> bytes, for re-publishing under a new lease.
     published: Mutex<BTreeMap<String, Bytes>>,
+    /// key -> value of keys claimed under the lease, for claiming again under a new one.
+    claims: Mutex<BTreeMap<String, Bytes>>,
     cancel: CancellationToken,
     tracker: TaskTracker,
 }
@@ -227,6 +229,13 @@ fn etcd_err(op: &'static str, e: etcd_client::Error) -> Error {
             .with_source(e);
     }
     Error::new(ErrorKind::Backend, op, "etcd request failed").with_source(e)
+}
+
+/// Whether `e` came from an etcd error for which `f` holds.
+fn source_is(e: &Error, f: impl Fn(&etcd_client::Error) -> bool) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<etcd_client::Error>())
+        .is_some_and(f)
 }
 
 async fn bounded<T>(
@@ -304,6 +313,7 @@ impl EtcdExchange {
             client,
             lease: Mutex::new(lease),
             published: Mutex::new(BTreeMap::new()),
+            claims: Mutex::new(BTreeMap::new()),
             cancel: agent.child_token(),
             tracker: agent.tracker().clone(),
         });
@@ -331,6 +341,29 @@ impl EtcdExchange {
     /// The key for `agent` and `label`.
     pub fn key(&self, agent: &str, label: &str) -> String {
         format!("{}{agent}/{label}", self.inner.prefix)
+    }
+
+    /// Create `key` (any key, in the namespace or not) holding `value` under this
+    /// agent's lease, only if nobody holds it: `Ok(None)` once created, `Ok(Some(value
+    /// there))` when the key exists. A claimed key goes with the lease (at shutdown, or
+    /// within the TTL when the agent dies) and, when the lease was lost (etcd out of
+    /// reach for longer than the TTL), is created again under the new one if it is
+    /// still free. For a role only one process may hold, such as a benchmark group's
+    /// target.
+    ///
+    /// # Errors
+    /// etcd errors.
+    pub async fn claim(&self, key: &str, value: impl Into<Bytes>) -> Result<Option<Bytes>> {
+        let value = value.into();
+        let held = self.inner.create_if_absent(key, value.clone()).await?;
+        if held.is_none() {
+            self.inner
+                .claims
+                .lock()
+                .unwrap()
+                .insert(key.to_owned(), value);
+        }
+        Ok(held)
     }
 
     /// Publish the agent's full metadata (again, after registering more memory).
@@ -453,6 +486,40 @@ impl Inner {
         )
         .await?;
         Ok(())
+    }
+
+    /// Create `key` under the lease if it is absent; the value there otherwise.
+    async fn create_if_absent(&self, key: &str, value: Bytes) -> Result<Option<Bytes>> {
+        let lease = *self.lease.lock().unwrap();
+        let txn = etcd_client::Txn::new()
+            .when([etcd_client::Compare::create_revision(
+                key,
+                etcd_client::CompareOp::Equal,
+                0,
+            )])
+            .and_then([etcd_client::TxnOp::put(
+                key,
+                value.to_vec(),
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([etcd_client::TxnOp::get(key, None)]);
+        let mut c = self.client.clone();
+        let reply = bounded(self.options.timeout, "etcd claim", c.txn(txn)).await?;
+        if reply.succeeded() {
+            return Ok(None);
+        }
+        Ok(Some(
+            reply
+                .op_responses()
+                .into_iter()
+                .find_map(|r| match r {
+                    etcd_client::TxnOpResponse::Get(g) => {
+                        g.kvs().first().map(|kv| Bytes::copy_from_slice(kv.value()))
+                    }
+                    _ => None,
+                })
+                .unwrap_or_default(),
+        ))
     }
 
     /// The value of `key` and the revision it was read at, waiting for it to appear.
@@ -604,12 +671,25 @@ impl Inner {
     async fn renew(&self, lease: i64) -> Result<bool> {
         const OP: &str = "etcd keep-alive";
         let mut c = self.client.clone();
+        // An expired or revoked lease is answered with TTL 0, or with "lease not found"
+        // (a NotFound status, which etcd-client reports as a keep-alive error): all
+        // mean it is gone.
+        let gone = |e: &etcd_client::Error| match e {
+            etcd_client::Error::GRpcStatus(s) => s.code() == tonic::Code::NotFound,
+            etcd_client::Error::LeaseKeepAliveError(m) => m.contains("not found"),
+            _ => false,
+        };
         let (mut keeper, mut stream) =
-            bounded(self.options.timeout, OP, c.lease_keep_alive(lease)).await?;
+            match bounded(self.options.timeout, OP, c.lease_keep_alive(lease)).await {
+                Err(e) if source_is(&e, gone) => return Ok(false),
+                r => r?,
+            };
         bounded(self.options.timeout, OP, keeper.keep_alive()).await?;
-        match bounded(self.options.timeout, OP, stream.message()).await? {
-            Some(r) => Ok(r.ttl() > 0),
-            None => err(ErrorKind::Backend, OP, "etcd closed the keep-alive stream"),
+        match bounded(self.options.timeout, OP, stream.message()).await {
+            Ok(Some(r)) => Ok(r.ttl() > 0),
+            Ok(None) => err(ErrorKind::Backend, OP, "etcd closed the keep-alive stream"),
+            Err(e) if source_is(&e, gone) => Ok(false),
+            Err(e) => Err(e),
         }
     }
 
@@ -629,6 +709,19 @@ impl Inner {
             .collect();
         for (label, value) in published {
             self.put(&label, value).await?;
+        }
+        let claims: Vec<(String, Bytes)> = self
+            .claims
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (key, value) in claims {
+            if self.create_if_absent(&key, value).await?.is_some() {
+                tracing::warn!(agent = %self.name, key, "etcd: a claimed key was taken by another holder while the lease was lost");
+                self.claims.lock().unwrap().remove(&key);
+            }
         }
         Ok(())
     }
