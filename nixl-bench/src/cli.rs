@@ -1006,9 +1006,13 @@ mod tests {
         let c = config(&["--role", "target"]).unwrap();
         assert!(c.etcd.is_none());
         assert_eq!(c.listen, "127.0.0.1:0".parse().unwrap());
+        // Without --role, etcd mode picks the role at run time.
+        let c = config(&["--etcd-endpoints", "http://x:2379"]).unwrap();
+        assert_eq!(c.role, Role::Auto);
+        assert_eq!(c.listen, "0.0.0.0:0".parse().unwrap());
         for (args, needle) in [
             (
-                &["--etcd-endpoints", "http://x:2379"][..],
+                &["--role", "local", "--etcd-endpoints", "http://x:2379"][..],
                 "is for two hosts",
             ),
             (
