@@ -81,7 +81,6 @@ fn check(api: &sys::Api, what: &'static str, status: sys::Status) -> Result<(), 
     }
 }
 
-/// What a non-blocking call returned.
 /// Largest piece one put or get moves: longer segments are posted in pieces, so a
 /// long transfer shows progress as its pieces finish ([`Ucx::advanced`]).
 const MAX_PIECE: usize = 4 << 20;
@@ -99,6 +98,7 @@ fn free_marks<K>(api: &sys::Api, f: &mut Flight<K>) {
     f.marked = f.marks.len();
 }
 
+/// What a non-blocking call returned.
 enum Posted {
     Done(sys::Status),
     Pending(*mut c_void),
