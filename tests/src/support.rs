@@ -77,6 +77,16 @@ pub fn one(d: nixl::Desc) -> DescList {
     DescList::from_descs(MemKind::Dram, [d])
 }
 
+/// An agent with one default nixl-tcp backend (loopback), for tests that need a real
+/// backend but test something else (exchanges, telemetry).
+pub async fn tcp_agent(name: &str) -> Agent {
+    Agent::builder(name)
+        .backend(nixl_tcp::TcpBackend::new())
+        .build()
+        .await
+        .unwrap()
+}
+
 /// The peer's region with id `id`.
 pub fn remote(a: &Agent, peer: &str, id: u64) -> RemoteRegionInfo {
     a.remote_regions(peer)

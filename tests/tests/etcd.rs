@@ -16,17 +16,10 @@ mod with_etcd {
     use std::time::{Duration, Instant};
 
     use nixl::exchange::{EtcdExchange, EtcdOptions};
-    use nixl::{Agent, ErrorKind, Op};
+    use nixl::{ErrorKind, Op};
     use nixl_conformance::etcd_server::EtcdServer;
+    use nixl_conformance::support::tcp_agent as agent;
     use nixl_conformance::support::{bounded, one, pattern, remote};
-
-    async fn agent(name: &str) -> Agent {
-        Agent::builder(name)
-            .backend(nixl_tcp::TcpBackend::new())
-            .build()
-            .await
-            .unwrap()
-    }
 
     fn options(etcd: &EtcdServer, ttl: u64) -> EtcdOptions {
         EtcdOptions {

@@ -19,9 +19,10 @@ mod with_etcd {
 
     use nixl::exchange::etcd_client::{self, Permission};
     use nixl::exchange::{EtcdAuth, EtcdExchange, EtcdOptions, EtcdTls};
-    use nixl::{Agent, ErrorKind};
+    use nixl::ErrorKind;
     use nixl_conformance::etcd_server::{EtcdServer, ServerTls};
     use nixl_conformance::support::bounded;
+    use nixl_conformance::support::tcp_agent as agent;
     use rcgen::{
         BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     };
@@ -95,14 +96,6 @@ mod with_etcd {
                 password: p.into(),
             }),
         }
-    }
-
-    async fn agent(name: &str) -> Agent {
-        Agent::builder(name)
-            .backend(nixl_tcp::TcpBackend::new())
-            .build()
-            .await
-            .unwrap()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

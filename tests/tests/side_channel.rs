@@ -4,18 +4,11 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use nixl::{Agent, ErrorKind, SharedSecret, SideChannelOptions};
+use nixl::{ErrorKind, SharedSecret, SideChannelOptions};
+use nixl_conformance::support::tcp_agent as agent;
 use nixl_conformance::support::{bounded, one, pattern};
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-async fn agent(name: &str) -> Agent {
-    Agent::builder(name)
-        .backend(nixl_tcp::TcpBackend::new())
-        .build()
-        .await
-        .unwrap()
-}
 
 fn loopback() -> SocketAddr {
     "127.0.0.1:0".parse().unwrap()
