@@ -147,6 +147,9 @@ pub(crate) struct PeerConn {
     pub(crate) ep: std::result::Result<EpId, String>,
     /// Whether the endpoints use UCX peer-failure handling.
     peer_failure: bool,
+    /// A NIXL agent: notifications in NIXL's format, none of our own messages (no
+    /// HELLO, BYE or liveness probes), failures from UCX's endpoint errors alone.
+    pub(crate) nixl: bool,
     /// Why the connection is dead, once it is.
     pub(crate) failed: Option<String>,
     hello_sent: bool,
@@ -188,9 +191,11 @@ impl PeerConn {
 }
 
 #[derive(Debug)]
-struct AmEvent {
-    header: wire::Header,
-    data: Bytes,
+enum AmEvent {
+    /// One of our messages.
+    Ours { header: wire::Header, data: Bytes },
+    /// A NIXL agent's notification.
+    Nixl { sender: String, msg: Bytes },
 }
 
 #[derive(Debug, Default)]
@@ -201,6 +206,9 @@ struct Reorder {
 
 /// Most notifications held back waiting for an earlier one, per sender stream.
 const MAX_HELD: usize = 1 << 16;
+
+/// Longest sender name accepted in a NIXL notification.
+const NIXL_MAX_NAME: usize = 4096;
 
 /// Connection state and the UCX owner; always behind [`Shared::core`].
 #[derive(Debug)]
@@ -332,7 +340,7 @@ fn fail_cmd(cmd: Cmd, kind: ErrorKind, why: &str) {
 /// Introduce ourselves on `p`'s connection once (the peer learns our address, to say
 /// goodbye to us at its shutdown).
 fn say_hello(ucx: &mut Ucx<Work>, agent: &str, p: &mut PeerConn, now: Instant) {
-    let (false, Ok(ep)) = (p.hello_sent, p.ep.clone()) else {
+    let (false, false, Ok(ep)) = (p.nixl, p.hello_sent, p.ep.clone()) else {
         return;
     };
     p.hello_sent = true;
@@ -387,10 +395,30 @@ impl Core {
                     tracing::warn!(from = %header.name, "ucx: dropping a rendezvous active message (never requested)");
                     return None;
                 };
-                ev.lock().unwrap().push(AmEvent {
+                ev.lock().unwrap().push(AmEvent::Ours {
                     header,
                     data: Bytes::copy_from_slice(data),
                 });
+                None
+            }),
+        )?;
+        let ev = events.clone();
+        ucx.set_am_handler(
+            wire::NIXL_NOTIF_AM_ID,
+            Box::new(move |m| {
+                let Some(data) = m.data else {
+                    tracing::warn!("ucx: dropping a NIXL notification offered by rendezvous (never requested)");
+                    return None;
+                };
+                match nixl::interop::decode_notification(data, NIXL_MAX_NAME) {
+                    Ok((sender, msg)) => ev.lock().unwrap().push(AmEvent::Nixl {
+                        sender,
+                        msg: Bytes::copy_from_slice(msg),
+                    }),
+                    Err(e) => {
+                        tracing::warn!(len = data.len(), error = %e, "ucx: dropping a malformed NIXL notification")
+                    }
+                }
                 None
             }),
         )?;
@@ -414,9 +442,10 @@ impl Core {
     }
 
     /// Learn a peer's worker address; keeps a healthy connection to the same address.
-    pub(crate) fn add_peer(&mut self, peer: &str, address: &[u8]) {
+    /// `nixl`: the peer is a NIXL agent (see [`PeerConn::nixl`]).
+    pub(crate) fn add_peer(&mut self, peer: &str, address: &[u8], nixl: bool) {
         if let Some(p) = self.peers.get(peer) {
-            if p.address == address && p.failed.is_none() && p.ep.is_ok() {
+            if p.address == address && p.failed.is_none() && p.ep.is_ok() && p.nixl == nixl {
                 return;
             }
         }
@@ -439,7 +468,11 @@ impl Core {
         }
         .map_err(|e| {
             tracing::warn!(peer, error = %e, "ucx: cannot create an endpoint to the peer");
-            e.to_string()
+            if nixl {
+                format!("{e} (a NIXL agent's worker address: this process must bind the UCX build the NIXL agent uses, NIXL_UCX_LIB)")
+            } else {
+                e.to_string()
+            }
         });
         tracing::debug!(peer, ok = ep.is_ok(), peer_failure, "ucx endpoint created");
         self.peers.insert(
@@ -449,6 +482,7 @@ impl Core {
                 address: address.to_vec(),
                 ep,
                 peer_failure,
+                nixl,
                 failed: None,
                 hello_sent: false,
                 next_seq: 0,
@@ -648,6 +682,17 @@ impl Core {
             done.complete(Err(disconnected(peer, "unreachable")));
             return None;
         };
+        if p.nixl {
+            let data = Bytes::from(nixl::interop::encode_notification(&self.agent, &msg));
+            return Some(self.ucx.am_send(
+                ep,
+                wire::NIXL_NOTIF_AM_ID,
+                Vec::new(),
+                data,
+                false,
+                Work::Done(done),
+            ));
+        }
         let h = wire::encode_header(Kind::Notif, p.epoch, p.next_seq, &self.agent);
         p.next_seq += 1;
         Some(
@@ -693,12 +738,22 @@ impl Core {
     fn handle_events(&mut self) {
         let events = std::mem::take(&mut *self.events.lock().unwrap());
         for ev in events {
-            let h = ev.header;
+            let (h, data) = match ev {
+                AmEvent::Ours { header, data } => (header, data),
+                AmEvent::Nixl { sender, msg } => {
+                    // NIXL does not order notifications; neither can we.
+                    if let Some(sink) = &self.sink {
+                        sink.deliver(&sender, msg);
+                    }
+                    continue;
+                }
+            };
+            let ev_data = data;
             match h.kind {
-                Kind::Notif => self.deliver(h.name, h.stream, h.seq, ev.data),
+                Kind::Notif => self.deliver(h.name, h.stream, h.seq, ev_data),
                 Kind::Hello => {
                     tracing::debug!(peer = %h.name, "ucx: peer connected");
-                    self.inbound.insert(h.name, ev.data.to_vec());
+                    self.inbound.insert(h.name, ev_data.to_vec());
                 }
                 // Answered by the message handler.
                 Kind::Ping => {}
@@ -719,12 +774,12 @@ impl Core {
                     if self
                         .inbound
                         .get(&h.name)
-                        .is_some_and(|a| **a == ev.data[..])
+                        .is_some_and(|a| **a == ev_data[..])
                     {
                         self.inbound.remove(&h.name);
                     }
                     if let Some(p) = self.peers.get_mut(h.name.as_str()) {
-                        if p.address == ev.data[..] && p.failed.is_none() {
+                        if p.address == ev_data[..] && p.failed.is_none() && !p.nixl {
                             p.fail(&mut self.ucx, "the peer shut down".into());
                         }
                     }
@@ -818,7 +873,7 @@ impl Core {
                     l.answer * 2
                 )
             } else {
-                if let Some(l) = self.liveness {
+                if let Some(l) = self.liveness.filter(|_| !p.nixl) {
                     if p.probe.is_none()
                         && !p.queue.is_empty()
                         && now.duration_since(p.last_progress) >= l.after
@@ -949,7 +1004,7 @@ impl Core {
         let mut targets: Vec<(String, Vec<u8>)> = self
             .peers
             .iter()
-            .filter(|(_, p)| p.hello_sent && p.failed.is_none() && p.ep.is_ok())
+            .filter(|(_, p)| p.hello_sent && !p.nixl && p.failed.is_none() && p.ep.is_ok())
             .map(|(n, p)| (n.to_string(), p.address.clone()))
             .collect();
         for (n, a) in &self.inbound {

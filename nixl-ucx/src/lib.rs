@@ -88,7 +88,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
-    Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, Op,
+    Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, NixlDialect, Op,
     PreparedTransfer, RegionRef, Result, TargetRegion, TransferPlan,
 };
 use tokio_util::sync::CancellationToken;
@@ -619,9 +619,13 @@ impl Backend for UcxBackend {
             ));
         }
         self.with_core("ucx add peer", |core| {
-            core.add_peer(peer, conn_info);
+            core.add_peer(peer, conn_info, false);
             Ok(())
         })
+    }
+
+    fn nixl(&self) -> Option<&dyn NixlDialect> {
+        Some(self)
     }
 
     async fn connect(&self, peer: &str) -> Result<()> {
@@ -778,6 +782,52 @@ impl Backend for UcxBackend {
         drop(parked);
         drop(ucx);
         Ok(())
+    }
+}
+
+/// NIXL's UCX backend: the same worker address as connection info, the packed remote
+/// key alone as a registration's blob, and NIXL's notifications (see the crate docs'
+/// "NIXL agents").
+impl NixlDialect for UcxBackend {
+    fn backend_type(&self) -> &str {
+        nixl::interop::BACKEND_UCX
+    }
+
+    fn export_blob(&self, blob: &[u8]) -> Result<Vec<u8>> {
+        wire::decode_blob(blob)
+            .map(|b| b.rkey.to_vec())
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Corrupt,
+                    "ucx NIXL metadata",
+                    "not a blob of this backend",
+                )
+            })
+    }
+
+    fn import_blob(&self, addr: u64, len: u64, blob: &[u8]) -> Result<Bytes> {
+        if blob.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                "ucx load NIXL metadata",
+                format!("descriptor {addr:#x}+{len}: no packed remote key"),
+            ));
+        }
+        Ok(wire::encode_blob(addr, len, blob))
+    }
+
+    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+        if conn_info.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                "ucx add NIXL peer",
+                format!("NIXL agent {peer:?}: empty worker address"),
+            ));
+        }
+        self.with_core("ucx add NIXL peer", |core| {
+            core.add_peer(peer, conn_info, true);
+            Ok(())
+        })
     }
 }
 

@@ -9,12 +9,20 @@
 //! endpoint; the receiver answers on it with a PONG carrying the same `stream` and
 //! `seq` (and an empty name).
 //!
-//! Registration blob: `version u8 | base u64 | len u64 | packed remote key`.
+//! Registration blob: `version u8 | base u64 | len u64 | packed remote key`. NIXL's
+//! blob for the same registration is the packed remote key alone.
+//!
+//! To NIXL agents (peers loaded from NIXL metadata) the backend sends none of the
+//! messages above: only NIXL's notifications ([`NIXL_NOTIF_AM_ID`]).
 
 use bytes::Bytes;
 
 /// UCX active-message id for this backend's messages.
 pub(crate) const AM_ID: u32 = 0x4e58;
+/// UCX active-message id of NIXL's notifications (its UCX backend's `NOTIF_STR`):
+/// empty header, eager, the payload NIXL's serdes of the sender's name and the
+/// message ([`nixl::interop::encode_notification`]).
+pub(crate) const NIXL_NOTIF_AM_ID: u32 = 0;
 const MAGIC: u16 = 0x4e58;
 const VERSION: u8 = 1;
 const HEADER_FIXED: usize = 2 + 1 + 1 + 8 + 8 + 2;

@@ -379,6 +379,36 @@ pub trait PreparedTransfer: Send + Sync + fmt::Debug {
     fn post(&self, notif: Option<Bytes>, done: Completer);
 }
 
+/// How a backend takes part in NIXL's own protocol, so that an agent can work with
+/// NIXL agents (see [`crate::interop`]): [`Backend::nixl`] returns it for a backend
+/// that speaks NIXL's dialect of its transport (nixl-ucx speaks NIXL's UCX backend).
+///
+/// The agent translates metadata; the backend translates blobs and speaks to the
+/// peers the agent introduces through [`NixlDialect::add_peer`] in NIXL's way
+/// (NIXL's notification messages, none of its own protocol).
+pub trait NixlDialect: Send + Sync + fmt::Debug {
+    /// NIXL's name for the backend type this backend speaks (`"UCX"`).
+    fn backend_type(&self) -> &str;
+
+    /// The blob NIXL expects for a registration, from this backend's own blob for it
+    /// (what [`Backend::register`] returned).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Corrupt`] when `blob` is not one of this backend's.
+    fn export_blob(&self, blob: &[u8]) -> Result<Vec<u8>>;
+
+    /// This backend's blob for a NIXL peer's descriptor (`addr`, `len`) and NIXL's
+    /// blob for it, as [`Target::Remote`] will carry it.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Corrupt`] when NIXL's blob cannot be one of this backend type's.
+    fn import_blob(&self, addr: u64, len: u64, blob: &[u8]) -> Result<Bytes>;
+
+    /// Learn (or update) a NIXL agent's connection info, as [`Backend::add_peer`]
+    /// does for agents of this crate: from now on, speak NIXL's dialect to `peer`.
+    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()>;
+}
+
 /// A backend: one transport.
 ///
 /// Object-safe; held as `Arc<dyn Backend>`. Setup calls may be async; the hot path is
@@ -449,6 +479,12 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// headers. `None` (the default): nothing to say, or not connected yet.
     fn data_path(&self, peer: &str) -> Option<String> {
         let _ = peer;
+        None
+    }
+
+    /// This backend's side of NIXL's protocol, if it speaks one; `None` (the
+    /// default): it cannot work with NIXL agents.
+    fn nixl(&self) -> Option<&dyn NixlDialect> {
         None
     }
 

@@ -5,7 +5,9 @@
 //!
 //! - An [`Agent`] owns backends, memory [`Registration`]s, known peers, a
 //!   [`Notifications`] stream and every background task it starts.
-//! - Peers exchange [`metadata`] (versioned, checksummed, size-limited bytes).
+//! - Peers exchange [`metadata`] (versioned, checksummed, size-limited bytes); NIXL's
+//!   own format ([`interop`]) is read and written too, so an agent works with NIXL
+//!   agents over a backend that speaks NIXL's dialect ([`NixlDialect`]).
 //! - Transfers (READ/WRITE) are futures: one-shot ([`Agent::write`], [`Agent::read`],
 //!   [`Agent::transfer`]) or prepared ([`Agent::prep_local`], [`Agent::prep_remote`],
 //!   [`Agent::make_request`], then [`XferRequest::post`] many times).
@@ -35,6 +37,7 @@ mod backend;
 mod descriptor;
 mod error;
 pub mod exchange;
+pub mod interop;
 mod memory;
 pub mod metadata;
 pub mod native;
@@ -49,8 +52,8 @@ pub use agent::{
     RequestOptions, ShutdownReport, TaskMonitor,
 };
 pub use backend::{
-    Backend, BackendContext, Capabilities, Completer, NotificationSink, PreparedTransfer, Segment,
-    SegmentRun, Segments, Target, TargetRegion, TransferPlan,
+    Backend, BackendContext, Capabilities, Completer, NixlDialect, NotificationSink,
+    PreparedTransfer, Segment, SegmentRun, Segments, Target, TargetRegion, TransferPlan,
 };
 pub use bytes::Bytes;
 pub use descriptor::{Desc, DescList, Strided};

@@ -327,7 +327,8 @@ pub(crate) struct Ucx<K> {
     mems: HashMap<u64, MemEntry>,
     /// Memory this context allocated, by start address.
     allocs: BTreeMap<u64, Weak<Allocation>>,
-    am: Option<*mut AmSlot>,
+    /// Active-message handlers, one per id.
+    am: Vec<*mut AmSlot>,
     /// How long teardown progresses the worker waiting for closes and requests.
     pub(crate) teardown_bound: Duration,
 }
@@ -515,7 +516,7 @@ impl<K: HoldsMemory> Ucx<K> {
             free_flights: Vec::new(),
             mems: HashMap::new(),
             allocs: BTreeMap::new(),
-            am: None,
+            am: Vec::new(),
             teardown_bound: Duration::from_secs(2),
         };
         // From here on, Drop cleans up whatever fails.
@@ -585,10 +586,14 @@ impl<K: HoldsMemory> Ucx<K> {
             drop(unsafe { Box::from_raw(slot) });
             return Err(e);
         }
-        if let Some(old) = self.am.replace(slot) {
+        // SAFETY: every slot in `am` is live (freed only here and in Drop).
+        if let Some(i) = self.am.iter().position(|&a| unsafe { (*a).id } == id) {
+            let old = std::mem::replace(&mut self.am[i], slot);
             // The handler for `id` was replaced; UCX no longer calls the old slot.
             // SAFETY: we own it and UCX dropped its reference above.
             drop(unsafe { Box::from_raw(old) });
+        } else {
+            self.am.push(slot);
         }
         Ok(())
     }
@@ -597,8 +602,8 @@ impl<K: HoldsMemory> Ucx<K> {
     pub(crate) fn progress(&mut self) -> u32 {
         // SAFETY: live worker, serialized access (`&mut self`).
         let n = unsafe { (self.api.worker_progress)(self.worker) };
-        if let Some(am) = self.am {
-            let api = self.api;
+        let api = self.api;
+        for &am in &self.am {
             // SAFETY: the slot lives until after the worker is destroyed, and UCX uses
             // it only inside ucp_worker_progress, which has returned.
             let slot = unsafe { &mut *am };
@@ -1265,7 +1270,8 @@ impl<K: HoldsMemory> Ucx<K> {
         // SAFETY: the slot lives as long as `self`; nothing else touches it now.
         let replies = self
             .am
-            .is_some_and(|am| !unsafe { &*am }.replies.is_empty());
+            .iter()
+            .any(|&am| !unsafe { &*am }.replies.is_empty());
         replies
             || self.flights.len() > self.free_flights.len()
             || self.eps.iter().any(|s| {
@@ -1423,7 +1429,7 @@ impl<K> Drop for Ucx<K> {
                 slot.state = EpState::Free;
             }
         }
-        if let Some(am) = self.am.take() {
+        for am in self.am.drain(..) {
             // SAFETY: the worker that could call it is destroyed.
             drop(unsafe { Box::from_raw(am) });
         }

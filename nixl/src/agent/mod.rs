@@ -88,6 +88,8 @@ struct Regions {
 }
 
 struct Peer {
+    /// Loaded from NIXL-format metadata: a NIXL agent, spoken to in NIXL's dialect.
+    nixl: bool,
     instance: u64,
     generation: u64,
     /// (backend name, connection info if known).

@@ -1,6 +1,7 @@
 //! Peers: loading their metadata, generations, connections.
 
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -9,7 +10,9 @@ use bytes::Bytes;
 use super::{Agent, Peer};
 use crate::descriptor::RangeIndex;
 use crate::error::{err, Error, ErrorKind, Result};
-use crate::metadata::AgentMetadata;
+use crate::interop::{self, NixlMetadata};
+use crate::memory::MemKind;
+use crate::metadata::{AgentMetadata, BackendMeta, RegionBlob, RegionMeta};
 use crate::region::{RemoteRegion, RemoteRegionInfo};
 use crate::transfer::RequestOwner;
 
@@ -55,6 +58,16 @@ impl Agent {
     /// prepared against the older copy are refused from then on. Partial metadata adds
     /// or replaces regions of a known peer (same instance) and keeps the generation.
     ///
+    /// Metadata in NIXL's format (from a NIXL agent, see [`crate::interop`]) is
+    /// recognised by its first bytes and loads a NIXL peer, reached through the
+    /// backends that speak NIXL's dialect ([`Backend::nixl`](crate::Backend::nixl)).
+    /// NIXL's loads add: every load adds or replaces descriptors and none are
+    /// removed, while the peer's connection info stays the same. New connection info
+    /// (a NIXL agent restarted under the same name) replaces everything, as full
+    /// metadata of a new instance does. Each NIXL descriptor becomes one remote region
+    /// (sections of memory types other than DRAM and VRAM, and of backends this
+    /// agent cannot speak, are skipped); overlapping descriptors are refused.
+    ///
     /// # Errors
     /// [`ErrorKind::Corrupt`]/[`ErrorKind::NotSupported`] for bad bytes;
     /// [`ErrorKind::InvalidArgument`] for this agent's own metadata;
@@ -63,13 +76,135 @@ impl Agent {
     pub fn load_metadata(&self, bytes: &[u8]) -> Result<String> {
         const OP: &str = "load metadata";
         self.shared.check_running(OP)?;
-        let md = AgentMetadata::decode(bytes)?;
+        if interop::is_nixl_format(bytes) {
+            let md = self.from_nixl(NixlMetadata::decode(bytes)?)?;
+            return self.load_decoded(md, true);
+        }
+        self.load_decoded(AgentMetadata::decode(bytes)?, false)
+    }
+
+    /// Translate a NIXL agent's metadata into this crate's form. The instance is
+    /// derived from the connection info (0 without it) and `partial` is set; see
+    /// [`Agent::load_decoded`] for how both are then settled.
+    fn from_nixl(&self, md: NixlMetadata) -> Result<AgentMetadata> {
+        const OP: &str = "load NIXL metadata";
+        let speakers: Vec<(&str, &dyn crate::backend::NixlDialect)> = self
+            .shared
+            .backends
+            .iter()
+            .filter_map(|b| b.nixl().map(|d| (b.name(), d)))
+            .collect();
+        if speakers.is_empty() {
+            return err(
+                ErrorKind::NotSupported,
+                OP,
+                format!(
+                    "peer {:?} is a NIXL agent, and no backend of this agent speaks NIXL's protocol (nixl-ucx does)",
+                    md.name
+                ),
+            );
+        }
+        let mut backends: Vec<BackendMeta> = Vec::new();
+        let index = |backends: &mut Vec<BackendMeta>, name: &str| {
+            backends
+                .iter()
+                .position(|b| b.name == name)
+                .unwrap_or_else(|| {
+                    backends.push(BackendMeta {
+                        name: name.to_owned(),
+                        conn_info: None,
+                    });
+                    backends.len() - 1
+                })
+        };
+        let mut hasher = std::hash::DefaultHasher::new();
+        for c in &md.conns {
+            let Some((ours, _)) = speakers.iter().find(|(_, d)| d.backend_type() == c.backend)
+            else {
+                tracing::debug!(peer = %md.name, backend = %c.backend, "NIXL metadata: skipping a backend no backend here speaks");
+                continue;
+            };
+            let i = index(&mut backends, ours);
+            backends[i].conn_info = Some(c.info.clone());
+            c.backend.hash(&mut hasher);
+            c.info.hash(&mut hasher);
+        }
+        let has_conn = backends.iter().any(|b| b.conn_info.is_some());
+        let mut regions: Vec<RegionMeta> = Vec::new();
+        let mut by_range: HashMap<(MemKind, u64, u64), usize> = HashMap::new();
+        for s in &md.sections {
+            let Some((ours, dialect)) =
+                speakers.iter().find(|(_, d)| d.backend_type() == s.backend)
+            else {
+                continue;
+            };
+            if s.mem_type != interop::MEM_DRAM && s.mem_type != interop::MEM_VRAM {
+                tracing::debug!(peer = %md.name, mem_type = s.mem_type, "NIXL metadata: skipping a section of a memory type this crate does not address");
+                continue;
+            }
+            let b = index(&mut backends, ours) as u16;
+            for d in &s.descs {
+                let kind = if s.mem_type == interop::MEM_DRAM {
+                    MemKind::Dram
+                } else {
+                    let device = u32::try_from(d.device).map_err(|_| {
+                        Error::new(
+                            ErrorKind::Corrupt,
+                            OP,
+                            format!("peer {:?}: device id {} out of range", md.name, d.device),
+                        )
+                    })?;
+                    MemKind::Vram { device }
+                };
+                let blob = dialect.import_blob(d.addr, d.len, &d.blob)?.to_vec();
+                let slot = *by_range.entry((kind, d.addr, d.len)).or_insert_with(|| {
+                    let mut h = std::hash::DefaultHasher::new();
+                    (kind, d.addr, d.len).hash(&mut h);
+                    regions.push(RegionMeta {
+                        id: h.finish(),
+                        kind,
+                        addr: d.addr,
+                        len: d.len,
+                        blobs: Vec::new(),
+                    });
+                    regions.len() - 1
+                });
+                let r = &mut regions[slot];
+                r.blobs.retain(|x| x.backend != b);
+                r.blobs.push(RegionBlob { backend: b, blob });
+            }
+        }
+        Ok(AgentMetadata {
+            name: md.name,
+            instance: if has_conn { hasher.finish() } else { 0 },
+            partial: true,
+            backends,
+            regions,
+        })
+    }
+
+    /// Load decoded metadata; `nixl` for a NIXL agent's (from [`Agent::from_nixl`]),
+    /// whose generation rule is settled here, under the lock: without connection info
+    /// it extends the known peer; with the same connection info as known it extends
+    /// too; new connection info (or an unknown peer) replaces.
+    fn load_decoded(&self, mut md: AgentMetadata, nixl: bool) -> Result<String> {
+        const OP: &str = "load metadata";
         if md.name == self.shared.name {
             return err(ErrorKind::InvalidArgument, OP, "this is the agent's own metadata; use the agent's own name as peer for local transfers");
         }
         let mut peers = self.shared.peers.write().unwrap();
         let old = peers.get(&md.name).cloned();
         let has_conn = md.backends.iter().any(|b| b.conn_info.is_some());
+        if nixl {
+            let known = old.as_ref().filter(|p| p.nixl).map(|p| p.instance);
+            match known {
+                Some(k) if !has_conn || k == md.instance => {
+                    md.instance = k;
+                    md.partial = true;
+                }
+                _ => md.partial = !has_conn,
+            }
+        }
         let load = plan_load(
             old.as_ref().map(|p| p.instance),
             md.instance,
@@ -140,7 +275,11 @@ impl Agent {
         }
         for bm in md.backends.iter().filter(|b| b.conn_info.is_some()) {
             if let Some(b) = self.shared.backends.iter().find(|b| b.name() == bm.name) {
-                b.add_peer(&md.name, bm.conn_info.as_deref().unwrap_or_default())?;
+                let info = bm.conn_info.as_deref().unwrap_or_default();
+                match (nixl, b.nixl()) {
+                    (true, Some(d)) => d.add_peer(&md.name, info)?,
+                    _ => b.add_peer(&md.name, info)?,
+                }
             }
         }
         let generation = match &base {
@@ -150,6 +289,7 @@ impl Agent {
         peers.insert(
             md.name.clone(),
             Arc::new(Peer {
+                nixl,
                 instance: md.instance,
                 generation,
                 backends,
@@ -160,7 +300,7 @@ impl Agent {
         if let Some(m) = &self.shared.metrics {
             m.peers.set(peers.len() as f64);
         }
-        tracing::debug!(agent = %self.shared.name, peer = %md.name, generation, partial = md.partial, regions = md.regions.len(), "loaded peer metadata");
+        tracing::debug!(agent = %self.shared.name, peer = %md.name, generation, partial = md.partial, nixl, regions = md.regions.len(), "loaded peer metadata");
         Ok(md.name)
     }
 
@@ -192,6 +332,15 @@ impl Agent {
             }
         }
         first.map_or(Ok(()), Err)
+    }
+
+    /// Whether `peer` was loaded from NIXL-format metadata: a NIXL agent, which this
+    /// agent's backends speak to in NIXL's dialect.
+    ///
+    /// # Errors
+    /// [`ErrorKind::UnknownPeer`].
+    pub fn is_nixl_peer(&self, peer: &str) -> Result<bool> {
+        Ok(self.peer(peer, "query peer")?.nixl)
     }
 
     /// Names of known peers.

@@ -7,7 +7,8 @@ use bytes::Bytes;
 
 use super::{Agent, RegisterOptions};
 use crate::error::{err, Error, ErrorKind, Result};
-use crate::memory::{AlignedBuf, Memory};
+use crate::interop::{self, NixlConn, NixlDesc, NixlMetadata, NixlSection};
+use crate::memory::{AlignedBuf, MemKind, Memory};
 use crate::metadata::{AgentMetadata, BackendMeta, RegionBlob, RegionMeta};
 use crate::region::{RegionInner, RegionRef, Registration};
 use crate::transfer::RequestOwner;
@@ -286,6 +287,122 @@ impl Agent {
         registrations: &[Registration],
         with_conn_info: bool,
     ) -> Result<Bytes> {
+        let picked = self.pick(registrations, "partial metadata")?;
+        self.build_metadata(picked, true, with_conn_info)
+    }
+
+    /// This agent's metadata in NIXL's format ([`crate::interop`]), for NIXL agents
+    /// (their `add_remote_agent` / `loadRemoteMD`): the connection info of every
+    /// backend that speaks NIXL's dialect ([`Backend::nixl`](crate::Backend::nixl)),
+    /// under NIXL's backend type (`"UCX"`), and every registration those backends
+    /// hold, one descriptor each, in one section per backend and memory type.
+    ///
+    /// NIXL's loader adds to what it knows and refuses new connection info for a
+    /// name it knows: a NIXL agent must remove this agent (`remove_remote_agent`)
+    /// before it loads this agent's metadata after a restart.
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotSupported`] when no backend speaks NIXL's dialect;
+    /// [`ErrorKind::InvalidArgument`] if it would exceed the format's limits.
+    pub fn nixl_metadata(&self) -> Result<Bytes> {
+        let mut regions: Vec<_> = self
+            .shared
+            .regions
+            .read()
+            .unwrap()
+            .by_id
+            .values()
+            .cloned()
+            .collect();
+        regions.sort_by_key(|r| r.id);
+        self.build_nixl_metadata(&regions, true)
+    }
+
+    /// Partial metadata in NIXL's format: only `registrations`, with or without
+    /// connection info (NIXL's `getLocalPartialMD`).
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotFound`] if one of them is not registered here; otherwise as
+    /// [`Agent::nixl_metadata`].
+    pub fn nixl_partial_metadata(
+        &self,
+        registrations: &[Registration],
+        with_conn_info: bool,
+    ) -> Result<Bytes> {
+        let picked = self.pick(registrations, "partial NIXL metadata")?;
+        self.build_nixl_metadata(&picked, with_conn_info)
+    }
+
+    fn build_nixl_metadata(&self, regions: &[Arc<RegionInner>], with_conn: bool) -> Result<Bytes> {
+        const OP: &str = "NIXL metadata";
+        if !self.shared.backends.iter().any(|b| b.nixl().is_some()) {
+            return err(
+                ErrorKind::NotSupported,
+                OP,
+                "no backend of this agent speaks NIXL's protocol (nixl-ucx does)",
+            );
+        }
+        let mut md = NixlMetadata {
+            name: self.shared.name.clone(),
+            conns: Vec::new(),
+            sections: Vec::new(),
+        };
+        for (i, b) in self.shared.backends.iter().enumerate() {
+            let Some(d) = b.nixl() else { continue };
+            if with_conn {
+                md.conns.push(NixlConn {
+                    backend: d.backend_type().to_owned(),
+                    info: b.connection_info().to_vec(),
+                });
+            }
+            let mut dram = Vec::new();
+            let mut vram = Vec::new();
+            for r in regions {
+                let Some(blob) = r
+                    .backends
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .find(|(j, _)| *j == i)
+                    .map(|(_, blob)| blob.clone())
+                else {
+                    continue;
+                };
+                let desc = NixlDesc {
+                    addr: r.mem.addr(),
+                    len: r.mem.len() as u64,
+                    device: match r.mem.kind() {
+                        MemKind::Dram => 0,
+                        MemKind::Vram { device } => u64::from(device),
+                    },
+                    blob: d.export_blob(&blob)?,
+                };
+                match r.mem.kind() {
+                    MemKind::Dram => dram.push(desc),
+                    MemKind::Vram { .. } => vram.push(desc),
+                }
+            }
+            // NIXL keeps its descriptor lists sorted.
+            for (mem_type, mut descs) in [(interop::MEM_DRAM, dram), (interop::MEM_VRAM, vram)] {
+                if descs.is_empty() {
+                    continue;
+                }
+                descs.sort_by_key(|d| (d.device, d.addr, d.len));
+                md.sections.push(NixlSection {
+                    backend: d.backend_type().to_owned(),
+                    mem_type,
+                    descs,
+                });
+            }
+        }
+        Ok(Bytes::from(md.encode()?))
+    }
+
+    fn pick(
+        &self,
+        registrations: &[Registration],
+        op: &'static str,
+    ) -> Result<Vec<Arc<RegionInner>>> {
         let regions = self.shared.regions.read().unwrap();
         let mut picked = Vec::with_capacity(registrations.len());
         for r in registrations {
@@ -294,13 +411,12 @@ impl Agent {
                 _ => {
                     return err(
                         ErrorKind::NotFound,
-                        "partial metadata",
+                        op,
                         format!("registration {} is not registered here", r.id()),
                     )
                 }
             }
         }
-        drop(regions);
-        self.build_metadata(picked, true, with_conn_info)
+        Ok(picked)
     }
 }
