@@ -25,6 +25,9 @@ travel as hex ("-" is empty). The agent owns one registered DRAM buffer.
   INVAL IP PORT                 -> invalidate_local_metadata to a peer
   CHECK PEER TIMEOUT_S          -> wait until check_remote_metadata(PEER)
   GONE PEER TIMEOUT_S           -> wait until not check_remote_metadata(PEER)
+  EPUB                          -> send_local_metadata() to etcd (NIXL_ETCD_ENDPOINTS set)
+  EFETCH PEER                   -> fetch_remote_metadata(PEER) from etcd, waited for
+  EINVAL                        -> invalidate_local_metadata() in etcd
   EXIT                          -> os._exit(0) (the wheel may crash in its own exit path)
 """
 
@@ -145,6 +148,18 @@ def main():
                     time.sleep(0.01)
                 ok = agent.check_remote_metadata(args[0]) == want
                 out("OK" if ok else "ERR timeout")
+            elif cmd == "EPUB":
+                agent.send_local_metadata()
+                out("OK")
+            elif cmd == "EFETCH":
+                agent.fetch_remote_metadata(args[0])
+                deadline = time.time() + 20
+                while not agent.check_remote_metadata(args[0]) and time.time() < deadline:
+                    time.sleep(0.01)
+                out("OK" if agent.check_remote_metadata(args[0]) else "ERR not loaded")
+            elif cmd == "EINVAL":
+                agent.invalidate_local_metadata()
+                out("OK")
             elif cmd == "EXIT":
                 out("OK")
                 os._exit(0)

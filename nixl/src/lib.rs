@@ -58,7 +58,7 @@ pub use backend::{
 pub use bytes::Bytes;
 pub use descriptor::{Desc, DescList, Strided};
 pub use error::{Error, ErrorKind, Result};
-pub use exchange::{SharedSecret, SideChannelOptions};
+pub use exchange::{NixlListenerOptions, SharedSecret, SideChannelOptions};
 pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, PAGE_SIZE};
 pub use notification::{Notification, Notifications};
 pub use region::{RegionRef, RegionSlice, Registration, RemoteRegionInfo};

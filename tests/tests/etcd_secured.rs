@@ -95,6 +95,7 @@ mod with_etcd {
                 user: u.into(),
                 password: p.into(),
             }),
+            layout: Default::default(),
         }
     }
 

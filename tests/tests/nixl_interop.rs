@@ -74,7 +74,18 @@ struct NixlPeer {
 
 impl NixlPeer {
     async fn start(wheel: &Path, name: &str, len: usize, listen: Option<u16>) -> Self {
+        Self::start_with(wheel, name, len, listen, &[]).await
+    }
+
+    async fn start_with(
+        wheel: &Path,
+        name: &str,
+        len: usize,
+        listen: Option<u16>,
+        env: &[(&str, String)],
+    ) -> Self {
         let mut cmd = Command::new("python3");
+        cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())));
         cmd.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("nixl_peer.py"))
             .arg(name)
             .arg(len.to_string());
@@ -447,5 +458,187 @@ async fn killed_nixl_agent_fails_our_transfers() {
     let _ = child.wait().await;
     drop(xfer);
     drop(reg);
+    assert!(ours.shutdown().await.is_clean());
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One WRITE each way with byte checks: proves both sides hold working metadata.
+async fn both_ways_work(ours: &Agent, reg: &Registration, nixl: &mut NixlPeer) {
+    let remote = ours.remote_regions(&nixl.name).unwrap()[0].clone();
+    reg.write_at(0, &[0x11; 512]).unwrap();
+    tokio::time::timeout(
+        HANG,
+        ours.write(
+            &one(reg.desc(0, 512)),
+            &nixl.name.clone(),
+            &one(remote.desc(0, 512)),
+            None,
+        ),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(nixl.dump(0, 512).await, vec![0x11; 512]);
+    nixl.fill(1024, 512, 0x22).await;
+    let r = nixl
+        .ok(&format!(
+            "XFER WRITE rust-agent 1024 512 {} -",
+            reg.addr() + 2048
+        ))
+        .await;
+    assert_eq!(r, "DONE");
+    assert_eq!(read(reg, 2048, 512), vec![0x22; 512]);
+}
+
+async fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < HANG, "{what} within the bound");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_through_nixls_listener_both_ways() {
+    let case = "metadata_through_nixls_listener_both_ways";
+    let Some((dir, ucp)) = wheel(case) else {
+        return;
+    };
+    let opts = nixl::NixlListenerOptions::default();
+    let ours = rust_agent("rust-agent", &ucp).await;
+    let reg = ours.register(vec![0u8; 65536]).unwrap();
+    let port = free_port();
+    let mut nixl = NixlPeer::start(&dir, "nixl-agent", 65536, Some(port)).await;
+    let at: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+
+    // We fetch from NIXL's listener, and send ours to it.
+    let name = tokio::time::timeout(HANG, ours.fetch_nixl_metadata(at, &opts))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(name, "nixl-agent");
+    assert!(ours.is_nixl_peer("nixl-agent").unwrap());
+    ours.send_nixl_metadata(at, &opts).await.unwrap();
+    nixl.ok("CHECK rust-agent 20").await;
+    both_ways_work(&ours, &reg, &mut nixl).await;
+
+    // We tell NIXL to forget us: it does.
+    ours.invalidate_nixl_at(at, &opts).await.unwrap();
+    nixl.ok("GONE rust-agent 20").await;
+
+    // NIXL fetches from our listener and sends its metadata to it.
+    ours.forget_peer("nixl-agent").unwrap();
+    let ours_at = ours
+        .listen_nixl(([127, 0, 0, 1], 0).into(), &opts)
+        .await
+        .unwrap();
+    nixl.ok(&format!("FETCH rust-agent 127.0.0.1 {}", ours_at.port()))
+        .await;
+    nixl.ok(&format!("SENDMD 127.0.0.1 {}", ours_at.port()))
+        .await;
+    wait_until("NIXL's metadata arrives", || {
+        ours.is_nixl_peer("nixl-agent").unwrap_or(false)
+    })
+    .await;
+    both_ways_work(&ours, &reg, &mut nixl).await;
+
+    // NIXL tells us to forget it: we do.
+    nixl.ok(&format!("INVAL 127.0.0.1 {}", ours_at.port()))
+        .await;
+    wait_until("the NIXL agent is forgotten", || ours.peers().is_empty()).await;
+    drop(reg);
+    nixl.exit().await;
+    assert!(ours.shutdown().await.is_clean());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_removes_and_reloads_our_agent() {
+    let Some((ours, reg, mut nixl, _)) = pair("nixl_removes_and_reloads_our_agent", 65536).await
+    else {
+        return;
+    };
+    both_ways_work(&ours, &reg, &mut nixl).await;
+    nixl.ok("REMOVE rust-agent").await;
+    // Our metadata again, now with a second registration.
+    let extra = ours.register(vec![0u8; 4096]).unwrap();
+    assert_eq!(
+        nixl.load(&ours.nixl_metadata().unwrap()).await,
+        "rust-agent"
+    );
+    both_ways_work(&ours, &reg, &mut nixl).await;
+    nixl.fill(0, 4096, 0x33).await;
+    let r = nixl
+        .ok(&format!("XFER WRITE rust-agent 0 4096 {} -", extra.addr()))
+        .await;
+    assert_eq!(r, "DONE", "the new registration is reachable");
+    assert_eq!(read(&extra, 0, 4096), vec![0x33; 4096]);
+    // NIXL refuses different connection info under a known name; the same is a no-op.
+    assert_eq!(
+        nixl.load(&ours.nixl_metadata().unwrap()).await,
+        "rust-agent"
+    );
+    drop((reg, extra));
+    nixl.exit().await;
+    assert!(ours.shutdown().await.is_clean());
+}
+
+#[cfg(feature = "etcd")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_through_etcd_in_nixls_layout_both_ways() {
+    use nixl::exchange::{EtcdExchange, EtcdOptions};
+    let case = "metadata_through_etcd_in_nixls_layout_both_ways";
+    let Some((dir, ucp)) = wheel(case) else {
+        return;
+    };
+    let Some(etcd) = nixl_testkit::etcd::EtcdServer::start(case).await else {
+        return;
+    };
+    let ours = rust_agent("rust-agent", &ucp).await;
+    let reg = ours.register(vec![0u8; 65536]).unwrap();
+    let ex = EtcdExchange::connect(
+        &ours,
+        EtcdOptions {
+            endpoints: vec![etcd.endpoint()],
+            ..EtcdOptions::default()
+        }
+        .nixl_layout(),
+    )
+    .await
+    .unwrap();
+    let mut nixl = NixlPeer::start_with(
+        &dir,
+        "nixl-agent",
+        65536,
+        None,
+        &[("NIXL_ETCD_ENDPOINTS", etcd.endpoint())],
+    )
+    .await;
+    assert_eq!(
+        ex.key("nixl-agent", nixl::exchange::NIXL_FULL_LABEL),
+        "/nixl/agents//nixl-agent/metadata",
+        "NIXL's key, double slash and all"
+    );
+    nixl.ok("EPUB").await;
+    ex.fetch("nixl-agent", HANG).await.unwrap();
+    assert!(ours.is_nixl_peer("nixl-agent").unwrap());
+    ex.publish().await.unwrap();
+    nixl.ok("EFETCH rust-agent").await;
+    both_ways_work(&ours, &reg, &mut nixl).await;
+
+    // NIXL invalidates: its keys go and we forget it.
+    nixl.ok("EINVAL").await;
+    wait_until("the NIXL agent is forgotten", || ours.peers().is_empty()).await;
+    // We invalidate: NIXL forgets us.
+    ex.invalidate().await.unwrap();
+    nixl.ok("GONE rust-agent 20").await;
+    drop(reg);
+    nixl.exit().await;
     assert!(ours.shutdown().await.is_clean());
 }

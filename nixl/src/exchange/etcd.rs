@@ -54,7 +54,35 @@ pub struct EtcdOptions {
     pub tls: Option<EtcdTls>,
     /// etcd user/password authentication. Default: none.
     pub auth: Option<EtcdAuth>,
+    /// Whose key layout and metadata format to use. Default: this crate's.
+    pub layout: EtcdLayout,
 }
+
+/// Key layout and metadata format of an [`EtcdExchange`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EtcdLayout {
+    /// This crate's: `/<namespace>/<agent>/full` (and `/<label>`), this crate's format.
+    #[default]
+    Native,
+    /// NIXL's (its `NIXL_ETCD_ENDPOINTS` metadata backend), so NIXL agents and this
+    /// crate's agents find each other through one etcd: `<namespace>/<agent>/metadata`
+    /// for full metadata and `<namespace>/<agent>/<label>` for partial metadata, with
+    /// the namespace as NIXL's `NIXL_ETCD_NAMESPACE` gives it (NIXL's default
+    /// `/nixl/agents/` makes keys such as `/nixl/agents//prefill/metadata`), values in
+    /// NIXL's format ([`Agent::nixl_metadata`]). Fetching loads either format.
+    ///
+    /// Keys go under this agent's lease, as in the native layout (NIXL puts its own
+    /// without one): they vanish when this agent stops. As NIXL does, the exchange
+    /// announces the agent with an empty key `<namespace>/<agent>/` when it connects;
+    /// NIXL agents that loaded this agent watch that key and forget the agent when it
+    /// goes (at [`EtcdExchange::invalidate`], at shutdown, or when the lease expires).
+    Nixl,
+}
+
+/// NIXL's default etcd namespace (`NIXL_ETCD_NAMESPACE` unset).
+pub const NIXL_ETCD_NAMESPACE: &str = "/nixl/agents/";
+/// The label NIXL keeps full metadata under.
+pub const NIXL_FULL_LABEL: &str = "metadata";
 
 /// TLS for the etcd connection.
 #[derive(Clone, Default)]
@@ -175,7 +203,21 @@ impl Default for EtcdOptions {
             max_backoff: Duration::from_secs(2),
             tls: None,
             auth: None,
+            layout: EtcdLayout::Native,
         }
+    }
+}
+
+impl EtcdOptions {
+    /// These options with NIXL's key layout and format ([`EtcdLayout::Nixl`]) and
+    /// NIXL's default namespace ([`NIXL_ETCD_NAMESPACE`]); set
+    /// [`EtcdOptions::namespace`] afterwards to what the NIXL agents'
+    /// `NIXL_ETCD_NAMESPACE` says.
+    #[must_use]
+    pub fn nixl_layout(mut self) -> Self {
+        self.layout = EtcdLayout::Nixl;
+        self.namespace = NIXL_ETCD_NAMESPACE.to_owned();
+        self
     }
 }
 
@@ -282,12 +324,24 @@ impl EtcdExchange {
                 "agent names used with etcd must not contain '/'",
             );
         }
-        let ns = normalize_namespace(&options.namespace)?;
+        let prefix = match options.layout {
+            EtcdLayout::Native => format!("/{}/", normalize_namespace(&options.namespace)?),
+            // NIXL joins namespace, agent and label with '/', as given.
+            EtcdLayout::Nixl if !options.namespace.is_empty() => {
+                format!("{}/", options.namespace)
+            }
+            EtcdLayout::Nixl => {
+                return err(
+                    ErrorKind::InvalidArgument,
+                    OP,
+                    "the etcd namespace is empty",
+                )
+            }
+        };
         let mut client = options.client().await?;
         // With authentication on, any user may grant a lease: check that this one may
         // read the namespace now, so missing rights fail here, clearly, and not at the
         // first publish or fetch.
-        let prefix = format!("/{ns}/");
         bounded(
             options.timeout,
             OP,
@@ -326,6 +380,11 @@ impl EtcdExchange {
                 _ = keeper.keep_lease() => {}
             }
         });
+        if inner.options.layout == EtcdLayout::Nixl {
+            // NIXL announces an agent with an empty key, `<namespace>/<agent>/`: NIXL
+            // agents that loaded it watch that key and forget the agent when it goes.
+            inner.put("", Bytes::new()).await?;
+        }
         let revoker = inner.clone();
         agent.on_shutdown(Box::new(move || {
             Box::pin(async move { revoker.revoke().await })
@@ -372,8 +431,11 @@ impl EtcdExchange {
     /// [`ErrorKind::ShutDown`] when the agent is gone; etcd errors.
     pub async fn publish(&self) -> Result<()> {
         let agent = self.inner.agent()?;
-        let md = agent.metadata()?;
-        self.inner.put(FULL_LABEL, md).await
+        let md = match self.inner.options.layout {
+            EtcdLayout::Native => agent.metadata()?,
+            EtcdLayout::Nixl => agent.nixl_metadata()?,
+        };
+        self.inner.put(self.inner.full(), md).await
     }
 
     /// Publish partial metadata (only `registrations`) under `label`; the side channel
@@ -388,8 +450,16 @@ impl EtcdExchange {
         with_conn_info: bool,
     ) -> Result<()> {
         let agent = self.inner.agent()?;
-        agent.publish_partial(label, registrations, with_conn_info)?;
-        let md = agent.partial_metadata(registrations, with_conn_info)?;
+        let md = match self.inner.options.layout {
+            EtcdLayout::Native => {
+                agent.publish_partial(label, registrations, with_conn_info)?;
+                agent.partial_metadata(registrations, with_conn_info)?
+            }
+            EtcdLayout::Nixl => {
+                self.inner.check_label(label, "etcd publish")?;
+                agent.nixl_partial_metadata(registrations, with_conn_info)?
+            }
+        };
         self.inner.put(label, md).await
     }
 
@@ -400,7 +470,7 @@ impl EtcdExchange {
     /// # Errors
     /// [`ErrorKind::TimedOut`] when it did not appear in time; etcd and load errors.
     pub async fn fetch(&self, peer: &str, timeout: Duration) -> Result<()> {
-        self.fetch_label(peer, FULL_LABEL, timeout).await
+        self.fetch_label(peer, self.inner.full(), timeout).await
     }
 
     /// Load `peer`'s partial metadata published under `label` (waiting up to `timeout`).
@@ -408,7 +478,7 @@ impl EtcdExchange {
     /// # Errors
     /// As [`EtcdExchange::fetch`].
     pub async fn fetch_partial(&self, peer: &str, label: &str, timeout: Duration) -> Result<()> {
-        check_label(label, "etcd fetch")?;
+        self.inner.check_label(label, "etcd fetch")?;
         self.fetch_label(peer, label, timeout).await
     }
 
@@ -428,7 +498,7 @@ impl EtcdExchange {
         };
         let agent = self.inner.agent()?;
         agent.load_metadata(&value)?;
-        if label == FULL_LABEL {
+        if label == self.inner.full() {
             let watcher = self.inner.clone();
             let peer = peer.to_owned();
             self.inner.tracker.spawn(async move {
@@ -461,10 +531,30 @@ impl EtcdExchange {
 }
 
 impl Inner {
+    fn check_label(&self, label: &str, op: &'static str) -> Result<()> {
+        check_label(label, op)?;
+        if self.options.layout == EtcdLayout::Nixl && label == NIXL_FULL_LABEL {
+            return err(
+                ErrorKind::InvalidArgument,
+                op,
+                "the label \"metadata\" is NIXL's full metadata",
+            );
+        }
+        Ok(())
+    }
+
     fn agent(&self) -> Result<Agent> {
         self.agent
             .upgrade()
             .ok_or_else(|| Error::new(ErrorKind::ShutDown, "etcd", "the agent is gone"))
+    }
+
+    /// The label of full metadata in this layout.
+    fn full(&self) -> &'static str {
+        match self.options.layout {
+            EtcdLayout::Native => FULL_LABEL,
+            EtcdLayout::Nixl => NIXL_FULL_LABEL,
+        }
     }
 
     async fn put(&self, label: &str, value: Bytes) -> Result<()> {
@@ -528,7 +618,7 @@ impl Inner {
         let mut c = self.client.clone();
         let got = bounded(self.options.timeout, OP, c.get(key, None)).await?;
         let revision = got.header().map_or(0, |h| h.revision());
-        if let Some(kv) = got.kvs().first() {
+        if let Some(kv) = got.kvs().first().filter(|kv| !kv.value().is_empty()) {
             return Ok((kv.value().to_vec(), revision));
         }
         let mut stream = bounded(
@@ -547,7 +637,7 @@ impl Inner {
             };
             for ev in msg.events() {
                 if ev.event_type() == EventType::Put {
-                    if let Some(kv) = ev.kv() {
+                    if let Some(kv) = ev.kv().filter(|kv| !kv.value().is_empty()) {
                         return Ok((kv.value().to_vec(), kv.mod_revision()));
                     }
                 }
@@ -558,7 +648,7 @@ impl Inner {
     /// Watch a peer's keys from `revision`; forget it when its full metadata goes,
     /// reload it when it is published again. Retries with backoff while etcd is away.
     async fn watch_peer(&self, peer: String, mut revision: i64) {
-        let full = format!("{}{peer}/{FULL_LABEL}", self.prefix);
+        let full = format!("{}{peer}/{}", self.prefix, self.full());
         let prefix = format!("{}{peer}/", self.prefix);
         let mut backoff = Duration::from_millis(100);
         loop {
@@ -606,6 +696,8 @@ impl Inner {
                             let _ = agent.forget_peer(&peer);
                             return;
                         }
+                        // NIXL announces an agent with an empty key.
+                        EventType::Put if kv.value().is_empty() => {}
                         EventType::Put => {
                             if let Err(e) = agent.load_metadata(kv.value()) {
                                 tracing::warn!(%peer, error = %e, "etcd: could not reload peer metadata");

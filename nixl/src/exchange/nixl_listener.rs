@@ -1,0 +1,422 @@
+//! NIXL's own metadata listener protocol (its `send_local_metadata`,
+//! `fetch_remote_metadata` and `invalidate_local_metadata` with an address), so NIXL
+//! agents and this crate's agents exchange metadata directly.
+//!
+//! # Protocol (NIXL 1.3 to 1.5.x)
+//! TCP, IPv4 in NIXL. Every message is a frame: a u64 little-endian length, then that
+//! many bytes, which start with `NIXLCOMM:` and a four-letter command:
+//! - `NIXLCOMM:LOAD<metadata>`: load the sender's metadata (no answer);
+//! - `NIXLCOMM:SEND`: answer on the same connection with `NIXLCOMM:LOAD<metadata>`,
+//!   the answering agent's full metadata;
+//! - `NIXLCOMM:INVL<name>`: forget the agent `name` (no answer).
+//!
+//! There is no authentication: anyone who reaches the port can load metadata into the
+//! agent or make it forget a peer, exactly as with NIXL's listener. Bind it to an
+//! interface only trusted peers reach (use the side channel with a
+//! [`SharedSecret`](crate::SharedSecret) between agents of this crate). Connections stay
+//! open for more frames, as NIXL keeps them; a frame over
+//! [`NixlListenerOptions::max_frame`], a malformed one or a connection idle for
+//! [`NixlListenerOptions::idle_timeout`] closes only that connection.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+
+use crate::agent::WeakAgent;
+use crate::error::{err, Error, ErrorKind, Result};
+use crate::Agent;
+
+/// The marker every command starts with.
+const MARK: &[u8] = b"NIXLCOMM:";
+/// NIXL's default listener port (`default_comm_port`).
+pub const NIXL_DEFAULT_PORT: u16 = 8888;
+
+/// Options for NIXL's listener protocol, server and client.
+#[derive(Clone, Debug)]
+pub struct NixlListenerOptions {
+    /// Bound for a client operation (connect, send, the answer to a fetch).
+    pub timeout: Duration,
+    /// A server closes connections idle for this long.
+    pub idle_timeout: Duration,
+    /// Largest frame accepted, in bytes.
+    pub max_frame: usize,
+    /// Most connections a listener serves at once; more wait to be accepted.
+    pub max_connections: usize,
+}
+
+impl Default for NixlListenerOptions {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(300),
+            max_frame: crate::metadata::Limits::default().max_total + MARK.len() + 4,
+            max_connections: 1024,
+        }
+    }
+}
+
+/// One command of a frame.
+#[derive(Debug, PartialEq, Eq)]
+enum Command<'a> {
+    Load(&'a [u8]),
+    Send,
+    Invalidate(&'a str),
+}
+
+/// Parse a frame's commands. NIXL sends one command per frame; a `SEND` or `INVL`
+/// may be followed by further commands (NIXL's reader splits on the marker), while
+/// `LOAD` takes the rest of the frame (metadata may contain any bytes).
+fn parse(mut body: &[u8]) -> std::result::Result<Vec<Command<'_>>, String> {
+    let mut out = Vec::new();
+    while !body.is_empty() {
+        let Some(rest) = body.strip_prefix(MARK) else {
+            return Err(format!(
+                "a frame that does not start with NIXLCOMM: ({:?})",
+                String::from_utf8_lossy(&body[..body.len().min(16)])
+            ));
+        };
+        let Some((head, rest)) = rest.split_first_chunk::<4>() else {
+            return Err("a command shorter than four letters".into());
+        };
+        let next = |r: &[u8]| {
+            r.windows(MARK.len())
+                .position(|w| w == MARK)
+                .unwrap_or(r.len())
+        };
+        match head {
+            b"LOAD" => {
+                out.push(Command::Load(rest));
+                body = &[];
+            }
+            b"SEND" => {
+                out.push(Command::Send);
+                body = &rest[next(rest)..];
+            }
+            b"INVL" => {
+                let n = next(rest);
+                let name = std::str::from_utf8(&rest[..n])
+                    .map_err(|_| "an INVL name that is not UTF-8".to_owned())?;
+                out.push(Command::Invalidate(name));
+                body = &rest[n..];
+            }
+            other => {
+                return Err(format!(
+                    "unknown command {:?}",
+                    String::from_utf8_lossy(other)
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 8];
+    r.read_exact(&mut len).await?;
+    let len = u64::from_le_bytes(len);
+    let len = usize::try_from(len)
+        .ok()
+        .filter(|&n| n <= max)
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("a frame of {len} bytes exceeds the {max}-byte limit"),
+            )
+        })?;
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).await?;
+    Ok(body)
+}
+
+async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, parts: &[&[u8]]) -> std::io::Result<()> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let mut frame = Vec::with_capacity(8 + len);
+    frame.extend_from_slice(&(len as u64).to_le_bytes());
+    for p in parts {
+        frame.extend_from_slice(p);
+    }
+    w.write_all(&frame).await?;
+    w.flush().await
+}
+
+impl Agent {
+    /// Serve NIXL's listener protocol on `addr` (port 0 picks one; NIXL's default is
+    /// [`NIXL_DEFAULT_PORT`]): NIXL agents fetch this agent's metadata in NIXL's format
+    /// ([`Agent::nixl_metadata`]), send theirs (loaded as by
+    /// [`Agent::load_metadata`]) and tell it to forget them. Returns the bound
+    /// address. The listener runs until shutdown or drop, through the agent's task
+    /// tracker. See the [module docs](self) for the protocol and its (absent)
+    /// security.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Backend`] when the address cannot be bound; [`ErrorKind::ShutDown`].
+    pub async fn listen_nixl(
+        &self,
+        addr: SocketAddr,
+        options: &NixlListenerOptions,
+    ) -> Result<SocketAddr> {
+        const OP: &str = "listen for NIXL agents";
+        if !self.is_running() {
+            return err(ErrorKind::ShutDown, OP, "the agent is shutting down");
+        }
+        let listener = TcpListener::bind(addr).await.map_err(|e| {
+            Error::new(ErrorKind::Backend, OP, format!("cannot listen on {addr}")).with_source(e)
+        })?;
+        let bound = listener.local_addr().map_err(|e| {
+            Error::new(ErrorKind::Backend, OP, "listener has no address").with_source(e)
+        })?;
+        let cancel = self.child_token();
+        let tracker = self.tracker().clone();
+        let agent = self.downgrade();
+        let options = Arc::new(options.clone());
+        let slots = Arc::new(Semaphore::new(options.max_connections.max(1)));
+        let name = self.name().to_owned();
+        tracing::info!(agent = %name, %bound, "NIXL listener listening");
+        self.tracker().spawn(async move {
+            loop {
+                let permit = tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    p = slots.clone().acquire_owned() => p.expect("semaphore never closes"),
+                };
+                let (stream, from) = tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    r = listener.accept() => match r {
+                        Ok(x) => x,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "NIXL listener: accept failed");
+                            tokio::select! {
+                                _ = cancel.cancelled() => break,
+                                _ = tokio::time::sleep(Duration::from_millis(50)) => continue,
+                            }
+                        }
+                    },
+                };
+                let (agent, options, token) =
+                    (agent.clone(), options.clone(), cancel.child_token());
+                tracker.spawn(async move {
+                    let _permit = permit;
+                    tokio::select! {
+                        _ = token.cancelled() => {}
+                        r = serve(agent, stream, &options) => {
+                            if let Err(why) = r {
+                                tracing::info!(%from, %why, "NIXL listener: closed connection");
+                            }
+                        }
+                    }
+                });
+            }
+            tracing::debug!(agent = %name, %bound, "NIXL listener stopped");
+        });
+        Ok(bound)
+    }
+
+    /// Fetch the full metadata of the agent whose NIXL listener is at `addr` (a NIXL
+    /// agent with `enable_listen_thread`, or an agent of this crate with
+    /// [`Agent::listen_nixl`]) and load it. Returns the peer's name.
+    ///
+    /// # Errors
+    /// [`ErrorKind::TimedOut`] when there is no answer within the options' timeout;
+    /// [`ErrorKind::RemoteDisconnected`] when the connection fails or closes; as
+    /// [`Agent::load_metadata`].
+    pub async fn fetch_nixl_metadata(
+        &self,
+        addr: SocketAddr,
+        options: &NixlListenerOptions,
+    ) -> Result<String> {
+        const OP: &str = "fetch NIXL metadata";
+        let md = timed(options.timeout, OP, addr, async {
+            let mut s = TcpStream::connect(addr).await?;
+            s.set_nodelay(true)?;
+            write_frame(&mut s, &[MARK, b"SEND"]).await?;
+            loop {
+                let frame = read_frame(&mut s, options.max_frame).await?;
+                match parse(&frame) {
+                    Ok(cmds) => {
+                        if let Some(Command::Load(md)) =
+                            cmds.into_iter().find(|c| matches!(c, Command::Load(_)))
+                        {
+                            return Ok(md.to_vec());
+                        }
+                    }
+                    Err(why) => {
+                        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, why))
+                    }
+                }
+            }
+        })
+        .await?;
+        self.load_metadata(&md)
+    }
+
+    /// Send this agent's metadata, in NIXL's format ([`Agent::nixl_metadata`]), to the
+    /// NIXL listener at `addr`, which loads it. NIXL does not answer: a load it
+    /// refuses is only in its log.
+    ///
+    /// # Errors
+    /// As [`Agent::nixl_metadata`]; [`ErrorKind::TimedOut`] or
+    /// [`ErrorKind::RemoteDisconnected`] when it cannot be sent.
+    pub async fn send_nixl_metadata(
+        &self,
+        addr: SocketAddr,
+        options: &NixlListenerOptions,
+    ) -> Result<()> {
+        let md = self.nixl_metadata()?;
+        send(addr, options, "send NIXL metadata", &[MARK, b"LOAD", &md]).await
+    }
+
+    /// Tell the agent whose NIXL listener is at `addr` to forget this agent (NIXL's
+    /// `invalidate_local_metadata` with an address).
+    ///
+    /// # Errors
+    /// [`ErrorKind::TimedOut`] or [`ErrorKind::RemoteDisconnected`] when it cannot be
+    /// sent.
+    pub async fn invalidate_nixl_at(
+        &self,
+        addr: SocketAddr,
+        options: &NixlListenerOptions,
+    ) -> Result<()> {
+        let name = self.name().as_bytes().to_vec();
+        send(
+            addr,
+            options,
+            "invalidate at a NIXL listener",
+            &[MARK, b"INVL", &name],
+        )
+        .await
+    }
+}
+
+async fn send(
+    addr: SocketAddr,
+    options: &NixlListenerOptions,
+    op: &'static str,
+    parts: &[&[u8]],
+) -> Result<()> {
+    timed(options.timeout, op, addr, async {
+        let mut s = TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        write_frame(&mut s, parts).await?;
+        s.shutdown().await
+    })
+    .await
+}
+
+async fn timed<T>(
+    bound: Duration,
+    op: &'static str,
+    addr: SocketAddr,
+    f: impl std::future::Future<Output = std::io::Result<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(bound, f).await {
+        Err(_) => err(
+            ErrorKind::TimedOut,
+            op,
+            format!("no answer from {addr} within {bound:?}"),
+        ),
+        Ok(Err(e)) => Err(Error::new(
+            ErrorKind::RemoteDisconnected,
+            op,
+            format!("NIXL listener at {addr}"),
+        )
+        .with_source(e)),
+        Ok(Ok(v)) => Ok(v),
+    }
+}
+
+async fn serve(
+    agent: WeakAgent,
+    mut stream: TcpStream,
+    options: &NixlListenerOptions,
+) -> std::result::Result<(), String> {
+    let _ = stream.set_nodelay(true);
+    loop {
+        let frame = match tokio::time::timeout(
+            options.idle_timeout,
+            read_frame(&mut stream, options.max_frame),
+        )
+        .await
+        {
+            Err(_) => return Err("idle".into()),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Ok(Err(e)) => return Err(e.to_string()),
+            Ok(Ok(f)) => f,
+        };
+        let cmds = parse(&frame)?;
+        let Some(agent) = agent.upgrade() else {
+            return Ok(());
+        };
+        for cmd in cmds {
+            match cmd {
+                Command::Load(md) => match agent.load_metadata(md) {
+                    Ok(peer) => tracing::debug!(%peer, "NIXL listener: loaded metadata"),
+                    Err(e) => tracing::warn!(error = %e, "NIXL listener: refused metadata"),
+                },
+                Command::Send => {
+                    let md = agent.nixl_metadata().map_err(|e| e.to_string())?;
+                    write_frame(&mut stream, &[MARK, b"LOAD", &md])
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
+                Command::Invalidate(peer) => match agent.forget_peer(peer) {
+                    Ok(()) => tracing::debug!(%peer, "NIXL listener: forgot peer"),
+                    Err(e) => tracing::debug!(%peer, error = %e, "NIXL listener: invalidation"),
+                },
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_parse_as_nixl_sends_them() {
+        assert_eq!(parse(b"NIXLCOMM:SEND").unwrap(), vec![Command::Send]);
+        assert_eq!(
+            parse(b"NIXLCOMM:INVLprefill-0").unwrap(),
+            vec![Command::Invalidate("prefill-0")]
+        );
+        // LOAD takes the rest of the frame, marker bytes included.
+        assert_eq!(
+            parse(b"NIXLCOMM:LOADnixlSerDes|NIXLCOMM:SEND").unwrap(),
+            vec![Command::Load(b"nixlSerDes|NIXLCOMM:SEND")]
+        );
+        assert_eq!(
+            parse(b"NIXLCOMM:SENDNIXLCOMM:INVLaNIXLCOMM:LOADx").unwrap(),
+            vec![Command::Send, Command::Invalidate("a"), Command::Load(b"x")]
+        );
+        assert!(parse(b"").unwrap().is_empty());
+    }
+
+    #[test]
+    fn malformed_frames_are_refused() {
+        for bad in [
+            &b"NIXLCOMM:"[..],
+            b"NIXLCOMM:SEN",
+            b"hello",
+            b"NIXLCOMM:WHAT",
+            b"NIXLCOMM:INVL\xff",
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn oversized_frames_are_refused_before_reading_them() {
+        let mut frame = (u64::MAX).to_le_bytes().to_vec();
+        frame.extend_from_slice(b"NIXLCOMM:SEND");
+        let e = read_frame(&mut &frame[..], 1 << 20).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        let mut ok = 13u64.to_le_bytes().to_vec();
+        ok.extend_from_slice(b"NIXLCOMM:SEND");
+        assert_eq!(
+            read_frame(&mut &ok[..], 1 << 20).await.unwrap(),
+            b"NIXLCOMM:SEND"
+        );
+    }
+}
