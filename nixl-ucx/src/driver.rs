@@ -227,6 +227,8 @@ pub(crate) struct Core {
     /// Set once shutdown began: PINGs are no longer answered.
     closing: Arc<AtomicBool>,
     pub(crate) agent: String,
+    /// The bound UCX's version, for messages.
+    pub(crate) ucx_version: String,
     pub(crate) sink: Option<NotificationSink>,
     max_notification: usize,
     liveness: Option<Liveness>,
@@ -433,6 +435,7 @@ impl Core {
             pings: Vec::new(),
             closing,
             agent: String::new(),
+            ucx_version: String::new(),
             sink: None,
             max_notification,
             liveness,
@@ -452,6 +455,10 @@ impl Core {
         self.remove_peer(peer, "the peer's connection info changed");
         let mut peer_failure = true;
         let ep = match self.ucx.ep_create(address, true) {
+            // NIXL makes every endpoint with peer-failure handling; a NIXL agent we
+            // cannot reach so is one whose UCX build ours cannot talk to (connecting
+            // anyway can end in an assertion inside UCX).
+            Err(e) if nixl => Err(e),
             Err(e) if Ucx::<Work>::is_unreachable(&e) => {
                 // UCX 1.13-1.22 shared-memory transports handle peer failure only
                 // with UCX_POSIX_ERROR_HANDLING=y / UCX_SYSV_ERROR_HANDLING=y; without
@@ -469,7 +476,10 @@ impl Core {
         .map_err(|e| {
             tracing::warn!(peer, error = %e, "ucx: cannot create an endpoint to the peer");
             if nixl {
-                format!("{e} (a NIXL agent's worker address: this process must bind the UCX build the NIXL agent uses, NIXL_UCX_LIB)")
+                format!(
+                    "UCX {} bound here cannot reach this NIXL agent ({e}): bind the UCX build the NIXL agents use (NIXL_UCX_LIB=<its libucp>; for the nixl-cu12 wheel, nixl_cu12.libs/libucp-*.so*)",
+                    self.ucx_version
+                )
             } else {
                 e.to_string()
             }

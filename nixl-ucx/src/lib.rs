@@ -385,8 +385,9 @@ impl UcxBackend {
         let cuda = ucx.cuda_supported();
         let (tx, rx) = mpsc::channel();
         let liveness = options.liveness_timeout.map(Liveness::within);
-        let core = Core::new(ucx, rx, options.max_notification, liveness)
+        let mut core = Core::new(ucx, rx, options.max_notification, liveness)
             .map_err(|e| Error::new(ErrorKind::Backend, OP, "UCX setup failed").with_source(e))?;
+        core.ucx_version = report.version_string();
         let wake = match options.progress {
             ProgressMode::Task => Wake::Task(tokio::sync::Notify::new()),
             ProgressMode::Thread => Wake::Thread {

@@ -642,3 +642,66 @@ async fn metadata_through_etcd_in_nixls_layout_both_ways() {
     nixl.exit().await;
     assert!(ours.shutdown().await.is_clean());
 }
+
+/// Debian 12's UCX 1.13 cannot talk to the wheel's UCX 1.23: our transfers to the
+/// NIXL agent (over tcp) fail with an error that says which UCX to bind, and nothing
+/// aborts.
+/// (The NIXL agent is not given our metadata: its connection attempts would reach
+/// UCX 1.13, which then aborts the process on an assertion; see the README.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_ucx_build_fails_clearly() {
+    let case = "another_ucx_build_fails_clearly";
+    let Some((dir, _)) = wheel(case) else { return };
+    ucx_env();
+    // Over tcp; on shared memory (with UCX_POSIX_ERROR_HANDLING=y) UCX 1.13 does
+    // reach UCX 1.23 for some operations, which proves nothing either way.
+    let options = UcxOptions {
+        library: Some("libucp.so.0".into()),
+        ucx_config: vec![("TLS".into(), "tcp,self".into())],
+        ..UcxOptions::default()
+    };
+    let backend = match UcxBackend::with_options(options) {
+        Ok(b) => b,
+        Err(e) if e.kind() == ErrorKind::UnavailableLibrary || e.kind() == ErrorKind::Mismatch => {
+            return skip(
+                case,
+                &format!("the host's libucp.so.0 cannot be bound here: {e}"),
+            );
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let version = backend.library_report().version.clone().unwrap_or_default();
+    if !version.starts_with("1.13") {
+        return skip(case, &format!("the host's UCX is {version}, not 1.13"));
+    }
+    let ours = Agent::builder("rust-agent")
+        .backend(backend)
+        .build()
+        .await
+        .unwrap();
+    let reg = ours.register(vec![0u8; 4096]).unwrap();
+    let mut nixl = NixlPeer::start(&dir, "nixl-agent", 4096, None).await;
+    ours.load_metadata(&nixl.metadata().await).unwrap();
+    let remote = ours.remote_regions("nixl-agent").unwrap()[0].clone();
+    let e = tokio::time::timeout(
+        HANG,
+        ours.write(
+            &one(reg.desc(0, 64)),
+            "nixl-agent",
+            &one(remote.desc(0, 64)),
+            None,
+        ),
+    )
+    .await
+    .expect("no hang")
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::RemoteDisconnected, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("UCX 1.13") && msg.contains("NIXL_UCX_LIB"),
+        "{msg}"
+    );
+    drop(reg);
+    nixl.exit().await;
+    assert!(ours.shutdown().await.is_clean());
+}
