@@ -55,6 +55,16 @@ pub(crate) struct Cli {
     #[arg(long, value_name = "HOST:PORT")]
     pub(crate) peer: Option<String>,
 
+    /// What the target is: `nixl-rs` (a nixl-bench target), or `nixl`: an agent of
+    /// NVIDIA's NIXL whose listener (`enable_listen_thread`) is at --peer. The
+    /// initiator fetches its metadata through NIXL's listener protocol and transfers
+    /// to and from its first DRAM registration (at least --total-buffer-size bytes).
+    /// Needs --role initiator --backend ucx, bound to the UCX the NIXL agent uses
+    /// (NIXL_UCX_LIB); --check-consistency is not available (a NIXL agent has no
+    /// nixl-bench control channel).
+    #[arg(long = "peer-kind", value_enum, default_value_t = PeerKind::NixlRs)]
+    pub(crate) peer_kind: PeerKind,
+
     /// Where the target waits for the initiator (--role target); the bound address is
     /// printed on stdout [default: 127.0.0.1:0; with --etcd-endpoints: 0.0.0.0:0,
     /// advertising the address this host reaches etcd from (give an IP here to advertise
@@ -284,6 +294,16 @@ pub(crate) enum Role {
     Auto,
 }
 
+/// What kind of agent the target is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum PeerKind {
+    /// A nixl-bench target.
+    #[value(name = "nixl-rs")]
+    NixlRs,
+    /// A NIXL agent's listener.
+    Nixl,
+}
+
 /// Kind of memory each side transfers from or into.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "UPPERCASE")]
@@ -452,6 +472,7 @@ pub(crate) struct EtcdConfig {
 pub(crate) struct Config {
     pub(crate) role: Role,
     pub(crate) peer: Option<String>,
+    pub(crate) peer_kind: PeerKind,
     pub(crate) listen: SocketAddr,
     /// Two hosts through etcd instead of `--peer`.
     #[cfg(feature = "etcd")]
@@ -527,6 +548,17 @@ impl Cli {
                 return fail("--peer is for --role initiator")
             }
             _ => {}
+        }
+        if self.peer_kind == PeerKind::Nixl {
+            if role != Role::Initiator || self.peer.is_none() {
+                return fail("--peer-kind nixl needs --role initiator --peer HOST:PORT (the NIXL agent's listener)");
+            }
+            if !self.backend.eq_ignore_ascii_case("ucx") {
+                return fail("--peer-kind nixl needs --backend ucx (NIXL agents speak UCX)");
+            }
+            if self.check_consistency {
+                return fail("--check-consistency is not available with --peer-kind nixl (a NIXL agent has no nixl-bench control channel)");
+            }
         }
         if self.stdio && role != Role::Target {
             return fail("--stdio is for --role target");
@@ -636,6 +668,7 @@ impl Cli {
         Ok(Config {
             role,
             peer: self.peer,
+            peer_kind: self.peer_kind,
             listen,
             #[cfg(feature = "etcd")]
             etcd,
@@ -968,6 +1001,35 @@ mod tests {
             (&["--num-threads", "0"][..], "at least 1"),
             (&["--op-type", "copy"][..], "READ or WRITE"),
             (&["--backend-param", "novalue"][..], "KEY=VALUE"),
+            (
+                &["--peer-kind", "nixl"][..],
+                "--peer-kind nixl needs --role initiator",
+            ),
+            (
+                &[
+                    "--peer-kind",
+                    "nixl",
+                    "--role",
+                    "initiator",
+                    "--peer",
+                    "h:1",
+                ][..],
+                "needs --backend ucx",
+            ),
+            (
+                &[
+                    "--peer-kind",
+                    "nixl",
+                    "--role",
+                    "initiator",
+                    "--peer",
+                    "h:1",
+                    "--backend",
+                    "ucx",
+                    "--check-consistency",
+                ][..],
+                "not available with --peer-kind nixl",
+            ),
         ] {
             let e = config(args).unwrap_err().to_string();
             assert!(e.contains(needle), "{args:?}: {e}");

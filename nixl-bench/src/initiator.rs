@@ -109,6 +109,92 @@ async fn drive(
     let loopback = target_endpoint
         .parse::<SocketAddr>()
         .is_ok_and(|a| a.ip().is_loopback());
+    let run = run_info(config, backend, &peer, target_endpoint, loopback, target).await?;
+    let session = Arc::new(Session {
+        agent: agent.clone(),
+        local,
+        peer,
+        remote,
+    });
+    let rows = sweep(config, Some(channel), &session, &run).await?;
+    finish(channel, config.timeouts.exchange).await?;
+    Ok((run, rows))
+}
+
+/// Run the sweep against a NIXL agent whose listener is at `addr` (`--peer-kind
+/// nixl`): its metadata through NIXL's listener protocol, ours sent back to it, then
+/// READs and WRITEs on its first DRAM registration. No consistency check (a NIXL
+/// agent has no control channel). Shuts the agent down at the end.
+///
+/// # Errors
+/// As [`run`].
+pub(crate) async fn run_nixl(config: &Config, addr: SocketAddr) -> Result<(RunInfo, Vec<Row>)> {
+    let host = if addr.ip().is_loopback() {
+        addr.ip()
+    } else {
+        IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
+    };
+    let (agent, backend) = start_agent(config, host).await?;
+    let t = config.timeouts;
+    let result = async {
+        let local = Buffer::register(&agent, config.sweep.total_buffer_size, config.sweep.memory)?;
+        let opts = nixl::NixlListenerOptions {
+            timeout: t.exchange,
+            ..nixl::NixlListenerOptions::default()
+        };
+        let peer = agent
+            .fetch_nixl_metadata(addr, &opts)
+            .await
+            .with_context(|| format!("fetch the NIXL agent's metadata from its listener at {addr}"))?;
+        agent
+            .send_nixl_metadata(addr, &opts)
+            .await
+            .context("send our metadata to the NIXL agent")?;
+        let size = config.sweep.total_buffer_size;
+        let region = agent
+            .remote_regions(&peer)?
+            .into_iter()
+            .find(|r| r.kind == MemKind::Dram && r.len >= size)
+            .ok_or_else(|| {
+                BenchError::new(format!(
+                    "the NIXL agent {peer:?} registered no DRAM of at least {size} bytes (--total-buffer-size)"
+                ))
+            })?;
+        let remote = RemoteBuffer::new(region, size)?;
+        match tokio::time::timeout(t.connect, agent.connect(&peer)).await {
+            Ok(r) => r.context("connect ucx to the NIXL agent")?,
+            Err(_) => return fail(format!("could not connect to the NIXL agent within {:?}", t.connect)),
+        }
+        let target = TargetInfo {
+            mode: "NIXL agent",
+            process: format!("NIXL agent {peer:?}, listener at {addr}"),
+        };
+        let run = run_info(config, &*backend, &peer, addr.to_string(), addr.ip().is_loopback(), target).await?;
+        let session = Arc::new(Session {
+            agent: agent.clone(),
+            local,
+            peer,
+            remote,
+        });
+        let rows = sweep(config, None, &session, &run).await?;
+        Ok((run, rows))
+    }
+    .await;
+    if let (Some(problem), Ok(_)) = (shutdown(&agent, t.teardown).await, &result) {
+        eprintln!("nixl-bench: warning: {problem}");
+    }
+    result
+}
+
+/// The run's header: versions, transport, baselines (measured now, if asked).
+async fn run_info(
+    config: &Config,
+    backend: &dyn nixl::Backend,
+    peer: &str,
+    target_endpoint: String,
+    loopback: bool,
+    target: TargetInfo,
+) -> Result<RunInfo> {
     let baselines = if config.sweep.baselines {
         let sizes: Vec<u64> = config
             .sweep
@@ -123,7 +209,7 @@ async fn drive(
     } else {
         None
     };
-    let run = RunInfo {
+    Ok(RunInfo {
         versions: Versions::current(),
         mode: target.mode,
         backend: config.backend.clone(),
@@ -134,23 +220,14 @@ async fn drive(
             target_process: target.process,
             loopback,
             library: backend::library_report(&config.backend, &config.backend_params),
-            data_path: backend.data_path(&peer),
+            data_path: backend.data_path(peer),
         },
         sweep: config.sweep.clone(),
         timeouts_s: config.timeouts,
         units: Units::default(),
         notes: config.notes.clone(),
         baselines,
-    };
-    let session = Arc::new(Session {
-        agent: agent.clone(),
-        local,
-        peer,
-        remote,
-    });
-    let rows = sweep(config, channel, &session, &run).await?;
-    finish(channel, config.timeouts.exchange).await?;
-    Ok((run, rows))
+    })
 }
 
 /// Send setup, load the target's metadata, connect. Returns the target's name, its
@@ -227,7 +304,7 @@ fn endpoint(info: &[u8]) -> String {
 
 async fn sweep(
     config: &Config,
-    channel: &mut Channel,
+    mut channel: Option<&mut Channel>,
     session: &Arc<Session>,
     run: &RunInfo,
 ) -> Result<Vec<Row>> {
@@ -255,7 +332,7 @@ async fn sweep(
             seed: 0x6e69_786c_u64 ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
             ranges: layout.ranges(),
         };
-        if s.check_consistency {
+        if let (true, Some(channel)) = (s.check_consistency, channel.as_deref_mut()) {
             out.progress(&format!("{what}: filling the check pattern"));
             prepare_check(config, channel, session, op, &pattern).await?;
         }
@@ -277,7 +354,7 @@ async fn sweep(
         let stats = runner::run(session, phase(iters))
             .await
             .context(what.clone())?;
-        if s.check_consistency {
+        if let (true, Some(channel)) = (s.check_consistency, channel.as_deref_mut()) {
             out.progress(&format!("{what}: checking"));
             let report = check(config, channel, session, op, pattern).await?;
             if !report.is_ok() {

@@ -191,6 +191,17 @@ async fn remote_initiator(config: &Config) -> Result<()> {
         return plot(config, &run, &rows);
     }
     let peer = config.peer.as_deref().unwrap_or_default();
+    if config.peer_kind == cli::PeerKind::Nixl {
+        let addr = tokio::net::lookup_host(peer)
+            .await
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| {
+                error::BenchError::new(format!("--peer {peer:?}: not a HOST:PORT that resolves"))
+            })?;
+        let (run, rows) = initiator::run_nixl(config, addr).await?;
+        return plot(config, &run, &rows);
+    }
     let stream = control::connect(peer, config.timeouts.connect).await?;
     let host = stream.local_addr()?.ip();
     let remote = stream.peer_addr()?;

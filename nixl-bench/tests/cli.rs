@@ -338,7 +338,23 @@ fn usage_errors_say_why_and_exit_2() {
     };
     for (args, needle) in [
         (&["--initiator-seg-type", "VRAM"][..], "not supported"),
-        (&["--backend", "ucx"][..], "backend ucx"),
+        // Built without nixl-ucx, the ucx backend is refused; with it, a NIXL peer
+        // needs ucx.
+        if cfg!(feature = "ucx") {
+            (
+                &[
+                    "--role",
+                    "initiator",
+                    "--peer",
+                    "h:1",
+                    "--peer-kind",
+                    "nixl",
+                ][..],
+                "needs --backend ucx",
+            )
+        } else {
+            (&["--backend", "ucx"][..], "backend ucx")
+        },
         (
             &["--backend-param", "bogus=1"][..],
             "unknown tcp backend parameter",
@@ -953,4 +969,102 @@ fn metrics_addr_in_use_is_an_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("serve metrics on"), "{stderr}");
+}
+
+/// `--peer-kind nixl` against a real NIXL agent (the `nixl-cu12` wheel's Python API in
+/// a child process, `tests/nixl_peer.py`), with nixl-ucx bound to the wheel's libucp.
+#[cfg(feature = "ucx")]
+#[test]
+fn targets_a_real_nixl_agent() {
+    use std::io::Write;
+    let case = "targets_a_real_nixl_agent";
+    let Some(wheel) = std::env::var_os("NIXL_TEST_NIXL_WHEEL_DIR").map(PathBuf::from) else {
+        return skip(
+            case,
+            "NIXL_TEST_NIXL_WHEEL_DIR is not set (the nixl-cu12 1.5.1 wheel)",
+        );
+    };
+    let libucp = std::fs::read_dir(wheel.join("nixl_cu12.libs"))
+        .ok()
+        .and_then(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("libucp-"))
+            })
+        });
+    let Some(libucp) = libucp else {
+        return skip(case, "no libucp in the nixl-cu12 wheel directory");
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/nixl_peer.py");
+    let mut nixl = Command::new("python3")
+        .arg(script)
+        .args([
+            "nixl-target",
+            &(4 << 20 | 4096).to_string(),
+            &port.to_string(),
+        ])
+        .env("PYTHONPATH", &wheel)
+        .env("UCX_NET_DEVICES", "lo")
+        .env("UCX_MODULES", "^ib")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    let mut lines = BufReader::new(nixl.stdout.take().unwrap()).lines();
+    loop {
+        let line = lines.next().expect("the NIXL agent starts").unwrap();
+        if line.starts_with("@@ OK ready") {
+            break;
+        }
+    }
+    let peer = format!("127.0.0.1:{port}");
+    let out = bench()
+        .args([
+            "--role",
+            "initiator",
+            "--peer-kind",
+            "nixl",
+            "--peer",
+            &peer,
+            "--backend",
+            "ucx",
+            "--op-type",
+            "READ,WRITE",
+            "--start-block-size",
+            "4K",
+            "--max-block-size",
+            "1M",
+            "--total-buffer-size",
+            "4M",
+            "--num-iter",
+            "20",
+            "--warmup-iter",
+            "2",
+        ])
+        .env("NIXL_UCX_LIB", &libucp)
+        .env("UCX_NET_DEVICES", "lo")
+        .env("UCX_MODULES", "^ib")
+        .output()
+        .expect("nixl-bench runs");
+    let _ = writeln!(nixl.stdin.as_mut().unwrap(), "EXIT");
+    let _ = wait_within(&mut nixl, Duration::from_secs(10));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("NIXL agent \"nixl-target\""), "{stdout}");
+    let rows = table_rows(&stdout);
+    assert_eq!(rows.len(), 2 * 9, "4K to 1M, READ and WRITE: {stdout}");
+    assert!(
+        rows.iter().all(|r| r[2] > 0.0),
+        "bandwidth measured: {stdout}"
+    );
 }

@@ -69,6 +69,19 @@
 //!   or out-of-range access itself: [`Capabilities::target_checks`] is `false`; the
 //!   initiating agent checks every descriptor, and the transport checks keys and
 //!   bounds as far as it can (shared memory via CMA checks neither).
+//! - **NIXL agents.** Peers loaded from NIXL's metadata
+//!   ([`nixl::NixlDialect`], [`nixl::interop`]) are spoken to as NIXL's UCX backend
+//!   speaks: the same worker address as connection info, the packed remote key alone
+//!   as a registration's blob, notifications as UCX active message 0 carrying NIXL's
+//!   serdes of the sender's name and the message (sent eagerly, after the transfer's
+//!   flush; received from any sender, unordered, as NIXL delivers them), and none of
+//!   this backend's own messages (no HELLO, BYE or liveness probes: a NIXL peer's
+//!   failure is noticed by UCX's peer-failure handling and keepalive alone). Both
+//!   sides must bind the same UCX build (`NIXL_UCX_LIB` at the NIXL agents' libucp):
+//!   an endpoint to a NIXL agent is only ever made with peer-failure handling, and a
+//!   NIXL agent unreachable that way fails its transfers with an error naming the
+//!   UCX bound here, rather than connecting without it (which ends in an assertion
+//!   inside UCX 1.13).
 //! - **VRAM** is refused with [`ErrorKind::NotSupported`]: mapping device memory needs
 //!   a CUDA context current on the progress thread and device-pointer plumbing (cudarc)
 //!   that this crate does not have yet; see [`UcxBackend::cuda_supported`].
@@ -787,7 +800,7 @@ impl Backend for UcxBackend {
 }
 
 /// NIXL's UCX backend: the same worker address as connection info, the packed remote
-/// key alone as a registration's blob, and NIXL's notifications (see the crate docs'
+/// key alone as a registration's blob, and NIXL's notifications (see the crate docs,
 /// "NIXL agents").
 impl NixlDialect for UcxBackend {
     fn backend_type(&self) -> &str {

@@ -377,7 +377,11 @@ async fn our_nixl_metadata_is_what_nixl_reads() {
     want.sort_by_key(|d| d.addr);
     assert_eq!(s.descs, want);
 
-    let p = NixlMetadata::decode(&a.nixl_partial_metadata(&[r2.clone()], false).unwrap()).unwrap();
+    let p = NixlMetadata::decode(
+        &a.nixl_partial_metadata(std::slice::from_ref(&r2), false)
+            .unwrap(),
+    )
+    .unwrap();
     assert!(p.conns.is_empty());
     assert_eq!(p.sections[0].descs.len(), 1);
     assert_eq!(p.sections[0].descs[0].addr, r2.addr());

@@ -77,7 +77,7 @@ impl Agent {
         const OP: &str = "load metadata";
         self.shared.check_running(OP)?;
         if interop::is_nixl_format(bytes) {
-            let md = self.from_nixl(NixlMetadata::decode(bytes)?)?;
+            let md = self.translate_nixl(NixlMetadata::decode(bytes)?)?;
             return self.load_decoded(md, true);
         }
         self.load_decoded(AgentMetadata::decode(bytes)?, false)
@@ -86,7 +86,7 @@ impl Agent {
     /// Translate a NIXL agent's metadata into this crate's form. The instance is
     /// derived from the connection info (0 without it) and `partial` is set; see
     /// [`Agent::load_decoded`] for how both are then settled.
-    fn from_nixl(&self, md: NixlMetadata) -> Result<AgentMetadata> {
+    fn translate_nixl(&self, md: NixlMetadata) -> Result<AgentMetadata> {
         const OP: &str = "load NIXL metadata";
         let speakers: Vec<(&str, &dyn crate::backend::NixlDialect)> = self
             .shared
@@ -183,7 +183,7 @@ impl Agent {
         })
     }
 
-    /// Load decoded metadata; `nixl` for a NIXL agent's (from [`Agent::from_nixl`]),
+    /// Load decoded metadata; `nixl` for a NIXL agent's (from [`Agent::translate_nixl`]),
     /// whose generation rule is settled here, under the lock: without connection info
     /// it extends the known peer; with the same connection info as known it extends
     /// too; new connection info (or an unknown peer) replaces.

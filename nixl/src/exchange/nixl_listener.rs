@@ -2,21 +2,7 @@
 //! `fetch_remote_metadata` and `invalidate_local_metadata` with an address), so NIXL
 //! agents and this crate's agents exchange metadata directly.
 //!
-//! # Protocol (NIXL 1.3 to 1.5.x)
-//! TCP, IPv4 in NIXL. Every message is a frame: a u64 little-endian length, then that
-//! many bytes, which start with `NIXLCOMM:` and a four-letter command:
-//! - `NIXLCOMM:LOAD<metadata>`: load the sender's metadata (no answer);
-//! - `NIXLCOMM:SEND`: answer on the same connection with `NIXLCOMM:LOAD<metadata>`,
-//!   the answering agent's full metadata;
-//! - `NIXLCOMM:INVL<name>`: forget the agent `name` (no answer).
-//!
-//! There is no authentication: anyone who reaches the port can load metadata into the
-//! agent or make it forget a peer, exactly as with NIXL's listener. Bind it to an
-//! interface only trusted peers reach (use the side channel with a
-//! [`SharedSecret`](crate::SharedSecret) between agents of this crate). Connections stay
-//! open for more frames, as NIXL keeps them; a frame over
-//! [`NixlListenerOptions::max_frame`], a malformed one or a connection idle for
-//! [`NixlListenerOptions::idle_timeout`] closes only that connection.
+//! See [`NixlListenerOptions`] for the protocol.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -36,6 +22,22 @@ const MARK: &[u8] = b"NIXLCOMM:";
 pub const NIXL_DEFAULT_PORT: u16 = 8888;
 
 /// Options for NIXL's listener protocol, server and client.
+///
+/// # Protocol (NIXL 1.3 to 1.5.x)
+/// TCP, IPv4 in NIXL. Every message is a frame: a u64 little-endian length, then that
+/// many bytes, which start with `NIXLCOMM:` and a four-letter command:
+/// - `NIXLCOMM:LOAD<metadata>`: load the sender's metadata (no answer);
+/// - `NIXLCOMM:SEND`: answer on the same connection with `NIXLCOMM:LOAD<metadata>`,
+///   the answering agent's full metadata;
+/// - `NIXLCOMM:INVL<name>`: forget the agent `name` (no answer).
+///
+/// There is no authentication: anyone who reaches the port can load metadata into the
+/// agent or make it forget a peer, exactly as with NIXL's listener. Bind it to an
+/// interface only trusted peers reach (use the side channel with a
+/// [`SharedSecret`](crate::SharedSecret) between agents of this crate). Connections stay
+/// open for more frames, as NIXL keeps them; a frame over
+/// [`NixlListenerOptions::max_frame`], a malformed one or a connection idle for
+/// [`NixlListenerOptions::idle_timeout`] closes only that connection.
 #[derive(Clone, Debug)]
 pub struct NixlListenerOptions {
     /// Bound for a client operation (connect, send, the answer to a fetch).
@@ -149,7 +151,7 @@ impl Agent {
     /// ([`Agent::nixl_metadata`]), send theirs (loaded as by
     /// [`Agent::load_metadata`]) and tell it to forget them. Returns the bound
     /// address. The listener runs until shutdown or drop, through the agent's task
-    /// tracker. See the [module docs](self) for the protocol and its (absent)
+    /// tracker. See [`NixlListenerOptions`] for the protocol and its (absent)
     /// security.
     ///
     /// # Errors
