@@ -841,7 +841,18 @@ impl Inner {
                     format!("{} answers as {name:?}, not {peer:?}", info.control),
                 )
             }
-            other => {
+            // The peer closed the connection before answering: it is going away.
+            None => {
+                return err(
+                    ErrorKind::RemoteDisconnected,
+                    OP,
+                    format!(
+                        "{peer:?} closed the control connection ({}) before answering hello",
+                        info.control
+                    ),
+                )
+            }
+            Some(other) => {
                 return err(
                     ErrorKind::Corrupt,
                     OP,
