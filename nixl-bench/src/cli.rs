@@ -58,7 +58,7 @@ pub(crate) struct Cli {
     /// What the target is: `nixl-rs` (a nixl-bench target), or `nixl`: an agent of
     /// NVIDIA's NIXL whose listener (`enable_listen_thread`) is at --peer. The
     /// initiator fetches its metadata through NIXL's listener protocol and transfers
-    /// to and from its first DRAM registration (at least --total-buffer-size bytes).
+    /// to and from its largest DRAM registration (at least --total-buffer-size bytes).
     /// Needs --role initiator --backend ucx, bound to the UCX the NIXL agent uses
     /// (NIXL_UCX_LIB); --check-consistency is not available (a NIXL agent has no
     /// nixl-bench control channel).

@@ -123,7 +123,7 @@ async fn drive(
 
 /// Run the sweep against a NIXL agent whose listener is at `addr` (`--peer-kind
 /// nixl`): its metadata through NIXL's listener protocol, ours sent back to it, then
-/// READs and WRITEs on its first DRAM registration. No consistency check (a NIXL
+/// READs and WRITEs on its largest DRAM registration. No consistency check (a NIXL
 /// agent has no control channel). Shuts the agent down at the end.
 ///
 /// # Errors
@@ -154,7 +154,8 @@ pub(crate) async fn run_nixl(config: &Config, addr: SocketAddr) -> Result<(RunIn
         let region = agent
             .remote_regions(&peer)?
             .into_iter()
-            .find(|r| r.kind == MemKind::Dram && r.len >= size)
+            .filter(|r| r.kind == MemKind::Dram && r.len >= size)
+            .max_by_key(|r| r.len)
             .ok_or_else(|| {
                 BenchError::new(format!(
                     "the NIXL agent {peer:?} registered no DRAM of at least {size} bytes (--total-buffer-size)"

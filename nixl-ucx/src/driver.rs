@@ -405,6 +405,8 @@ impl Core {
             }),
         )?;
         let ev = events.clone();
+        // The serdes framing around the message: prefix, two tags, lengths, bars.
+        let max_nixl = max_notification.saturating_add(64 + NIXL_MAX_NAME);
         ucx.set_am_handler(
             wire::NIXL_NOTIF_AM_ID,
             Box::new(move |m| {
@@ -412,6 +414,10 @@ impl Core {
                     tracing::warn!("ucx: dropping a NIXL notification offered by rendezvous (never requested)");
                     return None;
                 };
+                if data.len() > max_nixl {
+                    tracing::warn!(len = data.len(), "ucx: dropping a NIXL notification over the notification limit");
+                    return None;
+                }
                 match nixl::interop::decode_notification(data, NIXL_MAX_NAME) {
                     Ok((sender, msg)) => ev.lock().unwrap().push(AmEvent::Nixl {
                         sender,

@@ -1,5 +1,6 @@
 //! NIXL's own metadata format, so a nixl-rs agent can load the metadata of a NIXL
-//! agent (NIXL 1.3 to 1.5.x, C++ or Python) and hand NIXL metadata it accepts.
+//! agent (the format of NIXL 1.3 to 1.5.x, read from NIXL's source; tested against
+//! real 1.5.1 agents) and hand NIXL metadata it accepts.
 //!
 //! [`Agent::load_metadata`](crate::Agent::load_metadata) picks the format by the first
 //! bytes ([`is_nixl_format`]); [`Agent::nixl_metadata`](crate::Agent::nixl_metadata)
@@ -34,7 +35,8 @@
 //! Decoding treats its input as untrusted, as [`crate::metadata`] does: it never
 //! panics, checks every length against the remaining input and [`Limits`] before
 //! allocating, and refuses trailing bytes. Every defect is [`ErrorKind::Corrupt`].
-//! Encoding is canonical: decoding and re-encoding gives back the same bytes.
+//! Encoding is canonical: what decodes within [`Limits::default`] re-encodes to the
+//! same bytes.
 
 use std::fmt;
 

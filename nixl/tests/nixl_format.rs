@@ -487,3 +487,131 @@ proptest! {
         prop_assert_eq!(m, &msg[..]);
     }
 }
+
+fn one_desc_md(name: &str, info: &[u8], addr: u64, len: u64) -> Vec<u8> {
+    NixlMetadata {
+        name: name.into(),
+        conns: vec![NixlConn {
+            backend: "UCX".into(),
+            info: info.to_vec(),
+        }],
+        sections: vec![NixlSection {
+            backend: "UCX".into(),
+            mem_type: interop::MEM_DRAM,
+            descs: vec![desc(addr, len)],
+        }],
+    }
+    .encode()
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_new_nixl_descriptor_replaces_the_known_ones_it_overlaps() {
+    let (a, _b) = speaker("rust").await;
+    a.load_metadata(&one_desc_md("n", b"w", 0x1000, 4096))
+        .unwrap();
+    a.load_metadata(&one_desc_md("n", b"w", 0x9000, 64))
+        .unwrap();
+    // NIXL deregistered 0x1000 and registered an overlapping, larger buffer.
+    a.load_metadata(&one_desc_md("n", b"w", 0x1800, 8192))
+        .unwrap();
+    let mut got: Vec<(u64, u64)> = a
+        .remote_regions("n")
+        .unwrap()
+        .iter()
+        .map(|r| (r.addr, r.len))
+        .collect();
+    got.sort();
+    assert_eq!(got, vec![(0x1800, 8192), (0x9000, 64)]);
+}
+
+#[tokio::test]
+async fn empty_nixl_connection_info_is_no_connection_info() {
+    let (a, b) = speaker("rust").await;
+    let e = a
+        .load_metadata(&one_desc_md("n", b"", 0x1000, 64))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::UnknownPeer, "{e}");
+    a.load_metadata(&one_desc_md("n", b"w", 0x1000, 64))
+        .unwrap();
+    // Known: the empty connection info leaves the connection alone.
+    a.load_metadata(&one_desc_md("n", b"", 0x2000, 64)).unwrap();
+    assert_eq!(a.remote_regions("n").unwrap().len(), 2);
+    assert_eq!(b.added.lock().unwrap().len(), 1, "connected once");
+}
+
+/// Frames of NIXL's listener protocol, by hand.
+async fn frame(s: &mut tokio::net::TcpStream, body: &[u8]) {
+    use tokio::io::AsyncWriteExt;
+    s.write_all(&(body.len() as u64).to_le_bytes())
+        .await
+        .unwrap();
+    s.write_all(body).await.unwrap();
+}
+
+/// Send `bodies`, then `SEND`, and wait for the answer: every earlier frame on the
+/// connection has been handled by then.
+async fn frames_then_fetch(at: std::net::SocketAddr, bodies: &[Vec<u8>]) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut s = tokio::net::TcpStream::connect(at).await.unwrap();
+    for b in bodies {
+        frame(&mut s, b).await;
+    }
+    frame(&mut s, b"NIXLCOMM:SEND").await;
+    let mut len = [0u8; 8];
+    s.read_exact(&mut len).await.unwrap();
+    let mut body = vec![0u8; u64::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).await.unwrap();
+    body
+}
+
+#[tokio::test]
+async fn the_nixl_listener_follows_nixls_rules() {
+    let (a, _b) = speaker("rust").await;
+    let at = a
+        .listen_nixl(
+            ([127, 0, 0, 1], 0).into(),
+            &nixl::NixlListenerOptions::default(),
+        )
+        .await
+        .unwrap();
+    // A peer of this crate, known through an authenticated channel.
+    let (native, _nb) = speaker("native").await;
+    a.load_metadata(&native.metadata().unwrap()).unwrap();
+    let load = |md: &[u8]| [b"NIXLCOMM:LOAD".as_slice(), md].concat();
+
+    let answer = frames_then_fetch(
+        at,
+        &[
+            // Our own format is refused, even for a new name.
+            load(
+                &nixl::Agent::builder("x")
+                    .build()
+                    .await
+                    .unwrap()
+                    .metadata()
+                    .unwrap(),
+            ),
+            // NIXL's format over a peer of this crate is refused.
+            load(&one_desc_md("native", b"evil", 0x1000, 64)),
+            // Invalidating a peer of this crate is refused.
+            b"NIXLCOMM:INVLnative".to_vec(),
+            // A NIXL agent is introduced...
+            load(&one_desc_md("n", b"w", 0x1000, 64)),
+            // ...but not moved to new connection info.
+            load(&one_desc_md("n", b"elsewhere", 0x2000, 64)),
+        ],
+    )
+    .await;
+    assert!(answer.starts_with(b"NIXLCOMM:LOADnixlSerDes|"));
+    let md = NixlMetadata::decode(&answer[13..]).unwrap();
+    assert_eq!(md.name, "rust");
+    assert_eq!(a.peers(), vec!["n".to_string(), "native".to_string()]);
+    assert!(!a.is_nixl_peer("native").unwrap());
+    let n = a.remote_regions("n").unwrap();
+    assert_eq!((n.len(), n[0].addr), (1, 0x1000));
+    // INVL of the NIXL agent works.
+    frames_then_fetch(at, &[b"NIXLCOMM:INVLn".to_vec()]).await;
+    assert_eq!(a.peers(), vec!["native".to_string()]);
+    assert!(a.shutdown().await.is_clean());
+}

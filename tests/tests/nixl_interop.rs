@@ -579,11 +579,21 @@ async fn nixl_removes_and_reloads_our_agent() {
         .await;
     assert_eq!(r, "DONE", "the new registration is reachable");
     assert_eq!(read(&extra, 0, 4096), vec![0x33; 4096]);
-    // NIXL refuses different connection info under a known name; the same is a no-op.
+    // The same metadata again is a no-op for NIXL; different connection info under a
+    // known name (another agent called "rust-agent": a restart) is refused until
+    // NIXL removes the name (NIXL's reload rule, in the README).
     assert_eq!(
         nixl.load(&ours.nixl_metadata().unwrap()).await,
         "rust-agent"
     );
+    let (_, ucp) = wheel("nixl_removes_and_reloads_our_agent").unwrap();
+    let impostor = rust_agent("rust-agent", &ucp).await;
+    let e = nixl
+        .cmd(&format!("LOAD {}", hex(&impostor.nixl_metadata().unwrap())))
+        .await
+        .unwrap_err();
+    assert!(e.contains("NotAllowed"), "{e}");
+    assert!(impostor.shutdown().await.is_clean());
     drop((reg, extra));
     nixl.exit().await;
     assert!(ours.shutdown().await.is_clean());

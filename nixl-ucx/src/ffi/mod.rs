@@ -590,8 +590,13 @@ impl<K: HoldsMemory> Ucx<K> {
         if let Some(i) = self.am.iter().position(|&a| unsafe { (*a).id } == id) {
             let old = std::mem::replace(&mut self.am[i], slot);
             // The handler for `id` was replaced; UCX no longer calls the old slot.
-            // SAFETY: we own it and UCX dropped its reference above.
-            drop(unsafe { Box::from_raw(old) });
+            // SAFETY: we own both slots and UCX dropped its reference to the old one
+            // above. Replies still in flight move to the new slot, which frees them
+            // (and keeps their headers) as the old one would have.
+            let mut old = unsafe { Box::from_raw(old) };
+            // SAFETY: `slot` is live (just registered) and nothing else touches it now.
+            unsafe { (*slot).replies.append(&mut old.replies) };
+            drop(old);
         } else {
             self.am.push(slot);
         }

@@ -78,9 +78,26 @@ impl Agent {
         self.shared.check_running(OP)?;
         if interop::is_nixl_format(bytes) {
             let md = self.translate_nixl(NixlMetadata::decode(bytes)?)?;
-            return self.load_decoded(md, true);
+            return self.load_decoded(md, true, false);
         }
-        self.load_decoded(AgentMetadata::decode(bytes)?, false)
+        self.load_decoded(AgentMetadata::decode(bytes)?, false, false)
+    }
+
+    /// Load NIXL-format metadata from an unauthenticated source (a NIXL listener's
+    /// `LOAD`) under NIXL's own rules: NIXL's format only, never over a peer of this
+    /// crate, never new connection info for a known NIXL agent.
+    pub(crate) fn load_nixl_untrusted(&self, bytes: &[u8]) -> Result<String> {
+        const OP: &str = "load NIXL metadata";
+        self.shared.check_running(OP)?;
+        if !interop::is_nixl_format(bytes) {
+            return err(
+                ErrorKind::NotAllowed,
+                OP,
+                "a NIXL listener loads NIXL's format only",
+            );
+        }
+        let md = self.translate_nixl(NixlMetadata::decode(bytes)?)?;
+        self.load_decoded(md, true, true)
     }
 
     /// Translate a NIXL agent's metadata into this crate's form. The instance is
@@ -124,6 +141,10 @@ impl Agent {
                 tracing::debug!(peer = %md.name, backend = %c.backend, "NIXL metadata: skipping a backend no backend here speaks");
                 continue;
             };
+            if c.info.is_empty() {
+                tracing::debug!(peer = %md.name, backend = %c.backend, "NIXL metadata: skipping empty connection info");
+                continue;
+            }
             let i = index(&mut backends, ours);
             backends[i].conn_info = Some(c.info.clone());
             c.backend.hash(&mut hasher);
@@ -183,11 +204,12 @@ impl Agent {
         })
     }
 
-    /// Load decoded metadata; `nixl` for a NIXL agent's (from [`Agent::translate_nixl`]),
+    /// Load decoded metadata; `strict` under NIXL's own rules (see
+    /// [`Agent::load_nixl_untrusted`]); `nixl` for a NIXL agent's (from [`Agent::translate_nixl`]),
     /// whose generation rule is settled here, under the lock: without connection info
     /// it extends the known peer; with the same connection info as known it extends
     /// too; new connection info (or an unknown peer) replaces.
-    fn load_decoded(&self, mut md: AgentMetadata, nixl: bool) -> Result<String> {
+    fn load_decoded(&self, mut md: AgentMetadata, nixl: bool, strict: bool) -> Result<String> {
         const OP: &str = "load metadata";
         if md.name == self.shared.name {
             return err(ErrorKind::InvalidArgument, OP, "this is the agent's own metadata; use the agent's own name as peer for local transfers");
@@ -195,6 +217,31 @@ impl Agent {
         let mut peers = self.shared.peers.write().unwrap();
         let old = peers.get(&md.name).cloned();
         let has_conn = md.backends.iter().any(|b| b.conn_info.is_some());
+        if strict {
+            // NIXL's rule, for metadata from anyone who reaches a NIXL listener: it
+            // neither takes over a peer of this crate nor moves a NIXL agent to new
+            // connection info (the old one must be forgotten first).
+            match &old {
+                Some(p) if !p.nixl => {
+                    return err(
+                        ErrorKind::NotAllowed,
+                        OP,
+                        format!("{:?} is a peer of this crate, not a NIXL agent", md.name),
+                    )
+                }
+                Some(p) if has_conn && p.instance != md.instance => {
+                    return err(
+                        ErrorKind::NotAllowed,
+                        OP,
+                        format!(
+                            "NIXL agent {:?} is known with other connection info; forget it first",
+                            md.name
+                        ),
+                    )
+                }
+                _ => {}
+            }
+        }
         if nixl {
             let known = old.as_ref().filter(|p| p.nixl).map(|p| p.instance);
             match known {
@@ -218,16 +265,10 @@ impl Agent {
         };
         let mut regions = RangeIndex::default();
         let mut by_id = HashMap::new();
-        let mut backends: Vec<(String, Option<Bytes>)> = Vec::new();
-        if let Some(b) = &base {
-            for r in b.by_id.values() {
-                if !md.regions.iter().any(|n| n.id == r.id) {
-                    regions.insert(r.clone(), OP)?;
-                    by_id.insert(r.id, r.clone());
-                }
-            }
-            backends = b.backends.clone();
-        }
+        let mut backends: Vec<(String, Option<Bytes>)> = base
+            .as_ref()
+            .map(|b| b.backends.clone())
+            .unwrap_or_default();
         for bm in &md.backends {
             let conn = bm.conn_info.clone().map(Bytes::from);
             match backends.iter_mut().find(|(n, _)| *n == bm.name) {
@@ -264,6 +305,31 @@ impl Agent {
                 )
             })?;
             by_id.insert(rm.id, region);
+        }
+        if let Some(b) = &base {
+            // What the peer had and this load does not replace stays; for a NIXL
+            // agent, whose loads only ever add, a known descriptor that overlaps a new
+            // one was deregistered there (its memory registered anew): newest wins.
+            for r in b.by_id.values() {
+                if by_id.contains_key(&r.id) {
+                    continue;
+                }
+                match regions.insert(r.clone(), OP) {
+                    Ok(()) => {
+                        by_id.insert(r.id, r.clone());
+                    }
+                    Err(_) if nixl => {
+                        tracing::debug!(peer = %md.name, addr = r.addr, len = r.len, "NIXL metadata: dropping a known descriptor a new one overlaps");
+                    }
+                    Err(e) => {
+                        return err(
+                            ErrorKind::Corrupt,
+                            OP,
+                            format!("peer {:?}: {}", md.name, e.context()),
+                        )
+                    }
+                }
+            }
         }
         if load == (Load::Replace { restarted: true }) {
             // A peer restarted under the same name: drop connections to the old instance.

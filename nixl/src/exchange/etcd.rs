@@ -75,7 +75,10 @@ pub enum EtcdLayout {
     /// without one): they vanish when this agent stops. As NIXL does, the exchange
     /// announces the agent with an empty key `<namespace>/<agent>/` when it connects;
     /// NIXL agents that loaded this agent watch that key and forget the agent when it
-    /// goes (at [`EtcdExchange::invalidate`], at shutdown, or when the lease expires).
+    /// goes (at [`EtcdExchange::invalidate`], at shutdown, or when the lease expires;
+    /// [`EtcdExchange::publish`] announces it again). NIXL agents do not fetch again
+    /// by themselves: after an outage longer than the lease, which makes them forget
+    /// this agent, they must fetch it anew.
     Nixl,
 }
 
@@ -372,6 +375,12 @@ impl EtcdExchange {
             tracker: agent.tracker().clone(),
         });
         tracing::info!(agent = %inner.name, lease, "etcd: connected");
+        if inner.options.layout == EtcdLayout::Nixl {
+            // NIXL announces an agent with an empty key, `<namespace>/<agent>/`: NIXL
+            // agents that loaded it watch that key and forget the agent when it goes.
+            // (Before the lease keeper starts: a failure here leaves the lease to expire.)
+            inner.put("", Bytes::new()).await?;
+        }
         let keeper = inner.clone();
         inner.tracker.spawn(async move {
             let cancel = keeper.cancel.clone();
@@ -380,11 +389,6 @@ impl EtcdExchange {
                 _ = keeper.keep_lease() => {}
             }
         });
-        if inner.options.layout == EtcdLayout::Nixl {
-            // NIXL announces an agent with an empty key, `<namespace>/<agent>/`: NIXL
-            // agents that loaded it watch that key and forget the agent when it goes.
-            inner.put("", Bytes::new()).await?;
-        }
         let revoker = inner.clone();
         agent.on_shutdown(Box::new(move || {
             Box::pin(async move { revoker.revoke().await })
@@ -433,7 +437,11 @@ impl EtcdExchange {
         let agent = self.inner.agent()?;
         let md = match self.inner.options.layout {
             EtcdLayout::Native => agent.metadata()?,
-            EtcdLayout::Nixl => agent.nixl_metadata()?,
+            EtcdLayout::Nixl => {
+                // Announce again (after an invalidate), before the metadata.
+                self.inner.put("", Bytes::new()).await?;
+                agent.nixl_metadata()?
+            }
         };
         self.inner.put(self.inner.full(), md).await
     }

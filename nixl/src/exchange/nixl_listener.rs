@@ -31,9 +31,12 @@ pub const NIXL_DEFAULT_PORT: u16 = 8888;
 ///   the answering agent's full metadata;
 /// - `NIXLCOMM:INVL<name>`: forget the agent `name` (no answer).
 ///
-/// There is no authentication: anyone who reaches the port can load metadata into the
-/// agent or make it forget a peer, exactly as with NIXL's listener. Bind it to an
-/// interface only trusted peers reach (use the side channel with a
+/// There is no authentication, as with NIXL's listener: anyone who reaches the port
+/// can introduce a NIXL agent or make the agent forget one. The listener follows
+/// NIXL's own loader rules to limit that: it loads NIXL's format only, never over a
+/// peer of this crate, never new connection info for a NIXL agent it knows (NIXL's
+/// reload rule), and `INVL` forgets NIXL agents only. Bind it to an interface only
+/// trusted peers reach (use the side channel with a
 /// [`SharedSecret`](crate::SharedSecret) between agents of this crate). Connections stay
 /// open for more frames, as NIXL keeps them; a frame over
 /// [`NixlListenerOptions::max_frame`], a malformed one or a connection idle for
@@ -149,7 +152,8 @@ impl Agent {
     /// Serve NIXL's listener protocol on `addr` (port 0 picks one; NIXL's default is
     /// [`NIXL_DEFAULT_PORT`]): NIXL agents fetch this agent's metadata in NIXL's format
     /// ([`Agent::nixl_metadata`]), send theirs (loaded as by
-    /// [`Agent::load_metadata`]) and tell it to forget them. Returns the bound
+    /// [`Agent::load_metadata`], under NIXL's rules: see [`NixlListenerOptions`]) and
+    /// tell it to forget them. Returns the bound
     /// address. The listener runs until shutdown or drop, through the agent's task
     /// tracker. See [`NixlListenerOptions`] for the protocol and its (absent)
     /// security.
@@ -348,24 +352,40 @@ async fn serve(
             Ok(Ok(f)) => f,
         };
         let cmds = parse(&frame)?;
-        let Some(agent) = agent.upgrade() else {
-            return Ok(());
-        };
         for cmd in cmds {
+            // Held only while a command runs, never across a write: a client that
+            // stops reading must not keep the agent alive.
+            let Some(agent) = agent.upgrade() else {
+                return Ok(());
+            };
             match cmd {
-                Command::Load(md) => match agent.load_metadata(md) {
+                Command::Load(md) => match agent.load_nixl_untrusted(md) {
                     Ok(peer) => tracing::debug!(%peer, "NIXL listener: loaded metadata"),
                     Err(e) => tracing::warn!(error = %e, "NIXL listener: refused metadata"),
                 },
                 Command::Send => {
                     let md = agent.nixl_metadata().map_err(|e| e.to_string())?;
-                    write_frame(&mut stream, &[MARK, b"LOAD", &md])
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    drop(agent);
+                    tokio::time::timeout(
+                        options.timeout,
+                        write_frame(&mut stream, &[MARK, b"LOAD", &md]),
+                    )
+                    .await
+                    .map_err(|_| "the client did not read the metadata in time".to_owned())?
+                    .map_err(|e| e.to_string())?;
                 }
-                Command::Invalidate(peer) => match agent.forget_peer(peer) {
-                    Ok(()) => tracing::debug!(%peer, "NIXL listener: forgot peer"),
-                    Err(e) => tracing::debug!(%peer, error = %e, "NIXL listener: invalidation"),
+                // Only NIXL agents: peers of this crate are not NIXL's to invalidate.
+                Command::Invalidate(peer) => match agent.is_nixl_peer(peer) {
+                    Ok(true) => match agent.forget_peer(peer) {
+                        Ok(()) => tracing::debug!(%peer, "NIXL listener: forgot peer"),
+                        Err(e) => tracing::debug!(%peer, error = %e, "NIXL listener: invalidation"),
+                    },
+                    Ok(false) => {
+                        tracing::warn!(%peer, "NIXL listener: refused to invalidate a peer that is not a NIXL agent")
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "NIXL listener: invalidation of an unknown peer")
+                    }
                 },
             }
         }
