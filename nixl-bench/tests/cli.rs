@@ -612,13 +612,7 @@ mod etcd {
         endpoint: String,
     }
 
-    fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    }
+    use nixl_testkit::free_port;
 
     /// The etcd binary: `NIXL_ETCD_BIN`, else `etcd` on `PATH`.
     fn binary() -> Option<PathBuf> {
@@ -978,29 +972,10 @@ fn metrics_addr_in_use_is_an_error() {
 fn targets_a_real_nixl_agent() {
     use std::io::Write;
     let case = "targets_a_real_nixl_agent";
-    let Some(wheel) = std::env::var_os("NIXL_TEST_NIXL_WHEEL_DIR").map(PathBuf::from) else {
-        return skip(
-            case,
-            "NIXL_TEST_NIXL_WHEEL_DIR is not set (the nixl-cu12 1.5.1 wheel)",
-        );
+    let Some((wheel, libucp)) = nixl_testkit::nixl_wheel(case) else {
+        return;
     };
-    let libucp = std::fs::read_dir(wheel.join("nixl_cu12.libs"))
-        .ok()
-        .and_then(|d| {
-            d.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("libucp-"))
-            })
-        });
-    let Some(libucp) = libucp else {
-        return skip(case, "no libucp in the nixl-cu12 wheel directory");
-    };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = nixl_testkit::free_port();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/nixl_peer.py");
     let mut nixl = Command::new("python3")
         .arg(script)

@@ -38,10 +38,8 @@
 //! Encoding is canonical: what decodes within [`Limits::default`] re-encodes to the
 //! same bytes.
 
-use std::fmt;
-
 use crate::error::{Error, ErrorKind, Result};
-use crate::metadata::Limits;
+use crate::metadata::{within, Limits};
 
 /// The bytes every NIXL metadata blob (and every serdes message) starts with.
 pub const PREFIX: &[u8] = b"nixlSerDes|";
@@ -537,10 +535,6 @@ fn corrupt(context: impl Into<String>) -> Error {
 
 fn invalid(context: impl Into<String>) -> Error {
     Error::new(ErrorKind::InvalidArgument, ENCODE, context)
-}
-
-fn within(e: Error, place: impl fmt::Display) -> Error {
-    Error::new(e.kind(), e.operation(), format!("{place}: {}", e.context()))
 }
 
 #[cfg(test)]

@@ -500,7 +500,7 @@ fn invalid(context: impl Into<String>) -> Error {
 }
 
 /// Prefix an error's context with where it happened.
-fn within(e: Error, place: impl fmt::Display) -> Error {
+pub(crate) fn within(e: Error, place: impl fmt::Display) -> Error {
     Error::new(e.kind(), e.operation(), format!("{place}: {}", e.context()))
 }
 

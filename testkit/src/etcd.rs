@@ -1,7 +1,6 @@
 //! A real etcd server for tests: started from the host's `etcd` binary on loopback with
 //! a temporary data directory and free ports, stopped by its pid.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -30,14 +29,6 @@ pub struct ServerTls {
     pub client_ca: PathBuf,
     /// More etcd flags (e.g. `--auth-token-ttl=1`).
     pub args: Vec<String>,
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// The etcd binary: `NIXL_ETCD_BIN`, else `etcd` on `PATH`.
@@ -83,13 +74,16 @@ impl EtcdServer {
             );
             return None;
         };
-        let dir =
-            std::env::temp_dir().join(format!("nixl-etcd-{}-{}", std::process::id(), free_port()));
+        let dir = std::env::temp_dir().join(format!(
+            "nixl-etcd-{}-{}",
+            std::process::id(),
+            crate::free_port()
+        ));
         let mut s = Self {
             child: None,
             dir,
-            client_port: free_port(),
-            peer_port: free_port(),
+            client_port: crate::free_port(),
+            peer_port: crate::free_port(),
             tls,
             probe,
         };

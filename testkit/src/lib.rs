@@ -10,6 +10,52 @@ use std::time::{Duration, Instant};
 #[cfg(feature = "etcd")]
 pub mod etcd;
 
+/// A TCP port on 127.0.0.1 that was free a moment ago (for a server a test starts
+/// in another process).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The directory the `nixl-cu12` wheel (NIXL 1.5.1, its Python API and its own
+/// bundled UCX) was installed into (`NIXL_TEST_NIXL_WHEEL_DIR`, as `.ci/run` sets it)
+/// and the libucp inside it; `None`, after a SKIP line for `case`, without them.
+pub fn nixl_wheel(case: &str) -> Option<(std::path::PathBuf, std::path::PathBuf)> {
+    let Some(dir) = std::env::var_os("NIXL_TEST_NIXL_WHEEL_DIR").map(std::path::PathBuf::from)
+    else {
+        skip(
+            case,
+            "NIXL_TEST_NIXL_WHEEL_DIR is not set (a directory with the nixl-cu12 1.5.1 wheel installed; ./scripts/test under .ci/run sets it)",
+        );
+        return None;
+    };
+    let ucp = std::fs::read_dir(dir.join("nixl_cu12.libs"))
+        .ok()
+        .and_then(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("libucp-") && n.contains(".so"))
+            })
+        });
+    match ucp {
+        Some(ucp) if dir.join("nixl_cu12").is_dir() => Some((dir, ucp)),
+        _ => {
+            skip(
+                case,
+                format!(
+                    "no nixl_cu12 wheel with a bundled libucp under {}",
+                    dir.display()
+                ),
+            );
+            None
+        }
+    }
+}
+
 fn emit(var: &str, line: &str) {
     eprintln!("{line}");
     if let Some(path) = std::env::var_os(var) {

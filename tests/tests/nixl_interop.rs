@@ -18,37 +18,7 @@ use nixl_ucx::{UcxBackend, UcxOptions};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
-/// The wheel directory and the libucp inside it, or a SKIP line and `None`.
-fn wheel(case: &str) -> Option<(PathBuf, PathBuf)> {
-    let Some(dir) = std::env::var_os("NIXL_TEST_NIXL_WHEEL_DIR").map(PathBuf::from) else {
-        skip(
-            case,
-            "NIXL_TEST_NIXL_WHEEL_DIR is not set (a directory with the nixl-cu12 1.5.1 wheel installed; ./scripts/test under .ci/run sets it)",
-        );
-        return None;
-    };
-    let libs = dir.join("nixl_cu12.libs");
-    let ucp = std::fs::read_dir(&libs).ok().and_then(|d| {
-        d.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("libucp-") && n.contains(".so"))
-        })
-    });
-    match ucp {
-        Some(ucp) if dir.join("nixl_cu12").is_dir() => Some((dir, ucp)),
-        _ => {
-            skip(
-                case,
-                &format!(
-                    "no nixl_cu12 wheel with a bundled libucp under {}",
-                    dir.display()
-                ),
-            );
-            None
-        }
-    }
-}
+use nixl_testkit::nixl_wheel as wheel;
 
 /// The wheel's UCX crashes at exit on hosts without RDMA unless its ib module is off;
 /// both sides use loopback only.
@@ -188,20 +158,19 @@ impl NixlPeer {
     }
 }
 
+/// Hex for the NIXL peer's commands, `-` for empty.
 fn hex(b: &[u8]) -> String {
     if b.is_empty() {
         return "-".into();
     }
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    nixl_conformance::support::hex(b)
 }
 
 fn hex_decode(s: &str) -> Vec<u8> {
     if s == "-" || s.is_empty() {
         return Vec::new();
     }
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
-        .collect()
+    nixl_conformance::support::unhex(s).expect("the NIXL peer answers hex")
 }
 
 /// A nixl-rs agent on nixl-ucx bound to the wheel's libucp.
@@ -461,13 +430,7 @@ async fn killed_nixl_agent_fails_our_transfers() {
     assert!(ours.shutdown().await.is_clean());
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use nixl_testkit::free_port;
 
 /// One WRITE each way with byte checks: proves both sides hold working metadata.
 async fn both_ways_work(ours: &Agent, reg: &Registration, nixl: &mut NixlPeer) {

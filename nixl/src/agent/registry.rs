@@ -265,17 +265,7 @@ impl Agent {
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] if it would exceed the format's limits.
     pub fn metadata(&self) -> Result<Bytes> {
-        let mut regions: Vec<_> = self
-            .shared
-            .regions
-            .read()
-            .unwrap()
-            .by_id
-            .values()
-            .cloned()
-            .collect();
-        regions.sort_by_key(|r| r.id);
-        self.build_metadata(regions, false, true)
+        self.build_metadata(self.all_regions(), false, true)
     }
 
     /// Partial metadata: only `registrations`, with or without connection info.
@@ -305,17 +295,7 @@ impl Agent {
     /// [`ErrorKind::NotSupported`] when no backend speaks NIXL's dialect;
     /// [`ErrorKind::InvalidArgument`] if it would exceed the format's limits.
     pub fn nixl_metadata(&self) -> Result<Bytes> {
-        let mut regions: Vec<_> = self
-            .shared
-            .regions
-            .read()
-            .unwrap()
-            .by_id
-            .values()
-            .cloned()
-            .collect();
-        regions.sort_by_key(|r| r.id);
-        self.build_nixl_metadata(&regions, true)
+        self.build_nixl_metadata(&self.all_regions(), true)
     }
 
     /// Partial metadata in NIXL's format: only `registrations`, with or without
@@ -396,6 +376,21 @@ impl Agent {
             }
         }
         Ok(Bytes::from(md.encode()?))
+    }
+
+    /// Every registration, by id.
+    fn all_regions(&self) -> Vec<Arc<RegionInner>> {
+        let mut regions: Vec<_> = self
+            .shared
+            .regions
+            .read()
+            .unwrap()
+            .by_id
+            .values()
+            .cloned()
+            .collect();
+        regions.sort_by_key(|r| r.id);
+        regions
     }
 
     fn pick(

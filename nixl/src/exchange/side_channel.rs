@@ -13,8 +13,7 @@ use std::time::Duration;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::net::TcpStream;
 
 use super::frame::{read_frame, write_frame, FrameError, Kind, MAC_LEN, NONCE_LEN};
 use super::FULL_LABEL;
@@ -126,58 +125,17 @@ impl Agent {
         addr: SocketAddr,
         options: &SideChannelOptions,
     ) -> Result<SocketAddr> {
-        const OP: &str = "listen";
-        if !self.is_running() {
-            return err(ErrorKind::ShutDown, OP, "the agent is shutting down");
-        }
-        let listener = TcpListener::bind(addr).await.map_err(|e| {
-            Error::new(ErrorKind::Backend, OP, format!("cannot listen on {addr}")).with_source(e)
-        })?;
-        let bound = listener.local_addr().map_err(|e| {
-            Error::new(ErrorKind::Backend, OP, "listener has no address").with_source(e)
-        })?;
-        let cancel = self.child_token();
-        let tracker = self.tracker().clone();
-        let agent = self.downgrade();
-        let options = Arc::new(options.clone());
-        let slots = Arc::new(Semaphore::new(options.max_connections.max(1)));
-        let name = self.name().to_owned();
-        tracing::info!(agent = %name, %bound, auth = options.secret.is_some(), "side channel listening");
-        self.tracker().spawn(async move {
-            loop {
-                let permit = tokio::select! {
-                    _ = cancel.cancelled() => break,
-                    p = slots.clone().acquire_owned() => p.expect("semaphore never closes"),
-                };
-                let (stream, from) = tokio::select! {
-                    _ = cancel.cancelled() => break,
-                    r = listener.accept() => match r {
-                        Ok(x) => x,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "side channel: accept failed");
-                            tokio::select! {
-                                _ = cancel.cancelled() => break,
-                                _ = tokio::time::sleep(Duration::from_millis(50)) => continue,
-                            }
-                        }
-                    },
-                };
-                let (agent, options, token) =
-                    (agent.clone(), options.clone(), cancel.child_token());
-                tracker.spawn(async move {
-                    let _permit = permit;
-                    tokio::select! {
-                        _ = token.cancelled() => {}
-                        r = serve(agent, stream, &options) => {
-                            if let Err(why) = r {
-                                tracing::info!(%from, %why, "side channel: closed connection");
-                            }
-                        }
-                    }
-                });
-            }
-            tracing::debug!(agent = %name, %bound, "side channel listener stopped");
-        });
+        let bound = super::serve_connections(
+            self,
+            addr,
+            "listen",
+            "side channel",
+            options.max_connections,
+            options.clone(),
+            |agent, stream, options| async move { serve(agent, stream, &options).await },
+        )
+        .await?;
+        tracing::info!(agent = %self.name(), %bound, auth = options.secret.is_some(), "side channel listening");
         Ok(bound)
     }
 
