@@ -25,6 +25,8 @@ pub(crate) struct Baselines {
     pub(crate) tcp_half_rtt_us: f64,
     /// Half the round trip of a 4 KiB message answered by 24 bytes (a WRITE's shape).
     pub(crate) tcp_half_rtt_4k_us: f64,
+    /// Half the round trip of a 64-byte message answered by 4 KiB (a READ's shape).
+    pub(crate) tcp_half_rtt_4k_read_us: f64,
 }
 
 /// Measure everything; `sizes` are the bytes one request of each sweep point moves.
@@ -44,6 +46,8 @@ pub(crate) fn measure(sizes: &[u64]) -> Result<Baselines> {
         tcp_stream_gbps: tcp_stream().context("baseline: loopback TCP stream")?,
         tcp_half_rtt_us: ping_pong(64, 64).context("baseline: loopback TCP ping-pong")?,
         tcp_half_rtt_4k_us: ping_pong(4096, 24).context("baseline: loopback TCP ping-pong")?,
+        tcp_half_rtt_4k_read_us: ping_pong(64, 4096)
+            .context("baseline: loopback TCP ping-pong")?,
     })
 }
 
@@ -144,5 +148,6 @@ mod tests {
         assert!(b.memcpy.iter().all(|&(_, g)| g > 0.0));
         assert!(b.tcp_stream_gbps > 0.0);
         assert!(b.tcp_half_rtt_us > 0.0 && b.tcp_half_rtt_4k_us > 0.0);
+        assert!(b.tcp_half_rtt_4k_read_us > 0.0);
     }
 }

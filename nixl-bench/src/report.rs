@@ -92,7 +92,7 @@ struct JsonReport<'a> {
 }
 
 /// Column titles of the table (nixlbench's) and of CSV/JSON.
-const COLUMNS: [(&str, &str, usize); 13] = [
+const COLUMNS: [(&str, &str, usize); 14] = [
     ("", "op", 0),
     ("Block Size (B)", "block_size", 20),
     ("Batch Size", "batch_size", 15),
@@ -103,6 +103,7 @@ const COLUMNS: [(&str, &str, usize); 13] = [
     ("Avg Post (us)", "avg_post_us", 15),
     ("P99 Post (us)", "p99_post_us", 15),
     ("Avg Tx (us)", "avg_tx_us", 15),
+    ("P50 Tx (us)", "p50_tx_us", 15),
     ("P99 Tx (us)", "p99_tx_us", 15),
     ("Segments", "segments", 10),
     ("Runs", "segment_runs", 6),
@@ -329,8 +330,8 @@ fn write_header(out: &mut impl Write, run: &RunInfo) -> io::Result<()> {
             out,
             "Baseline",
             format!(
-                "loopback TCP: stream {:.2} GB/s; half round trip {:.1} us (64 B), {:.1} us (4 KiB, 24 B reply)",
-                b.tcp_stream_gbps, b.tcp_half_rtt_us, b.tcp_half_rtt_4k_us
+                "loopback TCP: stream {:.2} GB/s; half round trip {:.1} us (64 B), {:.1} us (4 KiB, 24 B reply: a WRITE's shape), {:.1} us (64 B, 4 KiB reply: a READ's shape)",
+                b.tcp_stream_gbps, b.tcp_half_rtt_us, b.tcp_half_rtt_4k_us, b.tcp_half_rtt_4k_read_us
             ),
         )?;
     }
@@ -357,7 +358,7 @@ fn seg(s: crate::cli::SegType) -> &'static str {
 /// nixlbench's row: left-aligned fixed widths; bandwidth with 6 decimals, times with 1.
 pub(crate) fn table_row(r: &Row) -> String {
     let line = format!(
-        "{:<20}{:<15}{:<15.6}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<10}{:<6}",
+        "{:<20}{:<15}{:<15.6}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<15.1}{:<10}{:<6}",
         r.block_size,
         r.batch_size,
         r.bw_gbps,
@@ -367,6 +368,7 @@ pub(crate) fn table_row(r: &Row) -> String {
         r.avg_post_us,
         r.p99_post_us,
         r.avg_tx_us,
+        r.p50_tx_us,
         r.p99_tx_us,
         r.segments,
         r.segment_runs
@@ -376,7 +378,7 @@ pub(crate) fn table_row(r: &Row) -> String {
 
 fn csv_row(r: &Row) -> String {
     format!(
-        "{},{},{},{:.6},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{}",
+        "{},{},{},{:.6},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{:.3},{},{}",
         r.op,
         r.block_size,
         r.batch_size,
@@ -387,6 +389,7 @@ fn csv_row(r: &Row) -> String {
         r.avg_post_us,
         r.p99_post_us,
         r.avg_tx_us,
+        r.p50_tx_us,
         r.p99_tx_us,
         r.segments,
         r.segment_runs
@@ -419,6 +422,7 @@ mod tests {
             avg_post_us: 0.5,
             p99_post_us: 0.9,
             avg_tx_us: 30.0,
+            p50_tx_us: 29.0,
             p99_tx_us: 50.55,
             segments: 1,
             segment_runs: 1,
@@ -432,7 +436,7 @@ mod tests {
             s.starts_with("4096                1              0.123457       33.2"),
             "{s:?}"
         );
-        assert_eq!(s.split_whitespace().count(), 12);
+        assert_eq!(s.split_whitespace().count(), 13);
     }
 
     #[test]

@@ -31,6 +31,16 @@ impl Samples {
         }
     }
 
+    /// The median: element `n / 2` of the sorted samples (0 when empty). Next to the
+    /// mean and the 99th percentile it shows whether times are bimodal.
+    pub(crate) fn p50(&mut self) -> f64 {
+        if self.0.is_empty() {
+            return 0.0;
+        }
+        self.0.sort_by(f64::total_cmp);
+        self.0[self.0.len() / 2]
+    }
+
     /// The 99th percentile as nixlbench takes it: element `floor(n * 0.99)` of the
     /// sorted samples (0 when empty).
     pub(crate) fn p99(&mut self) -> f64 {
@@ -73,6 +83,7 @@ pub(crate) struct Row {
     pub(crate) avg_post_us: f64,
     pub(crate) p99_post_us: f64,
     pub(crate) avg_tx_us: f64,
+    pub(crate) p50_tx_us: f64,
     pub(crate) p99_tx_us: f64,
     /// Segments per request after merging.
     pub(crate) segments: usize,
@@ -110,6 +121,7 @@ impl Row {
             avg_post_us: phase.post.avg(),
             p99_post_us: phase.post.p99(),
             avg_tx_us: phase.tx.avg(),
+            p50_tx_us: phase.tx.p50(),
             p99_tx_us: phase.tx.p99(),
             segments: phase.segments,
             segment_runs: phase.runs,
@@ -134,7 +146,9 @@ mod tests {
         let mut one = samples(&[3.0]);
         assert_eq!((one.avg(), one.p99()), (3.0, 3.0));
         let mut none = Samples::default();
-        assert_eq!((none.avg(), none.p99()), (0.0, 0.0));
+        assert_eq!((none.avg(), none.p99(), none.p50()), (0.0, 0.0, 0.0));
+        let mut odd = samples(&[5.0, 1.0, 3.0]);
+        assert_eq!(odd.p50(), 3.0);
     }
 
     #[test]
@@ -153,6 +167,6 @@ mod tests {
         // 2000 us / (10 x 4).
         assert!((r.avg_lat_us - 50.0).abs() < 1e-9);
         assert_eq!((r.avg_post_us, r.p99_post_us), (3.0, 4.0));
-        assert_eq!((r.avg_tx_us, r.p99_tx_us), (20.0, 30.0));
+        assert_eq!((r.avg_tx_us, r.p50_tx_us, r.p99_tx_us), (20.0, 30.0, 30.0));
     }
 }
