@@ -1,7 +1,8 @@
 //! The object-safe [`Backend`] trait and what the agent hands to backends.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -253,6 +254,48 @@ impl SegmentRun {
     pub fn target_at(&self, i: usize) -> u64 {
         self.target_offset + i as u64 * self.target_stride
     }
+
+    /// Bytes `lo..hi` of this run (counted over its segments in order, `lo <= hi <=
+    /// bytes()`) as at most three runs: a partial first segment, the whole segments,
+    /// a partial last segment, each where present (none when `lo == hi`). A partial
+    /// segment is a run of one; the runs keep this run's strides.
+    pub fn cut(&self, lo: u64, hi: u64) -> impl Iterator<Item = Self> {
+        let mut out = [None; 3];
+        if lo < hi && hi <= self.bytes() {
+            let len = self.len;
+            let (first, first_from) = ((lo / len) as usize, lo % len);
+            let (last, last_to) = (((hi - 1) / len) as usize, (hi - 1) % len + 1);
+            let part = |i: usize, from: u64, to: u64| Self {
+                local_offset: self.local_at(i) + from,
+                target_offset: self.target_at(i) + from,
+                len: to - from,
+                count: 1,
+                ..*self
+            };
+            if first == last {
+                out[0] = Some(part(first, first_from, last_to));
+            } else {
+                let mut whole = first..last + 1;
+                if first_from > 0 {
+                    out[0] = Some(part(first, first_from, len));
+                    whole.start += 1;
+                }
+                if last_to < len {
+                    out[2] = Some(part(last, 0, last_to));
+                    whole.end -= 1;
+                }
+                if !whole.is_empty() {
+                    out[1] = Some(Self {
+                        local_offset: self.local_at(whole.start),
+                        target_offset: self.target_at(whole.start),
+                        count: whole.len(),
+                        ..*self
+                    });
+                }
+            }
+        }
+        out.into_iter().flatten()
+    }
 }
 
 /// The segments of one transfer, in order, as runs ([`SegmentRun`]) over the
@@ -356,6 +399,61 @@ impl Segments {
             .iter()
             .flat_map(move |r| (0..r.count).map(move |i| self.segment(r, i)))
     }
+
+    /// The same transfer cut into at most `parts` consecutive pieces of nearly equal
+    /// bytes, in order, for a backend that moves pieces over several connections or
+    /// queue pairs at once. Cuts fall on multiples of `align` bytes from the start of
+    /// the transfer (so pieces stay page-sized where `align` is a page), inside a
+    /// segment where needed: a single 16 MiB segment cut in four gives four 4 MiB
+    /// pieces. Fewer pieces come back when the transfer is too small for `parts`
+    /// cuts at `align`; one piece (a copy of this) when `parts` is at most 1.
+    ///
+    /// Each piece shares this transfer's registration tables and is O(runs) to make:
+    /// a run is cut into at most a partial first segment, whole segments and a partial
+    /// last one.
+    pub fn split(&self, parts: usize, align: u64) -> Vec<Self> {
+        let pieces = split_runs(&self.runs, self.bytes, parts, align);
+        if pieces.len() <= 1 {
+            return vec![self.clone()];
+        }
+        pieces
+            .into_iter()
+            .map(|runs| Self::checked(self.locals.clone(), self.targets.clone(), runs))
+            .collect()
+    }
+}
+
+/// The runs of each piece of [`Segments::split`].
+fn split_runs(runs: &[SegmentRun], bytes: u64, parts: usize, align: u64) -> Vec<Vec<SegmentRun>> {
+    let align = align.max(1);
+    let mut cuts = vec![0u64];
+    for k in 1..parts.max(1) {
+        let c = (u128::from(bytes) * k as u128 / parts as u128) as u64 / align * align;
+        if c > *cuts.last().expect("starts with 0") {
+            cuts.push(c);
+        }
+    }
+    if bytes > *cuts.last().expect("starts with 0") {
+        cuts.push(bytes);
+    }
+    let n = cuts.len().saturating_sub(1);
+    let mut pieces = vec![Vec::new(); n];
+    let (mut pos, mut piece) = (0u64, 0usize);
+    for run in runs {
+        let end = pos + run.bytes();
+        while piece < n && cuts[piece] < end {
+            let lo = cuts[piece].max(pos) - pos;
+            let hi = cuts[piece + 1].min(end) - pos;
+            pieces[piece].extend(run.cut(lo, hi));
+            if cuts[piece + 1] <= end {
+                piece += 1;
+            } else {
+                break;
+            }
+        }
+        pos = end;
+    }
+    pieces
 }
 
 /// A fully checked transfer, handed to [`Backend::prepare`].
@@ -530,32 +628,137 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 /// [`Completer::complete`] fails the transfer with [`ErrorKind::Canceled`], so a
 /// backend that loses a request can never leave its future hanging.
 pub struct Completer {
-    state: Option<Arc<CompletionState>>,
+    sink: Option<Sink>,
+}
+
+/// Where a completer reports.
+enum Sink {
+    /// The transfer's own state.
+    Whole(Arc<CompletionState>),
+    /// One part of a split transfer.
+    Part(Arc<Join>),
+}
+
+/// What the parts of a split completer share.
+struct Join {
+    /// Parts not yet completed.
+    left: AtomicUsize,
+    /// The first error a part reported.
+    error: Mutex<Option<Error>>,
+    /// The completer that was split, and what to do with it once every part is done.
+    parent: Mutex<Option<(Completer, JoinThen)>>,
+    /// Whether the transfer was canceled, read without the lock.
+    canceled: Box<dyn Fn() -> bool + Send + Sync>,
+}
+
+type JoinThen = Box<dyn FnOnce(Completer, Result<()>) + Send>;
+
+impl Join {
+    fn part_done(&self, result: Result<()>) {
+        if let Err(e) = result {
+            let mut first = self.error.lock().unwrap();
+            if first.is_none() {
+                *first = Some(e);
+            }
+        }
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // The last part: every other part's memory use is over.
+            let result = match self.error.lock().unwrap().take() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            };
+            let parent = self.parent.lock().unwrap().take();
+            if let Some((parent, then)) = parent {
+                then(parent, result);
+            }
+        }
+    }
 }
 
 impl Completer {
     pub(crate) fn new(state: Arc<CompletionState>) -> Self {
-        Self { state: Some(state) }
+        Self {
+            sink: Some(Sink::Whole(state)),
+        }
     }
 
     /// Report the outcome. Memory is released before the awaiting task wakes.
     pub fn complete(mut self, result: Result<()>) {
-        if let Some(s) = self.state.take() {
-            s.finish(result);
+        match self.sink.take() {
+            Some(Sink::Whole(s)) => s.finish(result),
+            Some(Sink::Part(j)) => j.part_done(result),
+            None => {}
         }
     }
 
     /// Whether the application dropped the transfer's future; work not yet started may
     /// be skipped (then complete with [`ErrorKind::Canceled`]).
     pub fn is_canceled(&self) -> bool {
-        self.state.as_ref().is_some_and(|s| s.is_canceled())
+        match &self.sink {
+            Some(Sink::Whole(s)) => s.is_canceled(),
+            Some(Sink::Part(j)) => (j.canceled)(),
+            None => false,
+        }
+    }
+
+    /// Split this completer into one per part of the transfer (a backend that sends
+    /// pieces over several connections or queue pairs). The transfer completes when
+    /// every part has completed, with the first error a part reported, so its memory
+    /// stays alive until the last part lets go. Each part follows the rules of a
+    /// whole completer: dropping one unreported fails it with
+    /// [`ErrorKind::Canceled`], and [`Completer::is_canceled`] reports the
+    /// transfer's cancellation.
+    ///
+    /// `parts` of 0 completes the transfer at once (nothing to wait for).
+    pub fn split(self, parts: usize) -> Vec<Self> {
+        self.split_then(parts, |c, r| c.complete(r))
+    }
+
+    /// [`Completer::split`], with `then` called once every part has completed,
+    /// with this completer and the combined result, on the thread that completed the
+    /// last part. A backend uses it to send a notification only after every part's
+    /// data has arrived, then complete. `then` must not block.
+    pub fn split_then(
+        self,
+        parts: usize,
+        then: impl FnOnce(Self, Result<()>) + Send + 'static,
+    ) -> Vec<Self> {
+        if parts == 0 {
+            then(self, Ok(()));
+            return Vec::new();
+        }
+        let canceled: Box<dyn Fn() -> bool + Send + Sync> = match &self.sink {
+            Some(Sink::Whole(s)) => {
+                let s = s.clone();
+                Box::new(move || s.is_canceled())
+            }
+            Some(Sink::Part(j)) => {
+                let j = j.clone();
+                Box::new(move || (j.canceled)())
+            }
+            None => Box::new(|| false),
+        };
+        let join = Arc::new(Join {
+            left: AtomicUsize::new(parts),
+            error: Mutex::new(None),
+            parent: Mutex::new(Some((self, Box::new(then)))),
+            canceled,
+        });
+        (0..parts)
+            .map(|_| Self {
+                sink: Some(Sink::Part(join.clone())),
+            })
+            .collect()
     }
 }
 
 impl Drop for Completer {
     fn drop(&mut self) {
-        if let Some(s) = self.state.take() {
-            s.finish(Err(Error::new(
+        if self.sink.is_some() {
+            let sink = Self {
+                sink: self.sink.take(),
+            };
+            sink.complete(Err(Error::new(
                 ErrorKind::Canceled,
                 "transfer",
                 "the backend dropped the request without completing it",
@@ -567,7 +770,182 @@ impl Drop for Completer {
 impl fmt::Debug for Completer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Completer")
-            .field("pending", &self.state.is_some())
+            .field("pending", &self.sink.is_some())
+            .field("part", &matches!(self.sink, Some(Sink::Part(_))))
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transfer::{Status, Transfer};
+    use proptest::prelude::*;
+
+    fn pair() -> (Transfer, Completer) {
+        let state = CompletionState::standalone();
+        (Transfer::new(state.clone()), Completer::new(state))
+    }
+
+    fn failed(kind: ErrorKind) -> Result<()> {
+        Err(Error::new(kind, "test", "a part failed"))
+    }
+
+    #[test]
+    fn split_completes_after_the_last_part_with_the_first_error() {
+        let (t, c) = pair();
+        let mut parts = c.split(3);
+        assert_eq!(parts.len(), 3);
+        parts.pop().unwrap().complete(Ok(()));
+        parts
+            .pop()
+            .unwrap()
+            .complete(failed(ErrorKind::RemoteDisconnected));
+        assert_eq!(t.status(), Status::InFlight, "one part is still out");
+        // A part dropped unreported counts as canceled, after the first error.
+        drop(parts.pop());
+        assert_eq!(t.status(), Status::Failed(ErrorKind::RemoteDisconnected));
+
+        let (t, c) = pair();
+        for p in c.split(2) {
+            p.complete(Ok(()));
+        }
+        assert_eq!(t.status(), Status::Done);
+
+        let (t, c) = pair();
+        assert!(c.split(0).is_empty());
+        assert_eq!(t.status(), Status::Done, "nothing to wait for");
+    }
+
+    #[test]
+    fn split_then_runs_once_with_the_parent_and_parts_see_cancellation() {
+        let (t, c) = pair();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let parts = c.split_then(2, move |parent, r| {
+            tx.send(r.is_ok()).unwrap();
+            parent.complete(failed(ErrorKind::Backend));
+        });
+        let mut nested = parts.into_iter();
+        let first = nested.next().unwrap();
+        let inner = nested.next().unwrap().split(2);
+        assert!(!first.is_canceled() && !inner[0].is_canceled());
+        drop(t);
+        assert!(
+            first.is_canceled() && inner[1].is_canceled(),
+            "parts see the drop"
+        );
+        first.complete(Ok(()));
+        for p in inner {
+            p.complete(Ok(()));
+        }
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![true]);
+    }
+
+    fn run(
+        local_offset: u64,
+        target_offset: u64,
+        len: u64,
+        strides: (u64, u64),
+        count: usize,
+    ) -> SegmentRun {
+        SegmentRun {
+            local: 0,
+            target: 0,
+            local_offset,
+            target_offset,
+            local_stride: strides.0,
+            target_stride: strides.1,
+            len,
+            count,
+        }
+    }
+
+    /// (local, target, len) byte intervals, merged where both sides continue.
+    fn intervals<'a>(runs: impl IntoIterator<Item = &'a SegmentRun>) -> Vec<(u64, u64, u64)> {
+        let mut out: Vec<(u64, u64, u64)> = Vec::new();
+        for r in runs {
+            for i in 0..r.count {
+                let (l, t) = (r.local_at(i), r.target_at(i));
+                match out.last_mut() {
+                    Some((pl, pt, n)) if *pl + *n == l && *pt + *n == t => *n += r.len,
+                    _ => out.push((l, t, r.len)),
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn split_cuts_inside_segments_at_the_alignment() {
+        // One 16 MiB segment in four.
+        let one = [run(0, 4096, 16 << 20, (0, 0), 1)];
+        let pieces = split_runs(&one, 16 << 20, 4, 4096);
+        assert_eq!(pieces.len(), 4);
+        for (k, p) in pieces.iter().enumerate() {
+            let k = k as u64;
+            assert_eq!(
+                p.as_slice(),
+                &[run(k << 22, 4096 + (k << 22), 4 << 20, (0, 0), 1)]
+            );
+        }
+        // Ten 1000-byte blocks in three, cut at 8 bytes: 3336 | 3328 | 3336.
+        let strided = [run(0, 0, 1000, (1000, 2000), 10)];
+        let pieces = split_runs(&strided, 10_000, 3, 8);
+        let bytes: Vec<u64> = pieces
+            .iter()
+            .map(|p| p.iter().map(SegmentRun::bytes).sum())
+            .collect();
+        assert_eq!(bytes, vec![3328, 3336, 3336]);
+        // The middle piece: the rest of block 3, blocks 4 and 5, the start of block 6.
+        // Partial blocks keep the run's strides; only their offsets move.
+        assert_eq!(
+            pieces[1],
+            vec![
+                run(3328, 6328, 672, (1000, 2000), 1),
+                run(4000, 8000, 1000, (1000, 2000), 2),
+                run(6000, 12000, 664, (1000, 2000), 1),
+            ]
+        );
+        // Too small for the cuts asked for: fewer pieces.
+        assert_eq!(split_runs(&strided, 10_000, 4, 4096).len(), 2);
+        assert_eq!(split_runs(&strided, 10_000, 1, 1).len(), 1);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn split_pieces_are_the_transfer_in_order(
+            shapes in proptest::collection::vec((1u64..5000, 1usize..6, 0u64..3, 0u64..3), 1..6),
+            parts in 1usize..9,
+            align in prop_oneof![Just(1u64), Just(8), Just(4096)],
+        ) {
+            // Runs one after another on both sides, strides at least the length.
+            let (mut l, mut t) = (0u64, 1u64 << 40);
+            let mut runs = Vec::new();
+            for (len, count, ls, ts) in shapes {
+                let r = run(l, t, len, (len * (ls + 1), len * (ts + 1)), count);
+                l += r.local_stride * count as u64;
+                t += r.target_stride * count as u64;
+                runs.push(r);
+            }
+            let bytes: u64 = runs.iter().map(SegmentRun::bytes).sum();
+            let pieces = split_runs(&runs, bytes, parts, align);
+            prop_assert!(!pieces.is_empty() && pieces.len() <= parts);
+            let sizes: Vec<u64> = pieces.iter().map(|p| p.iter().map(SegmentRun::bytes).sum()).collect();
+            prop_assert_eq!(sizes.iter().sum::<u64>(), bytes);
+            for (k, s) in sizes.iter().enumerate() {
+                prop_assert!(*s > 0);
+                if k + 1 < sizes.len() {
+                    prop_assert_eq!(sizes[..=k].iter().sum::<u64>() % align, 0, "cut off the alignment");
+                }
+            }
+            for p in &pieces {
+                for r in p {
+                    prop_assert!(r.count > 0 && r.len > 0);
+                }
+            }
+            prop_assert_eq!(intervals(pieces.iter().flatten()), intervals(&runs));
+        }
     }
 }
