@@ -34,7 +34,7 @@ fuzz_target!(|data: &[u8]| {
     let w = &*WORLD;
     w.rt.block_on(async {
         let mut s = tokio::net::TcpStream::connect(w.addr).await.unwrap();
-        let mut hello = b"NXTC\x03\x00\x04\x00fuzz".to_vec();
+        let mut hello = b"NXTC\x04\x00\x04\x00fuzz".to_vec();
         hello.extend_from_slice(data);
         let _ = s.write_all(&hello).await;
         let _ = s.shutdown().await;

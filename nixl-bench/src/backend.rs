@@ -92,6 +92,8 @@ mod tcp {
         "max_notification",
         "same_host",
         "inline_copy_max",
+        "connections",
+        "stripe_min",
     ];
 
     pub(super) fn make(params: &[(String, String)], host: IpAddr) -> Result<Arc<dyn Backend>> {
@@ -136,6 +138,14 @@ mod tcp {
                 "inline_copy_max" => match parse_size(value).map(usize::try_from) {
                     Ok(Ok(n)) => o.inline_copy_max = n,
                     _ => return bad("a size such as 4M"),
+                },
+                "connections" => match value.parse() {
+                    Ok(n) if n >= 1 => o.connections = n,
+                    _ => return bad("a number of connections, at least 1"),
+                },
+                "stripe_min" => match parse_size(value).map(usize::try_from) {
+                    Ok(Ok(n)) => o.stripe_min = n,
+                    _ => return bad("a size such as 1M"),
                 },
                 _ => {
                     return fail(format!(

@@ -46,8 +46,7 @@ pub(crate) fn measure(sizes: &[u64]) -> Result<Baselines> {
         tcp_stream_gbps: tcp_stream().context("baseline: loopback TCP stream")?,
         tcp_half_rtt_us: ping_pong(64, 64).context("baseline: loopback TCP ping-pong")?,
         tcp_half_rtt_4k_us: ping_pong(4096, 24).context("baseline: loopback TCP ping-pong")?,
-        tcp_half_rtt_4k_read_us: ping_pong(64, 4096)
-            .context("baseline: loopback TCP ping-pong")?,
+        tcp_half_rtt_4k_read_us: ping_pong(64, 4096).context("baseline: loopback TCP ping-pong")?,
     })
 }
 

@@ -25,7 +25,7 @@ use nixl::{Completer, Error, ErrorKind, Op, Result, Segments};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::io::{recv_slice, send_slice, IO_BUF};
@@ -45,6 +45,44 @@ enum Item {
     Job(Job),
     /// The rest of a frame [`Conn::submit`] began writing itself.
     Raw(Vec<u8>),
+    /// The end of a transfer split across connections: nothing queued after it is
+    /// sent before every piece has landed (then its notification goes first).
+    Gate(oneshot::Receiver<Gated>),
+}
+
+/// Which connection to a peer this is.
+#[derive(Debug)]
+pub(crate) enum Lane {
+    /// The first: asks for the same-host path (or says why not) and carries
+    /// everything but the other pieces of large transfers.
+    First(std::result::Result<(), String>),
+    /// A further connection for pieces of large transfers; TCP only.
+    Extra,
+}
+
+/// A split transfer whose every piece has completed, for its first connection's
+/// writer.
+pub(crate) struct Gated {
+    pub(crate) done: Completer,
+    pub(crate) result: Result<()>,
+    pub(crate) notif: Option<Bytes>,
+}
+
+impl Gated {
+    /// Finish it without the first connection: the data moved (or failed) already,
+    /// only a notification can no longer be sent.
+    pub(crate) fn close(self, peer: &str) {
+        let r = match (self.result, self.notif) {
+            (Err(e), _) => Err(e),
+            (Ok(()), None) => Ok(()),
+            (Ok(()), Some(_)) => Err(Error::new(
+                ErrorKind::RemoteDisconnected,
+                "tcp transfer",
+                format!("peer {peer:?}: the connection closed before the notification was sent"),
+            )),
+        };
+        self.done.complete(r);
+    }
 }
 
 /// Who may write to the socket right now.
@@ -72,7 +110,12 @@ enum JobKind {
         local: Arc<Segments>,
         /// The remote side for the same-host path, when the target granted it.
         direct: Option<Arc<Direct>>,
+        /// Bytes this job moves: the transfer's, or its piece's.
         total: u64,
+        /// A piece of a transfer split across connections: its byte range (offset,
+        /// length) within the transfer; `local` is the piece's own segments, `table`
+        /// the whole transfer's.
+        part: Option<(u64, u64)>,
     },
     Notify,
 }
@@ -94,9 +137,69 @@ impl Job {
                 local,
                 direct,
                 total,
+                part: None,
             },
             notif,
             done,
+        }
+    }
+
+    /// Bytes `from..from + local.bytes()` of a transfer split across connections:
+    /// `table` is the whole transfer's (the target checks all of it), `local` the
+    /// piece's own segments. Pieces carry no notification.
+    pub(crate) fn piece(
+        op: Op,
+        table: Bytes,
+        local: Arc<Segments>,
+        from: u64,
+        done: Completer,
+    ) -> Self {
+        let total = local.bytes();
+        Self {
+            kind: JobKind::Transfer {
+                op,
+                table,
+                local,
+                direct: None,
+                total,
+                part: Some((from, total)),
+            },
+            notif: None,
+            done,
+        }
+    }
+
+    /// The request header (with a piece's range), for request `id`.
+    fn head(&self, id: u64) -> ([u8; wire::HEADER_LEN + wire::PART_LEN], usize) {
+        let (kind, entries, part) = match &self.kind {
+            JobKind::Notify => (wire::REQ_NOTIFY, 0, None),
+            JobKind::Transfer {
+                op, table, part, ..
+            } => (
+                match op {
+                    Op::Read => wire::REQ_READ,
+                    Op::Write => wire::REQ_WRITE,
+                },
+                table.len() / wire::SEG_LEN,
+                *part,
+            ),
+        };
+        let h = RequestHeader {
+            kind,
+            has_notif: self.notif.is_some(),
+            part: part.is_some(),
+            segments: entries as u32,
+            id,
+            notif_len: self.notif.as_ref().map_or(0, |n| n.len() as u32),
+        };
+        let mut b = [0u8; wire::HEADER_LEN + wire::PART_LEN];
+        b[..wire::HEADER_LEN].copy_from_slice(&h.encode());
+        match part {
+            Some((from, len)) => {
+                b[wire::HEADER_LEN..].copy_from_slice(&wire::encode_part(from, len));
+                (b, wire::HEADER_LEN + wire::PART_LEN)
+            }
+            None => (b, wire::HEADER_LEN),
         }
     }
 
@@ -210,11 +313,10 @@ fn dead_error(table: &Mutex<Table>, peer: &str) -> Error {
 
 impl Conn {
     /// Start connecting to `addr`; requests queue until the connection is up.
-    /// `same_host`: whether to ask for the same-host path, or why not.
     pub(crate) fn open(
         peer: String,
         addr: SocketAddr,
-        same_host: std::result::Result<(), String>,
+        lane: Lane,
         options: &TcpOptions,
         started: &Started,
     ) -> Arc<Self> {
@@ -240,7 +342,7 @@ impl Conn {
             held: Held::default(),
             peer,
             addr,
-            want_same_host: same_host,
+            lane,
             same_host: conn.same_host.clone(),
             path: conn.path.clone(),
             options: options.clone(),
@@ -257,6 +359,19 @@ impl Conn {
 
     pub(crate) fn is_dead(&self) -> bool {
         self.dead.load(Ordering::Acquire)
+    }
+
+    /// Whether the connection is up (handshake done, not closed).
+    pub(crate) fn is_up(&self) -> bool {
+        self.path.get().is_some() && !self.is_dead()
+    }
+
+    /// Queue the gate of a split transfer behind everything queued so far.
+    pub(crate) fn submit_gate(&self, gate: oneshot::Receiver<Gated>) {
+        let mut fast = self.fast.lock().unwrap();
+        fast.busy = true;
+        // On failure the connection is closing: the gate's sender finds it dropped.
+        let _ = self.tx.send(Item::Gate(gate));
     }
 
     /// The same-host peer, once connected with the path working.
@@ -306,49 +421,30 @@ impl Conn {
     /// pending table and whatever the socket did not take goes to the writer.
     fn write_now(&self, fast: &mut Fast, job: Job) -> Option<Job> {
         let notif = job.notif.as_deref().unwrap_or_default();
-        let (kind, segments, table, payload, read) = match &job.kind {
-            JobKind::Notify => (wire::REQ_NOTIFY, 0, &[][..], 0, None),
+        let (table, payload, read) = match &job.kind {
+            JobKind::Notify => (&[][..], 0, None),
             JobKind::Transfer {
                 op: Op::Read,
                 table,
                 local,
                 total,
                 ..
-            } => (
-                wire::REQ_READ,
-                local.runs().len(),
-                &table[..],
-                0,
-                Some((local.clone(), *total)),
-            ),
+            } => (&table[..], 0, Some((local.clone(), *total))),
             JobKind::Transfer {
                 op: Op::Write,
                 table,
-                local,
                 total,
                 ..
-            } => (
-                wire::REQ_WRITE,
-                local.runs().len(),
-                &table[..],
-                *total,
-                None,
-            ),
+            } => (&table[..], *total, None),
         };
-        let len = wire::HEADER_LEN as u64 + table.len() as u64 + notif.len() as u64 + payload;
+        let id = fast.next_id;
+        let (head, head_len) = job.head(id);
+        let len = head_len as u64 + table.len() as u64 + notif.len() as u64 + payload;
         if len > FAST_FRAME_MAX as u64 || job.done.is_canceled() {
             return Some(job);
         }
-        let id = fast.next_id;
-        let h = RequestHeader {
-            kind,
-            has_notif: job.notif.is_some(),
-            segments: segments as u32,
-            id,
-            notif_len: notif.len() as u32,
-        };
         let mut frame = Vec::with_capacity(len as usize);
-        frame.extend_from_slice(&h.encode());
+        frame.extend_from_slice(&head[..head_len]);
         frame.extend_from_slice(table);
         frame.extend_from_slice(notif);
         if let JobKind::Transfer {
@@ -461,8 +557,7 @@ struct Task {
     held: Held,
     peer: String,
     addr: SocketAddr,
-    /// Whether to ask for the same-host path, or why not.
-    want_same_host: std::result::Result<(), String>,
+    lane: Lane,
     same_host: Arc<OnceLock<Arc<same_host::Peer>>>,
     path: Arc<OnceLock<String>>,
     options: TcpOptions,
@@ -534,8 +629,17 @@ impl Task {
         rx.close();
         // Queued work fails with the first reason the connection died for.
         while let Ok(item) = rx.try_recv() {
-            if let Item::Job(job) = item {
-                job.done.complete(Err(dead_error(&self.table, &self.peer)));
+            match item {
+                Item::Job(job) => job.done.complete(Err(dead_error(&self.table, &self.peer))),
+                Item::Gate(mut gate) => {
+                    // Closed first, so a sender either finds it closed (and finishes
+                    // the transfer itself) or has already sent.
+                    gate.close();
+                    if let Ok(g) = gate.try_recv() {
+                        g.close(&self.peer);
+                    }
+                }
+                Item::Raw(_) => {}
             }
         }
     }
@@ -638,7 +742,16 @@ impl Task {
         s: &mut TcpStream,
     ) -> Result<(Option<same_host::Peer>, String)> {
         let io = |what: &str, e: std::io::Error| self.connect_error(what, e);
-        let want = self.want_same_host.is_ok();
+        let want_same_host = match &self.lane {
+            Lane::First(want) => want,
+            Lane::Extra => {
+                s.write_all(&[0])
+                    .await
+                    .map_err(|e| io("same-host request", e))?;
+                return Ok((None, self.options.tcp_path()));
+            }
+        };
+        let want = want_same_host.is_ok();
         s.write_all(&[u8::from(want)])
             .await
             .map_err(|e| io("same-host request", e))?;
@@ -670,7 +783,7 @@ impl Task {
                 "the target does not offer it".to_owned()
             }
         } else {
-            self.want_same_host.clone().err().unwrap_or_default()
+            want_same_host.clone().err().unwrap_or_default()
         };
         if self.options.same_host == SameHost::Require {
             return Err(Error::new(
@@ -687,7 +800,10 @@ impl Task {
         }
         Ok((
             None,
-            format!("TCP, one connection (same-host path off: {why_not})"),
+            format!(
+                "{} (same-host path off: {why_not})",
+                self.options.tcp_path()
+            ),
         ))
     }
 
@@ -707,15 +823,36 @@ impl Task {
             let Some(item) = rx.recv().await else {
                 return Error::new(ErrorKind::Canceled, "tcp transfer", "connection dropped");
             };
+            let next_id = || {
+                let mut fast = self.fast.lock().unwrap();
+                fast.next_id += 1;
+                fast.next_id - 1
+            };
             let sent = match item {
                 Item::Raw(bytes) => w.write_all(&bytes).await,
-                Item::Job(job) => {
-                    let id = {
-                        let mut fast = self.fast.lock().unwrap();
-                        fast.next_id += 1;
-                        fast.next_id - 1
-                    };
-                    self.send(&mut w, &mut scratch, id, job).await
+                Item::Job(job) => self.send(&mut w, &mut scratch, next_id(), job).await,
+                Item::Gate(gate) => {
+                    // The transfer's first piece must be on its way before waiting
+                    // for every piece to land.
+                    if let Err(e) = w.flush().await {
+                        return failed(e);
+                    }
+                    match gate.await {
+                        Ok(Gated {
+                            done,
+                            result: Ok(()),
+                            notif: Some(n),
+                        }) => {
+                            self.send(&mut w, &mut scratch, next_id(), Job::notify(n, done))
+                                .await
+                        }
+                        Ok(Gated { done, result, .. }) => {
+                            done.complete(result);
+                            Ok(())
+                        }
+                        // The split transfer always sends; nothing to do without it.
+                        Err(_) => Ok(()),
+                    }
                 }
             };
             if let Err(e) = sent {
@@ -745,22 +882,17 @@ impl Task {
         let Some(job) = self.try_direct(job) else {
             return Ok(());
         };
+        let (head, head_len) = job.head(id);
+        let head = &head[..head_len];
         let Job { kind, notif, done } = job;
-        let notif_len = notif.as_ref().map_or(0, |n| n.len() as u32);
+        let notif = notif.as_deref().unwrap_or_default();
         match kind {
             JobKind::Notify => {
                 if !park(&self.table, id, done, None) {
                     return Ok(());
                 }
-                let h = RequestHeader {
-                    kind: wire::REQ_NOTIFY,
-                    has_notif: true,
-                    segments: 0,
-                    id,
-                    notif_len,
-                };
-                w.write_all(&h.encode()).await?;
-                w.write_all(notif.as_deref().unwrap_or_default()).await?;
+                w.write_all(head).await?;
+                w.write_all(notif).await?;
             }
             JobKind::Transfer {
                 op: Op::Read,
@@ -772,16 +904,9 @@ impl Task {
                 if !park(&self.table, id, done, Some((local.clone(), total))) {
                     return Ok(());
                 }
-                let h = RequestHeader {
-                    kind: wire::REQ_READ,
-                    has_notif: notif.is_some(),
-                    segments: local.runs().len() as u32,
-                    id,
-                    notif_len,
-                };
-                w.write_all(&h.encode()).await?;
+                w.write_all(head).await?;
                 w.write_all(&table).await?;
-                w.write_all(notif.as_deref().unwrap_or_default()).await?;
+                w.write_all(notif).await?;
             }
             JobKind::Transfer {
                 op: Op::Write,
@@ -799,16 +924,9 @@ impl Task {
                 }
                 // `held` keeps the memory alive while the payload is sent.
                 self.held.put(done);
-                let h = RequestHeader {
-                    kind: wire::REQ_WRITE,
-                    has_notif: notif.is_some(),
-                    segments: local.runs().len() as u32,
-                    id,
-                    notif_len,
-                };
-                w.write_all(&h.encode()).await?;
+                w.write_all(head).await?;
                 w.write_all(&table).await?;
-                w.write_all(notif.as_deref().unwrap_or_default()).await?;
+                w.write_all(notif).await?;
                 for seg in local_blocks(&local) {
                     send_slice(w, &seg, scratch).await?;
                 }

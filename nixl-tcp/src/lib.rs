@@ -2,7 +2,7 @@
 //!
 //! The embedded default backend for [`nixl`]: pure Rust over TCP, no system packages.
 //!
-//! - Remote transfers: one TCP connection per peer (made at the first transfer, or by
+//! - Remote transfers: a TCP connection per peer (made at the first transfer, or by
 //!   [`nixl::Agent::connect`]), many requests in flight on it. WRITE payloads go from
 //!   registered memory straight to the socket and from the socket straight into the
 //!   target's registered memory; READ data likewise. No bounce buffers. A request
@@ -10,8 +10,16 @@
 //!   by `post` itself (payload copied into the frame, one non-blocking write); the
 //!   connection's writer task takes over only what the socket buffer does not take,
 //!   and queues everything after it, so requests reach the peer in posting order.
-//!   Nagle is off; socket buffers are left to the kernel's autotuning. Several
-//!   connections per peer for large transfers are not implemented yet.
+//!   Nagle is off; socket buffers are left to the kernel's autotuning (fixed sizes
+//!   measured no faster, and would cap long links).
+//! - Large transfers (from [`TcpOptions::stripe_min`], 1 MiB) are cut into equal
+//!   pieces that move over [`TcpOptions::connections`] connections to the peer at
+//!   once (one TCP stream is bound by the core copying it). Every piece carries the
+//!   whole request's descriptor table and the target checks all of it, so a request
+//!   it refuses is refused by every piece and none of its bytes is written. Ordering
+//!   is kept as on one connection: the first connection carries the first piece and
+//!   then holds everything posted after the transfer until every piece has landed;
+//!   the transfer's notification then goes first.
 //! - Peers on the same host (proven, not guessed from the address) move data without
 //!   the socket: memory from [`nixl::Agent::alloc`] is shared memory the initiator maps
 //!   once, other memory goes by cross-memory attach, and the TCP connection carries
@@ -108,7 +116,7 @@ use nixl::{
 };
 use tokio_util::sync::CancellationToken;
 
-use conn::{Conn, Job};
+use conn::{Conn, Job, Lane};
 
 /// Version of this crate.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -145,6 +153,19 @@ pub struct TcpOptions {
     /// at DRAM speed a 4 MiB copy holds the posting thread for about a millisecond.
     /// Lower it where tokio workers must never be held that long.
     pub inline_copy_max: usize,
+    /// TCP connections per peer for large transfers (at least 1). One TCP stream is
+    /// bound by the core that copies it on each side; a transfer of at least
+    /// [`TcpOptions::stripe_min`] bytes is cut into this many pieces of equal size
+    /// that move over as many connections at once. The first connection carries
+    /// everything else; the others are opened at the first large transfer. Default:
+    /// as many as this process may use cores, between 1 and 4 (each connection's
+    /// copies run on a core of their own on each side; even on two cores, two
+    /// connections let one side's copy overlap the other's).
+    pub connections: usize,
+    /// Transfers over TCP of at least this many bytes are split across
+    /// [`TcpOptions::connections`] (default 1 MiB). Smaller ones stay whole on the
+    /// first connection, where splitting would cost more round trips than it saves.
+    pub stripe_min: usize,
 }
 
 impl Default for TcpOptions {
@@ -158,6 +179,39 @@ impl Default for TcpOptions {
             secret: None,
             same_host: SameHost::Auto,
             inline_copy_max: 4 << 20,
+            connections: default_connections(),
+            stripe_min: 1 << 20,
+        }
+    }
+}
+
+/// The cores this process may use, between 1 and 4.
+fn default_connections() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 4))
+}
+
+impl TcpOptions {
+    /// How many connections a transfer of `bytes` over TCP uses.
+    fn lanes_for(&self, bytes: u64) -> usize {
+        if bytes >= self.stripe_min as u64 {
+            self.connections.max(1)
+        } else {
+            1
+        }
+    }
+
+    /// The TCP part of the data path's description.
+    fn tcp_path(&self) -> String {
+        match self.connections {
+            0 | 1 => "TCP, one connection".to_owned(),
+            n => {
+                let min = match self.stripe_min {
+                    b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+                    b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+                    b => format!("{b} bytes"),
+                };
+                format!("TCP, {n} connections per peer (transfers from {min} split across them)")
+            }
         }
     }
 }
@@ -199,7 +253,19 @@ struct PeerEntry {
     addr: SocketAddr,
     /// The peer's kernel boot id, from its connection info.
     boot: Option<String>,
+    /// The first connection: everything but the other pieces of large transfers.
     conn: Option<Arc<Conn>>,
+    /// Further connections for the pieces of large transfers, opened at the first.
+    extra: Vec<Arc<Conn>>,
+}
+
+impl PeerEntry {
+    /// Close every connection to this peer.
+    fn close(&self, kind: ErrorKind, why: &str) {
+        for c in self.conn.iter().chain(&self.extra) {
+            c.close(kind, why);
+        }
+    }
 }
 
 impl Default for TcpBackend {
@@ -311,12 +377,45 @@ impl TcpBackend {
         let c = Conn::open(
             peer.to_owned(),
             entry.addr,
-            same_host,
+            Lane::First(same_host),
             &self.inner.options,
             started,
         );
         entry.conn = Some(c.clone());
         Ok(c)
+    }
+
+    /// Connections 1 to `n - 1` to `peer` (the first is [`TcpBackend::conn`]'s),
+    /// opened or reopened as needed.
+    fn extra_conns(&self, peer: &str, n: usize, op: &'static str) -> Result<Vec<Arc<Conn>>> {
+        let started = self.started(op)?;
+        let mut peers = self.inner.peers.lock().unwrap();
+        let Some(entry) = peers.get_mut(peer) else {
+            return Err(Error::new(
+                ErrorKind::UnknownPeer,
+                op,
+                format!("tcp: no connection info for peer {peer:?}"),
+            ));
+        };
+        let addr = entry.addr;
+        let open = || {
+            Conn::open(
+                peer.to_owned(),
+                addr,
+                Lane::Extra,
+                &self.inner.options,
+                started,
+            )
+        };
+        for c in &mut entry.extra {
+            if c.is_dead() {
+                *c = open();
+            }
+        }
+        while entry.extra.len() + 1 < n {
+            entry.extra.push(open());
+        }
+        Ok(entry.extra.clone())
     }
 }
 
@@ -445,29 +544,23 @@ impl Backend for TcpBackend {
                 )
             })?;
         let mut peers = self.inner.peers.lock().unwrap();
-        let old = peers.insert(
-            peer.to_owned(),
-            PeerEntry {
-                addr,
-                boot: boot.clone(),
-                conn: None,
-            },
-        );
-        if let Some(PeerEntry {
-            addr: old_addr,
-            boot: old_boot,
-            conn: Some(c),
-        }) = old
-        {
-            if old_addr == addr && old_boot == boot {
-                // Same peer, same address: keep the connection.
-                peers.get_mut(peer).expect("just inserted").conn = Some(c);
-            } else {
-                c.close(
-                    ErrorKind::RemoteDisconnected,
-                    "the peer moved to another address",
-                );
+        if let Some(old) = peers.get(peer) {
+            if old.addr == addr && old.boot == boot {
+                // Same peer, same address: keep the connections.
+                return Ok(());
             }
+        }
+        let entry = PeerEntry {
+            addr,
+            boot,
+            conn: None,
+            extra: Vec::new(),
+        };
+        if let Some(old) = peers.insert(peer.to_owned(), entry) {
+            old.close(
+                ErrorKind::RemoteDisconnected,
+                "the peer moved to another address",
+            );
         }
         Ok(())
     }
@@ -478,8 +571,8 @@ impl Backend for TcpBackend {
 
     fn remove_peer(&self, peer: &str) -> Result<()> {
         let entry = self.inner.peers.lock().unwrap().remove(peer);
-        if let Some(PeerEntry { conn: Some(c), .. }) = entry {
-            c.close(ErrorKind::RemoteDisconnected, "the peer was forgotten");
+        if let Some(e) = entry {
+            e.close(ErrorKind::RemoteDisconnected, "the peer was forgotten");
         }
         Ok(())
     }
@@ -532,6 +625,26 @@ impl Backend for TcpBackend {
             targets.entry(r).encode_into(&mut table);
         }
         let total = segs.bytes();
+        // Over TCP, large transfers go as pieces over several connections. Every piece
+        // carries the whole table (the target checks all of it), so only transfers
+        // whose table is small beside their data are split.
+        let lanes = self.inner.options.lanes_for(total);
+        let stripes = if lanes > 1 && (table.len() as u64) * (lanes as u64) * 32 <= total {
+            let mut from = 0;
+            segs.split(lanes, STRIPE_ALIGN)
+                .into_iter()
+                .map(|piece| {
+                    let s = Stripe {
+                        from,
+                        local: Arc::new(piece),
+                    };
+                    from += s.local.bytes();
+                    s
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         // The same-host path takes a transfer whole or not at all.
         let direct = all_direct.then(|| Arc::new(targets));
         Ok(Box::new(RemotePrepared {
@@ -542,6 +655,7 @@ impl Backend for TcpBackend {
             local: Arc::new(plan.segments),
             direct,
             total,
+            stripes,
         }))
     }
 
@@ -562,9 +676,7 @@ impl Backend for TcpBackend {
         }
         let peers = std::mem::take(&mut *self.inner.peers.lock().unwrap());
         for (_, p) in peers {
-            if let Some(c) = p.conn {
-                c.close(ErrorKind::ShutDown, "the agent is shutting down");
-            }
+            p.close(ErrorKind::ShutDown, "the agent is shutting down");
         }
         self.inner.regions.write().unwrap().clear();
         self.inner.keys.lock().unwrap().clear();
@@ -585,6 +697,17 @@ fn decode_blob(blob: &[u8]) -> Option<(u64, Option<u32>)> {
 /// A large same-host transfer for the copy thread.
 type CopyJob = Box<dyn FnOnce() + Send>;
 
+/// Pieces of a transfer split across connections are cut on page multiples.
+const STRIPE_ALIGN: u64 = 4096;
+
+/// One piece of a transfer split across connections: its segments, and where they
+/// start in the transfer.
+#[derive(Debug)]
+struct Stripe {
+    from: u64,
+    local: Arc<Segments>,
+}
+
 /// A transfer to a peer: the segment table is encoded once, at prepare time.
 #[derive(Debug)]
 struct RemotePrepared {
@@ -596,6 +719,9 @@ struct RemotePrepared {
     /// The remote side for the same-host path, when the target granted every segment.
     direct: Option<Arc<same_host::Direct>>,
     total: u64,
+    /// The pieces over several connections, for transfers over TCP of at least
+    /// [`TcpOptions::stripe_min`] bytes (empty otherwise).
+    stripes: Vec<Stripe>,
 }
 
 impl RemotePrepared {
@@ -612,6 +738,55 @@ impl RemotePrepared {
     }
 }
 
+impl RemotePrepared {
+    /// Post the pieces, one per connection. The first connection carries the first
+    /// piece and then a gate: nothing posted after this transfer goes out on it
+    /// until every piece has landed, then the notification (if any) goes first. So a
+    /// split transfer keeps the ordering one connection gives: its notification, and
+    /// any later one, arrives after all of its data.
+    fn post_striped(&self, first: Arc<Conn>, notif: Option<Bytes>, done: Completer) {
+        let extra = match self
+            .backend
+            .extra_conns(&self.peer, self.stripes.len(), "tcp post")
+        {
+            Ok(extra) => extra,
+            Err(e) => return done.complete(Err(e)),
+        };
+        let (tx, gate) = tokio::sync::oneshot::channel();
+        let peer = self.peer.clone();
+        let parts = done.split_then(self.stripes.len(), move |done, result| {
+            let g = conn::Gated {
+                done,
+                result,
+                notif,
+            };
+            // The first connection closed before reaching the gate: finish here.
+            if let Err(g) = tx.send(g) {
+                g.close(&peer);
+            }
+        });
+        let piece = |stripe: &Stripe, part| {
+            Job::piece(
+                self.op,
+                self.table.clone(),
+                stripe.local.clone(),
+                stripe.from,
+                part,
+            )
+        };
+        let mut parts = parts.into_iter();
+        let mut stripes = self.stripes.iter();
+        let (Some(p0), Some(s0)) = (parts.next(), stripes.next()) else {
+            return;
+        };
+        first.submit(piece(s0, p0));
+        first.submit_gate(gate);
+        for ((lane, stripe), part) in extra.iter().zip(stripes).zip(parts) {
+            lane.submit(piece(stripe, part));
+        }
+    }
+}
+
 impl PreparedTransfer for RemotePrepared {
     fn post(&self, notif: Option<Bytes>, done: Completer) {
         // The agent refused notifications over `max_notification` already.
@@ -620,8 +795,11 @@ impl PreparedTransfer for RemotePrepared {
             Err(e) => return done.complete(Err(e)),
         };
         let (Some(direct), Some(peer)) = (&self.direct, c.same_host()) else {
-            // Not connected yet (the connection task decides when it sends the job), or
-            // not direct: TCP.
+            // Not connected yet (the connection task decides when it sends the job,
+            // whole), or not direct: TCP, in pieces when it is large.
+            if self.stripes.len() > 1 && c.is_up() && c.same_host().is_none() {
+                return self.post_striped(c, notif, done);
+            }
             return c.submit(self.job(notif, done));
         };
         if c.is_dead() || done.is_canceled() {

@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::io::{recv_slice, send_slice, IO_BUF};
-use crate::runs::{blocks, LocalRun};
+use crate::runs::{blocks, range, LocalRun};
 use crate::same_host::{ConnTable, Offer, SameHost};
 use crate::shm;
 use crate::wire::{self, RequestHeader, ResponseHeader, SegEntry};
@@ -158,6 +158,7 @@ async fn serve(
     let mut hbuf = [0u8; wire::HEADER_LEN];
     let mut table = Vec::new();
     let mut segs: Vec<LocalRun> = Vec::new();
+    let mut piece: Vec<LocalRun> = Vec::new();
     let mut scratch = Vec::new();
     loop {
         match r.read_exact(&mut hbuf).await {
@@ -181,6 +182,13 @@ async fn serve(
                     ack(&mut w, h.id, wire::ST_TOO_LARGE, "too many run entries").await?;
                     return Err(proto(format!("{} segments", h.segments)));
                 }
+                let part = if h.part {
+                    let mut b = [0u8; wire::PART_LEN];
+                    r.read_exact(&mut b).await?;
+                    Some(wire::decode_part(&b))
+                } else {
+                    None
+                };
                 table.resize(h.segments as usize * wire::SEG_LEN, 0);
                 r.read_exact(&mut table).await?;
                 let notif = if h.has_notif {
@@ -195,7 +203,20 @@ async fn serve(
                         .and_then(|b| total.checked_add(b))
                         .ok_or_else(|| proto("segment lengths overflow"))?;
                 }
+                // A piece moves its range of the request; the whole request is
+                // checked all the same, so every piece of a bad one is refused.
+                let (from, len) = part.unwrap_or((0, total));
+                if from.checked_add(len).is_none_or(|end| end > total) {
+                    return Err(proto(format!(
+                        "piece {from}+{len} outside a request of {total} bytes"
+                    )));
+                }
                 let checked = check(&inner, &table, &mut segs);
+                if checked.is_ok() && part.is_some() {
+                    range(&segs, from, len, &mut piece);
+                    std::mem::swap(&mut segs, &mut piece);
+                    piece.clear();
+                }
                 match (h.kind, checked) {
                     (wire::REQ_WRITE, Ok(())) => {
                         for seg in blocks(&segs) {
@@ -213,7 +234,7 @@ async fn serve(
                             status: wire::ST_OK,
                             msg_len: 0,
                             id: h.id,
-                            data_len: total,
+                            data_len: len,
                         };
                         w.write_all(&d.encode()).await?;
                         for seg in blocks(&segs) {
@@ -228,7 +249,7 @@ async fn serve(
                         tracing::debug!(%peer, status = refusal.status, msg = %refusal.msg, "tcp: refused request");
                         if kind == wire::REQ_WRITE {
                             // Skip the payload without touching memory.
-                            let mut skip = (&mut r).take(total);
+                            let mut skip = (&mut r).take(len);
                             tokio::io::copy(&mut skip, &mut tokio::io::sink()).await?;
                             if skip.limit() != 0 {
                                 return Err(std::io::ErrorKind::UnexpectedEof.into());

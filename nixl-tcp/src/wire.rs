@@ -12,26 +12,35 @@
 //! the table carries (see `same_host`). Then the initiator sends requests and the
 //! target answers each with an ACK (READs: DATA first).
 //!
-//! Request header (24 bytes): kind u8, flags u8 (bit 0: carries a notification), 2 zero
-//! bytes, entry count u32, request id u64,
-//! notification length u32, 4 zero bytes. Then `count` run entries (key u64, addr
-//! u64, len u64, stride u64, blocks u64: `blocks` segments of `len` bytes, the first
-//! at `addr`, each `stride` bytes after the previous, so a strided request costs one
-//! entry per run, not per block), the notification bytes and, for WRITE, the payload
-//! (every segment's bytes, in order).
+//! Request header (24 bytes): kind u8, flags u8 (bit 0: carries a notification; bit
+//! 1: a piece), 2 zero bytes, entry count u32, request id u64,
+//! notification length u32, 4 zero bytes. A piece's header is followed by its byte
+//! range (offset u64, length u64) within the request. Then `count` run entries (key
+//! u64, addr u64, len u64, stride u64, blocks u64: `blocks` segments of `len` bytes,
+//! the first at `addr`, each `stride` bytes after the previous, so a strided request
+//! costs one entry per run, not per block), the notification bytes and, for WRITE,
+//! the payload (every segment's bytes, in order; for a piece, the bytes of its range).
+//!
+//! A piece is one of several parts of a large transfer sent over several connections
+//! at once: every piece carries the whole request's entries and the target checks
+//! all of them, so a request with one bad entry is refused by every piece and no
+//! byte of it is written, as for a request sent whole; then only the piece's range
+//! moves.
 //!
 //! Response header (24 bytes): kind u8, status u8, 2 zero bytes, message length u32,
 //! request id u64, data length u64. ACK: then `message length` bytes of UTF-8 error
 //! text. DATA: then `data length` bytes.
 
 pub(crate) const MAGIC: [u8; 4] = *b"NXTC";
-pub(crate) const VERSION: u16 = 3;
+pub(crate) const VERSION: u16 = 4;
 pub(crate) const MAX_NAME: usize = 256;
 /// Most run entries one request may carry.
 pub(crate) const MAX_ENTRIES: u32 = 1 << 20;
 /// Longest error message in an ACK.
 pub(crate) const MAX_ERROR_MSG: u32 = 4096;
 pub(crate) const HEADER_LEN: usize = 24;
+/// A piece's byte range, after its header.
+pub(crate) const PART_LEN: usize = 16;
 pub(crate) const SEG_LEN: usize = 40;
 
 pub(crate) const REQ_WRITE: u8 = 1;
@@ -105,6 +114,8 @@ pub(crate) fn nonce() -> [u8; NONCE_LEN] {
 pub(crate) struct RequestHeader {
     pub(crate) kind: u8,
     pub(crate) has_notif: bool,
+    /// A piece: its byte range follows the header.
+    pub(crate) part: bool,
     pub(crate) segments: u32,
     pub(crate) id: u64,
     pub(crate) notif_len: u32,
@@ -114,7 +125,7 @@ impl RequestHeader {
     pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0] = self.kind;
-        b[1] = u8::from(self.has_notif);
+        b[1] = u8::from(self.has_notif) | u8::from(self.part) << 1;
         b[4..8].copy_from_slice(&self.segments.to_le_bytes());
         b[8..16].copy_from_slice(&self.id.to_le_bytes());
         b[16..20].copy_from_slice(&self.notif_len.to_le_bytes());
@@ -125,11 +136,24 @@ impl RequestHeader {
         Self {
             kind: b[0],
             has_notif: b[1] & 1 == 1,
+            part: b[1] & 2 == 2,
             segments: u32_at(b, 4),
             id: u64_at(b, 8),
             notif_len: u32_at(b, 16),
         }
     }
+}
+
+/// A piece's byte range (offset, length) within its request.
+pub(crate) fn encode_part(from: u64, len: u64) -> [u8; PART_LEN] {
+    let mut b = [0u8; PART_LEN];
+    b[..8].copy_from_slice(&from.to_le_bytes());
+    b[8..].copy_from_slice(&len.to_le_bytes());
+    b
+}
+
+pub(crate) fn decode_part(b: &[u8; PART_LEN]) -> (u64, u64) {
+    (u64_at(b, 0), u64_at(b, 8))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -256,11 +280,15 @@ mod tests {
         let r = RequestHeader {
             kind: REQ_WRITE,
             has_notif: true,
+            part: true,
             segments: 7,
             id: u64::MAX - 3,
             notif_len: 12,
         };
         assert_eq!(RequestHeader::decode(&r.encode()), r);
+        let whole = RequestHeader { part: false, ..r };
+        assert_eq!(RequestHeader::decode(&whole.encode()), whole);
+        assert_eq!(decode_part(&encode_part(1 << 40, 7)), (1 << 40, 7));
         let a = ResponseHeader {
             kind: RESP_DATA,
             status: ST_OUT_OF_RANGE,

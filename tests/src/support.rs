@@ -155,12 +155,15 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
 }
 
 /// `TcpOptions` from `NIXL_TCP_LISTEN`, `NIXL_TCP_DEAD_PEER_MS`,
-/// `NIXL_TCP_CONNECT_MS` (for test processes started in network namespaces) and
+/// `NIXL_TCP_CONNECT_MS` (for test processes started in network namespaces),
 /// `NIXL_TCP_SAME_HOST` (`auto`, `off` or `require`; `scripts/test` runs the suite
-/// under each).
+/// under each) and `NIXL_TCP_CONNECTIONS` / `NIXL_TCP_STRIPE_MIN` (connections per
+/// peer, and the size from which transfers are split across them; `scripts/test`
+/// runs the suite over TCP with small transfers split across three).
 ///
 /// # Panics
-/// On a `NIXL_TCP_SAME_HOST` that is none of those.
+/// On a `NIXL_TCP_SAME_HOST` that is none of those, or a count or size that is not a
+/// number.
 pub fn tcp_options_from_env() -> nixl_tcp::TcpOptions {
     let mut o = nixl_tcp::TcpOptions::default();
     if let Ok(v) = std::env::var("NIXL_TCP_SAME_HOST") {
@@ -185,6 +188,18 @@ pub fn tcp_options_from_env() -> nixl_tcp::TcpOptions {
     }
     if let Some(d) = ms("NIXL_TCP_CONNECT_MS") {
         o.connect_timeout = d;
+    }
+    let number = |name: &str| {
+        std::env::var(name).ok().map(|v| {
+            v.parse::<usize>()
+                .unwrap_or_else(|e| panic!("{name}={v:?}: {e}"))
+        })
+    };
+    if let Some(n) = number("NIXL_TCP_CONNECTIONS") {
+        o.connections = n;
+    }
+    if let Some(n) = number("NIXL_TCP_STRIPE_MIN") {
+        o.stripe_min = n;
     }
     o
 }

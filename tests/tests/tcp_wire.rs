@@ -32,7 +32,7 @@ impl Raw {
         let mut s = TcpStream::connect(addr).await.unwrap();
         let name = b"mallory";
         let mut hello = b"NXTC".to_vec();
-        hello.extend_from_slice(&3u16.to_le_bytes());
+        hello.extend_from_slice(&4u16.to_le_bytes());
         hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
         hello.extend_from_slice(name);
         s.write_all(&hello).await.unwrap();
@@ -82,6 +82,52 @@ impl Raw {
         body.extend_from_slice(payload);
         self.s.write_all(&body).await.unwrap();
         self.ack().await
+    }
+
+    /// Send bytes `from..from + len` of a request of runs as a piece (flag bit 1, the
+    /// range after the header); returns the ACK status and the DATA a READ got.
+    async fn piece(
+        &mut self,
+        kind: u8,
+        runs: &[(u64, u64, u64, u64, u64)],
+        (from, len): (u64, u64),
+        payload: &[u8],
+    ) -> (u8, Option<Vec<u8>>) {
+        let mut frame = [0u8; 24].to_vec();
+        frame[0] = kind;
+        frame[1] = 2;
+        frame[4..8].copy_from_slice(&(runs.len() as u32).to_le_bytes());
+        frame[8..16].copy_from_slice(&self.next.to_le_bytes());
+        self.next += 1;
+        frame.extend_from_slice(&from.to_le_bytes());
+        frame.extend_from_slice(&len.to_le_bytes());
+        for &(k, a, l, stride, blocks) in runs {
+            for x in [k, a, l, stride, blocks] {
+                frame.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        frame.extend_from_slice(payload);
+        self.s.write_all(&frame).await.unwrap();
+        let mut data = None;
+        loop {
+            let mut h = [0u8; 24];
+            self.s.read_exact(&mut h).await.unwrap();
+            let n = u64::from_le_bytes(h[16..24].try_into().unwrap()) as usize;
+            let msg_len = u32::from_le_bytes(h[4..8].try_into().unwrap()) as usize;
+            match h[0] {
+                0x81 => {
+                    let mut d = vec![0u8; n];
+                    self.s.read_exact(&mut d).await.unwrap();
+                    data = Some(d);
+                }
+                0x80 => {
+                    let mut msg = vec![0u8; msg_len];
+                    self.s.read_exact(&mut msg).await.unwrap();
+                    return (h[1], data);
+                }
+                k => panic!("unexpected response kind {k:#x}"),
+            }
+        }
     }
 
     async fn send_raw(&mut self, kind: u8, segments: u32, notif_len: u32, has_notif: bool) {
@@ -350,6 +396,59 @@ async fn hostile_requests_refused_memory_unchanged() {
     b.shutdown().await;
 }
 
+/// Pieces of a request (a transfer split across connections), spoken by hand: a
+/// piece moves exactly its range of the request, and a request with any bad entry is
+/// refused by every piece, whatever range the piece covers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pieces_move_their_range_and_are_checked_whole() {
+    let (b, addr) = target(TcpOptions::default()).await;
+    let r = b.register(pattern(1, 4096)).unwrap();
+    let key = key_of(&b.metadata().unwrap(), r.id());
+    let base = r.addr();
+    let mut c = Raw::connect(addr).await;
+    // Five blocks of 10 bytes every 20 from offset 100: bytes 13..33 of the request
+    // are the last 7 of block 1, all of block 2 and the first 3 of block 3.
+    let run = [(key, base + 100, 10, 20, 5)];
+    let (st, _) = c.piece(WRITE, &run, (13, 20), &[0xAB; 20]).await;
+    assert_eq!(st, ST_OK);
+    let mut want = pattern(1, 4096);
+    for at in (123..130).chain(140..150).chain(160..163) {
+        want[at] = 0xAB;
+    }
+    assert!(
+        r.to_vec().unwrap() == want,
+        "exactly the piece's bytes changed"
+    );
+    let (st, data) = c.piece(READ, &run, (13, 20), &[]).await;
+    assert_eq!((st, data), (ST_OK, Some(vec![0xAB; 20])));
+    let (st, data) = c.piece(READ, &run, (0, 3), &[]).await;
+    assert_eq!((st, data), (ST_OK, Some(want[100..103].to_vec())));
+    // A bad second run refuses a piece that lies wholly in the good first one.
+    let bad = [(key, base, 16, 16, 2), (key, base + 4090, 16, 16, 1)];
+    let before = checksum(&r);
+    let (st, _) = c.piece(WRITE, &bad, (0, 16), &[0xCD; 16]).await;
+    assert_eq!(st, ST_OUT_OF_RANGE, "checked whole");
+    let (st, data) = c.piece(READ, &bad, (0, 16), &[]).await;
+    assert_eq!((st, data), (ST_OUT_OF_RANGE, None));
+    assert_eq!(checksum(&r), before, "nothing written");
+    // A range outside its request: a protocol error, the connection closes.
+    let mut frame = [0u8; 24].to_vec();
+    frame[0] = WRITE;
+    frame[1] = 2;
+    frame[4..8].copy_from_slice(&1u32.to_le_bytes());
+    for x in [40u64, 20] {
+        frame.extend_from_slice(&x.to_le_bytes());
+    }
+    let (k, a, l, stride, blocks) = run[0];
+    for x in [k, a, l, stride, blocks] {
+        frame.extend_from_slice(&x.to_le_bytes());
+    }
+    c.s.write_all(&frame).await.unwrap();
+    assert!(c.closed().await);
+    assert_eq!(checksum(&r), before, "nothing written");
+    b.shutdown().await;
+}
+
 fn with_secret(s: Option<&str>) -> TcpOptions {
     TcpOptions {
         secret: s.map(|s| SharedSecret::new(s).unwrap()),
@@ -395,7 +494,7 @@ async fn shared_secret_gates_every_connection() {
     }
     // A raw client that guesses a MAC is refused before any request is read.
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"NXTC\x03\x00\x01\x00m").await.unwrap();
+    s.write_all(b"NXTC\x04\x00\x01\x00m").await.unwrap();
     let mut reply = [0u8; 7 + 32];
     s.read_exact(&mut reply).await.unwrap();
     assert_eq!(reply[6], 4, "authentication required");
