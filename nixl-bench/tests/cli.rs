@@ -38,7 +38,7 @@ const COLUMNS: [&str; 12] = [
     "Runs",
 ];
 
-const FIELDS: [&str; 13] = [
+const FIELDS: [&str; 14] = [
     "op",
     "block_size",
     "batch_size",
@@ -49,6 +49,7 @@ const FIELDS: [&str; 13] = [
     "avg_post_us",
     "p99_post_us",
     "avg_tx_us",
+    "p50_tx_us",
     "p99_tx_us",
     "segments",
     "segment_runs",
@@ -162,15 +163,17 @@ fn table_has_nixlbench_columns_and_one_row_per_block_size() {
     let blocks: Vec<f64> = rows.iter().map(|r| r[0]).collect();
     assert_eq!(blocks, [4096.0, 8192.0, 16384.0, 32768.0, 65536.0], "{out}");
     for r in &rows {
-        assert_eq!(r.len(), 12, "{r:?}");
+        assert_eq!(r.len(), 13, "{r:?}");
         assert_eq!(r[1], 1.0, "batch size");
-        assert_eq!((r[10], r[11]), (1.0, 1.0), "one segment in one run: {r:?}");
+        assert_eq!((r[11], r[12]), (1.0, 1.0), "one segment in one run: {r:?}");
         assert!(r[2] > 0.0, "bandwidth {r:?}");
         assert!(r[3] > 0.0 && r[8] > 0.0, "latencies {r:?}");
-        // With 20 samples the p99 is the largest one, never below the mean.
-        for (avg, p99) in [(4, 5), (6, 7), (8, 9)] {
+        // With 20 samples the p99 is the largest one, never below the mean or the
+        // median.
+        for (avg, p99) in [(4, 5), (6, 7), (8, 10)] {
             assert!(r[p99] >= r[avg], "p99 below average in {r:?}");
         }
+        assert!(r[10] >= r[9] && r[9] > 0.0, "p99 below median in {r:?}");
     }
 }
 
@@ -250,7 +253,7 @@ fn scattered_batches_reach_the_backend_as_one_run() {
     let rows = table_rows(&out);
     assert_eq!(rows.len(), 5, "{out}");
     for r in &rows {
-        assert_eq!((r[1], r[10], r[11]), (8.0, 8.0, 1.0), "{r:?}");
+        assert_eq!((r[1], r[11], r[12]), (8.0, 8.0, 1.0), "{r:?}");
     }
 }
 
@@ -780,7 +783,7 @@ mod etcd {
             "{stdout}"
         );
         for r in &rows {
-            assert_eq!(r.len(), 12, "{r:?}");
+            assert_eq!(r.len(), 13, "{r:?}");
             assert!(r[2] > 0.0 && r[8] > 0.0, "{r:?}");
         }
         let status = wait_within(&mut target.child, Duration::from_secs(30))
