@@ -10,7 +10,7 @@ use nixl::Backend;
 use crate::error::{fail, Result};
 
 /// Every backend name the bench knows, built in or not.
-pub(crate) const NAMES: &[&str] = &["tcp", "ucx", "uccl"];
+pub(crate) const NAMES: &[&str] = &["tcp", "ucx", "uccl", "verbs"];
 
 /// Build backend `name` from its parameters. `host` is the address peers reach this
 /// machine on, for backends that listen (tcp's default `listen` is `host:0`).
@@ -37,6 +37,10 @@ pub(crate) fn make(
         "uccl" => uccl::make(params),
         #[cfg(not(feature = "uccl"))]
         "uccl" => fail("backend uccl is not compiled in; rebuild nixl-bench with `--features uccl` (it loads libuccl_p2p.so from the PyPI wheel `uccl` at run time, with the CUDA driver and runtime: set NIXL_UCCL_LIB)"),
+        #[cfg(feature = "verbs")]
+        "verbs" => verbs::make(params, host),
+        #[cfg(not(feature = "verbs"))]
+        "verbs" => fail("backend verbs is not compiled in; rebuild nixl-bench with `--features verbs` (a default feature; it loads the host's libibverbs.so.1 at run time)"),
         _ => fail(format!(
             "unknown backend {name:?}; known backends: {}",
             NAMES.join(", ")
@@ -46,9 +50,14 @@ pub(crate) fn make(
 
 /// A one-line report of the native library a backend bound (version and real paths),
 /// for the header and JSON; `None` for pure-Rust backends.
-#[cfg_attr(not(any(feature = "ucx", feature = "uccl")), allow(unused_variables))]
+#[cfg_attr(
+    not(any(feature = "ucx", feature = "uccl", feature = "verbs")),
+    allow(unused_variables)
+)]
 pub(crate) fn library_report(name: &str, params: &[(String, String)]) -> Option<String> {
     match name {
+        #[cfg(feature = "verbs")]
+        "verbs" => verbs::report(),
         #[cfg(feature = "ucx")]
         "ucx" => ucx::report(params),
         #[cfg(feature = "uccl")]
@@ -215,18 +224,18 @@ mod tests {
 
     #[test]
     fn unavailable_backends_say_why_and_how() {
-        let mut cases = vec![
-            (
-                "verbs",
-                "unknown backend \"verbs\"; known backends: tcp, ucx, uccl",
-            ),
-            ("gds", "unknown backend \"gds\""),
-        ];
+        let mut cases = vec![(
+            "gds",
+            "unknown backend \"gds\"; known backends: tcp, ucx, uccl, verbs",
+        )];
         if cfg!(not(feature = "ucx")) {
             cases.push(("ucx", "rebuild nixl-bench with `--features ucx`"));
         }
         if cfg!(not(feature = "uccl")) {
             cases.push(("uccl", "rebuild nixl-bench with `--features uccl`"));
+        }
+        if cfg!(not(feature = "verbs")) {
+            cases.push(("verbs", "rebuild nixl-bench with `--features verbs`"));
         }
         for (name, needle) in cases {
             let e = make(name, &[], LO).unwrap_err().to_string();
@@ -368,6 +377,116 @@ mod uccl {
                 .unwrap_err()
                 .to_string()
                 .contains("unknown uccl backend parameter"));
+        }
+    }
+}
+
+#[cfg(feature = "verbs")]
+mod verbs {
+    use std::net::{IpAddr, SocketAddr};
+    use std::sync::Arc;
+
+    use nixl::Backend;
+    use nixl_verbs::{VerbsBackend, VerbsOptions};
+
+    use crate::error::{fail, Result};
+
+    const KEYS: &[&str] = &[
+        "device",
+        "port",
+        "gid_index",
+        "mtu",
+        "qps_per_peer",
+        "send_queue_depth",
+        "max_notification",
+        "control_listen",
+    ];
+
+    fn options(params: &[(String, String)], host: IpAddr) -> Result<VerbsOptions> {
+        let mut o = VerbsOptions {
+            control_listen: SocketAddr::new(host, 0),
+            ..VerbsOptions::default()
+        };
+        for (k, v) in params {
+            let bad = |what: &str| {
+                fail(format!(
+                    "verbs backend parameter {k}={v:?}: expected {what}"
+                ))
+            };
+            match k.as_str() {
+                "device" => o.device = Some(v.clone()),
+                "port" => match v.parse() {
+                    Ok(p) => o.port = Some(p),
+                    Err(_) => return bad("a port number"),
+                },
+                "gid_index" => match v.parse() {
+                    Ok(g) => o.gid_index = Some(g),
+                    Err(_) => return bad("a GID index"),
+                },
+                "mtu" => match v.parse() {
+                    Ok(m) => o.mtu = m,
+                    Err(_) => return bad("256, 512, 1024, 2048 or 4096"),
+                },
+                "qps_per_peer" => match v.parse() {
+                    Ok(n) => o.qps_per_peer = n,
+                    Err(_) => return bad("a count"),
+                },
+                "send_queue_depth" => match v.parse() {
+                    Ok(n) => o.send_queue_depth = n,
+                    Err(_) => return bad("a count"),
+                },
+                "max_notification" => match crate::cli::parse_size(v).map(usize::try_from) {
+                    Ok(Ok(n)) => o.max_notification = n,
+                    _ => return bad("a size such as 4K"),
+                },
+                "control_listen" => match v.parse() {
+                    Ok(a) => o.control_listen = a,
+                    Err(_) => return bad("an IP:PORT address"),
+                },
+                _ => {
+                    return fail(format!(
+                        "unknown verbs backend parameter {k:?}; known: {}",
+                        KEYS.join(", ")
+                    ))
+                }
+            }
+        }
+        Ok(o)
+    }
+
+    pub(super) fn make(params: &[(String, String)], host: IpAddr) -> Result<Arc<dyn Backend>> {
+        let o = options(params, host)?;
+        match VerbsBackend::with_options(o) {
+            Ok(b) => {
+                tracing::info!(device = %b.device_summary(), "verbs backend ready");
+                Ok(Arc::new(b))
+            }
+            Err(e) => fail(format!("backend verbs is unavailable: {e}")),
+        }
+    }
+
+    pub(super) fn report() -> Option<String> {
+        nixl_verbs::library::Libibverbs::load()
+            .ok()
+            .map(|l| l.report().to_string())
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use std::net::Ipv4Addr;
+
+        #[test]
+        fn bad_parameters_are_refused() {
+            let p = vec![("bogus".to_string(), "1".to_string())];
+            assert!(super::make(&p, Ipv4Addr::LOCALHOST.into())
+                .unwrap_err()
+                .to_string()
+                .contains("unknown verbs backend parameter"));
+            let p = vec![("port".to_string(), "x".to_string())];
+            assert!(super::make(&p, Ipv4Addr::LOCALHOST.into())
+                .unwrap_err()
+                .to_string()
+                .contains("expected a port number"));
         }
     }
 }

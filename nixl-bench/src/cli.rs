@@ -111,7 +111,8 @@ pub(crate) struct Cli {
     #[arg(long, hide = true)]
     pub(crate) stdio: bool,
 
-    /// Transport: tcp (built in), ucx (feature `ucx`) or uccl (feature `uccl`).
+    /// Transport: tcp (built in), verbs (built in; needs an RDMA device), ucx (feature
+    /// `ucx`) or uccl (feature `uccl`).
     #[arg(long, default_value = "tcp")]
     pub(crate) backend: String,
 

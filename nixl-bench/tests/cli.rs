@@ -1046,3 +1046,51 @@ fn targets_a_real_nixl_agent() {
         "bandwidth measured: {stdout}"
     );
 }
+
+/// rdma-core comes from the host at run time: the bench (built with nixl-verbs by
+/// default) has no `DT_NEEDED` entry for libibverbs, librdmacm or a provider, and no
+/// `ibv_*` symbol in its dynamic table; where no RDMA device exists, `--backend
+/// verbs` says so instead of failing to start.
+#[test]
+fn verbs_is_loaded_at_run_time_and_explains_a_missing_device() {
+    let l = nixl_testkit::elf::linkage(std::path::Path::new(BIN));
+    assert!(
+        l.needed_matching(&[
+            "libibverbs",
+            "librdmacm",
+            "libmlx",
+            "libefa",
+            "libbnxt",
+            "liberdma",
+            "libirdma"
+        ])
+        .is_empty(),
+        "{BIN} links {:?}",
+        l.needed
+    );
+    assert_eq!(
+        l.symbols_matching(&["ibv_", "_ibv_", "rdma_", "mlx5dv_"]),
+        Vec::<&str>::new()
+    );
+    let out = bench()
+        .args([
+            "--backend",
+            "verbs",
+            "--max-block-size",
+            "64K",
+            "--num-iter",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        // A host with an RDMA device (or soft-RoCE): the run itself is the check.
+        return;
+    }
+    assert!(
+        err.contains("backend verbs is unavailable")
+            && (err.contains("no RDMA device") || err.contains("libibverbs.so.1")),
+        "{err}"
+    );
+}

@@ -7,6 +7,7 @@
 
 use std::time::{Duration, Instant};
 
+pub mod elf;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 

@@ -13,7 +13,8 @@ use nixl::{
 pub struct BackendUnderTest {
     /// Name for messages.
     pub name: &'static str,
-    /// Make a fresh backend instance; an `UnavailableLibrary` error skips the suite.
+    /// Make a fresh backend instance; an `UnavailableLibrary` error (or `NotSupported`:
+    /// the library loads, the hardware it drives is absent) skips the suite.
     pub make: fn() -> nixl::Result<Arc<dyn Backend>>,
     /// A reason to skip a case (by name) in this environment: a known defect of the
     /// bound native library that would abort the whole test process. `None` runs it.
@@ -35,7 +36,13 @@ impl BackendUnderTest {
     pub fn capabilities(&self, case: &str) -> Option<Capabilities> {
         match (self.make)() {
             Ok(b) => Some(b.capabilities()),
-            Err(e) if e.kind() == ErrorKind::UnavailableLibrary => {
+            // A missing library, or a library without the hardware it drives.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::UnavailableLibrary | ErrorKind::NotSupported
+                ) =>
+            {
                 skip(case, &format!("backend {} unavailable: {e}", self.name));
                 None
             }

@@ -1,0 +1,364 @@
+//! The device an agent uses, and owners that release verbs objects in the right
+//! order: every memory region and queue pair holds the [`Device`], so the protection
+//! domain, completion queue and device context are released only after the last of
+//! them, whoever lets go last.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use nixl::{Error, ErrorKind, Result};
+
+use crate::api::{
+    Channel, DeviceLimits, GidType, Handle, LinkLayer, Mr, PortInfo, Qp, QpCaps, QpTransition,
+    VerbsApi, PORT_ACTIVE,
+};
+use crate::wire::Endpoint;
+use crate::VerbsOptions;
+
+/// One open device with its protection domain and the completion queue every queue
+/// pair of this agent reports to.
+pub(crate) struct Device {
+    pub(crate) api: Arc<dyn VerbsApi>,
+    pub(crate) name: String,
+    pub(crate) ctx: Handle,
+    pub(crate) pd: Handle,
+    pub(crate) channel: Channel,
+    pub(crate) cq: Handle,
+    pub(crate) limits: DeviceLimits,
+    pub(crate) port: PortInfo,
+    pub(crate) endpoint: Endpoint,
+    /// Completion events taken and not yet acknowledged (all must be before the
+    /// queue is destroyed).
+    pub(crate) unacked: AtomicU32,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("name", &self.name)
+            .field("port", &self.endpoint.port)
+            .field("link_layer", &self.endpoint.link_layer)
+            .finish_non_exhaustive()
+    }
+}
+
+fn not_supported(msg: String) -> Error {
+    Error::new(ErrorKind::NotSupported, "open verbs device", msg)
+}
+
+impl Device {
+    /// Pick the device, port and GID the options ask for (or the first usable ones),
+    /// open it and make the protection domain and completion queue.
+    pub(crate) fn open(api: Arc<dyn VerbsApi>, o: &VerbsOptions) -> Result<Self> {
+        let devices = api.devices()?;
+        if devices.is_empty() {
+            return Err(not_supported(format!(
+                "no RDMA device found ({}): this host has no RDMA NIC, its driver is not loaded, or /dev/infiniband is not visible (containers); for a software device see scripts/soft-roce.sh",
+                api.describe()
+            )));
+        }
+        let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+        let candidates: Vec<&str> = match &o.device {
+            Some(want) => {
+                if !names.contains(&want.as_str()) {
+                    return Err(Error::new(
+                        ErrorKind::NotFound,
+                        "open verbs device",
+                        format!("no RDMA device {want:?}; present: {}", names.join(", ")),
+                    ));
+                }
+                vec![want.as_str()]
+            }
+            None => names.clone(),
+        };
+        let mut why_not = Vec::new();
+        for name in candidates {
+            let ctx = api.open(name)?;
+            match Self::pick_port(&*api, ctx, name, o) {
+                Ok((port, info, endpoint, limits)) => {
+                    return Self::finish(api, name, ctx, port, info, endpoint, limits, o);
+                }
+                Err(e) => {
+                    why_not.push(e.context().to_owned());
+                    // SAFETY: `ctx` was just opened and nothing was made from it.
+                    let _ = unsafe { api.close(ctx) };
+                }
+            }
+        }
+        Err(not_supported(why_not.join("; ")))
+    }
+
+    /// The port and GID to use on an open device.
+    fn pick_port(
+        api: &dyn VerbsApi,
+        ctx: Handle,
+        name: &str,
+        o: &VerbsOptions,
+    ) -> Result<(u8, PortInfo, Endpoint, DeviceLimits)> {
+        let limits = api.query_device(ctx)?;
+        let ports: Vec<u8> = match o.port {
+            Some(p) if p == 0 || p > limits.phys_port_cnt => {
+                return Err(not_supported(format!(
+                    "device {name} has ports 1 to {}, not {p}",
+                    limits.phys_port_cnt
+                )))
+            }
+            Some(p) => vec![p],
+            None => (1..=limits.phys_port_cnt).collect(),
+        };
+        let mut states = Vec::new();
+        for port in ports {
+            let info = api.query_port(ctx, port)?;
+            if info.state != PORT_ACTIVE {
+                states.push(format!("port {port} is not active (state {})", info.state));
+                continue;
+            }
+            let (gid_index, gid) = match Self::pick_gid(api, ctx, port, &info, o)? {
+                Some(g) => g,
+                None => {
+                    states.push(format!("port {port} has no usable GID"));
+                    continue;
+                }
+            };
+            let endpoint = Endpoint {
+                link_layer: match info.link_layer {
+                    LinkLayer::Ethernet => LinkLayer::Ethernet,
+                    _ => LinkLayer::InfiniBand,
+                },
+                port,
+                mtu: info.active_mtu,
+                lid: info.lid,
+                gid_index,
+                gid,
+            };
+            return Ok((port, info, endpoint, limits));
+        }
+        Err(not_supported(format!(
+            "device {name}: {}",
+            if states.is_empty() {
+                "no ports".to_owned()
+            } else {
+                states.join(", ")
+            }
+        )))
+    }
+
+    /// The GID: the one asked for, else on Ethernet the first RoCE v2 GID (an
+    /// IPv4-mapped one first: routable and what peers' IP routes reach), else the
+    /// first non-zero GID; on InfiniBand index 0.
+    fn pick_gid(
+        api: &dyn VerbsApi,
+        ctx: Handle,
+        port: u8,
+        info: &PortInfo,
+        o: &VerbsOptions,
+    ) -> Result<Option<(u8, [u8; 16])>> {
+        if let Some(i) = o.gid_index {
+            return Ok(api
+                .query_gid(ctx, port, i)?
+                .filter(|g| g.gid != [0; 16] && i <= u32::from(u8::MAX))
+                .map(|g| (i as u8, g.gid)));
+        }
+        let mut entries = Vec::new();
+        for i in 0..info.gid_tbl_len.min(256) {
+            if let Some(g) = api.query_gid(ctx, port, i)? {
+                if g.gid != [0; 16] {
+                    entries.push(g);
+                }
+            }
+        }
+        if info.link_layer != LinkLayer::Ethernet {
+            return Ok(entries.first().map(|g| (g.index as u8, g.gid)));
+        }
+        let v4_mapped = |g: &[u8; 16]| g[..10] == [0; 10] && g[10..12] == [0xff, 0xff];
+        let best = entries
+            .iter()
+            .find(|g| g.kind == Some(GidType::RoceV2) && v4_mapped(&g.gid))
+            .or_else(|| entries.iter().find(|g| g.kind == Some(GidType::RoceV2)))
+            .or_else(|| entries.first());
+        Ok(best.map(|g| (g.index as u8, g.gid)))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        api: Arc<dyn VerbsApi>,
+        name: &str,
+        ctx: Handle,
+        port: u8,
+        info: PortInfo,
+        endpoint: Endpoint,
+        limits: DeviceLimits,
+        o: &VerbsOptions,
+    ) -> Result<Self> {
+        let _ = port;
+        // On failure, release what was made, newest first.
+        let pd = match api.alloc_pd(ctx) {
+            Ok(pd) => pd,
+            Err(e) => {
+                // SAFETY: nothing else was made from `ctx`.
+                let _ = unsafe { api.close(ctx) };
+                return Err(e);
+            }
+        };
+        let channel = match api.create_channel(ctx) {
+            Ok(c) => c,
+            Err(e) => {
+                // SAFETY: `pd` and `ctx` are unused; newest first.
+                let _ = unsafe { api.dealloc_pd(pd) };
+                // SAFETY: as above.
+                let _ = unsafe { api.close(ctx) };
+                return Err(e);
+            }
+        };
+        let cqe = o.cq_depth.clamp(16, limits.max_cqe.max(16));
+        let cq = match api.create_cq(ctx, cqe, channel.handle) {
+            Ok(cq) => cq,
+            Err(e) => {
+                // SAFETY: nothing uses these; newest first.
+                unsafe {
+                    let _ = api.destroy_channel(channel.handle);
+                    let _ = api.dealloc_pd(pd);
+                    let _ = api.close(ctx);
+                }
+                return Err(e);
+            }
+        };
+        Ok(Self {
+            api,
+            name: name.to_owned(),
+            ctx,
+            pd,
+            channel,
+            cq,
+            limits,
+            port: info,
+            endpoint,
+            unacked: AtomicU32::new(0),
+        })
+    }
+
+    /// The send queue depth to ask for.
+    pub(crate) fn caps(&self, o: &VerbsOptions) -> QpCaps {
+        let wr = |want: u32| want.clamp(1, self.limits.max_qp_wr.max(1));
+        QpCaps {
+            max_send_wr: wr(o.send_queue_depth),
+            max_recv_wr: wr(o.recv_queue_depth),
+            max_send_sge: self.limits.max_sge.clamp(1, 4),
+            max_recv_sge: 1,
+            max_inline_data: 64,
+        }
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        let api = &self.api;
+        let unacked = self.unacked.swap(0, Ordering::AcqRel);
+        if unacked > 0 {
+            api.ack_cq_events(self.cq, unacked);
+        }
+        // SAFETY: every queue pair and memory region holds this device, so none is
+        // left; the completion loop holds it too, so it has stopped. Newest first.
+        unsafe {
+            if let Err(e) = api.destroy_cq(self.cq) {
+                tracing::warn!(error = %e, "verbs: destroying the completion queue failed");
+            }
+            if let Err(e) = api.destroy_channel(self.channel.handle) {
+                tracing::warn!(error = %e, "verbs: destroying the completion channel failed");
+            }
+            if let Err(e) = api.dealloc_pd(self.pd) {
+                tracing::warn!(error = %e, "verbs: freeing the protection domain failed");
+            }
+            if let Err(e) = api.close(self.ctx) {
+                tracing::warn!(error = %e, "verbs: closing the device failed");
+            }
+        }
+    }
+}
+
+/// A registered memory region; deregistered when dropped.
+pub(crate) struct MemoryRegion {
+    pub(crate) dev: Arc<Device>,
+    pub(crate) mr: Mr,
+}
+
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("lkey", &self.mr.lkey)
+            .field("rkey", &self.mr.rkey)
+            .finish()
+    }
+}
+
+impl MemoryRegion {
+    /// Register `addr..addr + len` for local use and for peers' READs and WRITEs.
+    ///
+    /// # Safety
+    /// The memory stays mapped until this is dropped.
+    pub(crate) unsafe fn register(dev: &Arc<Device>, addr: usize, len: usize) -> Result<Self> {
+        use crate::api::access::*;
+        // SAFETY: the caller keeps the memory mapped until `Drop` deregisters it.
+        let mr = unsafe {
+            dev.api
+                .reg_mr(dev.pd, addr, len, LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ)
+        }?;
+        Ok(Self {
+            dev: dev.clone(),
+            mr,
+        })
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: whoever used this region holds it; it is the last user.
+        if let Err(e) = unsafe { self.dev.api.dereg_mr(self.mr.handle) } {
+            tracing::warn!(error = %e, "verbs: deregistering a memory region failed");
+        }
+    }
+}
+
+/// A queue pair; moved to ERROR and destroyed when dropped, after which the device
+/// touches none of the memory its work requests named.
+pub(crate) struct QueuePair {
+    pub(crate) dev: Arc<Device>,
+    pub(crate) qp: Qp,
+}
+
+impl std::fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuePair")
+            .field("qp_num", &self.qp.qp_num)
+            .finish()
+    }
+}
+
+impl QueuePair {
+    pub(crate) fn create(dev: &Arc<Device>, caps: QpCaps) -> Result<Self> {
+        let qp = dev.api.create_qp(dev.pd, dev.cq, caps)?;
+        Ok(Self {
+            dev: dev.clone(),
+            qp,
+        })
+    }
+
+    /// Apply state changes in order.
+    pub(crate) fn modify(&self, steps: &[QpTransition]) -> Result<()> {
+        for s in steps {
+            self.dev.api.modify_qp(self.qp.handle, s)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        let api = &self.dev.api;
+        let _ = api.modify_qp(self.qp.handle, &QpTransition::Error);
+        // SAFETY: the owner of this queue pair is its only user and lets go now.
+        if let Err(e) = unsafe { api.destroy_qp(self.qp.handle) } {
+            tracing::warn!(error = %e, qp = self.qp.qp_num, "verbs: destroying a queue pair failed");
+        }
+    }
+}

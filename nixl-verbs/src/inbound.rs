@@ -1,0 +1,112 @@
+//! The target's side of a connection: queue pairs made for a peer's, with receive
+//! buffers posted for its notifications.
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use nixl::{AlignedBuf, NotificationSink, Result};
+
+use crate::api::{Completion, RecvWr, Sge, WcOpcode};
+use crate::device::{Device, MemoryRegion, QueuePair};
+
+/// One queue pair a peer connected to, with its notification buffers.
+pub(crate) struct Inbound {
+    pub(crate) peer: String,
+    pub(crate) qp_num: u32,
+    /// Declared before the buffers: dropped (destroyed) first, so the device never
+    /// writes a buffer that is gone.
+    qp: Mutex<Option<QueuePair>>,
+    ring: Ring,
+}
+
+/// Receive buffers: `slots` of `size` bytes in one registration. The device writes
+/// them, so they are reached through raw pointers only, never a Rust reference.
+struct Ring {
+    mr: MemoryRegion,
+    mem: AlignedBuf,
+    size: usize,
+}
+
+impl Inbound {
+    /// A queue pair in INIT with a buffer of `size` bytes posted for each of its
+    /// receive-queue entries.
+    pub(crate) fn new(peer: &str, dev: &Arc<Device>, qp: QueuePair, size: usize) -> Result<Self> {
+        let slots = qp.qp.caps.max_recv_wr.max(1) as usize;
+        let size = size.max(1);
+        let mem = AlignedBuf::new(slots * size);
+        // SAFETY: `mem` lives in this `Inbound` and is freed after the registration
+        // (field order of `Ring`) and after the queue pair (field order of `Inbound`).
+        let mr = unsafe { MemoryRegion::register(dev, mem.as_mut_ptr() as usize, mem.len()) }?;
+        let me = Self {
+            peer: peer.to_owned(),
+            qp_num: qp.qp.qp_num,
+            qp: Mutex::new(Some(qp)),
+            ring: Ring { mr, mem, size },
+        };
+        let wrs: Vec<RecvWr> = (0..slots).map(|i| me.recv_wr(i)).collect();
+        me.post(&wrs)?;
+        Ok(me)
+    }
+
+    fn recv_wr(&self, slot: usize) -> RecvWr {
+        let r = &self.ring;
+        RecvWr {
+            wr_id: slot as u64,
+            sge: Sge {
+                addr: r.mem.as_mut_ptr() as u64 + (slot * r.size) as u64,
+                len: r.size as u32,
+                lkey: r.mr.mr.lkey,
+            },
+        }
+    }
+
+    fn post(&self, wrs: &[RecvWr]) -> Result<()> {
+        let g = self.qp.lock().unwrap();
+        let Some(qp) = g.as_ref() else {
+            return Ok(());
+        };
+        // SAFETY: the buffers are in the ring, registered, and outlive the queue pair.
+        unsafe { qp.dev.api.post_recv(qp.qp.handle, wrs) }.map_err(|p| p.error)
+    }
+
+    /// Run `f` on the queue pair, if it is still there.
+    pub(crate) fn with_qp<T>(&self, f: impl FnOnce(&QueuePair) -> T) -> Option<T> {
+        self.qp.lock().unwrap().as_ref().map(f)
+    }
+
+    /// A completion of this queue pair: a notification arrived (deliver it, post the
+    /// buffer again), or a flush after closing.
+    pub(crate) fn on_completion(&self, c: &Completion, sink: &NotificationSink) {
+        let slot = c.wr_id as usize;
+        let r = &self.ring;
+        if !c.status.is_ok() || c.opcode != WcOpcode::Recv || slot * r.size >= r.mem.len() {
+            if c.status.is_ok() {
+                tracing::debug!(peer = %self.peer, wr_id = c.wr_id, "verbs: unexpected completion on an inbound queue pair; ignored");
+            }
+            return;
+        }
+        let len = (c.byte_len as usize).min(r.size);
+        let mut msg = vec![0u8; len];
+        // SAFETY: slot `slot` lies inside `mem` (checked above) and the device
+        // finished writing it before it reported the completion; it is not posted
+        // again until the bytes are copied out.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                r.mem.as_mut_ptr().add(slot * r.size),
+                msg.as_mut_ptr(),
+                len,
+            );
+        }
+        let msg = Bytes::from(msg);
+        sink.deliver(&self.peer, msg);
+        if let Err(e) = self.post(&[self.recv_wr(slot)]) {
+            tracing::warn!(peer = %self.peer, error = %e, "verbs: reposting a notification buffer failed");
+        }
+    }
+
+    /// Destroy the queue pair (the peer's next work request fails); the buffers go
+    /// when this is dropped.
+    pub(crate) fn close(&self) {
+        drop(self.qp.lock().unwrap().take());
+    }
+}

@@ -1,0 +1,1282 @@
+//! # nixl-verbs
+//!
+//! A [`nixl`] backend on raw ibverbs: reliable-connected queue pairs, RDMA WRITE and
+//! READ, on the host's rdma-core, loaded at run time.
+//!
+//! **This data path has not run on RDMA hardware yet.** The machines it was built on
+//! have no RDMA device (and no kernel support for soft-RoCE). What runs in CI: the
+//! codecs and plans (unit and property tests), the binding against the real
+//! `libibverbs.so.1` of the host (it loads, lists no devices, and creating the backend
+//! fails with [`ErrorKind::NotSupported`] naming why), every declared struct's layout
+//! against the host's `<infiniband/verbs.h>`, the ELF checks (no link-time dependency
+//! on rdma-core), and the whole conformance suite against an in-process **test
+//! double** of the verbs API (`test_double`, feature `test-double`), which proves this
+//! crate's structure, not a NIC's behaviour. On a host with a device (a NIC, or
+//! `scripts/soft-roce.sh`), `tests/verbs.rs` runs the conformance suite on it.
+//!
+//! ## Binding
+//! rdma-core comes from the host: `libibverbs.so.1` is opened at run time through the
+//! core's loader ([`nixl::native`]; `NIXL_VERBS_LIB` names another), so the host's
+//! providers (mlx5, efa, erdma, bnxt_re, rxe, ...) serve it and a process that also
+//! runs NCCL holds one libibverbs. Nothing is linked at build time and no symbol of
+//! libibverbs is defined here (a test reads the ELF of the built binaries). The
+//! structures and calls this crate uses are declared in `ffi.rs`; the data-path calls
+//! that `verbs.h` makes inline go through the context's operation table as it does.
+//! [`VerbsBackend::library_report`] says which libibverbs was bound, from where, and
+//! which providers sit beside it.
+//!
+//! The `sideway` crate was considered and not used: its `rdma-mummy-sys` loads
+//! libibverbs in a constructor before `main`, by a fixed soname, silently when absent,
+//! which contradicts the loader every native backend here shares (explicit path,
+//! report, error values); it needs cmake and libclang to build; and it links a C shim
+//! under GPL-2.0 into every binary.
+//!
+//! ## Connections
+//! A peer's metadata carries the static half of RC setup ([`wire::ConnInfo`]: port,
+//! MTU, LID, GID, control address). The dynamic half (queue pair numbers and packet
+//! sequence numbers) is exchanged on a small TCP control connection of this backend:
+//! the initiator connects at its first transfer (or [`nixl::Agent::connect`]) and
+//! sends its queue pairs; the target makes its own, posts receive buffers, brings
+//! them to ready-to-send and answers; the initiator brings its own up. The control
+//! connection stays open for the connection's life: its end is how each side learns
+//! the other is gone. Its listener is an accept loop on the agent's tracker and
+//! token. (`rdma_cm` would do the same exchange, but it brings librdmacm and its own
+//! event channel; the control connection also carries the agent's name, so peers are
+//! keyed by name, never by address.)
+//!
+//! ## Data path
+//! - One protection domain, one completion queue and one completion channel per
+//!   agent; one memory region per registration (host memory; GPU memory is
+//!   [`ErrorKind::NotSupported`] until GPU registration lands).
+//! - [`VerbsOptions::qps_per_peer`] RC queue pairs per peer (default 1). A transfer is
+//!   prepared once into work requests: segments that follow each other at the peer
+//!   share a request (a gather list on WRITE, a scatter list on READ) up to the queue
+//!   pair's entries and the port's largest message; longer segments are cut.
+//! - Posting chains up to half the send queue per `ibv_post_send`, signals only the
+//!   last request of each chain (a signaled completion retires every request before
+//!   it on the queue pair), and never has more requests posted than the queue holds;
+//!   the rest waits in order and goes out as completions free room.
+//! - Completions arrive on the completion channel, whose descriptor tokio watches (no
+//!   polling while idle); after a batch, the queue is polled again for up to
+//!   [`VerbsOptions::spin`] before the loop sleeps.
+//!
+//! ## Notifications
+//! A notification is a SEND on the same queue pair, after the transfer's RDMA WRITEs,
+//! into receive buffers the target posted ([`VerbsOptions::recv_queue_depth`] of
+//! [`VerbsOptions::max_notification`] bytes each, posted again as soon as delivered).
+//! On a reliable connection the responder executes requests in order, so the WRITEs'
+//! data is in the target's memory before the SEND's receive completes; after RDMA
+//! READs the SEND carries a fence, so it waits until the reads are done. Standalone
+//! notifications are SENDs too; all of them keep posting order. When transfers are
+//! split across several queue pairs, the first queue pair holds everything after the
+//! transfer until every share is done, so the same holds. A peer with no buffer
+//! posted makes the SEND wait (receiver-not-ready retries without limit) rather than
+//! fail.
+//!
+//! ## Failures
+//! A completion with an error (a peer that stopped answering: retries exhausted
+//! within [`plan::Reliability::give_up_after`], about 0.5 s by default; a key the
+//! peer's NIC refused), or the control connection ending (the peer process exited:
+//! at once; a silent host: within [`VerbsOptions::dead_peer_timeout`] through TCP
+//! keepalive), fails every transfer in flight to that peer: with
+//! [`ErrorKind::RemoteDisconnected`] when the peer is gone, [`ErrorKind::NotAllowed`]
+//! when its NIC refused a key. The queue pair is destroyed **before** any of those
+//! transfers is failed, so the device never touches memory the application got back;
+//! the next transfer connects anew with fresh queue pairs.
+//!
+//! ## Teardown
+//! [`nixl::Backend::shutdown`] stops the accept loop and the completion loop (waiting
+//! for the latter), fails what is in flight and destroys every queue pair; the agent
+//! then deregisters the memory regions; [`nixl::Backend::destroy`] lets go of the
+//! device. Every region and queue pair holds the device, and the device's `Drop`
+//! destroys the completion queue (after acknowledging its events), the channel and
+//! the protection domain and closes the device, so nothing is released while
+//! something made from it is alive, whoever lets go last.
+
+pub mod api;
+mod device;
+mod ffi;
+mod inbound;
+pub mod library;
+mod link;
+pub mod plan;
+#[cfg(feature = "test-double")]
+pub mod test_double;
+pub mod wire;
+
+#[doc(hidden)]
+pub use ffi::{layout as ffi_layout, signatures as ffi_signatures};
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use nixl::native::LibraryReport;
+use nixl::{
+    Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op, PreparedTransfer,
+    RegionRef, Result, TargetRegion, TransferPlan,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{Completion, VerbsApi};
+use crate::device::{Device, MemoryRegion, QueuePair};
+use crate::inbound::Inbound;
+use crate::link::{Lane, Link, LinkState, Pending, Slots};
+use crate::plan::{Piece, Reliability, WrLimits, WrPlan};
+use crate::wire::{ConnInfo, Hello, QpHalf, Reply};
+
+/// Version of this crate.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Options for [`VerbsBackend`].
+#[derive(Clone, Debug)]
+pub struct VerbsOptions {
+    /// Device by name (`mlx5_0`); default: the first with an active port.
+    pub device: Option<String>,
+    /// Port (from 1); default: the device's first active port.
+    pub port: Option<u8>,
+    /// GID index; default: on Ethernet the first RoCE v2 GID (an IPv4-mapped one
+    /// first), on InfiniBand the first non-zero one.
+    pub gid_index: Option<u32>,
+    /// Largest path MTU in bytes (256 to 4096; the ports' active MTUs may lower it).
+    pub mtu: u32,
+    /// Send-queue depth per queue pair (the device may lower it).
+    pub send_queue_depth: u32,
+    /// Notification buffers posted per inbound queue pair.
+    pub recv_queue_depth: u32,
+    /// Entries of the agent's completion queue.
+    pub cq_depth: u32,
+    /// RC queue pairs per peer; transfers are spread over them in shares of whole
+    /// work requests.
+    pub qps_per_peer: usize,
+    /// Longest notification (the size of each receive buffer).
+    pub max_notification: usize,
+    /// Address of the control listener (default `127.0.0.1:0`; use an address peers
+    /// on other hosts reach).
+    pub control_listen: SocketAddr,
+    /// Control address to publish when peers must use another one.
+    pub advertise: Option<SocketAddr>,
+    /// Limit for connecting and for the handshake.
+    pub connect_timeout: Duration,
+    /// Bound on noticing a silent peer host through the control connection (TCP
+    /// keepalive and `TCP_USER_TIMEOUT`).
+    pub dead_peer_timeout: Duration,
+    /// Retry settings of the queue pairs.
+    pub reliability: Reliability,
+    /// How long the completion loop keeps polling after a batch before it sleeps on
+    /// the completion channel (lower latency under load; zero: never spin).
+    pub spin: Duration,
+}
+
+impl Default for VerbsOptions {
+    fn default() -> Self {
+        Self {
+            device: None,
+            port: None,
+            gid_index: None,
+            mtu: 4096,
+            send_queue_depth: 512,
+            recv_queue_depth: 64,
+            cq_depth: 8192,
+            qps_per_peer: 1,
+            max_notification: 4096,
+            control_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            connect_timeout: Duration::from_secs(5),
+            dead_peer_timeout: Duration::from_secs(10),
+            reliability: Reliability::default(),
+            spin: Duration::from_micros(20),
+        }
+    }
+}
+
+/// The verbs backend. Attach it to an agent with
+/// [`AgentBuilder::backend`](nixl::AgentBuilder::backend).
+#[derive(Debug, Clone)]
+pub struct VerbsBackend {
+    inner: Arc<Inner>,
+}
+
+struct Started {
+    ctx: BackendContext,
+    control: SocketAddr,
+    cancel: CancellationToken,
+}
+
+/// What a queue pair number belongs to, for completions.
+#[derive(Clone)]
+enum Role {
+    Lane(Arc<Lane>),
+    Inbound(Arc<Inbound>),
+}
+
+struct PeerEntry {
+    info: ConnInfo,
+    link: Option<Arc<Link>>,
+}
+
+struct Inner {
+    options: VerbsOptions,
+    report: Option<LibraryReport>,
+    /// `None` after [`Backend::destroy`].
+    dev: Mutex<Option<Arc<Device>>>,
+    started: OnceLock<Started>,
+    regions: Mutex<HashMap<u64, (Arc<MemoryRegion>, RegionRef)>>,
+    peers: Mutex<HashMap<String, PeerEntry>>,
+    qps: Mutex<HashMap<u32, Role>>,
+    inbound: Mutex<Vec<Arc<Inbound>>>,
+    completion_loop: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    /// An agent dropped without shutdown: queue pairs go before the memory regions,
+    /// as at shutdown, so peers see the connection end (retries exhausted), never a
+    /// refused key, and no device touches memory that is gone.
+    fn drop(&mut self) {
+        let links: Vec<Arc<Link>> = self
+            .peers
+            .get_mut()
+            .unwrap()
+            .drain()
+            .filter_map(|(_, p)| p.link)
+            .collect();
+        for l in links {
+            l.fail(Error::new(
+                ErrorKind::Canceled,
+                "verbs transfer",
+                "the agent was dropped",
+            ));
+        }
+        for i in self.inbound.get_mut().unwrap().drain(..) {
+            i.close();
+        }
+        self.qps.get_mut().unwrap().clear();
+        self.regions.get_mut().unwrap().clear();
+    }
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsBackend")
+            .field("device", &self.dev.lock().unwrap())
+            .finish_non_exhaustive()
+    }
+}
+
+impl VerbsBackend {
+    /// Open the host's libibverbs (`NIXL_VERBS_LIB` or `libibverbs.so.1`) and the
+    /// device the default options pick.
+    ///
+    /// # Errors
+    /// [`ErrorKind::UnavailableLibrary`] when libibverbs cannot be loaded;
+    /// [`ErrorKind::NotSupported`] when it has no device with an active port (naming
+    /// what it found); [`ErrorKind::NotFound`] for a device name that is not there.
+    pub fn new() -> Result<Self> {
+        Self::with_options(VerbsOptions::default())
+    }
+
+    /// As [`VerbsBackend::new`], with options.
+    ///
+    /// # Errors
+    /// As [`VerbsBackend::new`].
+    pub fn with_options(options: VerbsOptions) -> Result<Self> {
+        let lib = library::Libibverbs::load()?;
+        let report = lib.report().clone();
+        Self::build(lib, Some(report), options)
+    }
+
+    /// On another implementation of the verbs calls (the `test_double`).
+    ///
+    /// # Errors
+    /// As [`VerbsBackend::new`], from that implementation.
+    pub fn with_api(api: Arc<dyn VerbsApi>, options: VerbsOptions) -> Result<Self> {
+        Self::build(api, None, options)
+    }
+
+    fn build(
+        api: Arc<dyn VerbsApi>,
+        report: Option<LibraryReport>,
+        options: VerbsOptions,
+    ) -> Result<Self> {
+        if api::Mtu::from_bytes(options.mtu).is_none() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "verbs options",
+                format!("MTU {} is not 256, 512, 1024, 2048 or 4096", options.mtu),
+            ));
+        }
+        if options.qps_per_peer == 0 || options.qps_per_peer > wire::MAX_QPS {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "verbs options",
+                format!("qps_per_peer must be 1 to {}", wire::MAX_QPS),
+            ));
+        }
+        let dev = Device::open(api, &options)?;
+        tracing::info!(device = %dev.name, port = dev.endpoint.port, link_layer = ?dev.endpoint.link_layer, gid_index = dev.endpoint.gid_index, "verbs: device opened");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                options,
+                report,
+                dev: Mutex::new(Some(Arc::new(dev))),
+                started: OnceLock::new(),
+                regions: Mutex::new(HashMap::new()),
+                peers: Mutex::new(HashMap::new()),
+                qps: Mutex::new(HashMap::new()),
+                inbound: Mutex::new(Vec::new()),
+                completion_loop: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// The libibverbs bound and the providers beside it (`None` on the test
+    /// double).
+    pub fn library_report(&self) -> Option<&LibraryReport> {
+        self.inner.report.as_ref()
+    }
+
+    /// The device, port and GID in use, in one line.
+    pub fn device_summary(&self) -> String {
+        match &*self.inner.dev.lock().unwrap() {
+            Some(d) => format!(
+                "{} port {} ({:?}, MTU {}, GID index {})",
+                d.name,
+                d.endpoint.port,
+                d.endpoint.link_layer,
+                d.endpoint.mtu.bytes(),
+                d.endpoint.gid_index
+            ),
+            None => "closed".to_owned(),
+        }
+    }
+
+    /// The control listener's address, once started.
+    pub fn control_addr(&self) -> Option<SocketAddr> {
+        self.inner.started.get().map(|s| s.control)
+    }
+
+    fn dev(&self, op: &'static str) -> Result<Arc<Device>> {
+        self.inner
+            .dev
+            .lock()
+            .unwrap()
+            .clone()
+            .ok_or_else(|| Error::new(ErrorKind::ShutDown, op, "the verbs device is closed"))
+    }
+
+    fn started(&self, op: &'static str) -> Result<&Started> {
+        self.inner.started.get().ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotAllowed,
+                op,
+                "the verbs backend is not attached to an agent",
+            )
+        })
+    }
+
+    /// The live link to `peer`, connecting if needed.
+    fn link(&self, peer: &str, op: &'static str) -> Result<Arc<Link>> {
+        let started = self.started(op)?;
+        let mut peers = self.inner.peers.lock().unwrap();
+        let Some(entry) = peers.get_mut(peer) else {
+            return Err(Error::new(
+                ErrorKind::UnknownPeer,
+                op,
+                format!("verbs: no connection info for peer {peer:?}"),
+            ));
+        };
+        if let Some(l) = &entry.link {
+            if !l.is_dead() {
+                return Ok(l.clone());
+            }
+        }
+        let link = Arc::new(Link {
+            peer: peer.to_owned(),
+            state: Mutex::new(LinkState::Connecting(Vec::new())),
+            settled: tokio::sync::Notify::new(),
+            cancel: started.cancel.child_token(),
+        });
+        entry.link = Some(link.clone());
+        let (me, info, l) = (self.clone(), entry.info, link.clone());
+        started
+            .ctx
+            .tracker
+            .spawn(async move { me.run_link(l, info).await });
+        Ok(link)
+    }
+
+    /// Connect `link`, then watch its control connection until it ends.
+    async fn run_link(self, link: Arc<Link>, info: ConnInfo) {
+        let o = &self.inner.options;
+        let connected = tokio::select! {
+            _ = link.cancel.cancelled() => Err(Error::new(ErrorKind::Canceled, "verbs connect", "canceled")),
+            r = tokio::time::timeout(o.connect_timeout, self.connect_link(&link, &info)) => r.unwrap_or_else(|_| Err(Error::new(
+                ErrorKind::TimedOut,
+                "verbs connect",
+                format!("peer {:?} at {} did not complete the handshake within {:?}", link.peer, info.control, o.connect_timeout),
+            ))),
+        };
+        let (mut stream, lanes, max_notif) = match connected {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(peer = %link.peer, error = %e, "verbs: connect failed");
+                link.fail(e);
+                return;
+            }
+        };
+        {
+            let mut qps = self.inner.qps.lock().unwrap();
+            for l in &lanes {
+                qps.insert(l.qp_num, Role::Lane(l.clone()));
+            }
+        }
+        // Post what waited, in order; what is posted meanwhile keeps queueing behind
+        // it until the queue is empty, and only then is the link up.
+        loop {
+            let batch = {
+                let mut st = link.state.lock().unwrap();
+                match &mut *st {
+                    LinkState::Connecting(q) if q.is_empty() => {
+                        *st = LinkState::Up(lanes.clone(), max_notif);
+                        break;
+                    }
+                    LinkState::Connecting(q) => std::mem::take(q),
+                    // Failed while we connected: keep that.
+                    _ => break,
+                }
+            };
+            for p in batch {
+                link::post_on(&lanes, max_notif, &link.peer, p);
+            }
+        }
+        link.settled.notify_waiters();
+        let failed = match &*link.state.lock().unwrap() {
+            LinkState::Dead(e) => Some(e.cloned()),
+            _ => None,
+        };
+        if let Some(e) = failed {
+            // Closed while connecting: these lanes never became the link's.
+            for l in &lanes {
+                l.fail(e.cloned());
+                self.inner.qps.lock().unwrap().remove(&l.qp_num);
+            }
+            return;
+        }
+        tracing::debug!(peer = %link.peer, qps = lanes.len(), "verbs: connected");
+        // The control connection stays open; its end means the peer is gone.
+        let mut buf = [0u8; 64];
+        let why = tokio::select! {
+            _ = link.cancel.cancelled() => None,
+            r = stream.read(&mut buf) => Some(match r {
+                Ok(0) => "the peer closed its control connection".to_owned(),
+                Ok(_) => "the peer broke the control protocol".to_owned(),
+                Err(e) => format!("the control connection failed: {e}"),
+            }),
+        };
+        let e = Error::new(
+            ErrorKind::RemoteDisconnected,
+            "verbs transfer",
+            format!(
+                "peer {:?}: {}",
+                link.peer,
+                why.as_deref().unwrap_or("the connection was closed here")
+            ),
+        );
+        for l in link.fail(e) {
+            self.inner.qps.lock().unwrap().remove(&l.qp_num);
+        }
+        let _ = stream.shutdown().await;
+    }
+
+    /// The handshake of a new link: queue pairs up on both sides.
+    async fn connect_link(
+        &self,
+        link: &Link,
+        info: &ConnInfo,
+    ) -> Result<(TcpStream, Vec<Arc<Lane>>, usize)> {
+        const OP: &str = "verbs connect";
+        let dev = self.dev(OP)?;
+        let o = &self.inner.options;
+        let io = |what: &str, e: std::io::Error| {
+            Error::new(
+                ErrorKind::RemoteDisconnected,
+                OP,
+                format!("peer {:?} at {}: {what}", link.peer, info.control),
+            )
+            .with_source(e)
+        };
+        let mut s = TcpStream::connect(info.control)
+            .await
+            .map_err(|e| io("connect", e))?;
+        tune(&s, o.dead_peer_timeout);
+        let caps = dev.caps(o);
+        let mut qps = Vec::new();
+        let mut halves = Vec::new();
+        for _ in 0..o.qps_per_peer {
+            let qp = QueuePair::create(&dev, caps)?;
+            qp.modify(&[plan::connect(
+                &dev.endpoint,
+                0,
+                &info.endpoint,
+                0,
+                0,
+                &o.reliability,
+                dev.limits.max_qp_rd_atom,
+                dev.limits.max_qp_init_rd_atom,
+            )[0]])?;
+            halves.push(QpHalf {
+                qp_num: qp.qp.qp_num,
+                psn: plan::random_psn(),
+            });
+            qps.push(qp);
+        }
+        let agent = self.started(OP)?.ctx.agent_name.clone();
+        let hello = Hello {
+            agent,
+            endpoint: dev.endpoint,
+            qps: halves.clone(),
+        };
+        write_frame(&mut s, &hello.encode())
+            .await
+            .map_err(|e| io("hello", e))?;
+        let reply = read_frame(&mut s)
+            .await
+            .map_err(|e| io("handshake reply", e))?;
+        let (max_notif, theirs) = match Reply::decode(&reply)? {
+            Reply::Accepted {
+                max_notification,
+                qps,
+            } if qps.len() == halves.len() => (max_notification as usize, qps),
+            Reply::Accepted { qps: n, .. } => {
+                return Err(Error::new(
+                    ErrorKind::Corrupt,
+                    OP,
+                    format!(
+                        "peer {:?} answered with {} queue pairs for {}",
+                        link.peer,
+                        n.len(),
+                        halves.len()
+                    ),
+                ))
+            }
+            Reply::Refused(why) => {
+                return Err(Error::new(
+                    ErrorKind::NotAllowed,
+                    OP,
+                    format!("peer {:?} refused the connection: {why}", link.peer),
+                ))
+            }
+        };
+        let mut lanes = Vec::new();
+        for ((qp, mine), theirs) in qps.into_iter().zip(&halves).zip(&theirs) {
+            let [_, rtr, rts] = plan::connect(
+                &dev.endpoint,
+                mine.psn,
+                &info.endpoint,
+                theirs.qp_num,
+                theirs.psn,
+                &o.reliability,
+                dev.limits.max_qp_rd_atom,
+                dev.limits.max_qp_init_rd_atom,
+            );
+            qp.modify(&[rtr, rts])?;
+            let slots = if o.max_notification as u32 > qp.qp.caps.max_inline_data {
+                Some(notification_slots(&dev, o.max_notification, 16)?)
+            } else {
+                None
+            };
+            lanes.push(Arc::new(Lane::new(&link.peer, qp, slots)));
+        }
+        Ok((s, lanes, max_notif))
+    }
+
+    /// Serve one incoming control connection: make queue pairs for the peer's, then
+    /// keep them until the connection ends.
+    async fn serve(self, mut s: TcpStream, cancel: CancellationToken) -> Result<()> {
+        const OP: &str = "verbs accept";
+        let o = &self.inner.options;
+        tune(&s, o.dead_peer_timeout);
+        let io = |what: &str, e: std::io::Error| {
+            Error::new(ErrorKind::RemoteDisconnected, OP, what.to_owned()).with_source(e)
+        };
+        let frame = tokio::time::timeout(o.connect_timeout, read_frame(&mut s))
+            .await
+            .map_err(|_| Error::new(ErrorKind::TimedOut, OP, "no hello in time"))?
+            .map_err(|e| io("hello", e))?;
+        let hello = Hello::decode(&frame)?;
+        let made = self.accept_qps(&hello);
+        if let Err(e) = &made {
+            if matches!(e.kind(), ErrorKind::ShutDown | ErrorKind::Canceled) {
+                // Going away: the initiator sees the connection end, as from a peer
+                // that is gone, not a refusal.
+                return Err(e.cloned());
+            }
+        }
+        let (inbound, reply) = match made {
+            Ok((inb, halves)) => (
+                inb,
+                Reply::Accepted {
+                    max_notification: o.max_notification as u32,
+                    qps: halves,
+                },
+            ),
+            Err(e) => (Vec::new(), Reply::Refused(e.to_string())),
+        };
+        {
+            let mut qps = self.inner.qps.lock().unwrap();
+            let mut list = self.inner.inbound.lock().unwrap();
+            // Checked under the list's lock: a shutdown or drop that already emptied
+            // the list (its token is cancelled first) would miss these queue pairs,
+            // and deregister memory they reach.
+            if cancel.is_cancelled() {
+                for i in &inbound {
+                    i.close();
+                }
+                return Err(Error::new(ErrorKind::Canceled, OP, "the agent is stopping"));
+            }
+            for i in &inbound {
+                qps.insert(i.qp_num, Role::Inbound(i.clone()));
+            }
+            list.extend(inbound.iter().cloned());
+        }
+        let sent = write_frame(&mut s, &reply.encode()).await;
+        if sent.is_ok() && !inbound.is_empty() {
+            tracing::debug!(peer = %hello.agent, qps = inbound.len(), "verbs: peer connected");
+            let mut buf = [0u8; 64];
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                _ = s.read(&mut buf) => {}
+            }
+        }
+        // The peer is gone (or we stop): destroy its queue pairs; their buffers go
+        // with the last reference.
+        {
+            let mut qps = self.inner.qps.lock().unwrap();
+            for i in &inbound {
+                qps.remove(&i.qp_num);
+                i.close();
+            }
+            self.inner
+                .inbound
+                .lock()
+                .unwrap()
+                .retain(|x| !inbound.iter().any(|i| Arc::ptr_eq(i, x)));
+        }
+        sent.map_err(|e| io("reply", e))
+    }
+
+    fn accept_qps(&self, hello: &Hello) -> Result<(Vec<Arc<Inbound>>, Vec<QpHalf>)> {
+        let dev = self.dev("verbs accept")?;
+        let o = &self.inner.options;
+        let caps = dev.caps(o);
+        let mut made = Vec::new();
+        let mut halves = Vec::new();
+        for theirs in &hello.qps {
+            let qp = QueuePair::create(&dev, caps)?;
+            let psn = plan::random_psn();
+            let [init, rtr, rts] = plan::connect(
+                &dev.endpoint,
+                psn,
+                &hello.endpoint,
+                theirs.qp_num,
+                theirs.psn,
+                &o.reliability,
+                dev.limits.max_qp_rd_atom,
+                dev.limits.max_qp_init_rd_atom,
+            );
+            qp.modify(&[init])?;
+            let inb = Inbound::new(&hello.agent, &dev, qp, o.max_notification)?;
+            inb.with_qp(|qp| qp.modify(&[rtr, rts]))
+                .expect("just made")?;
+            halves.push(QpHalf {
+                qp_num: inb.qp_num,
+                psn,
+            });
+            made.push(Arc::new(inb));
+        }
+        Ok((made, halves))
+    }
+}
+
+/// Registered buffers for `count` notifications of `size` bytes.
+fn notification_slots(dev: &Arc<Device>, size: usize, count: usize) -> Result<Slots> {
+    let mem = nixl::AlignedBuf::new(size * count);
+    // SAFETY: `mem` moves into the `Slots` that owns the registration, and is freed
+    // after it (field order).
+    let mr = unsafe { MemoryRegion::register(dev, mem.as_mut_ptr() as usize, mem.len()) }?;
+    Ok(Slots::new(mr, mem, size))
+}
+
+/// Keepalive and user timeout on a control connection, so a silent peer host is
+/// noticed within `dead`.
+fn tune(s: &TcpStream, dead: Duration) {
+    let _ = s.set_nodelay(true);
+    let fd = s.as_raw_fd();
+    let idle = (dead / 2).max(Duration::from_secs(1)).as_secs() as libc::c_int;
+    let set = |level: libc::c_int, name: libc::c_int, v: libc::c_int| {
+        // SAFETY: `fd` is an open socket owned by `s` for this call; the option value
+        // is a c_int on the stack, its size passed alongside.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        }
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
+    set(
+        libc::IPPROTO_TCP,
+        libc::TCP_USER_TIMEOUT,
+        dead.as_millis().min(i32::MAX as u128) as libc::c_int,
+    );
+}
+
+/// Most bytes in one control frame.
+const MAX_FRAME: usize = 64 * 1024;
+
+async fn write_frame(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
+    let mut f = Vec::with_capacity(4 + b.len());
+    f.extend_from_slice(&(b.len() as u32).to_le_bytes());
+    f.extend_from_slice(b);
+    s.write_all(&f).await
+}
+
+async fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut n = [0u8; 4];
+    s.read_exact(&mut n).await?;
+    let n = u32::from_le_bytes(n) as usize;
+    if n > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("control frame of {n} bytes"),
+        ));
+    }
+    let mut b = vec![0u8; n];
+    s.read_exact(&mut b).await?;
+    Ok(b)
+}
+
+/// A descriptor tokio can watch.
+struct ChannelFd(RawFd);
+
+impl AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+impl Inner {
+    /// Deliver one completion to whoever owns its queue pair.
+    fn dispatch(&self, dev: &Device, c: &Completion, sink: &nixl::NotificationSink) {
+        let role = self.qps.lock().unwrap().get(&c.qp_num).cloned();
+        match role {
+            Some(Role::Lane(l)) => {
+                let text = if c.status.is_ok() {
+                    String::new()
+                } else {
+                    dev.api.status_str(c.status)
+                };
+                l.on_completion(c, &text);
+                if l.is_dead() {
+                    self.qps.lock().unwrap().remove(&c.qp_num);
+                    // The link's other lanes and its control connection go too.
+                    let peers = self.peers.lock().unwrap();
+                    if let Some(link) = peers.get(&l.peer).and_then(|p| p.link.clone()) {
+                        drop(peers);
+                        let e = Error::new(
+                            ErrorKind::RemoteDisconnected,
+                            "verbs transfer",
+                            format!(
+                                "peer {:?}: another queue pair of the connection failed",
+                                l.peer
+                            ),
+                        );
+                        for other in link.fail(e) {
+                            self.qps.lock().unwrap().remove(&other.qp_num);
+                        }
+                    }
+                }
+            }
+            Some(Role::Inbound(i)) => i.on_completion(c, sink),
+            None => {
+                tracing::trace!(
+                    qp = c.qp_num,
+                    wr_id = c.wr_id,
+                    "verbs: completion of a queue pair already gone; ignored"
+                );
+            }
+        }
+    }
+}
+
+/// The completion loop: sleeps on the completion channel, drains the queue, and
+/// spins for `spin` after a batch.
+async fn completion_loop(
+    inner: Arc<Inner>,
+    dev: Arc<Device>,
+    sink: nixl::NotificationSink,
+    cancel: CancellationToken,
+) {
+    // SAFETY: the channel's descriptor stays open while the device lives, and the
+    // device (a parameter) outlives this local.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(
+            ChannelFd(dev.channel.fd),
+            tokio::io::Interest::READABLE,
+        )
+    };
+    let afd = match registered {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::error!(error = %e, "verbs: cannot watch the completion channel; no completions will be seen");
+            return;
+        }
+    };
+    let api = &dev.api;
+    let spin = inner.options.spin;
+    let mut wcs = [Completion::EMPTY; 64];
+    if let Err(e) = api.req_notify_cq(dev.cq) {
+        tracing::error!(error = %e, "verbs: cannot arm the completion queue");
+        return;
+    }
+    loop {
+        // Drain, then spin briefly while completions keep coming.
+        let mut last = Instant::now();
+        loop {
+            let n = match api.poll_cq(dev.cq, &mut wcs) {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::error!(error = %e, "verbs: polling the completion queue failed");
+                    0
+                }
+            };
+            for c in &wcs[..n] {
+                inner.dispatch(&dev, c, &sink);
+            }
+            if n > 0 {
+                last = Instant::now();
+                continue;
+            }
+            if last.elapsed() >= spin {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        let mut guard = tokio::select! {
+            _ = cancel.cancelled() => return,
+            g = afd.readable() => match g {
+                Ok(g) => g,
+                Err(e) => {
+                    tracing::error!(error = %e, "verbs: the completion channel failed");
+                    return;
+                }
+            },
+        };
+        // Take every pending event, acknowledge them, then arm again before the next
+        // drain: a completion after the drain raises a new event.
+        let mut events = 0;
+        loop {
+            match api.get_cq_event(dev.channel.handle) {
+                Ok(Some(_)) => events += 1,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::error!(error = %e, "verbs: reading a completion event failed");
+                    break;
+                }
+            }
+        }
+        guard.clear_ready();
+        if events > 0 {
+            api.ack_cq_events(dev.cq, events);
+        }
+        if let Err(e) = api.req_notify_cq(dev.cq) {
+            tracing::error!(error = %e, "verbs: cannot arm the completion queue");
+            return;
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for VerbsBackend {
+    fn name(&self) -> &str {
+        "verbs"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            local: false,
+            remote: true,
+            notifications: true,
+            dram: true,
+            vram: false,
+            // The peer's NIC checks keys and bounds, but a refusal fails the whole
+            // queue pair; requests are checked by the initiator only.
+            target_checks: false,
+            max_segments: 1 << 24,
+            max_notification: self.inner.options.max_notification,
+        }
+    }
+
+    async fn start(&self, ctx: BackendContext) -> Result<()> {
+        const OP: &str = "start verbs backend";
+        let dev = self.dev(OP)?;
+        let o = &self.inner.options;
+        let listener = TcpListener::bind(o.control_listen).await.map_err(|e| {
+            Error::new(
+                ErrorKind::Backend,
+                OP,
+                format!("cannot listen on {}", o.control_listen),
+            )
+            .with_source(e)
+        })?;
+        let bound = listener.local_addr().map_err(|e| {
+            Error::new(ErrorKind::Backend, OP, "listener has no address").with_source(e)
+        })?;
+        let control = o.advertise.unwrap_or(bound);
+        let cancel = ctx.cancel.child_token();
+        // The accept loop.
+        let (me, c, tracker) = (self.clone(), cancel.clone(), ctx.tracker.clone());
+        ctx.tracker.spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = c.cancelled() => break,
+                    r = listener.accept() => r,
+                };
+                match accepted {
+                    Ok((s, from)) => {
+                        let (me, cc) = (me.clone(), c.child_token());
+                        tracker.spawn(async move {
+                            if let Err(e) = me.serve(s, cc).await {
+                                tracing::debug!(%from, error = %e, "verbs: control connection ended");
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "verbs: accept failed");
+                        tokio::select! {
+                            _ = c.cancelled() => break,
+                            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                        }
+                    }
+                }
+            }
+        });
+        let handle = ctx.tracker.spawn(completion_loop(
+            self.inner.clone(),
+            dev,
+            ctx.notifications.clone(),
+            cancel.clone(),
+        ));
+        *self.inner.completion_loop.lock().unwrap() = Some(handle);
+        self.inner
+            .started
+            .set(Started {
+                ctx,
+                control,
+                cancel,
+            })
+            .map_err(|_| {
+                Error::new(
+                    ErrorKind::NotAllowed,
+                    OP,
+                    "the verbs backend is already attached to an agent",
+                )
+            })?;
+        Ok(())
+    }
+
+    fn connection_info(&self) -> Bytes {
+        let (Some(s), Some(dev)) = (
+            self.inner.started.get(),
+            self.inner.dev.lock().unwrap().clone(),
+        ) else {
+            return Bytes::new();
+        };
+        Bytes::from(
+            ConnInfo {
+                endpoint: dev.endpoint,
+                control: s.control,
+            }
+            .encode(),
+        )
+    }
+
+    fn register(&self, region: &RegionRef) -> Result<Bytes> {
+        const OP: &str = "verbs register";
+        if region.kind() != nixl::MemKind::Dram {
+            return Err(Error::new(
+                ErrorKind::NotSupported,
+                OP,
+                "the verbs backend registers host memory; GPU memory (dma-buf) is not supported yet",
+            ));
+        }
+        let dev = self.dev(OP)?;
+        let seg = region.segment();
+        if seg.len() as u64 > dev.limits.max_mr_size {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                OP,
+                format!(
+                    "{} bytes is over the device's largest memory region ({} bytes)",
+                    seg.len(),
+                    dev.limits.max_mr_size
+                ),
+            ));
+        }
+        // SAFETY: the agent keeps the memory alive while the registration exists:
+        // `region` (kept here until deregistration) holds it.
+        let mr = unsafe { MemoryRegion::register(&dev, seg.addr() as usize, seg.len()) }?;
+        let rkey = mr.mr.rkey;
+        self.inner
+            .regions
+            .lock()
+            .unwrap()
+            .insert(region.id(), (Arc::new(mr), region.clone()));
+        Ok(Bytes::copy_from_slice(&wire::encode_blob(rkey)))
+    }
+
+    fn deregister(&self, region_id: u64) -> Result<()> {
+        // An agent going away (dropped, not shut down) deregisters as it stops:
+        // connections end first, so peers see the peer gone rather than a refused
+        // key, and no queue pair of ours still reaches the memory.
+        if self
+            .inner
+            .started
+            .get()
+            .is_some_and(|s| s.cancel.is_cancelled())
+        {
+            self.close_everything(ErrorKind::Canceled, "the agent is going away");
+        }
+        // Dropping the region deregisters it; the registration's memory is released
+        // after that.
+        self.inner.regions.lock().unwrap().remove(&region_id);
+        Ok(())
+    }
+
+    fn data_path(&self, peer: &str) -> Option<String> {
+        let peers = self.inner.peers.lock().unwrap();
+        let link = peers.get(peer)?.link.clone()?;
+        drop(peers);
+        let st = link.state.lock().unwrap();
+        let LinkState::Up(lanes, _) = &*st else {
+            return None;
+        };
+        Some(format!(
+            "RDMA RC over {}, {} queue pair(s) to this peer",
+            self.device_summary(),
+            lanes.len()
+        ))
+    }
+
+    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+        let info = ConnInfo::decode(conn_info)?;
+        let mut peers = self.inner.peers.lock().unwrap();
+        if let Some(old) = peers.get(peer) {
+            if old.info == info {
+                return Ok(());
+            }
+        }
+        if let Some(PeerEntry { link: Some(l), .. }) =
+            peers.insert(peer.to_owned(), PeerEntry { info, link: None })
+        {
+            drop(peers);
+            self.close_link(&l, "the peer moved to another address");
+        }
+        Ok(())
+    }
+
+    async fn connect(&self, peer: &str) -> Result<()> {
+        self.link(peer, "verbs connect")?.ready().await
+    }
+
+    fn remove_peer(&self, peer: &str) -> Result<()> {
+        let entry = self.inner.peers.lock().unwrap().remove(peer);
+        if let Some(PeerEntry { link: Some(l), .. }) = entry {
+            self.close_link(&l, "the peer was forgotten");
+        }
+        Ok(())
+    }
+
+    fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
+        const OP: &str = "verbs prepare";
+        let Some(peer) = plan.peer.clone() else {
+            return Err(Error::new(
+                ErrorKind::NotSupported,
+                OP,
+                "the verbs backend serves transfers between agents only",
+            ));
+        };
+        let dev = self.dev(OP)?;
+        let segs = &plan.segments;
+        let lkeys = {
+            let regions = self.inner.regions.lock().unwrap();
+            segs.locals()
+                .iter()
+                .map(|r| {
+                    regions
+                        .get(&r.id())
+                        .map(|(mr, _)| (r.segment().addr(), mr.mr.lkey))
+                        .ok_or_else(|| {
+                            Error::new(
+                                ErrorKind::NotFound,
+                                OP,
+                                "a local region is not registered with the verbs backend",
+                            )
+                        })
+                })
+                .collect::<Result<Vec<_>>>()?
+        };
+        let targets = segs
+            .targets()
+            .iter()
+            .map(|t| match t {
+                TargetRegion::Remote { addr, blob, .. } => Ok((*addr, wire::decode_blob(blob)?)),
+                TargetRegion::Local(_) => Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    OP,
+                    "remote transfer with a local target",
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let pieces = segs.runs().iter().flat_map(|r| {
+            let (base, lkey) = lkeys[r.local as usize];
+            let (tbase, rkey) = targets[r.target as usize];
+            (0..r.count).map(move |i| Piece {
+                addr: base + r.local_at(i),
+                len: r.len,
+                lkey,
+                remote_addr: tbase + r.target_at(i),
+                rkey,
+            })
+        });
+        let limits = WrLimits {
+            max_msg: u64::from(dev.port.max_msg_sz.max(1)),
+            max_sge: dev.caps(&self.inner.options).max_send_sge,
+        };
+        let wrs = plan::work_requests(plan.op == Op::Read, pieces, limits);
+        Ok(Box::new(Prepared {
+            backend: self.clone(),
+            peer,
+            read: plan.op == Op::Read,
+            plan: Arc::new(wrs),
+        }))
+    }
+
+    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
+        match self.link(peer, "verbs notify") {
+            Ok(l) => l.post(Pending::Notify(msg, done)),
+            Err(e) => done.complete(Err(e)),
+        }
+    }
+
+    async fn shutdown(&self, timeout: Duration) -> Result<()> {
+        if let Some(s) = self.inner.started.get() {
+            s.cancel.cancel();
+        }
+        self.close_everything(ErrorKind::ShutDown, "the agent is shutting down");
+        // The completion loop stops at its next wait; it holds the device, so
+        // nothing is released under it even if this bound runs out.
+        let handle = self.inner.completion_loop.lock().unwrap().take();
+        if let Some(h) = handle {
+            if tokio::time::timeout(timeout, h).await.is_err() {
+                return Err(Error::new(
+                    ErrorKind::TimedOut,
+                    "verbs shutdown",
+                    "the completion loop did not stop in time",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn destroy(&self) -> Result<()> {
+        // After a shutdown this finds nothing to close; after a drop without one,
+        // queue pairs go before the memory regions (peers see the connection end,
+        // never a refused key).
+        self.close_everything(ErrorKind::Canceled, "the agent was dropped");
+        self.inner.regions.lock().unwrap().clear();
+        if let Some(dev) = self.inner.dev.lock().unwrap().take() {
+            let others = Arc::strong_count(&dev) - 1;
+            if others > 0 {
+                tracing::debug!(
+                    holders = others,
+                    "verbs: the device stays open until its last queue pair or region goes"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+impl VerbsBackend {
+    /// Fail every link (peers keep their connection info) and destroy every inbound
+    /// queue pair.
+    fn close_everything(&self, kind: ErrorKind, why: &str) {
+        let links: Vec<Arc<Link>> = self
+            .inner
+            .peers
+            .lock()
+            .unwrap()
+            .values_mut()
+            .filter_map(|p| p.link.take())
+            .collect();
+        for l in links {
+            let e = Error::new(kind, "verbs transfer", format!("peer {:?}: {why}", l.peer));
+            for lane in l.fail(e) {
+                self.inner.qps.lock().unwrap().remove(&lane.qp_num);
+            }
+        }
+        // Taken out first: the inbound list is never locked while `qps` is wanted.
+        let inbound = std::mem::take(&mut *self.inner.inbound.lock().unwrap());
+        for i in inbound {
+            self.inner.qps.lock().unwrap().remove(&i.qp_num);
+            i.close();
+        }
+    }
+
+    fn close_link(&self, l: &Link, why: &str) {
+        let e = Error::new(
+            ErrorKind::RemoteDisconnected,
+            "verbs transfer",
+            format!("peer {:?}: {why}", l.peer),
+        );
+        for lane in l.fail(e) {
+            self.inner.qps.lock().unwrap().remove(&lane.qp_num);
+        }
+    }
+}
+
+/// A transfer prepared into work requests.
+#[derive(Debug)]
+struct Prepared {
+    backend: VerbsBackend,
+    peer: String,
+    read: bool,
+    plan: Arc<WrPlan>,
+}
+
+impl PreparedTransfer for Prepared {
+    fn post(&self, notif: Option<Bytes>, done: Completer) {
+        match self.backend.link(&self.peer, "verbs post") {
+            Ok(l) => l.post(Pending::Transfer {
+                plan: self.plan.clone(),
+                read: self.read,
+                notif,
+                done,
+            }),
+            Err(e) => done.complete(Err(e)),
+        }
+    }
+}

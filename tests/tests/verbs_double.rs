@@ -1,0 +1,82 @@
+//! The conformance suite on nixl-verbs over its verbs **test double**
+//! (`nixl_verbs::test_double`): software queue pairs in this process that follow verbs
+//! semantics (state machine, keys and bounds, send-queue capacity, completion
+//! channels armed for the next completion, receive-not-ready waits, flushes) and
+//! copy bytes between registrations.
+//!
+//! This proves nixl-verbs' structure (handshake, posting within the send queue,
+//! selective signalling, notifications after data and in order, failures, teardown
+//! order) on any machine. It does not exercise a NIC: `tests/verbs.rs` runs the same
+//! suite on a real device where one exists.
+
+use std::sync::Arc;
+
+use nixl_conformance::{conformance_tests, BackendUnderTest};
+use nixl_verbs::test_double::TestDouble;
+use nixl_verbs::{VerbsBackend, VerbsOptions};
+
+const VERBS_DOUBLE: BackendUnderTest = BackendUnderTest {
+    name: "verbs (test double)",
+    make: || {
+        Ok(Arc::new(VerbsBackend::with_api(
+            TestDouble::api(),
+            VerbsOptions::default(),
+        )?))
+    },
+    skip_case: |_| None,
+};
+
+conformance_tests!(VERBS_DOUBLE);
+
+/// Two queue pairs per peer: transfers are spread over both, and notifications still
+/// follow their data in posting order.
+mod two_queue_pairs {
+    use super::*;
+
+    const VERBS_DOUBLE_2QP: BackendUnderTest = BackendUnderTest {
+        name: "verbs (test double, 2 queue pairs per peer)",
+        make: || {
+            Ok(Arc::new(VerbsBackend::with_api(
+                TestDouble::api(),
+                VerbsOptions {
+                    qps_per_peer: 2,
+                    ..VerbsOptions::default()
+                },
+            )?))
+        },
+        skip_case: |_| None,
+    };
+
+    conformance_tests!(VERBS_DOUBLE_2QP;
+        write_read_sizes,
+        many_descriptors_and_merging,
+        strided_lists,
+        notifications_after_data_in_order,
+        standalone_notifications,
+        prepared_reposts,
+        peer_shutdown_mid_transfer,
+        drop_in_flight_then_shutdown,
+        dropped_peers_never_hang,
+    );
+}
+
+/// Nothing the suite did misused the verbs API (a destroyed handle used, a
+/// completion queue destroyed with events unacknowledged or queue pairs on it, a
+/// protection domain freed with regions or queue pairs left, a device closed with
+/// anything open), and every object was released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zz_no_verbs_misuse() {
+    // The world is process-wide: under `cargo test` this sees every case of the
+    // file; under nextest (a process per case) only its own.
+    nixl_conformance::cases::three_agents_one_process(&VERBS_DOUBLE).await;
+    assert_eq!(nixl_verbs::test_double::violations(), Vec::<String>::new());
+    // Leaks are counted where this case has the process (and the world) to itself.
+    if nixl_conformance::support::own_thread_count("zz_no_verbs_misuse (leak count)").is_some() {
+        assert_eq!(
+            nixl_verbs::test_double::live_objects(),
+            0,
+            "every verbs object released: {:?}",
+            nixl_verbs::test_double::live_details()
+        );
+    }
+}
