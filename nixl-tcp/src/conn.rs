@@ -25,7 +25,7 @@ use nixl::{Completer, Error, ErrorKind, Op, Result, Segments};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::io::{recv_slice, send_slice, IO_BUF};
@@ -47,7 +47,7 @@ enum Item {
     Raw(Vec<u8>),
     /// The end of a transfer split across connections: nothing queued after it is
     /// sent before every piece has landed (then its notification goes first).
-    Gate(oneshot::Receiver<Gated>),
+    Gate(Arc<GateSlot>),
 }
 
 /// Which connection to a peer this is.
@@ -58,6 +58,67 @@ pub(crate) enum Lane {
     First(std::result::Result<(), String>),
     /// A further connection for pieces of large transfers; TCP only.
     Extra,
+}
+
+/// Where a split transfer's outcome meets its first connection's writer. Whoever
+/// lets go last (the writer that stopped, or the last piece completing after it)
+/// finishes a transfer left in it, so it never ends as "dropped without completing".
+pub(crate) struct GateSlot {
+    peer: String,
+    /// The outcome, once every piece completed; and whether the writer is gone.
+    state: Mutex<(Option<Gated>, bool)>,
+    ready: Notify,
+}
+
+impl GateSlot {
+    pub(crate) fn new(peer: &str) -> Self {
+        Self {
+            peer: peer.to_owned(),
+            state: Mutex::new((None, false)),
+            ready: Notify::new(),
+        }
+    }
+
+    /// Every piece completed: hand the outcome to the writer (or finish it here,
+    /// when the writer is gone).
+    pub(crate) fn open(&self, g: Gated) {
+        let mut st = self.state.lock().unwrap();
+        if st.1 {
+            drop(st);
+            return g.close(&self.peer);
+        }
+        st.0 = Some(g);
+        drop(st);
+        self.ready.notify_one();
+    }
+
+    async fn wait(&self) -> Gated {
+        loop {
+            let ready = self.ready.notified();
+            if let Some(g) = self.state.lock().unwrap().0.take() {
+                return g;
+            }
+            ready.await;
+        }
+    }
+
+    /// The writer is gone: finish what is here now, and what arrives later.
+    fn close(&self) {
+        let g = {
+            let mut st = self.state.lock().unwrap();
+            st.1 = true;
+            st.0.take()
+        };
+        if let Some(g) = g {
+            g.close(&self.peer);
+        }
+    }
+}
+
+impl Drop for GateSlot {
+    fn drop(&mut self) {
+        self.close();
+    }
 }
 
 /// A split transfer whose every piece has completed, for its first connection's
@@ -367,11 +428,14 @@ impl Conn {
     }
 
     /// Queue the gate of a split transfer behind everything queued so far.
-    pub(crate) fn submit_gate(&self, gate: oneshot::Receiver<Gated>) {
+    pub(crate) fn submit_gate(&self, gate: Arc<GateSlot>) {
         let mut fast = self.fast.lock().unwrap();
         fast.busy = true;
-        // On failure the connection is closing: the gate's sender finds it dropped.
-        let _ = self.tx.send(Item::Gate(gate));
+        // On failure the connection is closing: the gate finishes the transfer when
+        // its last piece completes.
+        if let Err(mpsc::error::SendError(Item::Gate(g))) = self.tx.send(Item::Gate(gate)) {
+            g.close();
+        }
     }
 
     /// The same-host peer, once connected with the path working.
@@ -631,14 +695,7 @@ impl Task {
         while let Ok(item) = rx.try_recv() {
             match item {
                 Item::Job(job) => job.done.complete(Err(dead_error(&self.table, &self.peer))),
-                Item::Gate(mut gate) => {
-                    // Closed first, so a sender either finds it closed (and finishes
-                    // the transfer itself) or has already sent.
-                    gate.close();
-                    if let Ok(g) = gate.try_recv() {
-                        g.close(&self.peer);
-                    }
-                }
+                Item::Gate(gate) => gate.close(),
                 Item::Raw(_) => {}
             }
         }
@@ -837,21 +894,21 @@ impl Task {
                     if let Err(e) = w.flush().await {
                         return failed(e);
                     }
-                    match gate.await {
-                        Ok(Gated {
+                    // If this future is dropped while waiting, the slot finishes the
+                    // transfer when its last piece completes.
+                    match gate.wait().await {
+                        Gated {
                             done,
                             result: Ok(()),
                             notif: Some(n),
-                        }) => {
+                        } => {
                             self.send(&mut w, &mut scratch, next_id(), Job::notify(n, done))
                                 .await
                         }
-                        Ok(Gated { done, result, .. }) => {
+                        Gated { done, result, .. } => {
                             done.complete(result);
                             Ok(())
                         }
-                        // The split transfer always sends; nothing to do without it.
-                        Err(_) => Ok(()),
                     }
                 }
             };

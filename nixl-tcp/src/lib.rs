@@ -752,18 +752,14 @@ impl RemotePrepared {
             Ok(extra) => extra,
             Err(e) => return done.complete(Err(e)),
         };
-        let (tx, gate) = tokio::sync::oneshot::channel();
-        let peer = self.peer.clone();
+        let gate = Arc::new(conn::GateSlot::new(&self.peer));
+        let slot = gate.clone();
         let parts = done.split_then(self.stripes.len(), move |done, result| {
-            let g = conn::Gated {
+            slot.open(conn::Gated {
                 done,
                 result,
                 notif,
-            };
-            // The first connection closed before reaching the gate: finish here.
-            if let Err(g) = tx.send(g) {
-                g.close(&peer);
-            }
+            });
         });
         let piece = |stripe: &Stripe, part| {
             Job::piece(

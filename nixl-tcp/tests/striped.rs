@@ -248,3 +248,46 @@ async fn a_refused_request_writes_no_piece() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// A peer that goes away while split transfers (with notifications) are in flight:
+/// each fails as a peer that is gone, never as a request the backend dropped, however
+/// the pieces and the first connection's writer race.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_transfers_to_a_vanishing_peer_fail_as_disconnected() {
+    for round in 0..20 {
+        let (a, _) = agent("a").await;
+        let (b, _) = agent("b").await;
+        let n = 4 << 20;
+        let src = a.register(pattern(round, n)).unwrap();
+        let dst = b.register(vec![0u8; n]).unwrap();
+        let peer = a.load_metadata(&b.metadata().unwrap()).unwrap();
+        a.connect(&peer).await.unwrap();
+        let remote = a.remote_regions(&peer).unwrap()[0].clone();
+        let transfers: Vec<_> = (0..4)
+            .map(|i| {
+                a.transfer(
+                    if i % 2 == 0 { Op::Write } else { Op::Read },
+                    &one(src.whole()),
+                    &peer,
+                    &one(remote.desc(0, n as u64)),
+                    Some(format!("{i}").into()),
+                )
+                .unwrap()
+            })
+            .collect();
+        // Let some pieces start, then the target goes.
+        tokio::time::sleep(std::time::Duration::from_micros(200 * round as u64)).await;
+        drop(b);
+        for t in transfers {
+            if let Err(e) = bounded("transfer to a vanished peer", t).await {
+                assert!(
+                    e.kind() == ErrorKind::RemoteDisconnected
+                        && !e.to_string().contains("without completing"),
+                    "round {round}: {e}"
+                );
+            }
+        }
+        a.shutdown().await;
+        drop(dst);
+    }
+}
