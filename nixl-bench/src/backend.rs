@@ -57,7 +57,7 @@ pub(crate) fn make(
 pub(crate) fn library_report(name: &str, params: &[(String, String)]) -> Option<String> {
     match name {
         #[cfg(feature = "verbs")]
-        "verbs" => verbs::report(),
+        "verbs" => verbs::report(params),
         #[cfg(feature = "ucx")]
         "ucx" => ucx::report(params),
         #[cfg(feature = "uccl")]
@@ -392,6 +392,7 @@ mod verbs {
     use crate::error::{fail, Result};
 
     const KEYS: &[&str] = &[
+        "lib",
         "device",
         "port",
         "gid_index",
@@ -414,6 +415,7 @@ mod verbs {
                 ))
             };
             match k.as_str() {
+                "lib" => o.library = Some(v.clone()),
                 "device" => o.device = Some(v.clone()),
                 "port" => match v.parse() {
                     Ok(p) => o.port = Some(p),
@@ -465,15 +467,35 @@ mod verbs {
         }
     }
 
-    pub(super) fn report() -> Option<String> {
-        nixl_verbs::library::Libibverbs::load()
-            .ok()
-            .map(|l| l.report().to_string())
+    pub(super) fn report(params: &[(String, String)]) -> Option<String> {
+        let lib = params.iter().find(|(k, _)| k == "lib").map(|(_, v)| v);
+        match lib {
+            Some(l) => nixl_verbs::library::Libibverbs::load_from(l),
+            None => nixl_verbs::library::Libibverbs::load(),
+        }
+        .ok()
+        .map(|l| l.report().to_string())
     }
 
     #[cfg(test)]
     mod tests {
         use std::net::Ipv4Addr;
+
+        #[test]
+        fn missing_library_says_which() {
+            let p = vec![(
+                "lib".to_string(),
+                "/nonexistent/libibverbs.so.1".to_string(),
+            )];
+            let e = super::make(&p, Ipv4Addr::LOCALHOST.into())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("backend verbs is unavailable")
+                    && e.contains("/nonexistent/libibverbs.so.1"),
+                "{e}"
+            );
+        }
 
         #[test]
         fn bad_parameters_are_refused() {

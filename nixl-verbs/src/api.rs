@@ -1,9 +1,10 @@
-//! The verbs calls this crate makes, as one trait: implemented by the host's
+//! The verbs calls this crate makes, as one crate-internal trait, and the plain data
+//! they take and return: implemented by the host's
 //! libibverbs ([`crate::library`], loaded at run time) and, for tests, by an in-process
 //! test double (`nixl_verbs::test_double`, feature `test-double`).
 //!
 //! The backend (connection setup, posting, completions, teardown) is written once
-//! against [`VerbsApi`]; only the binding differs. Handles are opaque addresses whose
+//! against `VerbsApi`; only the binding differs. Handles are opaque addresses whose
 //! meaning is the binding's (pointers to libibverbs objects in the real one). Values
 //! are plain data in host byte order; the binding converts (`imm_data` is big-endian
 //! on the wire, as libibverbs expects).
@@ -14,9 +15,10 @@ use std::os::fd::RawFd;
 use nixl::Result;
 
 /// An opaque object of the binding: a device context, protection domain, memory
-/// region, completion channel, completion queue or queue pair.
+/// region, completion channel, completion queue or queue pair. Only the bindings of
+/// this crate make them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Handle(pub usize);
+pub struct Handle(pub(crate) usize);
 
 /// A device as listed by `ibv_get_device_list`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,6 +38,8 @@ pub struct DeviceLimits {
     pub max_qp_wr: u32,
     /// Most scatter/gather entries per work request.
     pub max_sge: u32,
+    /// Most scatter entries of an RDMA READ.
+    pub max_sge_rd: u32,
     /// Most entries of a completion queue.
     pub max_cqe: u32,
     /// Most RDMA READs a queue pair serves at once (as responder).
@@ -373,7 +377,7 @@ pub struct Completion {
 }
 
 impl Completion {
-    /// An empty slot for [`VerbsApi::poll_cq`] to fill.
+    /// An empty slot for `VerbsApi::poll_cq` to fill.
     pub const EMPTY: Self = Self {
         wr_id: 0,
         status: WcStatus::SUCCESS,
@@ -393,7 +397,9 @@ pub struct PostError {
     pub error: nixl::Error,
 }
 
-/// The verbs calls of this crate.
+/// The verbs calls of this crate. Crate-internal: its safe methods dereference
+/// handles, which only this crate's bindings make and only its owners (which destroy
+/// each handle last) pass in.
 ///
 /// Thread safety follows libibverbs: every call may be made from any thread; posting
 /// to one queue pair and polling one completion queue must not run concurrently with
@@ -403,7 +409,7 @@ pub struct PostError {
 /// Handles passed in must come from this same implementation and must not have been
 /// destroyed; the backend owns each through one owner that destroys it last, after
 /// everything made from it.
-pub trait VerbsApi: Send + Sync + fmt::Debug + 'static {
+pub(crate) trait VerbsApi: Send + Sync + fmt::Debug + 'static {
     /// One line saying what this is (the library bound, or the test double).
     fn describe(&self) -> String;
 
@@ -428,7 +434,7 @@ pub trait VerbsApi: Send + Sync + fmt::Debug + 'static {
     /// Register `addr..addr + len` with [`access`] flags.
     ///
     /// # Safety
-    /// The memory stays mapped until [`VerbsApi::dereg_mr`] returns; the NIC may read
+    /// The memory stays mapped until `VerbsApi::dereg_mr` returns; the NIC may read
     /// and write it (as `access` allows) until then.
     unsafe fn reg_mr(&self, pd: Handle, addr: usize, len: usize, access: u32) -> Result<Mr>;
 

@@ -30,6 +30,12 @@ pub(crate) struct Device {
     /// Completion events taken and not yet acknowledged (all must be before the
     /// queue is destroyed).
     pub(crate) unacked: AtomicU32,
+    /// Entries of the completion queue.
+    cq_size: u32,
+    /// Entries the live queue pairs can fill at once (their send queues, or receive
+    /// queues, as each uses): never more than `cq_size`, since an overflow is fatal
+    /// on real devices.
+    cq_reserved: AtomicU32,
 }
 
 impl std::fmt::Debug for Device {
@@ -73,7 +79,14 @@ impl Device {
         };
         let mut why_not = Vec::new();
         for name in candidates {
-            let ctx = api.open(name)?;
+            let ctx = match api.open(name) {
+                Ok(ctx) => ctx,
+                Err(e) if o.device.is_none() => {
+                    why_not.push(format!("device {name} does not open: {e}"));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             match Self::pick_port(&*api, ctx, name, o) {
                 Ok((port, info, endpoint, limits)) => {
                     return Self::finish(api, name, ctx, port, info, endpoint, limits, o);
@@ -130,6 +143,8 @@ impl Device {
                 lid: info.lid,
                 gid_index,
                 gid,
+                max_msg_sz: info.max_msg_sz.max(1),
+                max_rd_atomic: limits.max_qp_rd_atom.min(255) as u8,
             };
             return Ok((port, info, endpoint, limits));
         }
@@ -211,6 +226,7 @@ impl Device {
             }
         };
         let cqe = o.cq_depth.clamp(16, limits.max_cqe.max(16));
+        // (The budget of `cq_reserved` keeps the queue pairs within `cqe`.)
         let cq = match api.create_cq(ctx, cqe, channel.handle) {
             Ok(cq) => cq,
             Err(e) => {
@@ -234,6 +250,8 @@ impl Device {
             port: info,
             endpoint,
             unacked: AtomicU32::new(0),
+            cq_size: cqe,
+            cq_reserved: AtomicU32::new(0),
         })
     }
 
@@ -292,17 +310,25 @@ impl std::fmt::Debug for MemoryRegion {
 }
 
 impl MemoryRegion {
-    /// Register `addr..addr + len` for local use and for peers' READs and WRITEs.
+    /// Register `addr..addr + len` for local use, and for peers' READs and WRITEs
+    /// when `remote`.
     ///
     /// # Safety
     /// The memory stays mapped until this is dropped.
-    pub(crate) unsafe fn register(dev: &Arc<Device>, addr: usize, len: usize) -> Result<Self> {
+    pub(crate) unsafe fn register(
+        dev: &Arc<Device>,
+        addr: usize,
+        len: usize,
+        remote: bool,
+    ) -> Result<Self> {
         use crate::api::access::*;
+        let access = if remote {
+            LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ
+        } else {
+            LOCAL_WRITE
+        };
         // SAFETY: the caller keeps the memory mapped until `Drop` deregisters it.
-        let mr = unsafe {
-            dev.api
-                .reg_mr(dev.pd, addr, len, LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ)
-        }?;
+        let mr = unsafe { dev.api.reg_mr(dev.pd, addr, len, access) }?;
         Ok(Self {
             dev: dev.clone(),
             mr,
@@ -319,11 +345,15 @@ impl Drop for MemoryRegion {
     }
 }
 
-/// A queue pair; moved to ERROR and destroyed when dropped, after which the device
-/// touches none of the memory its work requests named.
+/// A queue pair; moved to ERROR and destroyed when dropped (or by
+/// [`QueuePair::destroy`]), after which the device touches none of the memory its work
+/// requests named.
 pub(crate) struct QueuePair {
     pub(crate) dev: Arc<Device>,
     pub(crate) qp: Qp,
+    /// Completion-queue entries reserved for it.
+    reserved: u32,
+    destroyed: bool,
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -334,13 +364,56 @@ impl std::fmt::Debug for QueuePair {
     }
 }
 
+/// Which queues of a queue pair produce completions.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum QpUse {
+    /// An initiator's: sends only.
+    Send,
+    /// A target's: receives only (notifications).
+    Recv,
+}
+
 impl QueuePair {
-    pub(crate) fn create(dev: &Arc<Device>, caps: QpCaps) -> Result<Self> {
+    /// A queue pair whose completions fit the completion queue with everyone
+    /// else's.
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotSupported`] when the completion queue has no room left for it
+    /// (raise [`VerbsOptions::cq_depth`](crate::VerbsOptions) or lower the queue
+    /// depths); the device's own errors.
+    pub(crate) fn create(dev: &Arc<Device>, caps: QpCaps, role: QpUse) -> Result<Self> {
         let qp = dev.api.create_qp(dev.pd, dev.cq, caps)?;
-        Ok(Self {
+        let need = match role {
+            QpUse::Send => qp.caps.max_send_wr,
+            QpUse::Recv => qp.caps.max_recv_wr,
+        };
+        let mut me = Self {
             dev: dev.clone(),
             qp,
-        })
+            reserved: 0,
+            destroyed: false,
+        };
+        let fits = dev
+            .cq_reserved
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
+                r.checked_add(need).filter(|&t| t <= dev.cq_size)
+            });
+        match fits {
+            Ok(_) => {
+                me.reserved = need;
+                Ok(me)
+            }
+            Err(now) => Err(Error::new(
+                ErrorKind::NotSupported,
+                "verbs queue pair",
+                format!(
+                    "the completion queue of {} entries has {} left, and a queue pair needs {need}: raise VerbsOptions::cq_depth (device limit {}) or lower the queue depths",
+                    dev.cq_size,
+                    dev.cq_size.saturating_sub(now),
+                    dev.limits.max_cqe
+                ),
+            )),
+        }
     }
 
     /// Apply state changes in order.
@@ -350,15 +423,32 @@ impl QueuePair {
         }
         Ok(())
     }
+
+    /// Move it to ERROR and destroy it.
+    ///
+    /// # Errors
+    /// When the device refused to destroy it: it may still reach the memory its work
+    /// requests name, so the caller must keep that memory (it leaks it).
+    pub(crate) fn destroy(&mut self) -> Result<()> {
+        if self.destroyed {
+            return Ok(());
+        }
+        let api = &self.dev.api;
+        let _ = api.modify_qp(self.qp.handle, &QpTransition::Error);
+        // SAFETY: the owner of this queue pair is its only user and lets go now.
+        unsafe { api.destroy_qp(self.qp.handle) }?;
+        self.destroyed = true;
+        self.dev
+            .cq_reserved
+            .fetch_sub(self.reserved, Ordering::AcqRel);
+        Ok(())
+    }
 }
 
 impl Drop for QueuePair {
     fn drop(&mut self) {
-        let api = &self.dev.api;
-        let _ = api.modify_qp(self.qp.handle, &QpTransition::Error);
-        // SAFETY: the owner of this queue pair is its only user and lets go now.
-        if let Err(e) = unsafe { api.destroy_qp(self.qp.handle) } {
-            tracing::warn!(error = %e, qp = self.qp.qp_num, "verbs: destroying a queue pair failed");
+        if let Err(e) = self.destroy() {
+            tracing::error!(error = %e, qp = self.qp.qp_num, "verbs: destroying a queue pair failed");
         }
     }
 }

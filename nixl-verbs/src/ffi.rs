@@ -122,7 +122,7 @@ pub(crate) struct ibv_device_attr {
     _device_cap_flags: c_uint,
     /// Scatter/gather entries per work request.
     pub(crate) max_sge: c_int,
-    _max_sge_rd: c_int,
+    pub(crate) max_sge_rd: c_int,
     _max_cq: c_int,
     /// Largest completion queue.
     pub(crate) max_cqe: c_int,
@@ -797,7 +797,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize)> {
     rows!(v, "struct ibv_context_ops", ibv_context_ops; poll_cq, req_notify_cq, post_send, post_recv);
     rows!(v, "struct ibv_context", ibv_context; device, ops, cmd_fd, async_fd, num_comp_vectors);
     rows!(v, "struct ibv_device_attr", ibv_device_attr;
-        node_guid, max_mr_size, max_qp_wr, max_sge, max_cqe, max_qp_rd_atom,
+        node_guid, max_mr_size, max_qp_wr, max_sge, max_sge_rd, max_cqe, max_qp_rd_atom,
         max_qp_init_rd_atom, phys_port_cnt);
     rows!(v, "struct _compat_ibv_port_attr", ibv_port_attr_compat;
         state, max_mtu, active_mtu, gid_tbl_len, max_msg_sz, lid, link_layer);

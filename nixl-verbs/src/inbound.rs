@@ -9,14 +9,34 @@ use nixl::{AlignedBuf, NotificationSink, Result};
 use crate::api::{Completion, RecvWr, Sge, WcOpcode};
 use crate::device::{Device, MemoryRegion, QueuePair};
 
+/// Receive work-request ids are `id << SLOT_BITS | slot`, with `id` unique in the
+/// process: a stale completion of a destroyed queue pair whose number was reused
+/// matches no buffer here.
+const SLOT_BITS: u32 = 20;
+
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// One queue pair a peer connected to, with its notification buffers.
 pub(crate) struct Inbound {
     pub(crate) peer: String,
     pub(crate) qp_num: u32,
+    id: u64,
     /// Declared before the buffers: dropped (destroyed) first, so the device never
     /// writes a buffer that is gone.
     qp: Mutex<Option<QueuePair>>,
-    ring: Ring,
+    /// Leaked instead of freed when the queue pair could not be destroyed.
+    ring: std::mem::ManuallyDrop<Ring>,
+    leak: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for Inbound {
+    fn drop(&mut self) {
+        self.close();
+        if !self.leak.load(std::sync::atomic::Ordering::Acquire) {
+            // SAFETY: dropped once, here, after the queue pair (its only user) is gone.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.ring) };
+        }
+    }
 }
 
 /// Receive buffers: `slots` of `size` bytes in one registration. The device writes
@@ -31,17 +51,20 @@ impl Inbound {
     /// A queue pair in INIT with a buffer of `size` bytes posted for each of its
     /// receive-queue entries.
     pub(crate) fn new(peer: &str, dev: &Arc<Device>, qp: QueuePair, size: usize) -> Result<Self> {
-        let slots = qp.qp.caps.max_recv_wr.max(1) as usize;
+        let slots = (qp.qp.caps.max_recv_wr.max(1) as usize).min(1 << SLOT_BITS);
         let size = size.max(1);
         let mem = AlignedBuf::new(slots * size);
         // SAFETY: `mem` lives in this `Inbound` and is freed after the registration
         // (field order of `Ring`) and after the queue pair (field order of `Inbound`).
-        let mr = unsafe { MemoryRegion::register(dev, mem.as_mut_ptr() as usize, mem.len()) }?;
+        let mr =
+            unsafe { MemoryRegion::register(dev, mem.as_mut_ptr() as usize, mem.len(), false) }?;
         let me = Self {
             peer: peer.to_owned(),
             qp_num: qp.qp.qp_num,
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             qp: Mutex::new(Some(qp)),
-            ring: Ring { mr, mem, size },
+            ring: std::mem::ManuallyDrop::new(Ring { mr, mem, size }),
+            leak: std::sync::atomic::AtomicBool::new(false),
         };
         let wrs: Vec<RecvWr> = (0..slots).map(|i| me.recv_wr(i)).collect();
         me.post(&wrs)?;
@@ -51,7 +74,7 @@ impl Inbound {
     fn recv_wr(&self, slot: usize) -> RecvWr {
         let r = &self.ring;
         RecvWr {
-            wr_id: slot as u64,
+            wr_id: self.id << SLOT_BITS | slot as u64,
             sge: Sge {
                 addr: r.mem.as_mut_ptr() as u64 + (slot * r.size) as u64,
                 len: r.size as u32,
@@ -77,9 +100,13 @@ impl Inbound {
     /// A completion of this queue pair: a notification arrived (deliver it, post the
     /// buffer again), or a flush after closing.
     pub(crate) fn on_completion(&self, c: &Completion, sink: &NotificationSink) {
-        let slot = c.wr_id as usize;
+        let slot = (c.wr_id & ((1 << SLOT_BITS) - 1)) as usize;
         let r = &self.ring;
-        if !c.status.is_ok() || c.opcode != WcOpcode::Recv || slot * r.size >= r.mem.len() {
+        if c.wr_id >> SLOT_BITS != self.id
+            || !c.status.is_ok()
+            || c.opcode != WcOpcode::Recv
+            || slot * r.size >= r.mem.len()
+        {
             if c.status.is_ok() {
                 tracing::debug!(peer = %self.peer, wr_id = c.wr_id, "verbs: unexpected completion on an inbound queue pair; ignored");
             }
@@ -105,8 +132,16 @@ impl Inbound {
     }
 
     /// Destroy the queue pair (the peer's next work request fails); the buffers go
-    /// when this is dropped.
+    /// when this is dropped. Should the device refuse to destroy it, the buffers are
+    /// leaked instead (the device may still write them).
     pub(crate) fn close(&self) {
-        drop(self.qp.lock().unwrap().take());
+        let qp = self.qp.lock().unwrap().take();
+        if let Some(mut qp) = qp {
+            if let Err(e) = qp.destroy() {
+                tracing::error!(peer = %self.peer, error = %e, "verbs: a queue pair could not be destroyed; its receive buffers are leaked");
+                self.leak.store(true, std::sync::atomic::Ordering::Release);
+                std::mem::forget(qp);
+            }
+        }
     }
 }

@@ -125,7 +125,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{Completion, VerbsApi};
-use crate::device::{Device, MemoryRegion, QueuePair};
+use crate::device::{Device, MemoryRegion, QpUse, QueuePair};
 use crate::inbound::Inbound;
 use crate::link::{Lane, Link, LinkState, Pending, Slots};
 use crate::plan::{Piece, Reliability, WrLimits, WrPlan};
@@ -137,6 +137,9 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Options for [`VerbsBackend`].
 #[derive(Clone, Debug)]
 pub struct VerbsOptions {
+    /// The libibverbs to load (a path or soname); default: `NIXL_VERBS_LIB`, else
+    /// `libibverbs.so.1` from the host's library path.
+    pub library: Option<String>,
     /// Device by name (`mlx5_0`); default: the first with an active port.
     pub device: Option<String>,
     /// Port (from 1); default: the device's first active port.
@@ -150,7 +153,11 @@ pub struct VerbsOptions {
     pub send_queue_depth: u32,
     /// Notification buffers posted per inbound queue pair.
     pub recv_queue_depth: u32,
-    /// Entries of the agent's completion queue.
+    /// Entries of the agent's completion queue (the device may lower it). Every
+    /// queue pair reserves room in it for its whole queue (send queue depth per
+    /// outgoing queue pair, receive queue depth per incoming one); one that does not
+    /// fit is refused with [`ErrorKind::NotSupported`], since an overflow is fatal to
+    /// a device.
     pub cq_depth: u32,
     /// RC queue pairs per peer; transfers are spread over them in shares of whole
     /// work requests.
@@ -177,13 +184,14 @@ pub struct VerbsOptions {
 impl Default for VerbsOptions {
     fn default() -> Self {
         Self {
+            library: None,
             device: None,
             port: None,
             gid_index: None,
             mtu: 4096,
             send_queue_depth: 512,
             recv_queue_depth: 64,
-            cq_depth: 8192,
+            cq_depth: 65536,
             qps_per_peer: 1,
             max_notification: 4096,
             control_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -232,6 +240,9 @@ struct Inner {
     qps: Mutex<HashMap<u32, Role>>,
     inbound: Mutex<Vec<Arc<Inbound>>>,
     completion_loop: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Set when the completion loop failed for good: nothing would complete, so
+    /// new transfers are refused with it.
+    broken: Mutex<Option<Error>>,
 }
 
 impl Drop for Inner {
@@ -270,8 +281,8 @@ impl std::fmt::Debug for Inner {
 }
 
 impl VerbsBackend {
-    /// Open the host's libibverbs (`NIXL_VERBS_LIB` or `libibverbs.so.1`) and the
-    /// device the default options pick.
+    /// Open the host's libibverbs ([`VerbsOptions::library`], `NIXL_VERBS_LIB` or
+    /// `libibverbs.so.1`) and the device the default options pick.
     ///
     /// # Errors
     /// [`ErrorKind::UnavailableLibrary`] when libibverbs cannot be loaded;
@@ -286,17 +297,27 @@ impl VerbsBackend {
     /// # Errors
     /// As [`VerbsBackend::new`].
     pub fn with_options(options: VerbsOptions) -> Result<Self> {
-        let lib = library::Libibverbs::load()?;
+        let lib = match &options.library {
+            Some(l) => library::Libibverbs::load_from(l)?,
+            None => library::Libibverbs::load()?,
+        };
         let report = lib.report().clone();
         Self::build(lib, Some(report), options)
     }
 
-    /// On another implementation of the verbs calls (the `test_double`).
+    /// On another implementation of the verbs calls.
+    pub(crate) fn with_api(api: Arc<dyn VerbsApi>, options: VerbsOptions) -> Result<Self> {
+        Self::build(api, None, options)
+    }
+
+    /// On the in-process **test double** of the verbs API (`test_double`), for tests:
+    /// no NIC, no data path of one.
     ///
     /// # Errors
-    /// As [`VerbsBackend::new`], from that implementation.
-    pub fn with_api(api: Arc<dyn VerbsApi>, options: VerbsOptions) -> Result<Self> {
-        Self::build(api, None, options)
+    /// As [`VerbsBackend::new`], from the double.
+    #[cfg(feature = "test-double")]
+    pub fn with_test_double(options: VerbsOptions) -> Result<Self> {
+        Self::with_api(test_double::api(), options)
     }
 
     fn build(
@@ -311,6 +332,12 @@ impl VerbsBackend {
                 format!("MTU {} is not 256, 512, 1024, 2048 or 4096", options.mtu),
             ));
         }
+        let mut options = options;
+        options.reliability.max_mtu = options
+            .reliability
+            .max_mtu
+            .min(api::Mtu::from_bytes(options.mtu).expect("checked above"));
+        options.reliability.check()?;
         if options.qps_per_peer == 0 || options.qps_per_peer > wire::MAX_QPS {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
@@ -331,6 +358,7 @@ impl VerbsBackend {
                 qps: Mutex::new(HashMap::new()),
                 inbound: Mutex::new(Vec::new()),
                 completion_loop: Mutex::new(None),
+                broken: Mutex::new(None),
             }),
         })
     }
@@ -391,12 +419,29 @@ impl VerbsBackend {
                 format!("verbs: no connection info for peer {peer:?}"),
             ));
         };
-        if let Some(l) = &entry.link {
+        if let Some(l) = entry.link.take() {
             if !l.is_dead() {
-                return Ok(l.clone());
+                entry.link = Some(l.clone());
+                return Ok(l);
             }
+            // A queue pair of it failed (a post the device refused): the rest of it
+            // goes too, and the next transfer connects anew.
+            drop(peers);
+            self.close_link(&l, "a queue pair of the connection failed");
+            peers = self.inner.peers.lock().unwrap();
         }
+        if let Some(e) = self.inner.broken.lock().unwrap().as_ref() {
+            return Err(e.cloned());
+        }
+        let Some(entry) = peers.get_mut(peer) else {
+            return Err(Error::new(
+                ErrorKind::UnknownPeer,
+                op,
+                format!("verbs: no connection info for peer {peer:?}"),
+            ));
+        };
         let link = Arc::new(Link {
+            id: link::next_link_id(),
             peer: peer.to_owned(),
             state: Mutex::new(LinkState::Connecting(Vec::new())),
             settled: tokio::sync::Notify::new(),
@@ -463,8 +508,8 @@ impl VerbsBackend {
         if let Some(e) = failed {
             // Closed while connecting: these lanes never became the link's.
             for l in &lanes {
+                self.inner.forget_lane(l);
                 l.fail(e.cloned());
-                self.inner.qps.lock().unwrap().remove(&l.qp_num);
             }
             return;
         }
@@ -479,18 +524,29 @@ impl VerbsBackend {
                 Err(e) => format!("the control connection failed: {e}"),
             }),
         };
-        let e = Error::new(
-            ErrorKind::RemoteDisconnected,
-            "verbs transfer",
-            format!(
-                "peer {:?}: {}",
-                link.peer,
-                why.as_deref().unwrap_or("the connection was closed here")
+        let stopping = self
+            .inner
+            .started
+            .get()
+            .is_some_and(|s| s.cancel.is_cancelled());
+        let e = match why {
+            Some(why) => Error::new(
+                ErrorKind::RemoteDisconnected,
+                "verbs transfer",
+                format!("peer {:?}: {why}", link.peer),
             ),
-        );
-        for l in link.fail(e) {
-            self.inner.qps.lock().unwrap().remove(&l.qp_num);
-        }
+            None if stopping => Error::new(
+                ErrorKind::ShutDown,
+                "verbs transfer",
+                format!("peer {:?}: the agent is shutting down", link.peer),
+            ),
+            None => Error::new(
+                ErrorKind::RemoteDisconnected,
+                "verbs transfer",
+                format!("peer {:?}: the connection was closed here", link.peer),
+            ),
+        };
+        self.inner.fail_link(&link, e);
         let _ = stream.shutdown().await;
     }
 
@@ -519,7 +575,7 @@ impl VerbsBackend {
         let mut qps = Vec::new();
         let mut halves = Vec::new();
         for _ in 0..o.qps_per_peer {
-            let qp = QueuePair::create(&dev, caps)?;
+            let qp = QueuePair::create(&dev, caps, QpUse::Send)?;
             qp.modify(&[plan::connect(
                 &dev.endpoint,
                 0,
@@ -552,7 +608,10 @@ impl VerbsBackend {
             Reply::Accepted {
                 max_notification,
                 qps,
-            } if qps.len() == halves.len() => (max_notification as usize, qps),
+            } if qps.len() == halves.len() => {
+                // Our send buffers hold our own limit; the peer's receive buffers its.
+                ((max_notification as usize).min(o.max_notification), qps)
+            }
             Reply::Accepted { qps: n, .. } => {
                 return Err(Error::new(
                     ErrorKind::Corrupt,
@@ -567,9 +626,12 @@ impl VerbsBackend {
             }
             Reply::Refused(why) => {
                 return Err(Error::new(
-                    ErrorKind::NotAllowed,
+                    ErrorKind::Backend,
                     OP,
-                    format!("peer {:?} refused the connection: {why}", link.peer),
+                    format!(
+                        "peer {:?} could not accept the connection: {why}",
+                        link.peer
+                    ),
                 ))
             }
         };
@@ -591,7 +653,7 @@ impl VerbsBackend {
             } else {
                 None
             };
-            lanes.push(Arc::new(Lane::new(&link.peer, qp, slots)));
+            lanes.push(Arc::new(Lane::new(&link.peer, link.id, qp, slots)));
         }
         Ok((s, lanes, max_notif))
     }
@@ -656,18 +718,15 @@ impl VerbsBackend {
         }
         // The peer is gone (or we stop): destroy its queue pairs; their buffers go
         // with the last reference.
-        {
-            let mut qps = self.inner.qps.lock().unwrap();
-            for i in &inbound {
-                qps.remove(&i.qp_num);
-                i.close();
-            }
-            self.inner
-                .inbound
-                .lock()
-                .unwrap()
-                .retain(|x| !inbound.iter().any(|i| Arc::ptr_eq(i, x)));
+        for i in &inbound {
+            self.inner.forget_inbound(i);
+            i.close();
         }
+        self.inner
+            .inbound
+            .lock()
+            .unwrap()
+            .retain(|x| !inbound.iter().any(|i| Arc::ptr_eq(i, x)));
         sent.map_err(|e| io("reply", e))
     }
 
@@ -678,7 +737,7 @@ impl VerbsBackend {
         let mut made = Vec::new();
         let mut halves = Vec::new();
         for theirs in &hello.qps {
-            let qp = QueuePair::create(&dev, caps)?;
+            let qp = QueuePair::create(&dev, caps, QpUse::Recv)?;
             let psn = plan::random_psn();
             let [init, rtr, rts] = plan::connect(
                 &dev.endpoint,
@@ -709,7 +768,7 @@ fn notification_slots(dev: &Arc<Device>, size: usize, count: usize) -> Result<Sl
     let mem = nixl::AlignedBuf::new(size * count);
     // SAFETY: `mem` moves into the `Slots` that owns the registration, and is freed
     // after it (field order).
-    let mr = unsafe { MemoryRegion::register(dev, mem.as_mut_ptr() as usize, mem.len()) }?;
+    let mr = unsafe { MemoryRegion::register(dev, mem.as_mut_ptr() as usize, mem.len(), false) }?;
     Ok(Slots::new(mr, mem, size))
 }
 
@@ -790,11 +849,17 @@ impl Inner {
                 };
                 l.on_completion(c, &text);
                 if l.is_dead() {
-                    self.qps.lock().unwrap().remove(&c.qp_num);
-                    // The link's other lanes and its control connection go too.
-                    let peers = self.peers.lock().unwrap();
-                    if let Some(link) = peers.get(&l.peer).and_then(|p| p.link.clone()) {
-                        drop(peers);
+                    self.forget_lane(&l);
+                    // The link's other lanes and its control connection go too (if
+                    // the peer's link is still the one this lane belongs to).
+                    let link = self
+                        .peers
+                        .lock()
+                        .unwrap()
+                        .get(&l.peer)
+                        .and_then(|p| p.link.clone())
+                        .filter(|k| k.id == l.link_id);
+                    if let Some(link) = link {
                         let e = Error::new(
                             ErrorKind::RemoteDisconnected,
                             "verbs transfer",
@@ -803,9 +868,7 @@ impl Inner {
                                 l.peer
                             ),
                         );
-                        for other in link.fail(e) {
-                            self.qps.lock().unwrap().remove(&other.qp_num);
-                        }
+                        self.fail_link(&link, e);
                     }
                 }
             }
@@ -822,89 +885,84 @@ impl Inner {
 }
 
 /// The completion loop: sleeps on the completion channel, drains the queue, and
-/// spins for `spin` after a batch.
+/// spins for `spin` after a batch. Should it fail for good (the channel or the queue
+/// errs), nothing would ever complete again: every transfer in flight fails, and the
+/// backend refuses new ones.
 async fn completion_loop(
     inner: Arc<Inner>,
     dev: Arc<Device>,
     sink: nixl::NotificationSink,
     cancel: CancellationToken,
 ) {
+    if let Err(e) = completions(&inner, &dev, &sink, &cancel).await {
+        tracing::error!(error = %e, "verbs: the completion loop failed; every transfer fails from now on");
+        *inner.broken.lock().unwrap() = Some(e.cloned());
+        inner.close_everything(e.kind(), &e.to_string());
+    }
+}
+
+async fn completions(
+    inner: &Inner,
+    dev: &Device,
+    sink: &nixl::NotificationSink,
+    cancel: &CancellationToken,
+) -> Result<()> {
+    let fatal = |what: &str, e: &dyn std::fmt::Display| {
+        Error::new(
+            ErrorKind::Backend,
+            "verbs completions",
+            format!("{what}: {e}"),
+        )
+    };
     // SAFETY: the channel's descriptor stays open while the device lives, and the
-    // device (a parameter) outlives this local.
+    // device (which the caller holds) outlives this local.
     let registered = unsafe {
         tokio::io::unix::AsyncFd::register_with_interest(
             ChannelFd(dev.channel.fd),
             tokio::io::Interest::READABLE,
         )
     };
-    let afd = match registered {
-        Ok(a) => a,
-        Err(e) => {
-            tracing::error!(error = %e, "verbs: cannot watch the completion channel; no completions will be seen");
-            return;
-        }
-    };
+    let afd = registered.map_err(|e| fatal("cannot watch the completion channel", &e))?;
     let api = &dev.api;
     let spin = inner.options.spin;
     let mut wcs = [Completion::EMPTY; 64];
-    if let Err(e) = api.req_notify_cq(dev.cq) {
-        tracing::error!(error = %e, "verbs: cannot arm the completion queue");
-        return;
-    }
+    api.req_notify_cq(dev.cq)?;
     loop {
-        // Drain, then spin briefly while completions keep coming.
+        // Drain, then spin briefly while completions keep coming; yield between
+        // batches so a busy queue does not starve other tasks.
         let mut last = Instant::now();
         loop {
-            let n = match api.poll_cq(dev.cq, &mut wcs) {
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::error!(error = %e, "verbs: polling the completion queue failed");
-                    0
-                }
-            };
+            let n = api.poll_cq(dev.cq, &mut wcs)?;
             for c in &wcs[..n] {
-                inner.dispatch(&dev, c, &sink);
+                inner.dispatch(dev, c, sink);
             }
             if n > 0 {
                 last = Instant::now();
-                continue;
-            }
-            if last.elapsed() >= spin {
+            } else if last.elapsed() >= spin {
                 break;
             }
             tokio::task::yield_now().await;
         }
         let mut guard = tokio::select! {
-            _ = cancel.cancelled() => return,
-            g = afd.readable() => match g {
-                Ok(g) => g,
-                Err(e) => {
-                    tracing::error!(error = %e, "verbs: the completion channel failed");
-                    return;
-                }
-            },
+            _ = cancel.cancelled() => return Ok(()),
+            g = afd.readable() => g.map_err(|e| fatal("the completion channel failed", &e))?,
         };
         // Take every pending event, acknowledge them, then arm again before the next
         // drain: a completion after the drain raises a new event.
         let mut events = 0;
-        loop {
+        let taken = loop {
             match api.get_cq_event(dev.channel.handle) {
                 Ok(Some(_)) => events += 1,
-                Ok(None) => break,
-                Err(e) => {
-                    tracing::error!(error = %e, "verbs: reading a completion event failed");
-                    break;
-                }
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
             }
-        }
+        };
         guard.clear_ready();
         if events > 0 {
             api.ack_cq_events(dev.cq, events);
         }
-        if let Err(e) = api.req_notify_cq(dev.cq) {
-            tracing::error!(error = %e, "verbs: cannot arm the completion queue");
-            return;
-        }
+        taken?;
+        api.req_notify_cq(dev.cq)?;
     }
 }
 
@@ -931,6 +989,13 @@ impl Backend for VerbsBackend {
 
     async fn start(&self, ctx: BackendContext) -> Result<()> {
         const OP: &str = "start verbs backend";
+        if self.inner.started.get().is_some() {
+            return Err(Error::new(
+                ErrorKind::NotAllowed,
+                OP,
+                "the verbs backend is already attached to an agent",
+            ));
+        }
         let dev = self.dev(OP)?;
         let o = &self.inner.options;
         let listener = TcpListener::bind(o.control_listen).await.map_err(|e| {
@@ -1037,7 +1102,7 @@ impl Backend for VerbsBackend {
         }
         // SAFETY: the agent keeps the memory alive while the registration exists:
         // `region` (kept here until deregistration) holds it.
-        let mr = unsafe { MemoryRegion::register(&dev, seg.addr() as usize, seg.len()) }?;
+        let mr = unsafe { MemoryRegion::register(&dev, seg.addr() as usize, seg.len(), true) }?;
         let rkey = mr.mr.rkey;
         self.inner
             .regions
@@ -1161,15 +1226,27 @@ impl Backend for VerbsBackend {
                 rkey,
             })
         });
+        let peer_max_msg = self
+            .inner
+            .peers
+            .lock()
+            .unwrap()
+            .get(&peer)
+            .map_or(u32::MAX, |p| p.info.endpoint.max_msg_sz);
+        let max_sge = dev.caps(&self.inner.options).max_send_sge;
         let limits = WrLimits {
-            max_msg: u64::from(dev.port.max_msg_sz.max(1)),
-            max_sge: dev.caps(&self.inner.options).max_send_sge,
+            max_msg: u64::from(dev.port.max_msg_sz.min(peer_max_msg).max(1)),
+            // An RDMA READ scatters into at most `max_sge_rd` entries.
+            max_sge: if plan.op == Op::Read {
+                max_sge.min(dev.limits.max_sge_rd.max(1))
+            } else {
+                max_sge
+            },
         };
         let wrs = plan::work_requests(plan.op == Op::Read, pieces, limits);
         Ok(Box::new(Prepared {
             backend: self.clone(),
             peer,
-            read: plan.op == Op::Read,
             plan: Arc::new(wrs),
         }))
     }
@@ -1221,29 +1298,8 @@ impl Backend for VerbsBackend {
 }
 
 impl VerbsBackend {
-    /// Fail every link (peers keep their connection info) and destroy every inbound
-    /// queue pair.
     fn close_everything(&self, kind: ErrorKind, why: &str) {
-        let links: Vec<Arc<Link>> = self
-            .inner
-            .peers
-            .lock()
-            .unwrap()
-            .values_mut()
-            .filter_map(|p| p.link.take())
-            .collect();
-        for l in links {
-            let e = Error::new(kind, "verbs transfer", format!("peer {:?}: {why}", l.peer));
-            for lane in l.fail(e) {
-                self.inner.qps.lock().unwrap().remove(&lane.qp_num);
-            }
-        }
-        // Taken out first: the inbound list is never locked while `qps` is wanted.
-        let inbound = std::mem::take(&mut *self.inner.inbound.lock().unwrap());
-        for i in inbound {
-            self.inner.qps.lock().unwrap().remove(&i.qp_num);
-            i.close();
-        }
+        self.inner.close_everything(kind, why);
     }
 
     fn close_link(&self, l: &Link, why: &str) {
@@ -1252,8 +1308,54 @@ impl VerbsBackend {
             "verbs transfer",
             format!("peer {:?}: {why}", l.peer),
         );
+        self.inner.fail_link(l, e);
+    }
+}
+
+impl Inner {
+    /// Fail every link (peers keep their connection info) and destroy every inbound
+    /// queue pair.
+    fn close_everything(&self, kind: ErrorKind, why: &str) {
+        let links: Vec<Arc<Link>> = self
+            .peers
+            .lock()
+            .unwrap()
+            .values_mut()
+            .filter_map(|p| p.link.take())
+            .collect();
+        for l in links {
+            let e = Error::new(kind, "verbs transfer", format!("peer {:?}: {why}", l.peer));
+            self.fail_link(&l, e);
+        }
+        // Taken out first: the inbound list is never locked while `qps` is wanted.
+        let inbound = std::mem::take(&mut *self.inbound.lock().unwrap());
+        for i in inbound {
+            self.forget_inbound(&i);
+            i.close();
+        }
+    }
+
+    /// Fail a link and forget its lanes.
+    fn fail_link(&self, l: &Link, e: Error) {
         for lane in l.fail(e) {
-            self.inner.qps.lock().unwrap().remove(&lane.qp_num);
+            self.forget_lane(&lane);
+        }
+    }
+
+    /// Stop routing completions to `l` (only if its number still names it: a new
+    /// queue pair may have the number already).
+    fn forget_lane(&self, l: &Arc<Lane>) {
+        let mut qps = self.qps.lock().unwrap();
+        if matches!(qps.get(&l.qp_num), Some(Role::Lane(x)) if Arc::ptr_eq(x, l)) {
+            qps.remove(&l.qp_num);
+        }
+    }
+
+    /// As [`Inner::forget_lane`], for a target's queue pair.
+    fn forget_inbound(&self, i: &Arc<Inbound>) {
+        let mut qps = self.qps.lock().unwrap();
+        if matches!(qps.get(&i.qp_num), Some(Role::Inbound(x)) if Arc::ptr_eq(x, i)) {
+            qps.remove(&i.qp_num);
         }
     }
 }
@@ -1263,7 +1365,6 @@ impl VerbsBackend {
 struct Prepared {
     backend: VerbsBackend,
     peer: String,
-    read: bool,
     plan: Arc<WrPlan>,
 }
 
@@ -1272,7 +1373,6 @@ impl PreparedTransfer for Prepared {
         match self.backend.link(&self.peer, "verbs post") {
             Ok(l) => l.post(Pending::Transfer {
                 plan: self.plan.clone(),
-                read: self.read,
                 notif,
                 done,
             }),

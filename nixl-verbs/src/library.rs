@@ -1,4 +1,4 @@
-//! The host's `libibverbs.so.1` (rdma-core), loaded at run time, as a [`VerbsApi`].
+//! The host's `libibverbs.so.1` (rdma-core), loaded at run time, as a `VerbsApi`.
 //!
 //! Nothing is linked at build time and nothing of rdma-core is bundled (see
 //! `DESIGN.md`, "Native libraries"): the host's library and its provider plugins
@@ -118,6 +118,19 @@ impl Libibverbs {
     /// What was bound, and from where.
     pub fn report(&self) -> &LibraryReport {
         &self.report
+    }
+
+    /// The RDMA devices present (none where the kernel has no RDMA stack).
+    ///
+    /// # Errors
+    /// When libibverbs cannot list them.
+    pub fn rdma_devices(&self) -> Result<Vec<DeviceInfo>> {
+        VerbsApi::devices(self)
+    }
+
+    /// libibverbs' text for a completion status.
+    pub fn status_text(&self, status: WcStatus) -> String {
+        VerbsApi::status_str(self, status)
     }
 
     fn device_list(&self) -> Result<DeviceList<'_>> {
@@ -459,7 +472,7 @@ impl SendScratch {
     ///
     /// # Safety
     /// `qp` is a live queue pair whose context's `post_send` is `post`; the memory
-    /// conditions of [`VerbsApi::post_send`] hold.
+    /// conditions of `VerbsApi::post_send` hold.
     unsafe fn post(
         &mut self,
         post: PostSendFn,
@@ -653,6 +666,7 @@ impl VerbsApi for Libibverbs {
             max_mr_size: a.max_mr_size,
             max_qp_wr: non_negative(a.max_qp_wr),
             max_sge: non_negative(a.max_sge),
+            max_sge_rd: non_negative(a.max_sge_rd),
             max_cqe: non_negative(a.max_cqe),
             max_qp_rd_atom: non_negative(a.max_qp_rd_atom),
             max_qp_init_rd_atom: non_negative(a.max_qp_init_rd_atom),

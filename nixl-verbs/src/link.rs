@@ -19,10 +19,9 @@ pub(crate) struct Job {
     /// The data work requests (none for a standalone notification), and which of
     /// them this queue pair posts.
     pub(crate) plan: Option<(Arc<WrPlan>, std::ops::Range<usize>)>,
-    /// Sent (a SEND into the peer's receive buffers) after the data.
+    /// Sent (a SEND into the peer's receive buffers, fenced after READs) after the
+    /// data.
     pub(crate) notif: Option<Bytes>,
-    /// The SEND waits for the READs before it (`IBV_SEND_FENCE`).
-    pub(crate) fence: bool,
     /// Reports the outcome once the last work request completed.
     pub(crate) done: Option<Completer>,
     /// Nothing after this job is posted before the gate opens (a transfer split
@@ -37,13 +36,11 @@ impl Job {
         plan: Arc<WrPlan>,
         range: std::ops::Range<usize>,
         notif: Option<Bytes>,
-        fence: bool,
         done: Completer,
     ) -> Self {
         Self {
             plan: Some((plan, range)),
             notif,
-            fence,
             done: Some(done),
             gate: None,
             next: 0,
@@ -54,7 +51,6 @@ impl Job {
         Self {
             plan: None,
             notif: Some(msg),
-            fence: false,
             done: Some(done),
             gate: None,
             next: 0,
@@ -65,7 +61,6 @@ impl Job {
         Self {
             plan: None,
             notif: None,
-            fence: false,
             done: None,
             gate: Some(gate),
             next: 0,
@@ -101,7 +96,7 @@ pub(crate) struct Gate {
     state: Mutex<GateState>,
 }
 
-type Outcome = (Completer, Result<()>, Option<Bytes>, bool);
+type Outcome = (Completer, Result<()>, Option<Bytes>);
 
 #[derive(Default)]
 struct GateState {
@@ -112,15 +107,15 @@ struct GateState {
 
 impl Gate {
     /// Every share completed: `done` with their combined result, and the
-    /// notification to send (with a fence, after READs).
-    pub(crate) fn open(&self, done: Completer, r: Result<()>, notif: Option<Bytes>, fence: bool) {
+    /// notification to send.
+    pub(crate) fn open(&self, done: Completer, r: Result<()>, notif: Option<Bytes>) {
         let mut st = self.state.lock().unwrap();
         if let Some(e) = &st.closed {
             let e = e.cloned();
             drop(st);
             return done.complete(r.and(Err(e)));
         }
-        st.outcome = Some((done, r, notif, fence));
+        st.outcome = Some((done, r, notif));
         self.open.store(true, Ordering::Release);
     }
 
@@ -140,11 +135,16 @@ impl Gate {
             st.closed.get_or_insert_with(|| e.cloned());
             st.outcome.take()
         };
-        if let Some((done, r, _, _)) = outcome {
+        if let Some((done, r, _)) = outcome {
             done.complete(r.and(Err(e.cloned())));
         }
     }
 }
+
+/// Work-request ids, unique in the process: a completion that reaches a lane that
+/// did not post it (a stale one of a destroyed queue pair whose number was reused)
+/// matches nothing there.
+static NEXT_WR: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// What a signaled work request finishes.
 struct Signal {
@@ -181,6 +181,8 @@ impl Slots {
 pub(crate) struct Lane {
     pub(crate) qp_num: u32,
     pub(crate) peer: String,
+    /// The link it belongs to ([`Link::id`]).
+    pub(crate) link_id: u64,
     sq: Mutex<Sq>,
 }
 
@@ -191,7 +193,6 @@ struct Sq {
     capacity: u32,
     window: usize,
     outstanding: u32,
-    next_wr: u64,
     signals: HashMap<u64, Signal>,
     backlog: VecDeque<Job>,
     wrs: Vec<SendWr>,
@@ -245,17 +246,17 @@ pub(crate) fn completion_error(peer: &str, c: &Completion, text: &str) -> Error 
 }
 
 impl Lane {
-    pub(crate) fn new(peer: &str, qp: QueuePair, slots: Option<Slots>) -> Self {
+    pub(crate) fn new(peer: &str, link_id: u64, qp: QueuePair, slots: Option<Slots>) -> Self {
         let caps = qp.qp.caps;
         let capacity = caps.max_send_wr.max(1);
         Self {
             qp_num: qp.qp.qp_num,
             peer: peer.to_owned(),
+            link_id,
             sq: Mutex::new(Sq {
                 capacity,
                 window: (capacity as usize / 2).max(1),
                 outstanding: 0,
-                next_wr: 1,
                 signals: HashMap::new(),
                 backlog: VecDeque::new(),
                 wrs: Vec::new(),
@@ -354,13 +355,30 @@ impl Lane {
 impl Sq {
     /// Destroy the queue pair (the device stops touching the memory of its work
     /// requests), then hand back every transfer to fail.
+    ///
+    /// Should the device refuse to destroy it, everything its posted work requests
+    /// name is leaked instead (those transfers never complete): memory the device may
+    /// still write is never handed back.
     fn fail(&mut self, e: Error) -> Finish {
         if self.dead.is_none() {
             self.dead = Some(e.cloned());
         }
         let e = self.dead.as_ref().map(Error::cloned).expect("set above");
-        drop(self.qp.take());
         let mut fin = Finish::default();
+        if let Some(mut qp) = self.qp.take() {
+            if let Err(d) = qp.destroy() {
+                tracing::error!(peer = %self.dead_peer(), error = %d, "verbs: a queue pair could not be destroyed; the memory of its {} posted transfers is leaked and they never complete", self.signals.len());
+                std::mem::forget(qp);
+                for (_, s) in self.signals.drain() {
+                    std::mem::forget(s.done);
+                }
+                std::mem::forget(self.slots.take());
+                // The head job may be partly posted: its memory stays too.
+                if self.backlog.front().is_some_and(|j| j.next > 0) {
+                    std::mem::forget(self.backlog.pop_front());
+                }
+            }
+        }
         for (_, s) in self.signals.drain() {
             if let Some(d) = s.done {
                 fin.0.push((d, Err(e.cloned())));
@@ -378,6 +396,13 @@ impl Sq {
         fin
     }
 
+    fn dead_peer(&self) -> String {
+        self.dead
+            .as_ref()
+            .map(|e| e.context().to_owned())
+            .unwrap_or_default()
+    }
+
     /// Post from the head of the backlog while the send queue has room. Transfers it
     /// finishes (dropped before posting, a gate's outcome) go to `fin`, run once the
     /// lane's lock is released.
@@ -392,12 +417,10 @@ impl Sq {
                 }
                 let g = job.gate.take().expect("checked");
                 self.backlog.pop_front();
-                if let Some((done, r, notif, fence)) = g.take() {
+                if let Some((done, r, notif)) = g.take() {
                     match (r, notif) {
                         (Ok(()), Some(n)) => {
-                            let mut j = Job::notify(n, done);
-                            j.fence = fence;
-                            self.backlog.push_front(j);
+                            self.backlog.push_front(Job::notify(n, done));
                         }
                         (r, _) => fin.0.push((done, r)),
                     }
@@ -507,7 +530,10 @@ impl Sq {
                 first_sge: 0,
                 num_sge: u32::from(sge.is_some()),
                 signaled: true,
-                fence: job.fence,
+                // After any READ still in flight on this queue pair (of this
+                // transfer or an earlier one): the peer learns of nothing before its
+                // memory was read.
+                fence: true,
                 inline: inline && sge.is_some(),
             });
             1
@@ -520,8 +546,7 @@ impl Sq {
         for (i, w) in self.wrs.iter_mut().enumerate() {
             since += 1;
             if w.signaled {
-                let id = self.next_wr;
-                self.next_wr += 1;
+                let id = NEXT_WR.fetch_add(1, Ordering::Relaxed);
                 w.wr_id = id;
                 let is_last = i + 1 == count;
                 self.signals.insert(
@@ -577,7 +602,6 @@ pub(crate) enum LinkState {
 pub(crate) enum Pending {
     Transfer {
         plan: Arc<WrPlan>,
-        read: bool,
         notif: Option<Bytes>,
         done: Completer,
     },
@@ -592,8 +616,17 @@ impl Pending {
     }
 }
 
+static NEXT_LINK: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// A fresh link id.
+pub(crate) fn next_link_id() -> u64 {
+    NEXT_LINK.fetch_add(1, Ordering::Relaxed)
+}
+
 /// The connection to one peer.
 pub(crate) struct Link {
+    /// Unique in the process (lanes name their link by it).
+    pub(crate) id: u64,
     pub(crate) peer: String,
     pub(crate) state: Mutex<LinkState>,
     /// Signalled when the state leaves `Connecting`.
@@ -687,36 +720,114 @@ pub(crate) fn post_on(lanes: &[Arc<Lane>], max_notif: usize, peer: &str, p: Pend
             }
             lanes[0].submit(Job::notify(msg, done));
         }
-        Pending::Transfer {
-            plan,
-            read,
-            notif,
-            done,
-        } => {
+        Pending::Transfer { plan, notif, done } => {
             if let Some(n) = notif.as_ref().filter(|n| n.len() > max_notif) {
                 return done.complete(Err(too_long(n)));
             }
             let wrs = plan.wrs.len();
             let parts = lanes.len().min(wrs).max(1);
             if parts == 1 {
-                return lanes[0].submit(Job::transfer(plan.clone(), 0..wrs, notif, read, done));
+                return lanes[0].submit(Job::transfer(plan.clone(), 0..wrs, notif, done));
             }
             // Shares of whole work requests, in order; the first lane holds the gate.
             let gate = Arc::new(Gate::default());
             let (g, first) = (gate.clone(), lanes[0].clone());
             let completers = done.split_then(parts, move |done, r| {
-                g.open(done, r, notif, read);
+                g.open(done, r, notif);
                 first.kick();
             });
             let mut completers = completers.into_iter();
             for (i, lane) in lanes.iter().take(parts).enumerate() {
                 let range = (wrs * i / parts)..(wrs * (i + 1) / parts);
                 let c = completers.next().expect("one per part");
-                lane.submit(Job::transfer(plan.clone(), range, None, false, c));
+                lane.submit(Job::transfer(plan.clone(), range, None, c));
                 if i == 0 {
                     lane.submit(Job::gate(gate.clone()));
                 }
             }
         }
+    }
+}
+
+#[cfg(all(test, feature = "test-double"))]
+mod tests {
+    use super::*;
+    use crate::api::{Completion, WcOpcode};
+    use crate::device::Device;
+    use crate::VerbsOptions;
+
+    /// Completions nothing waits for (an unknown id, a repeat, flushes after a
+    /// failure) change nothing and never panic; an error completion fails the lane
+    /// once.
+    #[test]
+    fn stray_completions_are_ignored_and_errors_fail_the_lane_once() {
+        let o = VerbsOptions::default();
+        let dev = Arc::new(Device::open(crate::test_double::api(), &o).unwrap());
+        let qp = QueuePair::create(&dev, dev.caps(&o), crate::device::QpUse::Send).unwrap();
+        let lane = Lane::new("peer", 1, qp, None);
+        let ok = Completion {
+            wr_id: 12345,
+            opcode: WcOpcode::Write,
+            qp_num: lane.qp_num,
+            ..Completion::EMPTY
+        };
+        lane.on_completion(&ok, "");
+        lane.on_completion(&ok, "");
+        assert!(!lane.is_dead(), "unknown ids are ignored");
+        let failed = Completion {
+            status: WcStatus::RETRY_EXC_ERR,
+            ..ok
+        };
+        lane.on_completion(&failed, "transport retry counter exceeded");
+        assert!(lane.is_dead());
+        let e = lane
+            .sq
+            .lock()
+            .unwrap()
+            .dead
+            .as_ref()
+            .map(Error::cloned)
+            .unwrap();
+        assert_eq!(e.kind(), ErrorKind::RemoteDisconnected, "{e}");
+        assert!(e.to_string().contains("retry counter"), "{e}");
+        // Flushes after the failure, and a second failure, change nothing.
+        let flush = Completion {
+            status: WcStatus::WR_FLUSH_ERR,
+            ..ok
+        };
+        lane.on_completion(&flush, "flush");
+        lane.fail(Error::new(ErrorKind::Backend, "test", "second"));
+        let again = lane
+            .sq
+            .lock()
+            .unwrap()
+            .dead
+            .as_ref()
+            .map(Error::cloned)
+            .unwrap();
+        assert_eq!(
+            again.kind(),
+            ErrorKind::RemoteDisconnected,
+            "the first reason stays"
+        );
+        assert!(
+            lane.sq.lock().unwrap().qp.is_none(),
+            "the queue pair is destroyed"
+        );
+        // A refused key reads as such.
+        let refused = completion_error(
+            "p",
+            &Completion {
+                status: WcStatus::REM_ACCESS_ERR,
+                ..ok
+            },
+            "remote access error",
+        );
+        assert_eq!(refused.kind(), ErrorKind::NotAllowed);
+        drop(lane);
+        assert_eq!(
+            crate::test_double::violations_of(dev.ctx),
+            Vec::<String>::new()
+        );
     }
 }

@@ -17,6 +17,11 @@ pub struct Reliability {
     pub max_mtu: Mtu,
     /// READs in flight per queue pair, each way (the devices may lower it).
     pub max_rd_atomic: u8,
+    /// Traffic class of the global route header (RoCE: the DSCP and ECN bits; lossless
+    /// RoCE fabrics usually need the class their PFC priority maps to).
+    pub traffic_class: u8,
+    /// InfiniBand service level.
+    pub service_level: u8,
 }
 
 impl Default for Reliability {
@@ -28,11 +33,40 @@ impl Default for Reliability {
             retry_cnt: 7,
             max_mtu: Mtu(5),
             max_rd_atomic: 16,
+            traffic_class: 0,
+            service_level: 0,
         }
     }
 }
 
 impl Reliability {
+    /// Check the values against what the verbs fields hold.
+    ///
+    /// # Errors
+    /// [`nixl::ErrorKind::InvalidArgument`] naming the value out of range.
+    pub fn check(&self) -> nixl::Result<()> {
+        let bad = |what: String| {
+            Err(nixl::Error::new(
+                nixl::ErrorKind::InvalidArgument,
+                "verbs options",
+                what,
+            ))
+        };
+        if self.timeout > 31 {
+            return bad(format!("timeout {} is over 31", self.timeout));
+        }
+        if self.retry_cnt > 7 {
+            return bad(format!("retry_cnt {} is over 7", self.retry_cnt));
+        }
+        if self.service_level > 15 {
+            return bad(format!("service_level {} is over 15", self.service_level));
+        }
+        if self.max_mtu.bytes() == 0 {
+            return bad("max_mtu is not 256 to 4096 bytes".to_owned());
+        }
+        Ok(())
+    }
+
     /// The longest a queue pair keeps retrying a peer that stopped answering:
     /// `(retry_cnt + 1) × 4.096 µs × 2^timeout`.
     pub fn give_up_after(&self) -> std::time::Duration {
@@ -45,10 +79,11 @@ impl Reliability {
 /// `local_psn`) to the peer's (`remote`, number `remote_qp`, first PSN
 /// `remote_psn`): RESET to INIT, to ready-to-receive, to ready-to-send.
 ///
-/// `max_dest_rd` / `max_init_rd` are the device's limits for READs served and
-/// issued. On Ethernet (RoCE) every packet carries a global route header to the
-/// peer's GID; on InfiniBand only where the peers are in different subnets (their
-/// GIDs' 64-bit subnet prefixes differ).
+/// `max_dest_rd` / `max_init_rd` are our device's limits for READs served and
+/// issued; we issue no more than the peer serves (`remote.max_rd_atomic`). On
+/// Ethernet (RoCE) every packet carries a global route header to the peer's GID; on
+/// InfiniBand only where the peers are in different subnets (their GIDs' 64-bit
+/// subnet prefixes differ).
 #[allow(clippy::too_many_arguments)]
 pub fn connect(
     local: &Endpoint,
@@ -64,13 +99,13 @@ pub fn connect(
     let routed = ethernet || local.gid[..8] != remote.gid[..8];
     let av = AddressVector {
         dlid: if ethernet { 0 } else { remote.lid },
-        sl: 0,
+        sl: rel.service_level,
         port: local.port,
         grh: routed.then_some(GlobalRoute {
             dgid: remote.gid,
             sgid_index: local.gid_index,
             hop_limit: 64,
-            traffic_class: 0,
+            traffic_class: rel.traffic_class,
         }),
     };
     let rd = |dev: u32| rel.max_rd_atomic.min(dev.min(255) as u8).max(1);
@@ -96,7 +131,7 @@ pub fn connect(
             // 7: retry forever while the peer has no receive posted (it reposts
             // notification buffers as it consumes them).
             rnr_retry: 7,
-            max_rd_atomic: rd(max_init_rd),
+            max_rd_atomic: rd(max_init_rd.min(u32::from(remote.max_rd_atomic))),
         },
     ]
 }
@@ -233,6 +268,8 @@ mod tests {
             lid,
             gid_index: 1,
             gid,
+            max_msg_sz: 1 << 30,
+            max_rd_atomic: 16,
         }
     }
 
@@ -293,6 +330,17 @@ mod tests {
             panic!()
         };
         assert_eq!(av.grh.map(|g| g.dgid), Some(far.gid));
+        // We issue no more READs than the peer serves.
+        let mut few = b;
+        few.max_rd_atomic = 2;
+        let [_, _, rts] = connect(&a, 1, &few, 2, 3, &Reliability::default(), 16, 16);
+        assert!(matches!(
+            rts,
+            QpTransition::Rts {
+                max_rd_atomic: 2,
+                ..
+            }
+        ));
         // A device that serves no READ still gets at least one.
         let [_, rtr, _] = connect(&a, 1, &b, 2, 3, &Reliability::default(), 0, 0);
         assert!(matches!(
@@ -302,6 +350,34 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn reliability_is_checked() {
+        assert!(Reliability::default().check().is_ok());
+        for bad in [
+            Reliability {
+                timeout: 32,
+                ..Reliability::default()
+            },
+            Reliability {
+                retry_cnt: 8,
+                ..Reliability::default()
+            },
+            Reliability {
+                service_level: 16,
+                ..Reliability::default()
+            },
+            Reliability {
+                max_mtu: Mtu(6),
+                ..Reliability::default()
+            },
+        ] {
+            assert_eq!(
+                bad.check().unwrap_err().kind(),
+                nixl::ErrorKind::InvalidArgument
+            );
+        }
     }
 
     #[test]

@@ -11,22 +11,23 @@
 //! # What it reproduces
 //! - One RoCE device `dbl0` ([`DEVICE_GUID`]), one port: ACTIVE, Ethernet, MTU 4096,
 //!   LID 0, a GID table of two entries ([`GIDS`]: RoCE v1 link-local, RoCE v2
-//!   IPv4-mapped); [`query_gid`](VerbsApi::query_gid) beyond it gives `Ok(None)`.
+//!   IPv4-mapped); `query_gid` beyond it gives `Ok(None)`.
 //!   Small limits ([`Limits::DEFAULT`]: 128 work requests, 4 entries, 64 KiB messages,
 //!   64 inline bytes) so that the backend's splitting logic is exercised.
 //! - Memory regions with distinct random non-zero keys (lkey ≠ rkey); `REMOTE_WRITE`
 //!   without `LOCAL_WRITE` is refused as libibverbs refuses it.
 //! - Completion channels whose descriptor is a real non-blocking eventfd. A queue is
-//!   armed by [`req_notify_cq`](VerbsApi::req_notify_cq) for the **next** completion
+//!   armed by `req_notify_cq` for the **next** completion
 //!   added after arming (ones already queued do not fire it); that completion disarms
 //!   it, queues one event and makes the descriptor readable. The descriptor stays
-//!   readable until [`get_cq_event`](VerbsApi::get_cq_event) has taken every event.
+//!   readable until `get_cq_event` has taken every event.
 //! - Completion queues of exactly the size asked; an overflow is a violation and the
 //!   completion is lost.
 //! - RC queue pairs: RESET → INIT → RTR → RTS in that order (else
 //!   `ErrorKind::InvalidArgument`, like `EINVAL`), ERROR from any state. RTR checks
-//!   that the destination QP number exists, the path MTU fits the port and, Ethernet
-//!   being the link layer, that a global route names one of the device's GIDs. A peer
+//!   that the path MTU fits the port and, Ethernet being the link layer, that a global
+//!   route names one of the device's GIDs; like a NIC, it does not check that the
+//!   destination QP exists (the first request to a missing one fails). A peer
 //!   only accepts packets from the QP its own RTR named (as RC does).
 //! - Asynchronous execution on one worker thread (see *Thread*), in order per queue
 //!   pair: WRITE (gather), READ (scatter), SEND into the peer's oldest receive, inline
@@ -49,7 +50,7 @@
 //!   (the spec leaves unsignaled flushes to the device; the backend must not rely on
 //!   them); every posted receive produces a flush completion.
 //! - Queue capacity: a send queue holds `max_send_wr` outstanding work requests; one
-//!   is retired when [`poll_cq`](VerbsApi::poll_cq) has taken its completion or that
+//!   is retired when `poll_cq` has taken its completion or that
 //!   of a later signaled work request of the same queue pair (so a chain of
 //!   unsignaled requests is freed by its last, signaled, one). Posting past capacity
 //!   accepts what fits and returns [`PostError`] with `posted` and
@@ -143,7 +144,7 @@ const QP: &str = "queue pair";
 /// Limits of the double's device; [`set_limits`] changes them for devices opened later.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// What [`VerbsApi::query_device`] reports and `create_qp`/`create_cq`/`reg_mr`
+    /// What `VerbsApi::query_device` reports and `create_qp`/`create_cq`/`reg_mr`
     /// enforce (`phys_port_cnt` is reported only: the device has port 1).
     pub device: DeviceLimits,
     /// The port's largest message.
@@ -159,6 +160,7 @@ impl Limits {
             max_mr_size: 1 << 40,
             max_qp_wr: 128,
             max_sge: 4,
+            max_sge_rd: 2,
             max_cqe: 4096,
             max_qp_rd_atom: 16,
             max_qp_init_rd_atom: 16,
@@ -951,13 +953,13 @@ pub struct TestDouble;
 
 impl TestDouble {
     /// The double as the verbs API of the backend.
-    pub fn api() -> Arc<dyn VerbsApi> {
+    pub(crate) fn api() -> Arc<dyn VerbsApi> {
         Arc::new(Self)
     }
 }
 
 /// The double as the verbs API of the backend (same as [`TestDouble::api`]).
-pub fn api() -> Arc<dyn VerbsApi> {
+pub(crate) fn api() -> Arc<dyn VerbsApi> {
     TestDouble::api()
 }
 
@@ -976,7 +978,7 @@ pub fn violations() -> Vec<String> {
 }
 
 /// Misuse recorded about objects of device context `ctx` (the handle
-/// [`VerbsApi::open`] returned), for tests that share the process with others.
+/// `VerbsApi::open` returned), for tests that share the process with others.
 pub fn violations_of(ctx: Handle) -> Vec<String> {
     with(|w| {
         w.violations
@@ -1656,6 +1658,18 @@ impl VerbsApi for TestDouble {
                         format!(
                             "wr_id {}: {} entries; qp {num} takes {} (EINVAL)",
                             wr.wr_id, wr.num_sge, caps.max_send_sge
+                        ),
+                    ));
+                }
+                let max_sge_rd = w.limits_of(ctx).device.max_sge_rd;
+                if matches!(wr.op, SendOp::Read { .. }) && wr.num_sge > max_sge_rd {
+                    return Err(post_err(
+                        i,
+                        ErrorKind::InvalidArgument,
+                        OP,
+                        format!(
+                            "wr_id {}: an RDMA READ of {} entries; the device takes {max_sge_rd} (EINVAL)",
+                            wr.wr_id, wr.num_sge
                         ),
                     ));
                 }
@@ -2631,8 +2645,8 @@ mod tests {
             max_rd_atomic: 4,
         };
         assert_eq!(kind(api.modify_qp(h, &rts)), ErrorKind::InvalidArgument);
-        // RTR: a destination that exists, a GID of the device, an MTU the port has.
-        assert!(api.modify_qp(h, &rtr(0xff_fff0, GIDS[1])).is_err());
+        // RTR: a GID of the device, an MTU the port has (the destination is not
+        // checked, as on a NIC: a missing one fails the first request).
         assert!(api.modify_qp(h, &rtr(b.qp.qp_num, [7; 16])).is_err());
         let QpTransition::Rtr { av, .. } = rtr(b.qp.qp_num, GIDS[1]) else {
             unreachable!()

@@ -3,10 +3,11 @@
 //! fixed layouts, hard limits; decoding untrusted bytes never panics and never
 //! allocates beyond the limits.
 //!
-//! **Connection info** (the static half of RC setup): magic `NXVB`, version u8, link
-//! layer u8 (0 InfiniBand, 1 Ethernet), port u8, MTU u8 (`enum ibv_mtu`), LID u16, GID
-//! index u8, GID 16 bytes, then the control address: family u8 (4 or 6), the address
-//! (4 or 16 bytes), port u16.
+//! **Connection info** (the static half of RC setup): magic `NXVB`, version u8, then
+//! the endpoint: link layer u8 (0 InfiniBand, 1 Ethernet), port u8, MTU u8 (`enum
+//! ibv_mtu`), LID u16, GID index u8, GID 16 bytes, largest message u32, READs served
+//! at once u8; then the control address: family u8 (4 or 6), the address (4 or 16
+//! bytes), port u16.
 //!
 //! **Handshake** (the dynamic half, per connection): the initiator connects to the
 //! target's control address and sends a hello: magic `NXVH`, version u16, its agent
@@ -60,6 +61,11 @@ pub struct Endpoint {
     pub gid_index: u8,
     /// The GID peers address (the RoCE v2 GID on Ethernet).
     pub gid: [u8; 16],
+    /// The port's largest message: requests to this side stay within it.
+    pub max_msg_sz: u32,
+    /// RDMA READs this side serves at once per queue pair (its device's
+    /// `max_qp_rd_atom`): a peer issues no more.
+    pub max_rd_atomic: u8,
 }
 
 /// What peers find in this backend's metadata.
@@ -168,6 +174,11 @@ impl<'a> Reader<'a> {
         let gid_index = self.u8()?;
         let mut gid = [0u8; 16];
         gid.copy_from_slice(self.take(16)?);
+        let max_msg_sz = self.u32()?;
+        let max_rd_atomic = self.u8()?;
+        if max_msg_sz == 0 {
+            return Err(corrupt("a largest message of 0 bytes"));
+        }
         Ok(Endpoint {
             link_layer,
             port,
@@ -175,6 +186,8 @@ impl<'a> Reader<'a> {
             lid,
             gid_index,
             gid,
+            max_msg_sz,
+            max_rd_atomic,
         })
     }
 
@@ -210,6 +223,8 @@ fn put_endpoint(out: &mut Vec<u8>, e: &Endpoint) {
     out.extend_from_slice(&e.lid.to_le_bytes());
     out.push(e.gid_index);
     out.extend_from_slice(&e.gid);
+    out.extend_from_slice(&e.max_msg_sz.to_le_bytes());
+    out.push(e.max_rd_atomic);
 }
 
 fn put_qps(out: &mut Vec<u8>, qps: &[QpHalf]) {
@@ -335,7 +350,7 @@ impl Hello {
 }
 
 /// Bytes of an encoded [`Endpoint`].
-pub const ENDPOINT_LEN: usize = 1 + 1 + 1 + 2 + 1 + 16;
+pub const ENDPOINT_LEN: usize = 1 + 1 + 1 + 2 + 1 + 16 + 4 + 1;
 
 impl Reply {
     /// Encode.
@@ -421,6 +436,8 @@ mod tests {
             lid: 0,
             gid_index: 3,
             gid: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 7],
+            max_msg_sz: 1 << 30,
+            max_rd_atomic: 16,
         }
     }
 

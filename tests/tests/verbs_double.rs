@@ -12,14 +12,12 @@
 use std::sync::Arc;
 
 use nixl_conformance::{conformance_tests, BackendUnderTest};
-use nixl_verbs::test_double::TestDouble;
 use nixl_verbs::{VerbsBackend, VerbsOptions};
 
 const VERBS_DOUBLE: BackendUnderTest = BackendUnderTest {
     name: "verbs (test double)",
     make: || {
-        Ok(Arc::new(VerbsBackend::with_api(
-            TestDouble::api(),
+        Ok(Arc::new(VerbsBackend::with_test_double(
             VerbsOptions::default(),
         )?))
     },
@@ -36,13 +34,10 @@ mod two_queue_pairs {
     const VERBS_DOUBLE_2QP: BackendUnderTest = BackendUnderTest {
         name: "verbs (test double, 2 queue pairs per peer)",
         make: || {
-            Ok(Arc::new(VerbsBackend::with_api(
-                TestDouble::api(),
-                VerbsOptions {
-                    qps_per_peer: 2,
-                    ..VerbsOptions::default()
-                },
-            )?))
+            Ok(Arc::new(VerbsBackend::with_test_double(VerbsOptions {
+                qps_per_peer: 2,
+                ..VerbsOptions::default()
+            })?))
         },
         skip_case: |_| None,
     };
