@@ -58,7 +58,13 @@
 //!   the rest waits in order and goes out as completions free room.
 //! - Completions arrive on the completion channel, whose descriptor tokio watches (no
 //!   polling while idle); after a batch, the queue is polled again for up to
-//!   [`VerbsOptions::spin`] before the loop sleeps.
+//!   [`VerbsOptions::spin`] before the loop sleeps. Every queue pair reserves room
+//!   in the completion queue for its whole queue, so it never overflows (fatal to a
+//!   device): one that would not fit is refused ([`VerbsOptions::cq_depth`]).
+//!
+//! Not done yet: asynchronous device events (port down and fatal device errors
+//! show only as failed work requests), `ibv_fork_init`, iWARP devices (RC there
+//! needs rdma_cm), GPU memory (dma-buf), authentication of the control connection.
 //!
 //! ## Notifications
 //! A notification is a SEND on the same queue pair, after the transfer's RDMA WRITEs,
