@@ -9,8 +9,8 @@
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 
-use nixl::RegionSlice;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, BufWriter, Interest};
+use nixl::{MemKind, RegionSlice};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter, Interest};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
@@ -26,12 +26,19 @@ fn io_err(e: nixl::Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, e)
 }
 
+/// GPU memory moves through host buffers in chunks of this size, the copy of one
+/// chunk overlapping the socket I/O of the previous one.
+pub(crate) const STAGE_CHUNK: usize = 4 << 20;
+
 /// Write all of `s` to `w` (after whatever `w` holds).
 pub(crate) async fn send_slice(
     w: &mut BufWriter<OwnedWriteHalf>,
     s: &RegionSlice,
     scratch: &mut Vec<u8>,
 ) -> io::Result<()> {
+    if s.kind() != MemKind::Dram && s.len() > SMALL {
+        return send_staged(w, s).await;
+    }
     if s.len() <= SMALL {
         scratch.resize(s.len(), 0);
         s.read_into(0, scratch).map_err(io_err)?;
@@ -50,11 +57,15 @@ pub(crate) async fn send_slice(
     .await
 }
 
-/// Fill all of `s` from `r` (buffered bytes first).
+/// Fill all of `s` from `r` (buffered bytes first). GPU memory is filled through host
+/// buffers; it holds the data when this returns (every copy finished).
 pub(crate) async fn recv_slice(
     r: &mut BufReader<OwnedReadHalf>,
     s: &RegionSlice,
 ) -> io::Result<()> {
+    if s.kind() != MemKind::Dram {
+        return recv_staged(r, s).await;
+    }
     let mut at = 0;
     while at < s.len() {
         let buffered = r.buffer();
@@ -108,4 +119,89 @@ async fn direct(
         }
     }
     Ok(())
+}
+
+/// The chunks of `s` staging moves: (offset, length).
+pub(crate) fn stage_chunks(len: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
+    let chunk = chunk.max(1);
+    (0..len.div_ceil(chunk)).map(move |k| (k * chunk, chunk.min(len - k * chunk)))
+}
+
+/// Start a device copy on tokio's blocking pool (the driver call blocks while the
+/// copy runs): `buf` out of `s` at `at` (`read`), or into it. It runs at once,
+/// alongside whatever the caller does next; the handle gives the buffer back. The copy
+/// holds its own reference to the memory, so it stays valid even if the caller goes.
+fn device_copy(
+    s: &RegionSlice,
+    at: usize,
+    mut buf: Vec<u8>,
+    read: bool,
+) -> tokio::task::JoinHandle<io::Result<Vec<u8>>> {
+    let s = s.clone();
+    tokio::task::spawn_blocking(move || {
+        let r = if read {
+            s.read_into(at, &mut buf)
+        } else {
+            s.write_from(at, &buf)
+        };
+        r.map(|()| buf).map_err(io_err)
+    })
+}
+
+async fn join(h: tokio::task::JoinHandle<io::Result<Vec<u8>>>) -> io::Result<Vec<u8>> {
+    h.await.map_err(io::Error::other)?
+}
+
+/// Send GPU memory: chunk `k + 1` is copied to the host while chunk `k` is written
+/// to the socket.
+async fn send_staged(w: &mut BufWriter<OwnedWriteHalf>, s: &RegionSlice) -> io::Result<()> {
+    let chunks: Vec<(usize, usize)> = stage_chunks(s.len(), STAGE_CHUNK).collect();
+    let Some(&(at, n)) = chunks.first() else {
+        return Ok(());
+    };
+    let mut copying = Some(device_copy(s, at, vec![0u8; n], true));
+    let mut spare = Vec::new();
+    for k in 0..chunks.len() {
+        let buf = join(copying.take().expect("one copy per chunk")).await?;
+        if let Some(&(at, n)) = chunks.get(k + 1) {
+            let mut b = std::mem::take(&mut spare);
+            b.resize(n, 0);
+            copying = Some(device_copy(s, at, b, true));
+        }
+        w.write_all(&buf).await?;
+        spare = buf;
+    }
+    Ok(())
+}
+
+/// Receive into GPU memory: chunk `k` is copied to the device while chunk `k + 1` is
+/// read from the socket; every copy has finished when this returns.
+async fn recv_staged(r: &mut BufReader<OwnedReadHalf>, s: &RegionSlice) -> io::Result<()> {
+    let mut copying: Option<tokio::task::JoinHandle<io::Result<Vec<u8>>>> = None;
+    let mut spare = Vec::new();
+    for (at, n) in stage_chunks(s.len(), STAGE_CHUNK) {
+        let mut buf = std::mem::take(&mut spare);
+        buf.resize(n, 0);
+        r.read_exact(&mut buf).await?;
+        if let Some(c) = copying.take() {
+            spare = join(c).await?;
+        }
+        copying = Some(device_copy(s, at, buf, false));
+    }
+    if let Some(c) = copying {
+        join(c).await?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn stage_chunks_cover_the_slice_in_order() {
+        let c: Vec<_> = super::stage_chunks(10, 4).collect();
+        assert_eq!(c, vec![(0, 4), (4, 4), (8, 2)]);
+        assert_eq!(super::stage_chunks(8, 4).count(), 2);
+        assert_eq!(super::stage_chunks(0, 4).count(), 0);
+        assert_eq!(super::stage_chunks(3, 4).collect::<Vec<_>>(), vec![(0, 3)]);
+    }
 }

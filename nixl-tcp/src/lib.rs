@@ -27,6 +27,16 @@
 //!   docs of the same-host path below.
 //! - Local transfers (same agent) are the agent's own copies; this backend serves
 //!   transfers between agents.
+//! - GPU memory ([`nixl::MemKind::Vram`], through [`nixl::gpu`]) is registered like
+//!   host memory and moves over TCP staged through host buffers in 4 MiB chunks: the
+//!   device-to-host copy of one chunk (on tokio's blocking pool) overlaps the socket
+//!   write of the previous one, and on the target the host-to-device copy of one
+//!   chunk overlaps the read of the next. The target answers (and delivers the
+//!   notification) only after its last copy finished, so notifications still follow
+//!   the data. The same-host path never touches GPU memory: such transfers go over
+//!   TCP between agents on one host too. (The staging buffers are ordinary, pageable
+//!   host memory: the driver pins them internally; dedicated pinned buffers are not
+//!   done yet. Not yet run on a GPU.)
 //! - The target checks every incoming segment against its own registrations and the
 //!   per-registration random key only its metadata carries; a forged key or an
 //!   out-of-range segment refuses the whole request before any byte is touched.
@@ -431,7 +441,7 @@ impl Backend for TcpBackend {
             remote: true,
             notifications: true,
             dram: true,
-            vram: false,
+            vram: true,
             target_checks: true,
             max_segments: wire::MAX_ENTRIES as usize,
             max_notification: self.inner.options.max_notification,
@@ -475,12 +485,10 @@ impl Backend for TcpBackend {
     }
 
     fn register(&self, region: &RegionRef) -> Result<Bytes> {
-        if region.kind() != nixl::MemKind::Dram {
-            return Err(Error::new(
-                ErrorKind::NotSupported,
-                "tcp register",
-                "the tcp backend moves host memory only",
-            ));
+        let host = region.kind() == nixl::MemKind::Dram;
+        if !host {
+            // GPU memory moves through host buffers; it needs the driver's copies.
+            nixl::gpu::status()?;
         }
         let mut regions = self.inner.regions.write().unwrap();
         let key = loop {
@@ -491,7 +499,8 @@ impl Backend for TcpBackend {
         };
         regions.insert(key, region.clone());
         drop(regions);
-        let slot = (self.inner.boot.is_some())
+        // Peers on this host reach host memory directly; GPU memory is never granted.
+        let slot = (self.inner.boot.is_some() && host)
             .then(|| self.inner.grants.grant(key, region))
             .flatten();
         self.inner
@@ -618,6 +627,12 @@ impl Backend for TcpBackend {
                 )),
             })
             .collect::<Result<Vec<_>>>()?;
+        // The same-host path copies host memory; GPU memory on either side goes over
+        // TCP, staged through host buffers.
+        all_direct &= segs
+            .locals()
+            .iter()
+            .all(|r| r.kind() == nixl::MemKind::Dram);
         let targets = same_host::Direct { targets };
         let runs = segs.runs();
         let mut table = Vec::with_capacity(runs.len() * wire::SEG_LEN);

@@ -37,6 +37,7 @@ mod backend;
 mod descriptor;
 mod error;
 pub mod exchange;
+pub mod gpu;
 pub mod interop;
 mod memory;
 pub mod metadata;

@@ -13,7 +13,7 @@ use std::ptr::NonNull;
 
 use bytes::BytesMut;
 
-use crate::error::{err, ErrorKind, Result};
+use crate::error::{err, Error, ErrorKind, Result};
 
 /// Kind of memory a registration or descriptor refers to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -259,51 +259,132 @@ impl Memory {
         self.ptr.as_ptr() as u64
     }
 
-    /// Copy `dst.len()` bytes starting at `offset` out of host memory; `false` when out
-    /// of range or not host memory.
-    pub(crate) fn copy_out(&self, offset: usize, dst: &mut [u8]) -> bool {
-        match self.host_segment(offset, dst.len()) {
-            // SAFETY: live host memory (our invariant), range checked.
-            Some(seg) => unsafe { seg.read_into(dst) },
-            None => return false,
+    /// `offset..offset+len` inside this memory, or `OutOfRange`.
+    fn range(&self, offset: usize, len: usize, op: &'static str) -> Result<u64> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(self.addr() + offset as u64),
+            _ => err(
+                ErrorKind::OutOfRange,
+                op,
+                format!("{offset}+{len} is outside {} bytes", self.len),
+            ),
         }
-        true
     }
 
-    /// Copy `src` into host memory at `offset`; `false` when out of range or not host
-    /// memory.
-    pub(crate) fn copy_in(&self, offset: usize, src: &[u8]) -> bool {
-        match self.host_segment(offset, src.len()) {
-            // SAFETY: live host memory (our invariant), range checked.
-            Some(seg) => unsafe { seg.write_from(src) },
-            None => return false,
+    /// Copy `dst.len()` bytes starting at `offset` out of this memory (host memory by
+    /// `memcpy`, device memory by a device-to-host copy).
+    pub(crate) fn copy_out(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        const OP: &str = "read registered memory";
+        let at = self.range(offset, dst.len(), OP)?;
+        match self.kind {
+            MemKind::Dram => {
+                let seg = self.host_segment(offset, dst.len()).expect("range checked");
+                // SAFETY: live host memory (our invariant), range checked.
+                unsafe { seg.read_into(dst) };
+                Ok(())
+            }
+            // SAFETY: live device memory of `device` (our invariant), range checked;
+            // `dst` is a host buffer of that length.
+            MemKind::Vram { device } => unsafe {
+                crate::gpu::driver()?.copy_to_host(device, at, dst.as_mut_ptr(), dst.len())
+            },
         }
-        true
     }
 
-    /// `memmove` of `len` bytes from `src` at `src_offset` into host memory at
-    /// `offset` (the two may be the same memory and overlap); `false` when out of
-    /// range or not host memory.
+    /// Copy `src` into this memory at `offset`.
+    pub(crate) fn copy_in(&self, offset: usize, src: &[u8]) -> Result<()> {
+        const OP: &str = "write registered memory";
+        let at = self.range(offset, src.len(), OP)?;
+        match self.kind {
+            MemKind::Dram => {
+                let seg = self.host_segment(offset, src.len()).expect("range checked");
+                // SAFETY: live host memory (our invariant), range checked.
+                unsafe { seg.write_from(src) };
+                Ok(())
+            }
+            // SAFETY: as in `copy_out`, the other way round.
+            MemKind::Vram { device } => unsafe {
+                crate::gpu::driver()?.copy_from_host(device, at, src.as_ptr(), src.len())
+            },
+        }
+    }
+
+    /// `memmove` of `len` bytes from `src` at `src_offset` into this memory at
+    /// `offset` (the two may be the same memory and overlap), between host and
+    /// device memory in any combination.
     pub(crate) fn copy_from_memory(
         &self,
         offset: usize,
         src: &Self,
         src_offset: usize,
         len: usize,
-    ) -> bool {
-        match (
-            self.host_segment(offset, len),
-            src.host_segment(src_offset, len),
-        ) {
-            // SAFETY: both are live host memory (our invariant, `&self` and `&src`
-            // keep them alive), ranges checked; ptr::copy allows overlap and makes no
-            // reference to either range.
-            (Some(d), Some(s)) => unsafe {
-                std::ptr::copy(s.ptr.as_ptr(), d.ptr.as_ptr(), len);
-            },
-            _ => return false,
+    ) -> Result<()> {
+        const OP: &str = "copy registered memory";
+        let d = self.range(offset, len, OP)?;
+        let s = src.range(src_offset, len, OP)?;
+        match (self.kind, src.kind) {
+            (MemKind::Dram, MemKind::Dram) => {
+                // SAFETY: both are live host memory (our invariant, `&self` and `&src`
+                // keep them alive), ranges checked; ptr::copy allows overlap and makes
+                // no reference to either range.
+                unsafe { std::ptr::copy(s as usize as *const u8, d as usize as *mut u8, len) };
+                Ok(())
+            }
+            (MemKind::Dram, MemKind::Vram { device }) => {
+                let gpu = crate::gpu::driver()?;
+                // SAFETY: live memory of the kinds matched (our invariant), ranges
+                // checked.
+                unsafe { gpu.copy_to_host(device, s, d as usize as *mut u8, len) }
+            }
+            (MemKind::Vram { device }, MemKind::Dram) => {
+                let gpu = crate::gpu::driver()?;
+                // SAFETY: as above.
+                unsafe { gpu.copy_from_host(device, d, s as usize as *const u8, len) }
+            }
+            (MemKind::Vram { device: dd }, MemKind::Vram { device: sd }) => {
+                let gpu = crate::gpu::driver()?;
+                if dd == sd && d < s + len as u64 && s < d + len as u64 {
+                    // Overlapping ranges of one device: through the host, since a
+                    // device copy's result is undefined there.
+                    let mut tmp = vec![0u8; len];
+                    src.copy_out(src_offset, &mut tmp)?;
+                    return self.copy_in(offset, &tmp);
+                }
+                // SAFETY: as above; the ranges do not overlap.
+                unsafe { gpu.device_to_device(dd, d, sd, s, len) }
+            }
         }
-        true
+    }
+
+    /// `len` bytes of GPU memory on `device`, owned: freed once every registration
+    /// and in-flight transfer let go of it. Allocated with `cuMemAlloc` (memory NICs
+    /// can reach), not initialised.
+    ///
+    /// # Errors
+    /// As [`crate::gpu::status`] when the process has no usable GPU;
+    /// [`ErrorKind::InvalidArgument`] for a device that does not exist or zero bytes;
+    /// the driver's error (out of memory).
+    pub fn vram(device: u32, len: usize) -> Result<Self> {
+        if len == 0 {
+            return err(
+                ErrorKind::InvalidArgument,
+                "allocate GPU memory",
+                "zero bytes",
+            );
+        }
+        let (ptr, owner) = crate::gpu::driver()?.alloc(device, len)?;
+        Ok(Self {
+            ptr: NonNull::new(ptr as usize as *mut u8).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Backend,
+                    "allocate GPU memory",
+                    "the driver returned a null pointer",
+                )
+            })?,
+            len,
+            kind: MemKind::Vram { device },
+            _owner: Owner::Raw(Some(owner)),
+        })
     }
 
     /// One `recv(2)` from the socket `fd` into host memory at `offset..offset+len`,

@@ -105,51 +105,31 @@ impl Registration {
         self.desc(0, self.len() as u64)
     }
 
-    fn check_host(&self, offset: usize, len: usize, op: &'static str) -> Result<()> {
-        if self.kind() != MemKind::Dram {
-            return err(
-                ErrorKind::NotSupported,
-                op,
-                format!("{} memory is not host-accessible", self.kind()),
-            );
-        }
-        if offset.checked_add(len).is_none_or(|end| end > self.len()) {
-            return err(
-                ErrorKind::OutOfRange,
-                op,
-                format!("{offset}+{len} is outside the {}-byte region", self.len()),
-            );
-        }
-        Ok(())
-    }
-
     /// Copy bytes out of the region, starting at `offset`.
     ///
     /// Peers may be writing the same bytes concurrently; order such access with your
     /// protocol (for example, read after the transfer's notification arrived).
     ///
     /// # Errors
-    /// [`ErrorKind::OutOfRange`], or [`ErrorKind::NotSupported`] for device memory.
+    /// [`ErrorKind::OutOfRange`]; for GPU memory, errors of the device copy (see
+    /// [`crate::gpu`]).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.check_host(offset, dst.len(), "read registered memory")?;
-        self.inner.mem.copy_out(offset, dst);
-        Ok(())
+        self.inner.mem.copy_out(offset, dst)
     }
 
     /// Copy bytes into the region, starting at `offset`.
     ///
     /// # Errors
-    /// [`ErrorKind::OutOfRange`], or [`ErrorKind::NotSupported`] for device memory.
+    /// [`ErrorKind::OutOfRange`]; for GPU memory, errors of the device copy (see
+    /// [`crate::gpu`]).
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
-        self.check_host(offset, src.len(), "write registered memory")?;
-        self.inner.mem.copy_in(offset, src);
-        Ok(())
+        self.inner.mem.copy_in(offset, src)
     }
 
     /// A copy of the whole region.
     ///
     /// # Errors
-    /// [`ErrorKind::NotSupported`] for device memory.
+    /// As [`Registration::read_at`].
     pub fn to_vec(&self) -> Result<Vec<u8>> {
         let mut v = vec![0u8; self.len()];
         self.read_at(0, &mut v)?;
@@ -294,12 +274,29 @@ impl RegionSlice {
         })
     }
 
+    /// `at..at+n` of the slice as an offset into its registration, for copies (host
+    /// or device memory).
+    fn range(&self, at: usize, n: usize, op: &'static str) -> Result<usize> {
+        match at.checked_add(n) {
+            Some(end) if end <= self.len => Ok(self.offset + at),
+            _ => err(
+                ErrorKind::OutOfRange,
+                op,
+                format!("{at}+{n} is outside the {}-byte slice", self.len),
+            ),
+        }
+    }
+
+    /// As [`RegionSlice::range`], for host memory only (the socket calls).
     fn io_range(&self, at: usize, n: usize, op: &'static str) -> Result<usize> {
         if self.kind() != MemKind::Dram {
             return err(
                 ErrorKind::NotSupported,
                 op,
-                format!("{} memory is not host-accessible", self.kind()),
+                format!(
+                    "{} memory is not host-accessible: stage it through host memory",
+                    self.kind()
+                ),
             );
         }
         match at.checked_add(n) {
@@ -322,11 +319,10 @@ impl RegionSlice {
     /// Copy `dst.len()` bytes starting `at` bytes into the slice out into `dst`.
     ///
     /// # Errors
-    /// [`ErrorKind::OutOfRange`]; [`ErrorKind::NotSupported`] for device memory.
+    /// [`ErrorKind::OutOfRange`]; for GPU memory, errors of the device copy.
     pub fn read_into(&self, at: usize, dst: &mut [u8]) -> Result<()> {
-        let off = self.io_range(at, dst.len(), "read registered memory")?;
-        self.region.inner.mem.copy_out(off, dst);
-        Ok(())
+        let off = self.range(at, dst.len(), "read registered memory")?;
+        self.region.inner.mem.copy_out(off, dst)
     }
 
     /// Copy `src` into the slice, `at` bytes in.
@@ -334,16 +330,15 @@ impl RegionSlice {
     /// # Errors
     /// As [`RegionSlice::read_into`].
     pub fn write_from(&self, at: usize, src: &[u8]) -> Result<()> {
-        let off = self.io_range(at, src.len(), "write registered memory")?;
-        self.region.inner.mem.copy_in(off, src);
-        Ok(())
+        let off = self.range(at, src.len(), "write registered memory")?;
+        self.region.inner.mem.copy_in(off, src)
     }
 
     /// Copy all of `src` into this slice (`memmove`: the two may overlap).
     ///
     /// # Errors
-    /// [`ErrorKind::LengthMismatch`] for slices of different lengths;
-    /// [`ErrorKind::NotSupported`] for device memory.
+    /// [`ErrorKind::LengthMismatch`] for slices of different lengths; for GPU memory,
+    /// errors of the device copy.
     pub fn copy_from(&self, src: &Self) -> Result<()> {
         const OP: &str = "copy registered memory";
         if src.len != self.len {
@@ -353,20 +348,11 @@ impl RegionSlice {
                 format!("{} bytes into {}", src.len, self.len),
             );
         }
-        let (d, s) = (
-            self.io_range(0, self.len, OP)?,
-            src.io_range(0, src.len, OP)?,
-        );
-        if self
-            .region
+        let (d, s) = (self.range(0, self.len, OP)?, src.range(0, src.len, OP)?);
+        self.region
             .inner
             .mem
             .copy_from_memory(d, &src.region.inner.mem, s, self.len)
-        {
-            Ok(())
-        } else {
-            err(ErrorKind::OutOfRange, OP, "range outside its registration")
-        }
     }
 
     /// One non-blocking `recv(2)` from the socket `fd` into `at..at+n` of the slice:

@@ -7,8 +7,8 @@ use nixl::metadata::AgentMetadata;
 use nixl::{AlignedBuf, DescList, ErrorKind, MemKind, Memory, Op, RequestOptions, Status};
 
 use crate::support::{
-    bounded, checksum, checksum_bytes, one, own_thread_count, pattern, remote, skip, thread_count,
-    BackendUnderTest,
+    bounded, checksum, checksum_bytes, figure, one, own_thread_count, pattern, remote, skip,
+    thread_count, BackendUnderTest,
 };
 
 macro_rules! need {
@@ -1234,4 +1234,210 @@ pub async fn dropped_peers_never_hang(but: &BackendUnderTest) {
     let report = bounded("survivor shutdown", a.shutdown()).await;
     assert_eq!(report.tasks_left, 0, "{report:?}");
     drop(keep);
+}
+
+/// The GPU this process can use, or a SKIP line saying why not.
+fn gpu_or_skip(case: &str) -> Option<nixl::gpu::GpuInfo> {
+    match nixl::gpu::status() {
+        Ok(g) => Some(g),
+        Err(e) => {
+            skip(case, &format!("no GPU: {e}"));
+            None
+        }
+    }
+}
+
+fn in_kind(kind: MemKind, d: nixl::Desc) -> DescList {
+    DescList::from_descs(kind, [d])
+}
+
+/// GPU memory on either or both sides, WRITE and READ: every combination moves the
+/// bytes exactly (checked through the agents' device copies), and a WRITE's
+/// notification arrives only once its data is in the target's GPU memory.
+pub async fn vram_transfers(but: &BackendUnderTest) {
+    need!(but, "vram_transfers", remote, vram, notifications);
+    let Some(gpu) = gpu_or_skip("vram_transfers") else {
+        return;
+    };
+    let (a, b) = but.pair().await;
+    let mut notes = b.notifications().unwrap();
+    const LEN: usize = 9 << 20; // several staging chunks, and a partial one
+    let vram = MemKind::Vram { device: 0 };
+    let mem = |kind: MemKind| -> Memory {
+        match kind {
+            MemKind::Dram => Memory::from(vec![0u8; LEN]),
+            MemKind::Vram { device } => Memory::vram(device, LEN).expect("allocate GPU memory"),
+        }
+    };
+    let mut round = 0u64;
+    for (lk, rk) in [(MemKind::Dram, vram), (vram, MemKind::Dram), (vram, vram)] {
+        for op in [Op::Write, Op::Read] {
+            round += 1;
+            let local = a.register(mem(lk)).unwrap();
+            let target = b.register(mem(rk)).unwrap();
+            let (src, dst) = match op {
+                Op::Write => (&local, &target),
+                Op::Read => (&target, &local),
+            };
+            let data = pattern(round, LEN);
+            src.write_at(0, &data).unwrap();
+            dst.write_at(0, &vec![0xEE; LEN]).unwrap();
+            a.load_metadata(&b.metadata().unwrap()).unwrap();
+            let r = remote(&a, "target", target.id());
+            assert_eq!(r.kind, rk, "the peer advertises the memory kind");
+            // Offsets that are not chunk-aligned, inside both registrations.
+            let (off, n) = (4096 + 7, LEN - 8192);
+            let note = format!("{round}");
+            bounded(
+                "vram transfer",
+                a.transfer(
+                    op,
+                    &in_kind(lk, local.desc(off as u64, n as u64)),
+                    "target",
+                    &in_kind(rk, r.desc(off as u64, n as u64)),
+                    Some(Bytes::from(note.clone())),
+                )
+                .unwrap(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{op:?} {lk} -> {rk}: {e}"));
+            let got = bounded("notification", notes.recv()).await.unwrap();
+            assert_eq!(got.msg, Bytes::from(note), "notification of round {round}");
+            let mut back = vec![0u8; LEN];
+            dst.read_at(0, &mut back).unwrap();
+            assert!(
+                back[off..off + n] == data[off..off + n],
+                "{op:?} {lk} -> {rk}: the bytes arrived"
+            );
+            assert!(
+                back[..off]
+                    .iter()
+                    .chain(&back[off + n..])
+                    .all(|&x| x == 0xEE),
+                "{op:?} {lk} -> {rk}: nothing outside the descriptors"
+            );
+            a.deregister(&local).unwrap();
+            b.deregister(&target).unwrap();
+        }
+    }
+    figure(
+        &format!("VRAM transfers ({})", but.name),
+        format!(
+            "{round} combinations of WRITE/READ and DRAM/VRAM moved exactly, on {}",
+            gpu.driver
+        ),
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// A WRITE into the target's GPU memory with a notification: when the notification
+/// arrives, the data is already in device memory (read through a device copy right
+/// then), for a run of transfers in posting order.
+pub async fn vram_notifications_after_data(but: &BackendUnderTest) {
+    need!(
+        but,
+        "vram_notifications_after_data",
+        remote,
+        vram,
+        notifications
+    );
+    if gpu_or_skip("vram_notifications_after_data").is_none() {
+        return;
+    }
+    let (a, b) = but.pair().await;
+    const N: usize = 12;
+    const LEN: usize = 3 << 20;
+    let vram = MemKind::Vram { device: 0 };
+    let src = a.register(Memory::vram(0, N * LEN).unwrap()).unwrap();
+    let dst = b.register(Memory::vram(0, N * LEN).unwrap()).unwrap();
+    for i in 0..N {
+        src.write_at(i * LEN, &pattern(i as u64 + 50, LEN)).unwrap();
+    }
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let r = remote(&a, "target", dst.id());
+    let mut notes = b.notifications().unwrap();
+    let transfers: Vec<_> = (0..N)
+        .map(|i| {
+            let off = (i * LEN) as u64;
+            a.transfer(
+                Op::Write,
+                &in_kind(vram, src.desc(off, LEN as u64)),
+                "target",
+                &in_kind(vram, r.desc(off, LEN as u64)),
+                Some(Bytes::from(format!("{i}"))),
+            )
+            .unwrap()
+        })
+        .collect();
+    for i in 0..N {
+        let n = bounded("notification", notes.recv()).await.unwrap();
+        assert_eq!(n.msg, Bytes::from(format!("{i}")), "posting order");
+        let mut got = vec![0u8; LEN];
+        dst.read_at(i * LEN, &mut got).unwrap();
+        assert!(
+            got == pattern(i as u64 + 50, LEN),
+            "data {i} in GPU memory at its notification"
+        );
+    }
+    for t in transfers {
+        bounded("transfer", t).await.unwrap();
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// GPU memory is kept alive by in-flight work like host memory: a dropped transfer
+/// does not free it early, deregistering while a transfer uses it is refused, and
+/// everything is released after the transfer ends.
+pub async fn vram_lifetime(but: &BackendUnderTest) {
+    need!(but, "vram_lifetime", remote, vram);
+    if gpu_or_skip("vram_lifetime").is_none() {
+        return;
+    }
+    let (a, b) = but.pair().await;
+    const LEN: usize = 16 << 20;
+    let vram = MemKind::Vram { device: 0 };
+    let src = a.register(Memory::vram(0, LEN).unwrap()).unwrap();
+    let dst = b.register(Memory::vram(0, LEN).unwrap()).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let r = remote(&a, "target", dst.id());
+    let t = a
+        .transfer(
+            Op::Write,
+            &in_kind(vram, src.whole()),
+            "target",
+            &in_kind(vram, r.desc(0, LEN as u64)),
+            None,
+        )
+        .unwrap();
+    if src.inflight() > 0 {
+        assert_eq!(kind(a.deregister(&src)), ErrorKind::NotAllowed);
+    }
+    drop(t);
+    // Dropped, not freed under the copy: in flight until the backend lets go.
+    bounded("in-flight count to drain", async {
+        while src.inflight() > 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await;
+    a.deregister(&src).unwrap();
+    // Same-agent copies between GPU and host memory are the agent's own.
+    let h = a.register(vec![7u8; 4096]).unwrap();
+    let g = a.register(Memory::vram(0, 4096).unwrap()).unwrap();
+    bounded(
+        "local copy into GPU memory",
+        a.write(
+            &one(h.whole()),
+            "initiator",
+            &in_kind(vram, g.whole()),
+            None,
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(g.to_vec().unwrap(), vec![7u8; 4096]);
+    assert!(a.shutdown().await.is_clean());
+    assert!(b.shutdown().await.is_clean());
 }

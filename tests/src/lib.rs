@@ -52,6 +52,9 @@ macro_rules! conformance_tests {
             drop_agent_ends_tasks,
             three_agents_one_process,
             dropped_peers_never_hang,
+            vram_transfers,
+            vram_notifications_after_data,
+            vram_lifetime,
         );
     };
 }

@@ -1,5 +1,5 @@
-//! Same-agent transfers between DRAM regions: copies by the agent, whatever backends
-//! are attached.
+//! Same-agent transfers: copies by the agent, whatever backends are attached (host
+//! memory by `memmove`, GPU memory by device copies, see [`crate::gpu`]).
 
 use bytes::Bytes;
 
@@ -10,7 +10,7 @@ use crate::transfer::Op;
 /// the agent serves itself.
 pub(crate) const AGENT_COPY: &str = "agent";
 
-/// Segments between regions of one agent, copied with `memmove`.
+/// Segments between regions of one agent, copied by the agent.
 #[derive(Debug)]
 pub(super) struct LocalCopy {
     pub(super) op: Op,

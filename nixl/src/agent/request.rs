@@ -488,7 +488,7 @@ impl Agent {
 
         // Backend names are checked even when the agent serves the request itself.
         let order = self.backend_order(options.backends.as_deref(), OP)?;
-        if peer.is_none() && local.kind == MemKind::Dram && remote.kind == MemKind::Dram {
+        if peer.is_none() {
             let segments = build_segments(merged, &sides, AGENT_COPY);
             let shape = shape(&segments);
             let copy = LocalCopy {
