@@ -10,7 +10,7 @@
 use nixl::{Agent, Desc, Registration, RemoteRegionInfo};
 use serde::{Deserialize, Serialize};
 
-use crate::cli::MemSource;
+use crate::cli::{MemSource, SegType};
 use crate::error::{fail, BenchError, Context, Result};
 
 const PAGE: u64 = nixl::PAGE_SIZE as u64;
@@ -34,29 +34,57 @@ pub(crate) struct Buffer {
 }
 
 impl Buffer {
-    /// Register a window of `len` bytes with `agent`, in memory from `source`.
+    /// Register a window of `len` bytes with `agent`: host memory from `source`, or
+    /// GPU memory on `device` (zeroed here, as host buffers are).
     ///
     /// # Errors
-    /// The size does not fit this machine, allocation or registration fails.
-    pub(crate) fn register(agent: &Agent, len: u64, source: MemSource) -> Result<Self> {
+    /// The size does not fit this machine, allocation or registration fails (no GPU
+    /// for VRAM).
+    pub(crate) fn register(
+        agent: &Agent,
+        len: u64,
+        source: MemSource,
+        seg: SegType,
+        device: u32,
+    ) -> Result<Self> {
         let bytes = len
             .checked_add(PAGE)
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(|| BenchError::new(format!("a {len}-byte buffer does not fit")))?;
-        let memory = match source {
-            MemSource::Host => vec![0u8; bytes].into(),
-            MemSource::Backend => agent
+        let memory = match (seg, source) {
+            (SegType::Vram, _) => nixl::Memory::vram(device, bytes).with_context(|| {
+                format!("allocate {bytes} bytes of GPU memory on device {device}")
+            })?,
+            (SegType::Dram, MemSource::Host) => vec![0u8; bytes].into(),
+            (SegType::Dram, MemSource::Backend) => agent
                 .alloc(bytes)
                 .with_context(|| format!("allocate {bytes} bytes from the backend"))?,
         };
+        let vram = seg == SegType::Vram;
         let reg = agent
             .register(memory)
             .with_context(|| format!("register {bytes} bytes"))?;
+        if vram {
+            // Device memory is not zeroed by its allocator.
+            let zero = vec![0u8; bytes.min(64 << 20)];
+            let mut at = 0;
+            while at < bytes {
+                let n = zero.len().min(bytes - at);
+                reg.write_at(at, &zero[..n])
+                    .context("zero the GPU buffer")?;
+                at += n;
+            }
+        }
         Ok(Self {
             base: to_page(reg.addr()),
             reg,
             len,
         })
+    }
+
+    /// The memory kind, for descriptor lists.
+    pub(crate) fn kind(&self) -> nixl::MemKind {
+        self.reg.kind()
     }
 
     /// A descriptor for `off..off + len` of the window.
@@ -114,6 +142,11 @@ impl RemoteBuffer {
     /// A descriptor for `off..off + len` of the window.
     pub(crate) fn desc(&self, off: u64, len: u64) -> Desc {
         self.region.desc(self.base + off, len)
+    }
+
+    /// The memory kind, for descriptor lists.
+    pub(crate) fn kind(&self) -> nixl::MemKind {
+        self.region.kind
     }
 }
 
@@ -337,7 +370,7 @@ mod tests {
             .await
             .unwrap();
         let c = CHUNK as u64;
-        let buf = Buffer::register(&agent, 3 * c, MemSource::Host).unwrap();
+        let buf = Buffer::register(&agent, 3 * c, MemSource::Host, SegType::Dram, 0).unwrap();
         assert_eq!(
             (buf.reg.addr() + buf.base) % PAGE,
             0,

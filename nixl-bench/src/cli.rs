@@ -138,13 +138,18 @@ pub(crate) struct Cli {
     )]
     pub(crate) op_type: Vec<Op>,
 
-    /// Initiator memory: DRAM (VRAM is not supported yet).
+    /// Initiator memory: DRAM, or VRAM (GPU memory on --device-id, through the CUDA
+    /// driver; tcp stages it through host memory, ucx needs a UCX with CUDA support).
     #[arg(long = "initiator-seg-type", alias = "initiator_seg_type", value_enum, ignore_case = true, default_value_t = SegType::Dram)]
     pub(crate) initiator_seg_type: SegType,
 
-    /// Target memory: DRAM (VRAM is not supported yet).
+    /// Target memory: DRAM or VRAM (as --initiator-seg-type).
     #[arg(long = "target-seg-type", alias = "target_seg_type", value_enum, ignore_case = true, default_value_t = SegType::Dram)]
     pub(crate) target_seg_type: SegType,
+
+    /// The GPU (CUDA device ordinal) of VRAM buffers, on each side.
+    #[arg(long = "device-id", alias = "device_id", default_value_t = 0)]
+    pub(crate) device_id: u32,
 
     /// First block size [default: 4K].
     #[arg(long = "start-block-size", alias = "start_block_size", value_name = "SIZE", value_parser = parse_size)]
@@ -380,6 +385,8 @@ pub(crate) struct Sweep {
     pub(crate) op_types: Vec<Op>,
     pub(crate) initiator_seg_type: SegType,
     pub(crate) target_seg_type: SegType,
+    /// GPU of VRAM buffers.
+    pub(crate) device_id: u32,
     pub(crate) start_block_size: u64,
     pub(crate) max_block_size: u64,
     pub(crate) start_batch_size: usize,
@@ -568,9 +575,14 @@ impl Cli {
             ("--initiator-seg-type", self.initiator_seg_type),
             ("--target-seg-type", self.target_seg_type),
         ] {
-            if seg == SegType::Vram {
-                return fail(format!("{which} VRAM: not supported: nixl-bench has no GPU memory support yet, and the tcp backend moves host memory only; use DRAM"));
+            if seg == SegType::Vram && self.memory == MemSource::Backend {
+                return fail(format!("{which} VRAM with --memory backend: backend memory is host memory; drop one of them"));
             }
+        }
+        if (self.initiator_seg_type == SegType::Vram || self.target_seg_type == SegType::Vram)
+            && self.peer_kind == PeerKind::Nixl
+        {
+            return fail("VRAM with --peer-kind nixl: the NIXL target's DRAM registration is used; drop --*-seg-type VRAM");
         }
         let preset = if self.full { &FULL } else { &QUICK };
         let start_block_size = self.start_block_size.unwrap_or(4 * KIB);
@@ -681,6 +693,7 @@ impl Cli {
                 op_types: dedup(self.op_type),
                 initiator_seg_type: self.initiator_seg_type,
                 target_seg_type: self.target_seg_type,
+                device_id: self.device_id,
                 start_block_size,
                 max_block_size,
                 start_batch_size,
@@ -987,8 +1000,14 @@ mod tests {
     #[test]
     fn refusals_say_why() {
         for (args, needle) in [
-            (&["--initiator-seg-type", "VRAM"][..], "not supported"),
-            (&["--target-seg-type", "vram"][..], "not supported"),
+            (
+                &["--initiator-seg-type", "VRAM", "--memory", "backend"][..],
+                "backend memory is host memory",
+            ),
+            (
+                &["--target-seg-type", "vram", "--memory", "backend"][..],
+                "backend memory is host memory",
+            ),
             (&["--role", "initiator"][..], "needs --peer"),
             (
                 &["--benchmark-group", "g1"][..],

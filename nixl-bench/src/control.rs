@@ -45,6 +45,9 @@ pub(crate) struct Setup {
     /// Bytes the target registers.
     pub(crate) buffer_size: u64,
     pub(crate) seg_type: SegType,
+    /// The GPU of a VRAM buffer (absent from older initiators: 0).
+    #[serde(default)]
+    pub(crate) device_id: u32,
     /// Where the target's buffer comes from (absent from older initiators: host).
     #[serde(default)]
     pub(crate) memory: MemSource,
@@ -398,6 +401,7 @@ mod tests {
             backend: "tcp".into(),
             buffer_size: 4096,
             seg_type: SegType::Dram,
+            device_id: 0,
             memory: MemSource::Backend,
             initiator_metadata: "00ff".into(),
         }));

@@ -10,7 +10,7 @@ use nixl::{Agent, MemKind, Op};
 
 use crate::backend;
 use crate::buffer::{self, Buffer, Layout, Pattern, RemoteBuffer, VerifyReport};
-use crate::cli::{Config, Point};
+use crate::cli::{Config, Point, SegType};
 use crate::control::{self, Channel, Setup, ToInitiator, ToTarget, PROTOCOL};
 use crate::error::{fail, BenchError, Context, Result};
 use crate::report::{Output, RunInfo, Transport, Units, Versions};
@@ -95,7 +95,13 @@ async fn drive(
 ) -> Result<(RunInfo, Vec<Row>)> {
     // From here on the target hears from us at least every second, or gives up.
     let _heartbeat = channel.heartbeat(HEARTBEAT);
-    let local = Buffer::register(agent, config.sweep.total_buffer_size, config.sweep.memory)?;
+    let local = Buffer::register(
+        agent,
+        config.sweep.total_buffer_size,
+        config.sweep.memory,
+        config.sweep.initiator_seg_type,
+        config.sweep.device_id,
+    )?;
     let (peer, remote, target_md) = exchange(config, channel, agent).await?;
     let target_endpoint = AgentMetadata::decode(&target_md)
         .ok()
@@ -137,7 +143,13 @@ pub(crate) async fn run_nixl(config: &Config, addr: SocketAddr) -> Result<(RunIn
     let (agent, backend) = start_agent(config, host).await?;
     let t = config.timeouts;
     let result = async {
-        let local = Buffer::register(&agent, config.sweep.total_buffer_size, config.sweep.memory)?;
+        let local = Buffer::register(
+            &agent,
+            config.sweep.total_buffer_size,
+            config.sweep.memory,
+            config.sweep.initiator_seg_type,
+            config.sweep.device_id,
+        )?;
         let opts = nixl::NixlListenerOptions {
             timeout: t.exchange,
             ..nixl::NixlListenerOptions::default()
@@ -246,6 +258,7 @@ async fn exchange(
         backend: config.backend.clone(),
         buffer_size: s.total_buffer_size,
         seg_type: s.target_seg_type,
+        device_id: s.device_id,
         memory: s.memory,
         initiator_metadata: control::hex(&agent.metadata()?),
     };
@@ -260,8 +273,16 @@ async fn exchange(
     let region = agent
         .remote_regions(&peer)?
         .into_iter()
-        .find(|r| r.kind == MemKind::Dram)
-        .ok_or_else(|| BenchError::new("the target advertised no DRAM region"))?;
+        .find(|r| match s.target_seg_type {
+            SegType::Dram => r.kind == MemKind::Dram,
+            SegType::Vram => matches!(r.kind, MemKind::Vram { .. }),
+        })
+        .ok_or_else(|| {
+            BenchError::new(format!(
+                "the target advertised no {:?} region",
+                s.target_seg_type
+            ))
+        })?;
     let remote = RemoteBuffer::new(region, s.total_buffer_size)?;
     match tokio::time::timeout(t.connect, agent.connect(&peer)).await {
         Ok(r) => r.with_context(|| format!("connect {} to the target", config.backend))?,

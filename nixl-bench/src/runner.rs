@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use nixl::{
-    Agent, AgentOptions, Desc, DescList, MemKind, Op, PreparedDescs, RequestOptions, Transfer,
-    XferRequest,
+    Agent, AgentOptions, Desc, DescList, Op, PreparedDescs, RequestOptions, Transfer, XferRequest,
 };
 use tokio::task::JoinSet;
 
@@ -136,21 +135,26 @@ async fn worker(s: &Session, t: usize, p: Phase) -> Result<PhaseStats> {
         })
         .unzip()
     };
-    let dram = |d: Vec<Desc>| DescList::from_descs(MemKind::Dram, d);
+    let (lk, rk) = (s.local.kind(), s.remote.kind());
+    let lists =
+        |lo: Vec<Desc>, re: Vec<Desc>| (DescList::from_descs(lk, lo), DescList::from_descs(rk, re));
     let maker = if p.recreate {
         Maker::Recreate {
             lists: (0..depth)
                 .map(|slot| {
                     let (lo, re) = descs(slot * batch..(slot + 1) * batch);
-                    (dram(lo), dram(re))
+                    lists(lo, re)
                 })
                 .collect(),
         }
     } else {
         let (lo, re) = descs(0..depth * batch);
         Maker::Prepared {
-            local: Box::new(s.agent.prep_local(&dram(lo))?),
-            remote: Box::new(s.agent.prep_remote(&s.peer, &dram(re))?),
+            local: Box::new(s.agent.prep_local(&DescList::from_descs(lk, lo))?),
+            remote: Box::new(
+                s.agent
+                    .prep_remote(&s.peer, &DescList::from_descs(rk, re))?,
+            ),
             batch,
         }
     };

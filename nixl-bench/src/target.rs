@@ -8,7 +8,7 @@ use nixl::Agent;
 
 use crate::backend;
 use crate::buffer::{self, Buffer};
-use crate::cli::{Config, SegType};
+use crate::cli::Config;
 use crate::control::{self, Channel, ToInitiator, ToTarget, PROTOCOL};
 use crate::error::{fail, BenchError, Context, Result};
 use crate::runner::{agent_options, shutdown};
@@ -96,10 +96,13 @@ async fn session(config: &Config, channel: &mut Channel, agent: &Agent) -> Resul
             setup.backend, config.backend, setup.backend
         ));
     }
-    if setup.seg_type != SegType::Dram {
-        return fail("target segment type VRAM is not supported (DRAM only)");
-    }
-    let buf = Buffer::register(agent, setup.buffer_size, setup.memory)?;
+    let buf = Buffer::register(
+        agent,
+        setup.buffer_size,
+        setup.memory,
+        setup.seg_type,
+        setup.device_id,
+    )?;
     if !setup.initiator_metadata.is_empty() {
         agent
             .load_metadata(&control::unhex(&setup.initiator_metadata)?)

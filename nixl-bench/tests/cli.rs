@@ -340,7 +340,10 @@ fn usage_errors_say_why_and_exit_2() {
         )
     };
     for (args, needle) in [
-        (&["--initiator-seg-type", "VRAM"][..], "not supported"),
+        (
+            &["--initiator-seg-type", "VRAM", "--memory", "backend"][..],
+            "backend memory is host memory",
+        ),
         // Built without nixl-ucx, the ucx backend is refused; with it, a NIXL peer
         // needs ucx.
         if cfg!(feature = "ucx") {
@@ -374,6 +377,34 @@ fn usage_errors_say_why_and_exit_2() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
+}
+
+/// On a machine without an NVIDIA driver, a VRAM run fails before measuring, naming
+/// the missing driver library (a run-time failure, exit 1, not a usage error).
+#[test]
+fn vram_without_a_gpu_names_the_driver() {
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        nixl_testkit::skip(
+            "vram_without_a_gpu_names_the_driver",
+            "this machine has an NVIDIA driver (scripts/gpu-check runs VRAM there)",
+        );
+        return;
+    }
+    let out = run(&[
+        "--initiator-seg-type",
+        "VRAM",
+        "--target-seg-type",
+        "VRAM",
+        "--max-block-size",
+        "4K",
+        "--num-iter",
+        "4",
+        "--warmup-iter",
+        "1",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("libcuda.so.1"), "{stderr}");
 }
 
 #[cfg(feature = "etcd")]

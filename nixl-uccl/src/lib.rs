@@ -80,8 +80,9 @@
 //!   process. Catching them needs a C++ shim, which this crate does not have yet.
 //! - **One-sided.** The target does not see requests: [`Capabilities::target_checks`]
 //!   is `false`; the initiating agent checks every descriptor and the NIC checks keys.
-//! - **VRAM** is refused with [`ErrorKind::NotSupported`] until the core's GPU memory
-//!   support lands.
+//! - **VRAM** is refused with [`ErrorKind::NotSupported`]: handing GPU memory
+//!   ([`nixl::gpu`]) to UCCL's engine is not wired yet, and nothing here could verify
+//!   it without a GPU and an RDMA NIC.
 //! - **Not yet run on hardware.** The data path has not run against a real UCCL engine
 //!   (that needs an NVIDIA GPU and an RDMA NIC). What runs in CI: the symbol check
 //!   against the real wheel, the missing-driver error, the codecs, and the whole
@@ -1516,7 +1517,7 @@ impl Backend for UcclBackend {
             return err(
                 ErrorKind::NotSupported,
                 OP,
-                format!("{} memory: nixl-uccl registers host memory only until the core's GPU memory support lands", region.kind()),
+                format!("{} memory: nixl-uccl registers host memory only; handing GPU memory to UCCL's engine (its GPU path) is not wired yet", region.kind()),
             );
         }
         let st = self.inner.started()?;

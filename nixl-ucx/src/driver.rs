@@ -238,6 +238,10 @@ pub(crate) struct Core {
     now: Instant,
     /// Reused by [`Core::reap`].
     scratch: Vec<Arc<str>>,
+    /// The GPU whose primary context UCX calls run in, once GPU memory was mapped
+    /// (UCX before 1.19 copies CUDA memory in the context current on the calling
+    /// thread).
+    pub(crate) gpu: Option<u32>,
 }
 
 /// UCX between teardown and destroy.
@@ -447,6 +451,7 @@ impl Core {
             liveness,
             now: Instant::now(),
             scratch: Vec::new(),
+            gpu: None,
         })
     }
 
@@ -720,6 +725,13 @@ impl Core {
     /// One round: commands, progress, incoming messages, failures, completions.
     /// Returns the number of commands executed.
     pub(crate) fn step(&mut self) -> usize {
+        if let Some(d) = self.gpu {
+            // Whichever thread runs this round (the driver, or a caller posting
+            // inline), UCX finds the GPU's context current.
+            if let Err(e) = nixl::gpu::bind_thread(d) {
+                tracing::warn!(error = %e, "ucx: binding the GPU context failed");
+            }
+        }
         let mut n = self.drain_inbox();
         for _ in 0..64 {
             let p = self.ucx.progress() as usize;

@@ -82,9 +82,13 @@
 //!   NIXL agent unreachable that way fails its transfers with an error naming the
 //!   UCX bound here, rather than connecting without it (which ends in an assertion
 //!   inside UCX 1.13).
-//! - **VRAM** is refused with [`ErrorKind::NotSupported`]: mapping device memory needs
-//!   a CUDA context current on the progress thread and device-pointer plumbing (cudarc)
-//!   that this crate does not have yet; see [`UcxBackend::cuda_supported`].
+//! - **VRAM** ([`nixl::gpu`]) is mapped with `UCS_MEMORY_TYPE_CUDA` when the bound UCX
+//!   supports CUDA memory ([`UcxBackend::cuda_supported`]: its `cuda_copy` transport
+//!   loaded and sees a GPU; the PyPI `libucx-cu12` build can, Debian's 1.13 cannot),
+//!   and refused with [`ErrorKind::NotSupported`] saying why otherwise. Once GPU
+//!   memory is mapped, every round of UCX calls (the driver's, and posting on a
+//!   caller's thread) runs with that GPU's primary context current, as UCX before 1.19
+//!   needs. **Not yet run on a GPU.**
 #![deny(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -396,6 +400,13 @@ impl UcxBackend {
         ucx.teardown_bound = options.teardown_bound;
         let address = Bytes::copy_from_slice(ucx.address());
         let cuda = ucx.cuda_supported();
+        let mut report = report;
+        report.notes.push(if cuda {
+            "CUDA memory: supported (the cuda_copy transport loaded and sees a GPU)".to_owned()
+        } else {
+            "CUDA memory: not supported by this UCX here (no cuda_copy transport, or no GPU)"
+                .to_owned()
+        });
         let (tx, rx) = mpsc::channel();
         let liveness = options.liveness_timeout.map(Liveness::within);
         let mut core = Core::new(ucx, rx, options.max_notification, liveness)
@@ -521,7 +532,7 @@ impl Backend for UcxBackend {
             remote: true,
             notifications: true,
             dram: true,
-            vram: false,
+            vram: self.inner.cuda,
             target_checks: false,
             max_segments: usize::MAX,
             max_notification: self.inner.options.max_notification,
@@ -579,16 +590,34 @@ impl Backend for UcxBackend {
     fn register(&self, region: &RegionRef) -> Result<Bytes> {
         const OP: &str = "ucx register";
         if let MemKind::Vram { device } = region.kind() {
-            let why = if self.inner.cuda {
-                "the bound UCX supports CUDA memory, but this backend does not map VRAM yet (it needs a CUDA context on the progress thread)"
-            } else {
-                "the bound UCX has no CUDA support"
-            };
-            return Err(Error::new(
-                ErrorKind::NotSupported,
-                OP,
-                format!("VRAM on device {device}: {why}"),
-            ));
+            if !self.inner.cuda {
+                return Err(Error::new(
+                    ErrorKind::NotSupported,
+                    OP,
+                    format!(
+                        "VRAM on device {device}: the bound UCX ({}) has no CUDA support (its cuda_copy transport did not load, or no GPU is visible to it); Debian's UCX has none, the PyPI wheel libucx-cu12 has (NIXL_UCX_LIB)",
+                        self.inner.report.version_string()
+                    ),
+                ));
+            }
+            // ucp_mem_map queries the pointer in the context current on this thread.
+            nixl::gpu::bind_thread(device)?;
+            let seg = region.segment();
+            return self.with_core(OP, |core| {
+                if core.gpu.is_some_and(|d| d != device) {
+                    tracing::warn!(first = ?core.gpu, device, "ucx: GPU memory of a second device; UCX before 1.19 copies it in the first device's context");
+                }
+                core.gpu.get_or_insert(device);
+                let packed = core.ucx.mem_map(region, true).map_err(|e| {
+                    Error::new(
+                        ErrorKind::Backend,
+                        OP,
+                        format!("mapping {} bytes of VRAM on device {device} failed", seg.len()),
+                    )
+                    .with_source(e)
+                })?;
+                Ok(wire::encode_blob(seg.addr(), seg.len() as u64, &packed))
+            });
         }
         let seg = region.segment();
         self.with_core(OP, |core| {

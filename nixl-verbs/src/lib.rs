@@ -312,6 +312,7 @@ impl VerbsBackend {
     }
 
     /// On another implementation of the verbs calls.
+    #[cfg_attr(not(feature = "test-double"), allow(dead_code))]
     pub(crate) fn with_api(api: Arc<dyn VerbsApi>, options: VerbsOptions) -> Result<Self> {
         Self::build(api, None, options)
     }
