@@ -504,7 +504,20 @@ impl Conn {
         let id = fast.next_id;
         let (head, head_len) = job.head(id);
         let len = head_len as u64 + table.len() as u64 + notif.len() as u64 + payload;
-        if len > FAST_FRAME_MAX as u64 || job.done.is_canceled() {
+        // GPU memory goes the staged way (asynchronous copies on their own stream),
+        // never by a blocking device copy on the posting thread.
+        let gpu = match &job.kind {
+            JobKind::Transfer {
+                op: Op::Write,
+                local,
+                ..
+            } => local
+                .locals()
+                .iter()
+                .any(|r| r.kind() != nixl::MemKind::Dram),
+            _ => false,
+        };
+        if gpu || len > FAST_FRAME_MAX as u64 || job.done.is_canceled() {
             return Some(job);
         }
         let mut frame = Vec::with_capacity(len as usize);

@@ -4,11 +4,14 @@
 //! Pieces shorter than the stream's buffer go through it and are copied in or out with
 //! [`RegionSlice::write_from`]/[`RegionSlice::read_into`] (raw copies); large ones go
 //! straight between the kernel and registered memory with [`RegionSlice::recv`] and
-//! [`RegionSlice::send`], once the buffered bytes are used up or flushed.
+//! [`RegionSlice::send`], once the buffered bytes are used up or flushed. GPU memory
+//! goes through page-locked staging buffers, with asynchronous device copies
+//! pipelined against the socket I/O.
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 
+use nixl::gpu::{GpuCopy, PinnedBuf};
 use nixl::{MemKind, RegionSlice};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, BufWriter, Interest};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -26,8 +29,10 @@ fn io_err(e: nixl::Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, e)
 }
 
-/// GPU memory moves through host buffers in chunks of this size, the copy of one
-/// chunk overlapping the socket I/O of the previous one.
+/// GPU memory moves through page-locked host buffers in chunks of this size, the
+/// device copy of one chunk overlapping the socket I/O of another. All of it, small
+/// pieces too: the staging copies run on their own stream and never wait for the
+/// application's work on the device.
 pub(crate) const STAGE_CHUNK: usize = 4 << 20;
 
 /// Write all of `s` to `w` (after whatever `w` holds).
@@ -36,7 +41,7 @@ pub(crate) async fn send_slice(
     s: &RegionSlice,
     scratch: &mut Vec<u8>,
 ) -> io::Result<()> {
-    if s.kind() != MemKind::Dram && s.len() > SMALL {
+    if s.kind() != MemKind::Dram {
         return send_staged(w, s).await;
     }
     if s.len() <= SMALL {
@@ -127,69 +132,61 @@ pub(crate) fn stage_chunks(len: usize, chunk: usize) -> impl Iterator<Item = (us
     (0..len.div_ceil(chunk)).map(move |k| (k * chunk, chunk.min(len - k * chunk)))
 }
 
-/// Start a device copy on tokio's blocking pool (the driver call blocks while the
-/// copy runs): `buf` out of `s` at `at` (`read`), or into it. It runs at once,
-/// alongside whatever the caller does next; the handle gives the buffer back. The copy
-/// holds its own reference to the memory, so it stays valid even if the caller goes.
-fn device_copy(
-    s: &RegionSlice,
-    at: usize,
-    mut buf: Vec<u8>,
-    read: bool,
-) -> tokio::task::JoinHandle<io::Result<Vec<u8>>> {
-    let s = s.clone();
-    tokio::task::spawn_blocking(move || {
-        let r = if read {
-            s.read_into(at, &mut buf)
-        } else {
-            s.write_from(at, &buf)
-        };
-        r.map(|()| buf).map_err(io_err)
-    })
+/// A staging buffer of `n` bytes (page-locked, from the process's pool).
+fn pinned(n: usize) -> io::Result<PinnedBuf> {
+    PinnedBuf::new(n).map_err(io_err)
 }
 
-async fn join(h: tokio::task::JoinHandle<io::Result<Vec<u8>>>) -> io::Result<Vec<u8>> {
-    h.await.map_err(io::Error::other)?
+async fn finish(c: GpuCopy) -> io::Result<PinnedBuf> {
+    c.await.map_err(io::Error::other)
 }
 
-/// Send GPU memory: chunk `k + 1` is copied to the host while chunk `k` is written
-/// to the socket.
+/// Send GPU memory through page-locked buffers: chunk `k + 1` is copied to the host
+/// (asynchronously, on the GPU's copy engine) while chunk `k` is written to the
+/// socket.
 async fn send_staged(w: &mut BufWriter<OwnedWriteHalf>, s: &RegionSlice) -> io::Result<()> {
     let chunks: Vec<(usize, usize)> = stage_chunks(s.len(), STAGE_CHUNK).collect();
     let Some(&(at, n)) = chunks.first() else {
         return Ok(());
     };
-    let mut copying = Some(device_copy(s, at, vec![0u8; n], true));
-    let mut spare = Vec::new();
-    for k in 0..chunks.len() {
-        let buf = join(copying.take().expect("one copy per chunk")).await?;
-        if let Some(&(at, n)) = chunks.get(k + 1) {
-            let mut b = std::mem::take(&mut spare);
-            b.resize(n, 0);
-            copying = Some(device_copy(s, at, b, true));
+    let size = STAGE_CHUNK.min(s.len());
+    let mut copying = Some(s.copy_to_pinned(at, pinned(size)?, n).map_err(io_err)?);
+    let mut spare = None;
+    for (k, &(_, n)) in chunks.iter().enumerate() {
+        let buf = finish(copying.take().expect("one copy per chunk")).await?;
+        if let Some(&(at, next)) = chunks.get(k + 1) {
+            let b = match spare.take() {
+                Some(b) => b,
+                None => pinned(size)?,
+            };
+            copying = Some(s.copy_to_pinned(at, b, next).map_err(io_err)?);
         }
-        w.write_all(&buf).await?;
-        spare = buf;
+        w.write_all(&buf[..n]).await?;
+        spare = Some(buf);
     }
     Ok(())
 }
 
-/// Receive into GPU memory: chunk `k` is copied to the device while chunk `k + 1` is
-/// read from the socket; every copy has finished when this returns.
+/// Receive into GPU memory through page-locked buffers: chunk `k` is copied to the
+/// device while chunk `k + 1` is read from the socket. Every copy has finished, and
+/// the bytes are in device memory, when this returns.
 async fn recv_staged(r: &mut BufReader<OwnedReadHalf>, s: &RegionSlice) -> io::Result<()> {
-    let mut copying: Option<tokio::task::JoinHandle<io::Result<Vec<u8>>>> = None;
-    let mut spare = Vec::new();
+    let size = STAGE_CHUNK.min(s.len());
+    let mut copying: Option<GpuCopy> = None;
+    let mut spare = None;
     for (at, n) in stage_chunks(s.len(), STAGE_CHUNK) {
-        let mut buf = std::mem::take(&mut spare);
-        buf.resize(n, 0);
-        r.read_exact(&mut buf).await?;
+        let mut buf = match spare.take() {
+            Some(b) => b,
+            None => pinned(size)?,
+        };
+        r.read_exact(&mut buf[..n]).await?;
         if let Some(c) = copying.take() {
-            spare = join(c).await?;
+            spare = Some(finish(c).await?);
         }
-        copying = Some(device_copy(s, at, buf, false));
+        copying = Some(s.copy_from_pinned(at, buf, n).map_err(io_err)?);
     }
     if let Some(c) = copying {
-        join(c).await?;
+        finish(c).await?;
     }
     Ok(())
 }

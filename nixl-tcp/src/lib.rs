@@ -28,15 +28,17 @@
 //! - Local transfers (same agent) are the agent's own copies; this backend serves
 //!   transfers between agents.
 //! - GPU memory ([`nixl::MemKind::Vram`], through [`nixl::gpu`]) is registered like
-//!   host memory and moves over TCP staged through host buffers in 4 MiB chunks: the
-//!   device-to-host copy of one chunk (on tokio's blocking pool) overlaps the socket
+//!   host memory and moves over TCP staged through page-locked host buffers
+//!   ([`nixl::gpu::PinnedBuf`]) in 4 MiB chunks, with asynchronous device copies on a
+//!   stream of their own: the device-to-host copy of one chunk overlaps the socket
 //!   write of the previous one, and on the target the host-to-device copy of one
-//!   chunk overlaps the read of the next. The target answers (and delivers the
-//!   notification) only after its last copy finished, so notifications still follow
-//!   the data. The same-host path never touches GPU memory: such transfers go over
-//!   TCP between agents on one host too. (The staging buffers are ordinary, pageable
-//!   host memory: the driver pins them internally; dedicated pinned buffers are not
-//!   done yet. Not yet run on a GPU.)
+//!   chunk overlaps the read of the next. No thread blocks on the GPU, and the copies
+//!   do not wait for the application's work on the default stream (data must be
+//!   ready when the transfer is posted, as always). The target answers (and delivers
+//!   the notification) only after its last copy finished, so notifications still
+//!   follow the data. The same-host path and the small-write fast path never touch GPU
+//!   memory: such transfers go the staged way over TCP, between agents on one host
+//!   too. **Not yet run on a GPU**: tested on a host stand-in for device memory.
 //! - The target checks every incoming segment against its own registrations and the
 //!   per-registration random key only its metadata carries; a forged key or an
 //!   out-of-range segment refuses the whole request before any byte is touched.

@@ -27,17 +27,38 @@
 //! stream-ordered pool, whose memory NICs cannot always reach) and frees when the
 //! last registration and in-flight transfer let go, like host buffers.
 //!
+//! # Staging through pinned host memory
+//! Backends that move GPU memory over a host path (nixl-tcp) stage it through
+//! [`PinnedBuf`]s: page-locked host memory from a process-wide pool, which the GPU's
+//! copy engines reach directly. [`RegionSlice::copy_to_pinned`] and
+//! [`RegionSlice::copy_from_pinned`] start an asynchronous copy on a non-blocking
+//! stream (one per device and direction) and return a [`GpuCopy`] future: no thread
+//! waits on the GPU, and the copies do not wait for the application's kernels on the
+//! default stream either (the application makes sure data is ready before it posts a
+//! transfer, as with any transfer). The driver reports completion through a stream
+//! callback, which only wakes the future. Dropping a [`GpuCopy`] does not stop its
+//! copy: the buffer and the memory it copies stay alive until the copy has finished.
+//!
+//! [`RegionSlice::copy_to_pinned`]: crate::RegionSlice::copy_to_pinned
+//! [`RegionSlice::copy_from_pinned`]: crate::RegionSlice::copy_from_pinned
+//!
 //! # Host stand-in (tests)
 //! With the cargo feature `gpu-test-double`, `use_host_stand_in()` makes this process
 //! treat ordinary host allocations as "device memory": every device copy is a plain
-//! `memcpy`. It exists so the logic above the copies (registration, staging in
-//! backends, notification ordering) runs in CI; it proves nothing about CUDA.
+//! `memcpy`; asynchronous copies run on a thread of their own and complete later
+//! (host-to-device copies from 1 MiB a few milliseconds later). It exists so the
+//! logic above the copies (registration, staging in backends, notification ordering,
+//! copies outliving their futures) runs in CI; it proves nothing about CUDA.
 
 #![allow(unsafe_code)]
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::task::{Context, Poll, Waker};
 
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::native::NativeLibrary;
@@ -89,6 +110,32 @@ pub(crate) trait GpuDriver: Send + Sync + fmt::Debug {
         len: usize,
     ) -> Result<()>;
 
+    /// `len` bytes of page-locked host memory that asynchronous copies with every
+    /// device can use: its address and the owner that frees it when dropped.
+    fn alloc_pinned(&self, len: usize) -> Result<(usize, Box<dyn Any + Send + Sync>)>;
+
+    /// Start copying `len` bytes between device memory at `dev` on `device` and
+    /// page-locked host memory at `host`, `dir` saying which way, on this process's
+    /// stream for that device and direction (copies one way on one device run in the
+    /// order started). Returns at once. On `Ok`, `done` is called exactly once, after
+    /// the copy finished, with the driver's status (0: success), from a driver thread
+    /// where it must not call CUDA. On `Err` no copy is in flight and `done` is not
+    /// called.
+    ///
+    /// # Safety
+    /// `dev..dev+len` is device memory of `device`, `host..host+len` page-locked
+    /// memory from [`GpuDriver::alloc_pinned`]; both stay alive, and nobody else
+    /// touches them, until `done` has been called.
+    unsafe fn copy_async(
+        &self,
+        device: u32,
+        dir: Direction,
+        dev: u64,
+        host: *mut u8,
+        len: usize,
+        done: Box<dyn FnOnce(i32) + Send>,
+    ) -> Result<()>;
+
     /// Copy `len` bytes between device memories (the same device or two).
     ///
     /// # Safety
@@ -105,6 +152,15 @@ pub(crate) trait GpuDriver: Send + Sync + fmt::Debug {
     ) -> Result<()>;
 }
 
+/// Which way an asynchronous copy goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Direction {
+    /// Device memory to host memory.
+    ToHost,
+    /// Host memory to device memory.
+    ToDevice,
+}
+
 static STAND_IN: OnceLock<Arc<dyn GpuDriver>> = OnceLock::new();
 static CUDA: OnceLock<std::result::Result<Arc<Cuda>, Error>> = OnceLock::new();
 
@@ -113,8 +169,13 @@ pub(crate) fn driver() -> Result<Arc<dyn GpuDriver>> {
     if let Some(s) = STAND_IN.get() {
         return Ok(s.clone());
     }
+    cuda().map(|c| c as Arc<dyn GpuDriver>)
+}
+
+/// The CUDA driver, checked once (whatever the stand-in).
+fn cuda() -> Result<Arc<Cuda>> {
     match CUDA.get_or_init(|| Cuda::probe().map(Arc::new)) {
-        Ok(c) => Ok(c.clone() as Arc<dyn GpuDriver>),
+        Ok(c) => Ok(c.clone()),
         Err(e) => Err(e.cloned()),
     }
 }
@@ -147,6 +208,273 @@ pub fn use_host_stand_in() {
     let _ = STAND_IN.set(Arc::new(HostStandIn));
 }
 
+/// Page-locked host memory, from a process-wide pool, for staging GPU memory:
+/// [`RegionSlice::copy_to_pinned`](crate::RegionSlice::copy_to_pinned) and
+/// [`RegionSlice::copy_from_pinned`](crate::RegionSlice::copy_from_pinned) copy
+/// between it and registered memory. Dropped, it goes back to the pool (which keeps
+/// up to [`PINNED_POOL_BYTES`]); fresh buffers are zeroed.
+pub struct PinnedBuf {
+    block: Option<PinnedBlock>,
+    len: usize,
+}
+
+/// One allocation of page-locked memory: address, size class, owner.
+struct PinnedBlock {
+    ptr: usize,
+    cap: usize,
+    _owner: Box<dyn Any + Send + Sync>,
+}
+
+/// Page-locked memory the pool keeps for reuse, at most.
+pub const PINNED_POOL_BYTES: usize = 64 << 20;
+
+static PINNED_POOL: Mutex<Vec<PinnedBlock>> = Mutex::new(Vec::new());
+
+impl PinnedBuf {
+    /// A buffer of `len` bytes.
+    ///
+    /// # Errors
+    /// As [`status`] where there is no GPU; the driver's when allocation fails.
+    pub fn new(len: usize) -> Result<Self> {
+        bury();
+        let cap = len.max(64 << 10).next_power_of_two();
+        let pooled = {
+            let mut pool = PINNED_POOL.lock().unwrap_or_else(PoisonError::into_inner);
+            pool.iter()
+                .position(|b| b.cap == cap)
+                .map(|i| pool.swap_remove(i))
+        };
+        let block = match pooled {
+            Some(b) => b,
+            None => {
+                let (ptr, owner) = driver()?.alloc_pinned(cap)?;
+                // SAFETY: `ptr..ptr+cap` was just allocated for us alone; zeroing it
+                // makes every byte initialised before any slice of it is made.
+                unsafe { std::ptr::write_bytes(ptr as *mut u8, 0, cap) };
+                PinnedBlock {
+                    ptr,
+                    cap,
+                    _owner: owner,
+                }
+            }
+        };
+        Ok(Self {
+            block: Some(block),
+            len,
+        })
+    }
+
+    fn ptr(&self) -> *mut u8 {
+        self.block
+            .as_ref()
+            .expect("a live PinnedBuf has its block")
+            .ptr as *mut u8
+    }
+}
+
+impl std::ops::Deref for PinnedBuf {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the block holds at least `len` initialised bytes (zeroed when
+        // allocated), owned by this value alone: no copy is in flight while a
+        // PinnedBuf is reachable (a copy owns it until it has finished).
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for PinnedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
+    }
+}
+
+impl fmt::Debug for PinnedBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedBuf").field("len", &self.len).finish()
+    }
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        let Some(block) = self.block.take() else {
+            return;
+        };
+        let mut pool = PINNED_POOL.lock().unwrap_or_else(PoisonError::into_inner);
+        if pool.iter().map(|b| b.cap).sum::<usize>() + block.cap <= PINNED_POOL_BYTES {
+            pool.push(block);
+        } else {
+            drop(pool);
+            drop(block);
+        }
+    }
+}
+
+/// What a copy's completion callback and its future share.
+#[derive(Default)]
+struct CopyState {
+    /// The driver's status once the copy finished.
+    status: Option<i32>,
+    waker: Option<Waker>,
+}
+
+/// What an in-flight copy keeps alive: its buffer and the memory it copies.
+struct CopyHold {
+    buf: PinnedBuf,
+    _memory: Box<dyn Any + Send + Sync>,
+}
+
+/// Copies whose futures were dropped before they finished, with what they hold; freed
+/// by [`bury`] once finished. (Nothing is freed in the driver's callback, where CUDA
+/// calls, such as freeing memory, are not allowed.)
+static ORPHANS: Mutex<Vec<(Arc<Mutex<CopyState>>, CopyHold)>> = Mutex::new(Vec::new());
+
+/// Free what finished orphaned copies held.
+fn bury() {
+    let finished: Vec<_> = {
+        let mut orphans = ORPHANS.lock().unwrap_or_else(PoisonError::into_inner);
+        let (done, running) = std::mem::take(&mut *orphans)
+            .into_iter()
+            .partition(|(s, _)| {
+                s.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .status
+                    .is_some()
+            });
+        *orphans = running;
+        done
+    };
+    drop(finished);
+}
+
+/// An asynchronous copy between registered memory and a [`PinnedBuf`], started by
+/// [`RegionSlice::copy_to_pinned`](crate::RegionSlice::copy_to_pinned) or
+/// [`RegionSlice::copy_from_pinned`](crate::RegionSlice::copy_from_pinned). It
+/// resolves to the buffer once the copy has finished. Dropping it does not stop the
+/// copy; the buffer and memory stay alive until the copy is over.
+#[must_use = "the copy's result and buffer come from awaiting it"]
+pub struct GpuCopy {
+    state: Arc<Mutex<CopyState>>,
+    hold: Option<CopyHold>,
+}
+
+impl GpuCopy {
+    /// A copy already made (host memory).
+    pub(crate) fn finished(buf: PinnedBuf, memory: Box<dyn Any + Send + Sync>) -> Self {
+        Self {
+            state: Arc::new(Mutex::new(CopyState {
+                status: Some(0),
+                waker: None,
+            })),
+            hold: Some(CopyHold {
+                buf,
+                _memory: memory,
+            }),
+        }
+    }
+}
+
+impl Future for GpuCopy {
+    type Output = Result<PinnedBuf>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let status = {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            match st.status {
+                Some(s) => s,
+                None => {
+                    st.waker = Some(cx.waker().clone());
+                    return Poll::Pending;
+                }
+            }
+        };
+        let hold = self.hold.take().expect("GpuCopy polled after it completed");
+        Poll::Ready(if status == 0 {
+            Ok(hold.buf)
+        } else {
+            err(
+                ErrorKind::Backend,
+                "copy GPU memory",
+                format!("the asynchronous copy failed with CUresult {status}"),
+            )
+        })
+    }
+}
+
+impl Drop for GpuCopy {
+    fn drop(&mut self) {
+        if let Some(hold) = self.hold.take() {
+            let running = self
+                .state
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .status
+                .is_none();
+            if running {
+                ORPHANS
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push((self.state.clone(), hold));
+            }
+        }
+    }
+}
+
+impl fmt::Debug for GpuCopy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let status = self
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .status;
+        f.debug_struct("GpuCopy").field("status", &status).finish()
+    }
+}
+
+/// Start copying `n` bytes between device memory at `dev` on `device` and the start
+/// of `buf`; `memory` keeps the device memory alive until the copy has finished.
+///
+/// # Safety
+/// `dev..dev+n` is device memory of `device`, kept alive by `memory`; `n <= buf.len()`.
+pub(crate) unsafe fn start_copy(
+    device: u32,
+    dir: Direction,
+    dev: u64,
+    buf: PinnedBuf,
+    n: usize,
+    memory: Box<dyn Any + Send + Sync>,
+) -> Result<GpuCopy> {
+    debug_assert!(n <= buf.len());
+    bury();
+    let gpu = driver()?;
+    let state = Arc::new(Mutex::new(CopyState::default()));
+    let host = buf.ptr();
+    let signal = state.clone();
+    let done = Box::new(move |status: i32| {
+        let waker = {
+            let mut st = signal.lock().unwrap_or_else(PoisonError::into_inner);
+            st.status = Some(status);
+            st.waker.take()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    });
+    // SAFETY: the caller's contract for the device side; `host..host+n` lies in
+    // `buf`'s page-locked block. Both stay alive until `done` ran: the GpuCopy
+    // returned holds them, and if dropped first hands them to ORPHANS, which frees
+    // them only after the status is set.
+    unsafe { gpu.copy_async(device, dir, dev, host, n, done)? };
+    Ok(GpuCopy {
+        state,
+        hold: Some(CopyHold {
+            buf,
+            _memory: memory,
+        }),
+    })
+}
+
 fn driver_error(op: &'static str, e: cudarc::driver::DriverError) -> Error {
     Error::new(ErrorKind::Backend, op, format!("CUDA: {e:?}"))
 }
@@ -156,7 +484,17 @@ struct Cuda {
     driver: String,
     devices: u32,
     contexts: Mutex<HashMap<u32, Arc<cudarc::driver::CudaContext>>>,
+    /// The staging copies' streams, created on first use and kept for the process.
+    streams: Mutex<HashMap<(u32, Direction), Stream>>,
 }
+
+/// A CUDA stream handle.
+#[derive(Clone, Copy)]
+struct Stream(cudarc::driver::sys::CUstream);
+
+// SAFETY: a CUstream is an opaque driver handle; the driver API is thread-safe and a
+// stream may be used from any thread that has its context current.
+unsafe impl Send for Stream {}
 
 impl fmt::Debug for Cuda {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -259,7 +597,23 @@ impl Cuda {
             ),
             devices: n as u32,
             contexts: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The stream of `device`'s staging copies going `dir` (the device's context must
+    /// be current). Non-blocking: it does not wait for work on the default stream.
+    fn stream(&self, device: u32, dir: Direction) -> Result<Stream> {
+        let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = streams.get(&(device, dir)) {
+            return Ok(*s);
+        }
+        let s = cudarc::driver::result::stream::create(
+            cudarc::driver::result::stream::StreamKind::NonBlocking,
+        )
+        .map_err(|e| driver_error("create a CUDA stream", e))?;
+        streams.insert((device, dir), Stream(s));
+        Ok(Stream(s))
     }
 
     /// The primary context of `device`, retained once per process.
@@ -302,6 +656,36 @@ impl Drop for CudaAlloc {
     }
 }
 
+/// Page-locked host memory from `cuMemHostAlloc`, freed on drop.
+struct CudaPinned {
+    ctx: Arc<cudarc::driver::CudaContext>,
+    ptr: usize,
+}
+
+impl Drop for CudaPinned {
+    fn drop(&mut self) {
+        let freed = self.ctx.bind_to_thread().and_then(|()| {
+            // SAFETY: `ptr` came from cuMemHostAlloc and nothing uses it any more (its
+            // PinnedBuf let go, with no copy in flight).
+            unsafe { cudarc::driver::result::free_host(self.ptr as *mut std::ffi::c_void) }
+        });
+        if let Err(e) = freed {
+            tracing::warn!(error = ?e, "freeing page-locked memory failed");
+        }
+    }
+}
+
+/// The stream callback of [`GpuDriver::copy_async`]: hands the status to `done`.
+unsafe extern "C" fn copy_done(
+    _stream: cudarc::driver::sys::CUstream,
+    status: cudarc::driver::sys::CUresult,
+    data: *mut std::ffi::c_void,
+) {
+    // SAFETY: `data` is the box `copy_async` leaked for exactly this one callback.
+    let done = unsafe { Box::from_raw(data.cast::<Box<dyn FnOnce(i32) + Send>>()) };
+    done(status as i32);
+}
+
 impl GpuDriver for Cuda {
     fn info(&self) -> GpuInfo {
         GpuInfo {
@@ -329,6 +713,63 @@ impl GpuDriver for Cuda {
         let ptr =
             unsafe { cudarc::driver::result::malloc_sync(len) }.map_err(|e| driver_error(OP, e))?;
         Ok((ptr, Box::new(CudaAlloc { ctx, ptr })))
+    }
+
+    fn alloc_pinned(&self, len: usize) -> Result<(usize, Box<dyn Any + Send + Sync>)> {
+        const OP: &str = "allocate page-locked memory";
+        // Any context will do: portable memory is pinned for every context.
+        let ctx = self.context(0)?;
+        ctx.bind_to_thread().map_err(|e| driver_error(OP, e))?;
+        // SAFETY: a plain cuMemHostAlloc of `len` bytes; the CudaPinned returned owns
+        // and frees it.
+        let ptr = unsafe {
+            cudarc::driver::result::malloc_host(
+                len.max(1),
+                cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        }
+        .map_err(|e| driver_error(OP, e))? as usize;
+        Ok((ptr, Box::new(CudaPinned { ctx, ptr })))
+    }
+
+    unsafe fn copy_async(
+        &self,
+        device: u32,
+        dir: Direction,
+        dev: u64,
+        host: *mut u8,
+        len: usize,
+        done: Box<dyn FnOnce(i32) + Send>,
+    ) -> Result<()> {
+        const OP: &str = "start a GPU copy";
+        self.bind(device)?;
+        let Stream(stream) = self.stream(device, dir)?;
+        use cudarc::driver::sys;
+        // SAFETY: the caller's contract: device memory at `dev`, page-locked host
+        // memory at `host`, `len` bytes each, alive until `done` runs.
+        let queued = unsafe {
+            match dir {
+                Direction::ToHost => sys::cuMemcpyDtoHAsync_v2(host.cast(), dev, len, stream),
+                Direction::ToDevice => sys::cuMemcpyHtoDAsync_v2(dev, host.cast(), len, stream),
+            }
+        };
+        queued.result().map_err(|e| driver_error(OP, e))?;
+        let data: *mut Box<dyn FnOnce(i32) + Send> = Box::into_raw(Box::new(done));
+        // SAFETY: `copy_done` has the callback's signature and takes back `data`, which
+        // the driver passes to it exactly once.
+        let added = unsafe { sys::cuStreamAddCallback(stream, Some(copy_done), data.cast(), 0) };
+        if let Err(e) = added.result() {
+            // Nothing will report the queued copy: wait for it here, so the memory
+            // the caller holds may go when this returns.
+            // SAFETY: the callback was not added, so `data` is still ours; the stream
+            // is live (never destroyed).
+            unsafe {
+                drop(Box::from_raw(data));
+                let _ = cudarc::driver::result::stream::synchronize(stream);
+            }
+            return Err(driver_error(OP, e));
+        }
+        Ok(())
     }
 
     unsafe fn copy_to_host(&self, device: u32, src: u64, dst: *mut u8, len: usize) -> Result<()> {
@@ -375,6 +816,10 @@ impl GpuDriver for Cuda {
     }
 }
 
+/// Held for writing, it pauses the host stand-in's asynchronous copies (tests).
+#[cfg(feature = "gpu-test-double")]
+static STAND_IN_COPIES: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
 /// Host memory posing as device memory: copies are `memcpy`. Tests only.
 #[cfg(feature = "gpu-test-double")]
 #[derive(Debug)]
@@ -408,6 +853,45 @@ impl GpuDriver for HostStandIn {
         self.bind(device)?;
         let buf = crate::memory::AlignedBuf::new(len);
         Ok((buf.as_mut_ptr() as u64, Box::new(buf)))
+    }
+
+    fn alloc_pinned(&self, len: usize) -> Result<(usize, Box<dyn Any + Send + Sync>)> {
+        let buf = crate::memory::AlignedBuf::new(len.max(1));
+        Ok((buf.as_mut_ptr() as usize, Box::new(buf)))
+    }
+
+    unsafe fn copy_async(
+        &self,
+        device: u32,
+        dir: Direction,
+        dev: u64,
+        host: *mut u8,
+        len: usize,
+        done: Box<dyn FnOnce(i32) + Send>,
+    ) -> Result<()> {
+        self.bind(device)?;
+        let host = host as usize;
+        // The copy runs later, on a thread of its own, as a GPU's copy engine would.
+        std::thread::Builder::new()
+            .name("gpu-stand-in-copy".into())
+            .spawn(move || {
+                let (src, dst) = match dir {
+                    Direction::ToHost => (dev as usize, host),
+                    Direction::ToDevice => (host, dev as usize),
+                };
+                if dir == Direction::ToDevice && len >= 1 << 20 {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                let _running = STAND_IN_COPIES
+                    .read()
+                    .unwrap_or_else(PoisonError::into_inner);
+                // SAFETY: the caller's contract keeps both ranges alive and untouched
+                // until `done`; the "device" memory is host memory here.
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+                done(0);
+            })
+            .map_err(|e| Error::new(ErrorKind::Backend, "start a GPU copy", e.to_string()))?;
+        Ok(())
     }
 
     unsafe fn copy_to_host(&self, _device: u32, src: u64, dst: *mut u8, len: usize) -> Result<()> {
@@ -461,7 +945,13 @@ mod tests {
             );
             return;
         }
-        let e = super::status().unwrap_err();
+        // The public path, unless a stand-in test in this process has replaced the
+        // driver (`cargo test` runs them in one process): then the CUDA check itself.
+        let status = || match super::STAND_IN.get() {
+            None => super::status(),
+            Some(_) => super::cuda().map(|c| super::GpuDriver::info(&*c)),
+        };
+        let e = status().unwrap_err();
         assert!(
             matches!(
                 e.kind(),
@@ -471,7 +961,187 @@ mod tests {
         );
         assert!(e.to_string().contains("libcuda.so.1"), "{e}");
         // Asking again gives the same answer (checked once), still without a panic.
-        assert_eq!(super::status().unwrap_err().to_string(), e.to_string());
-        assert!(super::bind_thread(0).is_err());
+        assert_eq!(status().unwrap_err().to_string(), e.to_string());
+        if super::STAND_IN.get().is_none() {
+            assert!(super::bind_thread(0).is_err());
+            assert!(super::PinnedBuf::new(4096).is_err());
+        }
+    }
+
+    /// Staging through pinned buffers, on the host stand-in (a test double for the
+    /// device copies: this tests the bookkeeping around them, not CUDA).
+    #[cfg(feature = "gpu-test-double")]
+    mod stand_in {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::sync::{Arc, Mutex};
+        use std::time::{Duration, Instant};
+
+        use super::super::{bury, use_host_stand_in, PinnedBuf, ORPHANS, STAND_IN_COPIES};
+        use crate::region::{RegionInner, RegionRef};
+        use crate::{ErrorKind, MemKind, Memory};
+
+        fn region(mem: Memory) -> RegionRef {
+            RegionRef {
+                inner: Arc::new(RegionInner {
+                    id: 1,
+                    mem,
+                    inflight: AtomicUsize::new(0),
+                    registered: AtomicBool::new(true),
+                    backends: Mutex::new(Vec::new()),
+                }),
+            }
+        }
+
+        fn pattern(len: usize, seed: u8) -> Vec<u8> {
+            (0..len)
+                .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+                .collect()
+        }
+
+        #[tokio::test]
+        async fn copies_move_the_bytes_both_ways() {
+            use_host_stand_in();
+            let len = (5 << 20) + 123;
+            let r = region(Memory::vram(1, len).unwrap());
+            let whole = r.slice(0, len).unwrap();
+            let data = pattern(len, 9);
+            whole.write_from(0, &data).unwrap();
+
+            // Device to host, from an offset, into a larger buffer.
+            let s = r.slice(4096, 3 << 20).unwrap();
+            let buf = PinnedBuf::new(4 << 20).unwrap();
+            assert_eq!(buf.len(), 4 << 20);
+            let buf = s.copy_to_pinned(100, buf, 2 << 20).unwrap().await.unwrap();
+            assert_eq!(&buf[..2 << 20], &data[4096 + 100..4096 + 100 + (2 << 20)]);
+
+            // Host to device (1 MiB and more land late on the stand-in: the future
+            // resolves only after).
+            let mut buf = buf;
+            buf[..2 << 20].copy_from_slice(&pattern(2 << 20, 77));
+            let _buf = s.copy_from_pinned(7, buf, 2 << 20).unwrap().await.unwrap();
+            let mut got = vec![0u8; 2 << 20];
+            s.read_into(7, &mut got).unwrap();
+            assert_eq!(got, pattern(2 << 20, 77));
+            // The bytes around it are untouched.
+            let mut edge = [0u8; 7];
+            s.read_into(0, &mut edge).unwrap();
+            assert_eq!(&edge[..], &data[4096..4096 + 7]);
+
+            // Host memory is copied at once, through the same calls.
+            let host = region(Memory::from(pattern(8192, 3)));
+            let hs = host.slice(0, 8192).unwrap();
+            let b = hs
+                .copy_to_pinned(0, PinnedBuf::new(8192).unwrap(), 8192)
+                .unwrap();
+            assert_eq!(&b.await.unwrap()[..], &pattern(8192, 3)[..]);
+        }
+
+        #[tokio::test]
+        async fn out_of_range_copies_are_refused() {
+            use_host_stand_in();
+            let r = region(Memory::vram(0, 1 << 20).unwrap());
+            let s = r.slice(4096, 8192).unwrap();
+            let e = s
+                .copy_to_pinned(4096, PinnedBuf::new(8192).unwrap(), 8192)
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::OutOfRange, "{e}");
+            let e = s
+                .copy_from_pinned(0, PinnedBuf::new(100).unwrap(), 101)
+                .unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::OutOfRange, "{e}");
+        }
+
+        /// Owns the stand-in "device memory" of a test and records, when freed,
+        /// whether the copy into it had finished by then.
+        struct Watch {
+            mem: crate::AlignedBuf,
+            expect: Vec<u8>,
+            freed: Arc<AtomicBool>,
+            complete: Arc<AtomicBool>,
+        }
+
+        impl Drop for Watch {
+            fn drop(&mut self) {
+                let mut now = vec![0u8; self.expect.len()];
+                // SAFETY: the buffer is alive (we own it) and nothing else uses it
+                // once its last holder let go.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.mem.as_mut_ptr(),
+                        now.as_mut_ptr(),
+                        now.len(),
+                    )
+                };
+                self.complete.store(now == self.expect, Ordering::SeqCst);
+                self.freed.store(true, Ordering::SeqCst);
+            }
+        }
+
+        /// A copy whose future and memory handles are all dropped before it ran keeps
+        /// the memory and its buffer alive until it has finished.
+        #[test]
+        fn a_dropped_copy_keeps_its_memory_until_it_finished() {
+            use_host_stand_in();
+            let len = 64 << 10;
+            let expect = pattern(len, 5);
+            let (freed, complete) = (
+                Arc::new(AtomicBool::new(false)),
+                Arc::new(AtomicBool::new(false)),
+            );
+            let mem = crate::AlignedBuf::new(len);
+            let ptr = mem.as_mut_ptr();
+            let watch = Watch {
+                mem,
+                expect: expect.clone(),
+                freed: freed.clone(),
+                complete: complete.clone(),
+            };
+            // SAFETY: `ptr..ptr+len` is the Watch's buffer, which the Memory owns (as
+            // its owner) and keeps alive; on the stand-in, device memory is host
+            // memory.
+            let mem = unsafe {
+                Memory::from_raw_parts_with_owner(
+                    ptr,
+                    len,
+                    MemKind::Vram { device: 0 },
+                    Some(watch),
+                )
+            }
+            .unwrap();
+            let r = region(mem);
+            let mut buf = PinnedBuf::new(len).unwrap();
+            buf.copy_from_slice(&expect);
+            {
+                // Copies wait while this is held.
+                let _paused = STAND_IN_COPIES.write().unwrap();
+                let copy = r
+                    .slice(0, len)
+                    .unwrap()
+                    .copy_from_pinned(0, buf, len)
+                    .unwrap();
+                drop(copy);
+                drop(r);
+                bury();
+                assert!(
+                    !freed.load(Ordering::SeqCst),
+                    "memory freed under a running copy"
+                );
+                assert!(!ORPHANS.lock().unwrap().is_empty());
+            }
+            // The copy runs now; the next bury after it finished frees the memory.
+            let start = Instant::now();
+            while !freed.load(Ordering::SeqCst) {
+                assert!(
+                    start.elapsed() < Duration::from_secs(30),
+                    "the copy never finished"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+                bury();
+            }
+            assert!(
+                complete.load(Ordering::SeqCst),
+                "memory freed before the copy landed"
+            );
+        }
     }
 }

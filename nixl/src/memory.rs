@@ -309,6 +309,45 @@ impl Memory {
         }
     }
 
+    /// Start copying `n` bytes at `offset` of this memory into the start of `buf`
+    /// (`dir` [`ToHost`](crate::gpu::Direction::ToHost)) or the other way round:
+    /// device memory asynchronously, host memory at once. `hold` keeps this memory
+    /// alive until the copy has finished.
+    pub(crate) fn stage(
+        &self,
+        offset: usize,
+        dir: crate::gpu::Direction,
+        mut buf: crate::gpu::PinnedBuf,
+        n: usize,
+        hold: Box<dyn Any + Send + Sync>,
+    ) -> Result<crate::gpu::GpuCopy> {
+        const OP: &str = "stage registered memory";
+        if n > buf.len() {
+            return err(
+                ErrorKind::OutOfRange,
+                OP,
+                format!("{n} bytes do not fit a {}-byte pinned buffer", buf.len()),
+            );
+        }
+        let at = self.range(offset, n, OP)?;
+        match (self.kind, dir) {
+            (MemKind::Dram, crate::gpu::Direction::ToHost) => {
+                self.copy_out(offset, &mut buf[..n])?;
+                Ok(crate::gpu::GpuCopy::finished(buf, hold))
+            }
+            (MemKind::Dram, crate::gpu::Direction::ToDevice) => {
+                self.copy_in(offset, &buf[..n])?;
+                Ok(crate::gpu::GpuCopy::finished(buf, hold))
+            }
+            // SAFETY: live device memory of `device` (our invariant), range checked,
+            // kept alive by `hold` (a reference to this memory's registration); `n`
+            // fits `buf`.
+            (MemKind::Vram { device }, dir) => unsafe {
+                crate::gpu::start_copy(device, dir, at, buf, n, hold)
+            },
+        }
+    }
+
     /// `memmove` of `len` bytes from `src` at `src_offset` into this memory at
     /// `offset` (the two may be the same memory and overlap), between host and
     /// device memory in any combination.

@@ -334,6 +334,53 @@ impl RegionSlice {
         self.region.inner.mem.copy_in(off, src)
     }
 
+    /// Start copying `n` bytes of the slice, from `at`, into the start of `buf`: for
+    /// GPU memory an asynchronous device-to-host copy on a non-blocking stream (see
+    /// [`gpu`](crate::gpu)), for host memory a copy made at once. The
+    /// [`GpuCopy`](crate::gpu::GpuCopy) returned gives the buffer back once the bytes
+    /// are in it; this slice's memory stays alive until then, even if it is dropped.
+    ///
+    /// # Errors
+    /// [`ErrorKind::OutOfRange`] when `at..at+n` is outside the slice or `n` exceeds
+    /// the buffer; the driver's when the copy cannot start.
+    pub fn copy_to_pinned(
+        &self,
+        at: usize,
+        buf: crate::gpu::PinnedBuf,
+        n: usize,
+    ) -> Result<crate::gpu::GpuCopy> {
+        let off = self.range(at, n, "stage registered memory")?;
+        self.region.inner.mem.stage(
+            off,
+            crate::gpu::Direction::ToHost,
+            buf,
+            n,
+            Box::new(self.clone()),
+        )
+    }
+
+    /// Start copying the first `n` bytes of `buf` into the slice at `at`: the other
+    /// way round from [`RegionSlice::copy_to_pinned`]. The bytes are in this memory
+    /// when the [`GpuCopy`](crate::gpu::GpuCopy) resolves.
+    ///
+    /// # Errors
+    /// As [`RegionSlice::copy_to_pinned`].
+    pub fn copy_from_pinned(
+        &self,
+        at: usize,
+        buf: crate::gpu::PinnedBuf,
+        n: usize,
+    ) -> Result<crate::gpu::GpuCopy> {
+        let off = self.range(at, n, "stage registered memory")?;
+        self.region.inner.mem.stage(
+            off,
+            crate::gpu::Direction::ToDevice,
+            buf,
+            n,
+            Box::new(self.clone()),
+        )
+    }
+
     /// Copy all of `src` into this slice (`memmove`: the two may overlap).
     ///
     /// # Errors

@@ -2,9 +2,9 @@
 //! stand-in** (`nixl::gpu::use_host_stand_in`, a test double: "device memory" is host
 //! memory and device copies are `memcpy`).
 //!
-//! This runs nixl-tcp's staging of GPU memory (chunks copied on the blocking pool
-//! while the socket moves the previous one, the target answering only after its last
-//! copy), the registration and lifetime rules and the agent's own device copies on any
+//! This runs nixl-tcp's staging of GPU memory (chunks copied asynchronously through
+//! page-locked buffers while the socket moves another, the target answering only
+//! after its last copy), the registration and lifetime rules and the agent's own device copies on any
 //! machine. It proves nothing about CUDA: the same cases run on a real GPU through
 //! `tests/tcp.rs` (and `scripts/gpu-check`), and skip there without one.
 
