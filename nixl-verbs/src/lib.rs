@@ -47,7 +47,7 @@
 //! ## Data path
 //! - One protection domain, one completion queue and one completion channel per
 //!   agent; one memory region per registration (host memory; GPU memory is
-//!   [`ErrorKind::NotSupported`] until GPU registration lands).
+//!   [`ErrorKind::NotSupported`]: dma-buf registration is not written yet).
 //! - [`VerbsOptions::qps_per_peer`] RC queue pairs per peer (default 1). A transfer is
 //!   prepared once into work requests: segments that follow each other at the peer
 //!   share a request (a gather list on WRITE, a scatter list on READ) up to the queue

@@ -190,14 +190,16 @@ impl Memory {
 
     /// Wrap memory the caller manages.
     ///
-    /// `kind` says what the pointer refers to: for [`MemKind::Vram`] it is a device
-    /// pointer, which the agent never dereferences itself (only backends that declare
-    /// VRAM support accept it).
+    /// `kind` says what the pointer refers to: for [`MemKind::Vram`] it is a CUDA
+    /// device pointer on that device (from `cudaMalloc`, a framework's allocator,
+    /// `cuMemAlloc`), which nixl touches only through device copies (see
+    /// [`crate::gpu`]); only backends that declare VRAM support register it.
     ///
     /// # Safety
     /// For as long as the returned value and every registration made from it live (until
     /// the agent has deregistered it and no transfer uses it, or the agent is gone),
-    /// `ptr..ptr+len` must stay allocated, and for DRAM be valid for reads and writes.
+    /// `ptr..ptr+len` must stay allocated: for DRAM valid for reads and writes, for
+    /// VRAM device memory of that device.
     /// While registered, peers may read and write it at any time the application's
     /// protocol allows; the caller must not hold Rust references into it across such
     /// transfers.
