@@ -80,9 +80,13 @@
 //!   process. Catching them needs a C++ shim, which this crate does not have yet.
 //! - **One-sided.** The target does not see requests: [`Capabilities::target_checks`]
 //!   is `false`; the initiating agent checks every descriptor and the NIC checks keys.
-//! - **VRAM** is refused with [`ErrorKind::NotSupported`]: handing GPU memory
-//!   ([`nixl::gpu`]) to UCCL's engine is not wired yet, and nothing here could verify
-//!   it without a GPU and an RDMA NIC.
+//! - **GPU memory** ([`nixl::MemKind::Vram`], [`nixl::gpu`]) is handed to the engine
+//!   as it is: UCCL's registration recognises device pointers itself (it asks the CUDA
+//!   runtime) and registers them for GPUDirect RDMA by dma-buf, and towards peers on
+//!   the same host it moves GPU memory by CUDA IPC. Registration binds the device's
+//!   primary context on the calling thread first, and without a GPU fails naming the
+//!   missing driver. Tested on the test double with the core's host stand-in for
+//!   device memory; **not yet run on a GPU**.
 //! - **Not yet run on hardware.** The data path has not run against a real UCCL engine
 //!   (that needs an NVIDIA GPU and an RDMA NIC). What runs in CI: the symbol check
 //!   against the real wheel, the missing-driver error, the codecs, and the whole
@@ -1357,7 +1361,7 @@ impl Backend for UcclBackend {
             remote: true,
             notifications: true,
             dram: true,
-            vram: false,
+            vram: true,
             target_checks: false,
             max_segments: usize::MAX,
             max_notification: MAX_NOTIFICATION,
@@ -1513,12 +1517,11 @@ impl Backend for UcclBackend {
 
     fn register(&self, region: &RegionRef) -> Result<Bytes> {
         const OP: &str = "uccl register";
-        if region.kind() != MemKind::Dram {
-            return err(
-                ErrorKind::NotSupported,
-                OP,
-                format!("{} memory: nixl-uccl registers host memory only; handing GPU memory to UCCL's engine (its GPU path) is not wired yet", region.kind()),
-            );
+        if let MemKind::Vram { device } = region.kind() {
+            // The engine's CUDA calls (pointer attributes, dma-buf export) run on
+            // this thread, in the device's primary context.
+            nixl::gpu::bind_thread(device)
+                .map_err(|e| Error::new(e.kind(), OP, format!("{} memory: {e}", region.kind())))?;
         }
         let st = self.inner.started()?;
         let seg = region.segment();

@@ -40,3 +40,27 @@ async fn zz_no_engine_misuse() {
     assert_eq!(nixl_uccl::test_double::violations(), Vec::<String>::new());
     assert_eq!(nixl_uccl::test_double::notifications_sent(), 0);
 }
+
+/// The VRAM cases on the test double with the core's **host stand-in** for GPU memory
+/// (`nixl::gpu::use_host_stand_in`, a test double too: device memory is host memory).
+/// It proves nixl-uccl hands GPU registrations to the engine and keeps the suite's
+/// ordering and lifetime rules for them; UCCL's own GPU path runs only on hardware
+/// (`tests/uccl.rs`).
+mod gpu_stand_in {
+    use super::*;
+
+    const UCCL_DOUBLE_GPU: BackendUnderTest = BackendUnderTest {
+        name: "uccl (test double, GPU host stand-in)",
+        make: || {
+            nixl::gpu::use_host_stand_in();
+            (UCCL_DOUBLE.make)()
+        },
+        skip_case: |_| None,
+    };
+
+    conformance_tests!(UCCL_DOUBLE_GPU;
+        vram_transfers,
+        vram_notifications_after_data,
+        vram_lifetime,
+    );
+}
