@@ -10,7 +10,7 @@
 //! on the wire, as libibverbs expects).
 
 use std::fmt;
-use std::os::fd::RawFd;
+use std::os::fd::{BorrowedFd, RawFd};
 
 use nixl::Result;
 
@@ -437,6 +437,22 @@ pub(crate) trait VerbsApi: Send + Sync + fmt::Debug + 'static {
     /// The memory stays mapped until `VerbsApi::dereg_mr` returns; the NIC may read
     /// and write it (as `access` allows) until then.
     unsafe fn reg_mr(&self, pd: Handle, addr: usize, len: usize, access: u32) -> Result<Mr>;
+
+    /// Register `len` bytes at `offset` of the dma-buf `fd` (device memory), addressed
+    /// by peers and work requests as `iova..iova + len`, with [`access`] flags.
+    ///
+    /// # Safety
+    /// The memory behind the dma-buf stays allocated until `VerbsApi::dereg_mr`
+    /// returns; the NIC may read and write it (as `access` allows) until then.
+    unsafe fn reg_dmabuf_mr(
+        &self,
+        pd: Handle,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        fd: BorrowedFd<'_>,
+        access: u32,
+    ) -> Result<Mr>;
 
     /// Deregister (no work request may still use it).
     ///

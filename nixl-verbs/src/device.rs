@@ -3,6 +3,7 @@
 //! domain, completion queue and device context are released only after the last of
 //! them, whoever lets go last.
 
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
@@ -334,6 +335,73 @@ impl MemoryRegion {
             mr,
         })
     }
+}
+
+impl MemoryRegion {
+    /// Register `addr..addr + len` of GPU `device`'s memory for local use and peers'
+    /// READs and WRITEs: by dma-buf (`ibv_reg_dmabuf_mr`) where the driver exports
+    /// one and the NIC takes it, else by `ibv_reg_mr` on the device pointer, which
+    /// works where the peer-memory module (`nvidia-peermem`) is loaded. Returns the
+    /// region and which way it was registered.
+    ///
+    /// # Errors
+    /// As [`nixl::gpu::status`] without a GPU; [`ErrorKind::NotSupported`] naming both
+    /// failures when neither way works.
+    ///
+    /// # Safety
+    /// The device memory stays allocated until this is dropped.
+    pub(crate) unsafe fn register_gpu(
+        dev: &Arc<Device>,
+        device: u32,
+        addr: usize,
+        len: usize,
+    ) -> Result<(Self, GpuRegistration)> {
+        use crate::api::access::*;
+        const OP: &str = "verbs register";
+        let access = LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ;
+        nixl::gpu::status()?;
+        let region = |mr| Self {
+            dev: dev.clone(),
+            mr,
+        };
+        let by_dmabuf = nixl::gpu::dma_buf(device, addr as u64, len).and_then(|d| {
+            // SAFETY: the caller keeps the device memory allocated until `Drop`
+            // deregisters it; `d.fd` is open for the call (the registration keeps
+            // its own reference to the dma-buf).
+            unsafe {
+                dev.api
+                    .reg_dmabuf_mr(dev.pd, d.offset, len, addr as u64, d.fd.as_fd(), access)
+            }
+        });
+        let dmabuf_error = match by_dmabuf {
+            Ok(mr) => return Ok((region(mr), GpuRegistration::DmaBuf)),
+            Err(e) => e,
+        };
+        // SAFETY: as above; with the peer-memory module the NIC maps device memory
+        // by its address.
+        match unsafe { dev.api.reg_mr(dev.pd, addr, len, access) } {
+            Ok(mr) => {
+                tracing::info!(error = %dmabuf_error, "verbs: GPU memory registered through the peer-memory module, not by dma-buf");
+                Ok((region(mr), GpuRegistration::PeerMemory))
+            }
+            Err(e) => Err(Error::new(
+                ErrorKind::NotSupported,
+                OP,
+                format!(
+                    "GPU {device} memory ({len} bytes): registering it by dma-buf failed ({dmabuf_error}), and as a device pointer too ({e}); GPUDirect RDMA needs dma-buf support (CUDA 11.7+, rdma-core 34+, Linux 5.12+ and a NIC driver that takes dma-bufs) or the nvidia-peermem module"
+                ),
+            )),
+        }
+    }
+}
+
+/// How GPU memory was registered with the NIC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GpuRegistration {
+    /// `ibv_reg_dmabuf_mr` on the driver's dma-buf.
+    DmaBuf,
+    /// `ibv_reg_mr` on the device pointer (the peer-memory module).
+    PeerMemory,
 }
 
 impl Drop for MemoryRegion {

@@ -666,6 +666,9 @@ pub(crate) type DeallocPdFn = unsafe extern "C" fn(*mut ibv_pd) -> c_int;
 /// `ibv_reg_mr`.
 pub(crate) type RegMrFn =
     unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, c_int) -> *mut ibv_mr;
+/// `ibv_reg_dmabuf_mr` (IBVERBS_1.12: rdma-core 34 and later).
+pub(crate) type RegDmabufMrFn =
+    unsafe extern "C" fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr;
 /// `ibv_dereg_mr`.
 pub(crate) type DeregMrFn = unsafe extern "C" fn(*mut ibv_mr) -> c_int;
 /// `ibv_create_comp_channel`.
@@ -731,6 +734,10 @@ pub fn signatures() -> &'static [(&'static str, &'static str)] {
         (
             "ibv_reg_mr",
             "struct ibv_mr *(*)(struct ibv_pd *, void *, size_t, int)",
+        ),
+        (
+            "ibv_reg_dmabuf_mr",
+            "struct ibv_mr *(*)(struct ibv_pd *, uint64_t, size_t, uint64_t, int, int)",
         ),
         ("ibv_dereg_mr", "int (*)(struct ibv_mr *)"),
         (

@@ -46,8 +46,13 @@
 //!
 //! ## Data path
 //! - One protection domain, one completion queue and one completion channel per
-//!   agent; one memory region per registration (host memory; GPU memory is
-//!   [`ErrorKind::NotSupported`]: dma-buf registration is not written yet).
+//!   agent; one memory region per registration. GPU memory ([`nixl::MemKind::Vram`])
+//!   is registered by dma-buf (`ibv_reg_dmabuf_mr` on the CUDA driver's export,
+//!   [`nixl::gpu::dma_buf`]), else as a device pointer through the peer-memory module
+//!   (`nvidia-peermem`); the NIC then reads and writes it directly (GPUDirect RDMA).
+//!   Where neither works, registration is [`ErrorKind::NotSupported`] naming both
+//!   failures. **Not yet run on a GPU**: tested on the test double with the core's
+//!   host stand-in for device memory.
 //! - [`VerbsOptions::qps_per_peer`] RC queue pairs per peer (default 1). A transfer is
 //!   prepared once into work requests: segments that follow each other at the peer
 //!   share a request (a gather list on WRITE, a scatter list on READ) up to the queue
@@ -64,7 +69,7 @@
 //!
 //! Not done yet: asynchronous device events (port down and fatal device errors
 //! show only as failed work requests), `ibv_fork_init`, iWARP devices (RC there
-//! needs rdma_cm), GPU memory (dma-buf), authentication of the control connection.
+//! needs rdma_cm), authentication of the control connection.
 //!
 //! ## Notifications
 //! A notification is a SEND on the same queue pair, after the transfer's RDMA WRITEs,
@@ -985,7 +990,7 @@ impl Backend for VerbsBackend {
             remote: true,
             notifications: true,
             dram: true,
-            vram: false,
+            vram: true,
             // The peer's NIC checks keys and bounds, but a refusal fails the whole
             // queue pair; requests are checked by the initiator only.
             target_checks: false,
@@ -1087,13 +1092,6 @@ impl Backend for VerbsBackend {
 
     fn register(&self, region: &RegionRef) -> Result<Bytes> {
         const OP: &str = "verbs register";
-        if region.kind() != nixl::MemKind::Dram {
-            return Err(Error::new(
-                ErrorKind::NotSupported,
-                OP,
-                "the verbs backend registers host memory; GPU memory (dma-buf) is not supported yet",
-            ));
-        }
         let dev = self.dev(OP)?;
         let seg = region.segment();
         if seg.len() as u64 > dev.limits.max_mr_size {
@@ -1107,9 +1105,26 @@ impl Backend for VerbsBackend {
                 ),
             ));
         }
-        // SAFETY: the agent keeps the memory alive while the registration exists:
-        // `region` (kept here until deregistration) holds it.
-        let mr = unsafe { MemoryRegion::register(&dev, seg.addr() as usize, seg.len(), true) }?;
+        let mr = match region.kind() {
+            nixl::MemKind::Dram => {
+                // SAFETY: the agent keeps the memory alive while the registration
+                // exists: `region` (kept here until deregistration) holds it.
+                unsafe { MemoryRegion::register(&dev, seg.addr() as usize, seg.len(), true) }?
+            }
+            nixl::MemKind::Vram { device } => {
+                // SAFETY: as above, for device memory.
+                let (mr, how) = unsafe {
+                    MemoryRegion::register_gpu(&dev, device, seg.addr() as usize, seg.len())
+                }?;
+                tracing::debug!(
+                    device,
+                    len = seg.len(),
+                    ?how,
+                    "verbs: registered GPU memory"
+                );
+                mr
+            }
+        };
         let rkey = mr.mr.rkey;
         self.inner
             .regions

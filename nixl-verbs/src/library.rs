@@ -20,6 +20,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CStr, CString};
 use std::fmt;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::ptr::{null_mut, NonNull};
 use std::sync::{Arc, Mutex};
@@ -66,6 +67,8 @@ pub struct Libibverbs {
     alloc_pd: AllocPdFn,
     dealloc_pd: DeallocPdFn,
     reg_mr: RegMrFn,
+    /// `ibv_reg_dmabuf_mr`, where the library has it (rdma-core 34 and later).
+    reg_dmabuf_mr: Option<RegDmabufMrFn>,
     dereg_mr: DeregMrFn,
     create_comp_channel: CreateCompChannelFn,
     destroy_comp_channel: DestroyCompChannelFn,
@@ -769,6 +772,44 @@ impl VerbsApi for Libibverbs {
         })
     }
 
+    unsafe fn reg_dmabuf_mr(
+        &self,
+        pd: Handle,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        fd: BorrowedFd<'_>,
+        access: u32,
+    ) -> Result<Mr> {
+        const OP: &str = "ibv_reg_dmabuf_mr";
+        let Some(reg) = self.reg_dmabuf_mr else {
+            return Err(Error::new(
+                ErrorKind::NotSupported,
+                OP,
+                "this libibverbs lacks ibv_reg_dmabuf_mr (rdma-core 34 or later has it)",
+            ));
+        };
+        let pd = obj::<ibv_pd>(pd, OP)?;
+        let c_access = to_c_int(access, OP, "access flags")?;
+        // SAFETY: `pd` is live, `fd` an open descriptor for the call; the caller
+        // keeps the memory behind the dma-buf allocated until dereg_mr.
+        let mr = unsafe { reg(pd, offset, len, iova, fd.as_raw_fd(), c_access) };
+        if mr.is_null() {
+            return Err(errno_error(
+                OP,
+                last_errno(),
+                format!("registering {len} bytes at offset {offset} of a dma-buf as {iova:#x}"),
+            ));
+        }
+        // SAFETY: a non-null result is a live `struct ibv_mr`; its keys are read once.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        Ok(Mr {
+            handle: handle(mr),
+            lkey,
+            rkey,
+        })
+    }
+
     unsafe fn dereg_mr(&self, mr: Handle) -> Result<()> {
         const OP: &str = "ibv_dereg_mr";
         let mr = obj::<ibv_mr>(mr, OP)?;
@@ -1217,6 +1258,10 @@ fn bind(requested: &str, source: LibrarySource) -> Result<Arc<Libibverbs>> {
         // SAFETY: as in `sym!`: `_ibv_query_gid_ex@@IBVERBS_1.11` has this type.
         unsafe { lib.symbol::<QueryGidExFn>("_ibv_query_gid_ex") }.ok()
     };
+    let reg_dmabuf_mr = {
+        // SAFETY: as in `sym!`: `ibv_reg_dmabuf_mr@@IBVERBS_1.12` has this type.
+        unsafe { lib.symbol::<RegDmabufMrFn>("ibv_reg_dmabuf_mr") }.ok()
+    };
     let path = lib.path_of_symbol(&["ibv_get_device_list", "ibv_open_device"]);
     let (version, abi) = match path.as_deref().and_then(version_of) {
         Some((v, a)) => (Some(v), Some(a)),
@@ -1255,6 +1300,7 @@ fn bind(requested: &str, source: LibrarySource) -> Result<Arc<Libibverbs>> {
         alloc_pd: sym!("ibv_alloc_pd", AllocPdFn),
         dealloc_pd: sym!("ibv_dealloc_pd", DeallocPdFn),
         reg_mr: sym!("ibv_reg_mr", RegMrFn),
+        reg_dmabuf_mr,
         dereg_mr: sym!("ibv_dereg_mr", DeregMrFn),
         create_comp_channel: sym!("ibv_create_comp_channel", CreateCompChannelFn),
         destroy_comp_channel: sym!("ibv_destroy_comp_channel", DestroyCompChannelFn),

@@ -97,7 +97,7 @@
 //! [`wait_until`].
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::os::fd::RawFd;
+use std::os::fd::{BorrowedFd, RawFd};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -308,6 +308,10 @@ struct World {
     next_qp_num: u32,
     rng: u64,
     limits: Limits,
+    /// Whether `reg_dmabuf_mr` works (see [`set_dmabuf`]).
+    dmabuf: bool,
+    /// Memory regions registered through `reg_dmabuf_mr`, ever.
+    dmabuf_mrs: usize,
     violations: Vec<(Option<usize>, String)>,
     /// The worker thread, while one runs.
     worker: Option<std::thread::JoinHandle<()>>,
@@ -446,6 +450,8 @@ impl World {
             next_qp_num: 0x1a0,
             rng: seed,
             limits: Limits::DEFAULT,
+            dmabuf: true,
+            dmabuf_mrs: 0,
             violations: Vec::new(),
             worker: None,
         }
@@ -486,6 +492,59 @@ impl World {
                 return n;
             }
         }
+    }
+
+    /// Register `addr..addr + len` (as `reg_mr` does), for `op`.
+    fn reg(
+        &mut self,
+        op: &'static str,
+        pd: Handle,
+        addr: usize,
+        len: usize,
+        access: u32,
+    ) -> Result<Mr> {
+        let w = self;
+        let Some(p) = w.pds.get(&pd.0) else {
+            return Err(w.bad(op, pd, PD));
+        };
+        let ctx = p.ctx;
+        let max = w.limits_of(ctx).device.max_mr_size;
+        if len == 0 || addr == 0 || len as u64 > max || addr.checked_add(len).is_none() {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                op,
+                format!("cannot register {addr:#x}+{len} (empty, null, or over max_mr_size {max})"),
+            ));
+        }
+        // libibverbs: remote write (or atomic) access needs local write.
+        if access & (access::REMOTE_WRITE | 8) != 0 && access & access::LOCAL_WRITE == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                op,
+                format!("access {access:#x}: REMOTE_WRITE needs LOCAL_WRITE (EINVAL)"),
+            ));
+        }
+        let id = w.make(Some(ctx));
+        let lkey = w.fresh_key();
+        w.keys.insert(lkey, (id, false));
+        let rkey = w.fresh_key();
+        w.keys.insert(rkey, (id, true));
+        w.mrs.insert(
+            id,
+            MrObj {
+                pd: pd.0,
+                addr: addr as u64,
+                len: len as u64,
+                access,
+                lkey,
+                rkey,
+            },
+        );
+        Ok(Mr {
+            handle: Handle(id),
+            lkey,
+            rkey,
+        })
     }
 
     fn limits_of(&self, ctx: usize) -> Limits {
@@ -1067,6 +1126,18 @@ pub fn set_limits(limits: Limits) {
     with(|w| w.limits = limits);
 }
 
+/// Whether `reg_dmabuf_mr` succeeds from now on (it does unless set otherwise; off,
+/// it fails as on a NIC without dma-buf support, `EOPNOTSUPP`). Process-wide, as
+/// [`set_limits`].
+pub fn set_dmabuf(supported: bool) {
+    with(|w| w.dmabuf = supported);
+}
+
+/// How many memory regions `reg_dmabuf_mr` registered in this process.
+pub fn dmabuf_registrations() -> usize {
+    with(|w| w.dmabuf_mrs)
+}
+
 /// The limits devices opened now get.
 pub fn limits() -> Limits {
     with(|w| w.limits)
@@ -1203,51 +1274,34 @@ impl VerbsApi for TestDouble {
     }
 
     unsafe fn reg_mr(&self, pd: Handle, addr: usize, len: usize, access: u32) -> Result<Mr> {
-        const OP: &str = "ibv_reg_mr";
+        with(|w| w.reg("ibv_reg_mr", pd, addr, len, access))
+    }
+
+    unsafe fn reg_dmabuf_mr(
+        &self,
+        pd: Handle,
+        _offset: u64,
+        len: usize,
+        iova: u64,
+        fd: BorrowedFd<'_>,
+        access: u32,
+    ) -> Result<Mr> {
+        const OP: &str = "ibv_reg_dmabuf_mr";
+        // The double moves bytes by address: `iova` is where the memory is mapped
+        // in this process (true of the core's host stand-in for GPU memory, which
+        // exports a placeholder descriptor; `BorrowedFd` proves it open).
+        let _ = fd;
         with(|w| {
-            let Some(p) = w.pds.get(&pd.0) else {
-                return Err(w.bad(OP, pd, PD));
-            };
-            let ctx = p.ctx;
-            let max = w.limits_of(ctx).device.max_mr_size;
-            if len == 0 || addr == 0 || len as u64 > max || addr.checked_add(len).is_none() {
+            if !w.dmabuf {
                 return Err(Error::new(
-                    ErrorKind::InvalidArgument,
+                    ErrorKind::NotSupported,
                     OP,
-                    format!(
-                        "cannot register {addr:#x}+{len} (empty, null, or over max_mr_size {max})"
-                    ),
+                    "the device cannot register dma-bufs (EOPNOTSUPP)",
                 ));
             }
-            // libibverbs: remote write (or atomic) access needs local write.
-            if access & (access::REMOTE_WRITE | 8) != 0 && access & access::LOCAL_WRITE == 0 {
-                return Err(Error::new(
-                    ErrorKind::InvalidArgument,
-                    OP,
-                    format!("access {access:#x}: REMOTE_WRITE needs LOCAL_WRITE (EINVAL)"),
-                ));
-            }
-            let id = w.make(Some(ctx));
-            let lkey = w.fresh_key();
-            w.keys.insert(lkey, (id, false));
-            let rkey = w.fresh_key();
-            w.keys.insert(rkey, (id, true));
-            w.mrs.insert(
-                id,
-                MrObj {
-                    pd: pd.0,
-                    addr: addr as u64,
-                    len: len as u64,
-                    access,
-                    lkey,
-                    rkey,
-                },
-            );
-            Ok(Mr {
-                handle: Handle(id),
-                lkey,
-                rkey,
-            })
+            let mr = w.reg(OP, pd, iova as usize, len, access)?;
+            w.dmabuf_mrs += 1;
+            Ok(mr)
         })
     }
 

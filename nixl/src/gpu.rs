@@ -136,6 +136,10 @@ pub(crate) trait GpuDriver: Send + Sync + fmt::Debug {
         done: Box<dyn FnOnce(i32) + Send>,
     ) -> Result<()>;
 
+    /// A dma-buf file descriptor for `start..start+len` of `device`'s memory (both
+    /// aligned to the host page size by the caller).
+    fn dma_buf(&self, device: u32, start: u64, len: usize) -> Result<std::os::fd::OwnedFd>;
+
     /// Copy `len` bytes between device memories (the same device or two).
     ///
     /// # Safety
@@ -309,6 +313,57 @@ impl Drop for PinnedBuf {
             drop(block);
         }
     }
+}
+
+/// A range of device memory exported as a dma-buf, for registering it with an RDMA
+/// NIC (`ibv_reg_dmabuf_mr`: GPUDirect RDMA without the peer-memory kernel module).
+#[derive(Debug)]
+pub struct DmaBuf {
+    /// The dma-buf (closed when dropped; a NIC registration keeps its own reference).
+    pub fd: std::os::fd::OwnedFd,
+    /// Where the requested range starts in the dma-buf: the export covers whole host
+    /// pages around it, as the driver requires.
+    pub offset: u64,
+    /// The dma-buf's length.
+    pub len: usize,
+}
+
+/// Export `addr..addr + len` of `device`'s memory (memory nixl or a framework
+/// allocated) as a dma-buf.
+///
+/// # Errors
+/// As [`status`] without a GPU; [`ErrorKind::OutOfRange`] for an empty range or one
+/// past the address space; [`ErrorKind::NotSupported`] when the driver cannot export
+/// it (CUDA older than 11.7, or a GPU, driver or kernel without dma-buf support), with
+/// the driver's reason.
+pub fn dma_buf(device: u32, addr: u64, len: usize) -> Result<DmaBuf> {
+    const OP: &str = "export GPU memory as a dma-buf";
+    let page = crate::PAGE_SIZE as u64;
+    let start = addr - addr % page;
+    let end = addr
+        .checked_add(len as u64)
+        .and_then(|e| e.checked_next_multiple_of(page))
+        .filter(|_| len > 0)
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::OutOfRange,
+                OP,
+                format!("{addr:#x}+{len} is empty or past the address space"),
+            )
+        })?;
+    let span = usize::try_from(end - start).map_err(|_| {
+        Error::new(
+            ErrorKind::OutOfRange,
+            OP,
+            format!("{addr:#x}+{len} is too large"),
+        )
+    })?;
+    let fd = driver()?.dma_buf(device, start, span)?;
+    Ok(DmaBuf {
+        fd,
+        offset: addr - start,
+        len: span,
+    })
 }
 
 /// What a copy's completion callback and its future share.
@@ -732,6 +787,42 @@ impl GpuDriver for Cuda {
         Ok((ptr, Box::new(CudaPinned { ctx, ptr })))
     }
 
+    fn dma_buf(&self, device: u32, start: u64, len: usize) -> Result<std::os::fd::OwnedFd> {
+        const OP: &str = "export GPU memory as a dma-buf";
+        use cudarc::driver::sys;
+        self.bind(device)?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: `fd` is the int the driver writes the descriptor to; the range is
+        // only read by the driver (it checks it is device memory).
+        let r = unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                start,
+                len,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        };
+        if let Err(e) = r.result() {
+            return err(
+                ErrorKind::NotSupported,
+                OP,
+                format!(
+                    "{start:#x}+{len} on GPU {device}: cuMemGetHandleForAddressRange: {e:?} (dma-buf export needs CUDA 11.7+, a driver and kernel with dma-buf support, and memory from cuMemAlloc or cuMemCreate)"
+                ),
+            );
+        }
+        if fd < 0 {
+            return err(
+                ErrorKind::Backend,
+                OP,
+                format!("the driver returned descriptor {fd}"),
+            );
+        }
+        // SAFETY: the driver opened `fd` for us; nothing else owns it.
+        Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+    }
+
     unsafe fn copy_async(
         &self,
         device: u32,
@@ -894,6 +985,22 @@ impl GpuDriver for HostStandIn {
         Ok(())
     }
 
+    fn dma_buf(&self, device: u32, _start: u64, _len: usize) -> Result<std::os::fd::OwnedFd> {
+        self.bind(device)?;
+        // Host memory has no dma-buf: a descriptor of /dev/null stands in for one (the
+        // verbs test double registers the range by address and only checks the
+        // descriptor is open).
+        std::fs::File::open("/dev/null")
+            .map(std::os::fd::OwnedFd::from)
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Backend,
+                    "export GPU memory as a dma-buf",
+                    e.to_string(),
+                )
+            })
+    }
+
     unsafe fn copy_to_host(&self, _device: u32, src: u64, dst: *mut u8, len: usize) -> Result<()> {
         // SAFETY: the caller's contract; the "device" memory is host memory here.
         unsafe { std::ptr::copy(src as usize as *const u8, dst, len) };
@@ -1034,6 +1141,25 @@ mod tests {
                 .copy_to_pinned(0, PinnedBuf::new(8192).unwrap(), 8192)
                 .unwrap();
             assert_eq!(&b.await.unwrap()[..], &pattern(8192, 3)[..]);
+        }
+
+        /// The export covers whole host pages around the range; the offset says where
+        /// the range starts in it.
+        #[test]
+        fn dma_buf_covers_whole_pages() {
+            use_host_stand_in();
+            let d = super::super::dma_buf(0, 0x10_0000 + 100, 5000).unwrap();
+            assert_eq!((d.offset, d.len), (100, 8192));
+            let d = super::super::dma_buf(1, 0x10_0000, 4096).unwrap();
+            assert_eq!((d.offset, d.len), (0, 4096));
+            for (addr, len) in [(0x1000, 0), (u64::MAX - 10, 100)] {
+                let e = super::super::dma_buf(0, addr, len).unwrap_err();
+                assert_eq!(e.kind(), ErrorKind::OutOfRange, "{e}");
+            }
+            assert!(
+                super::super::dma_buf(2, 0x1000, 1).is_err(),
+                "GPU 2 does not exist"
+            );
         }
 
         #[tokio::test]

@@ -75,3 +75,26 @@ async fn zz_no_verbs_misuse() {
         );
     }
 }
+
+/// The VRAM cases with the core's **host stand-in** for GPU memory
+/// (`nixl::gpu::use_host_stand_in`, a test double too: device memory is host memory,
+/// registered through the double's `ibv_reg_dmabuf_mr`). It proves the ordering and
+/// lifetime rules hold for GPU registrations; GPUDirect RDMA runs only on hardware.
+mod gpu_stand_in {
+    use super::*;
+
+    const VERBS_DOUBLE_GPU: BackendUnderTest = BackendUnderTest {
+        name: "verbs (test double, GPU host stand-in)",
+        make: || {
+            nixl::gpu::use_host_stand_in();
+            (VERBS_DOUBLE.make)()
+        },
+        skip_case: |_| None,
+    };
+
+    conformance_tests!(VERBS_DOUBLE_GPU;
+        vram_transfers,
+        vram_notifications_after_data,
+        vram_lifetime,
+    );
+}
