@@ -85,8 +85,9 @@
 //!   runtime) and registers them for GPUDirect RDMA by dma-buf, and towards peers on
 //!   the same host it moves GPU memory by CUDA IPC. Registration binds the device's
 //!   primary context on the calling thread first, and without a GPU fails naming the
-//!   missing driver. Tested on the test double with the core's host stand-in for
-//!   device memory; **not yet run on a GPU**.
+//!   missing driver. Tested on the engine test double, with a test double of the
+//!   CUDA driver and with the core's host stand-in for device memory; **not yet run
+//!   on a GPU**.
 //! - **Not yet run on hardware.** The data path has not run against a real UCCL engine
 //!   (that needs an NVIDIA GPU and an RDMA NIC). What runs in CI: the symbol check
 //!   against the real wheel, the missing-driver error, the codecs, and the whole

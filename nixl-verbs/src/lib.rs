@@ -51,8 +51,8 @@
 //!   [`nixl::gpu::dma_buf`]), else as a device pointer through the peer-memory module
 //!   (`nvidia-peermem`); the NIC then reads and writes it directly (GPUDirect RDMA).
 //!   Where neither works, registration is [`ErrorKind::NotSupported`] naming both
-//!   failures. **Not yet run on a GPU**: tested on the test double with the core's
-//!   host stand-in for device memory.
+//!   failures. **Not yet run on a GPU**: tested on the verbs test double, with a test
+//!   double of the CUDA driver and with the core's host stand-in for device memory.
 //! - [`VerbsOptions::qps_per_peer`] RC queue pairs per peer (default 1). A transfer is
 //!   prepared once into work requests: segments that follow each other at the peer
 //!   share a request (a gather list on WRITE, a scatter list on READ) up to the queue

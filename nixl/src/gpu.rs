@@ -1,19 +1,23 @@
 //! GPU memory (VRAM): owned device buffers, and the copies between device and host
 //! memory the agent and host-staging backends make.
 //!
-//! **This module has not run on a GPU yet** (the machines it was built on have none);
-//! the paths without a driver, and everything above the device copies (on a host
-//! stand-in, see below), are tested.
+//! **This module has not run on a GPU yet** (the machines it was built on have none).
+//! Tested: the paths without a driver; every driver call this module makes, against a
+//! test double of the CUDA driver library loaded through `NIXL_CUDA_LIB`
+//! (`nixl-testkit`'s `fake_cuda`: host memory, copies and callbacks on threads of its
+//! own, aborting on misuse); and everything above the device copies on a host
+//! stand-in (see below).
 //!
 //! # Driver
 //! CUDA's driver (`libcuda.so.1`, from the NVIDIA driver package) is loaded at run
-//! time; nothing CUDA is needed to build. cudarc, which makes the calls, panics when
-//! it cannot load the driver, so the driver is checked first through the core's own
-//! loader: the library opens, its version is at least CUDA 12.0 (what the bindings
-//! are made for), `cuInit` succeeds and a device exists. Any of these missing is an
-//! error value naming it ([`ErrorKind::UnavailableLibrary`] without the library,
-//! [`ErrorKind::NotSupported`] otherwise), checked once per process; no VRAM call
-//! reaches cudarc before it passed. `NIXL_CUDA_LIB` names another driver library.
+//! time; nothing CUDA is needed to build. The driver is checked first through the
+//! core's own loader: the library opens, its version is at least CUDA 12.0 (what the
+//! bindings are made for), `cuInit` succeeds and a device exists. Any of these
+//! missing is an error value naming it ([`ErrorKind::UnavailableLibrary`] without the
+//! library, [`ErrorKind::NotSupported`] otherwise), checked once per process. Only
+//! then are cudarc's declarations of the driver API bound, to that same library
+//! (`NIXL_CUDA_LIB` names another one, and it is the one used): cudarc's own loader,
+//! which searches its own list of names and panics on a miss, is never used.
 //!
 //! # Contexts
 //! Every call binds the device's **primary** context (the one CUDA runtime users such
@@ -59,6 +63,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll, Waker};
+
+use cudarc::driver::sys;
 
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::native::NativeLibrary;
@@ -530,26 +536,43 @@ pub(crate) unsafe fn start_copy(
     })
 }
 
-fn driver_error(op: &'static str, e: cudarc::driver::DriverError) -> Error {
-    Error::new(ErrorKind::Backend, op, format!("CUDA: {e:?}"))
+/// A driver call's result as an error (the result's name only: formatting it makes no
+/// driver call).
+fn cu(op: &'static str, r: sys::CUresult) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        err(ErrorKind::Backend, op, format!("CUDA: {r:?}"))
+    }
 }
 
-/// The CUDA driver, through cudarc, after the pre-check.
+/// The CUDA driver after the pre-check, called through cudarc's declarations bound to
+/// the library the check opened (never through cudarc's own loader, which searches
+/// its own list of names and panics on a miss).
 struct Cuda {
+    lib: sys::Lib,
     driver: String,
     devices: u32,
-    contexts: Mutex<HashMap<u32, Arc<cudarc::driver::CudaContext>>>,
+    /// Each device's primary context, retained once and kept for the process.
+    contexts: Mutex<HashMap<u32, PrimaryCtx>>,
     /// The staging copies' streams, created on first use and kept for the process.
     streams: Mutex<HashMap<(u32, Direction), Stream>>,
 }
 
 /// A CUDA stream handle.
 #[derive(Clone, Copy)]
-struct Stream(cudarc::driver::sys::CUstream);
+struct Stream(sys::CUstream);
 
 // SAFETY: a CUstream is an opaque driver handle; the driver API is thread-safe and a
 // stream may be used from any thread that has its context current.
 unsafe impl Send for Stream {}
+
+/// A primary context handle.
+#[derive(Clone, Copy)]
+struct PrimaryCtx(sys::CUcontext);
+
+// SAFETY: a CUcontext is an opaque driver handle, current on any thread that sets it.
+unsafe impl Send for PrimaryCtx {}
 
 impl fmt::Debug for Cuda {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -565,8 +588,8 @@ type CuInit = unsafe extern "C" fn(std::ffi::c_uint) -> std::ffi::c_int;
 type CuDeviceGetCount = unsafe extern "C" fn(*mut std::ffi::c_int) -> std::ffi::c_int;
 
 impl Cuda {
-    /// Check the driver without cudarc (which panics where it cannot load it), then
-    /// hand over to cudarc.
+    /// Check the driver through the core's loader, then bind cudarc's declarations to
+    /// the same library.
     fn probe() -> Result<Self> {
         const OP: &str = "open the CUDA driver";
         let (name, from_env) = match std::env::var(ENV_LIB) {
@@ -644,7 +667,26 @@ impl Cuda {
                 format!("{path}: no CUDA device (cuDeviceGetCount: {n}, result {r})"),
             );
         }
+        // cudarc's binding resolves every call of the CUDA 12.0 driver API and panics
+        // on a missing one; a 12.0+ driver (checked above) has them all.
+        let bound = std::panic::catch_unwind(|| {
+            // SAFETY: the library is the CUDA driver checked above; `from_library`
+            // only resolves symbols, with the declarations of cuda.h.
+            unsafe { libloading::Library::new(&name).and_then(|l| sys::Lib::from_library(l)) }
+        });
+        let lib = match bound {
+            Ok(Ok(lib)) => lib,
+            Ok(Err(e)) => return err(ErrorKind::UnavailableLibrary, OP, format!("{path}: {e}")),
+            Err(_) => {
+                return err(
+                    ErrorKind::NotSupported,
+                    OP,
+                    format!("{path} lacks calls of the CUDA 12.0 driver API"),
+                )
+            }
+        };
         Ok(Self {
+            lib,
             driver: format!(
                 "CUDA driver {}.{} ({path})",
                 version / 1000,
@@ -656,23 +698,9 @@ impl Cuda {
         })
     }
 
-    /// The stream of `device`'s staging copies going `dir` (the device's context must
-    /// be current). Non-blocking: it does not wait for work on the default stream.
-    fn stream(&self, device: u32, dir: Direction) -> Result<Stream> {
-        let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(s) = streams.get(&(device, dir)) {
-            return Ok(*s);
-        }
-        let s = cudarc::driver::result::stream::create(
-            cudarc::driver::result::stream::StreamKind::NonBlocking,
-        )
-        .map_err(|e| driver_error("create a CUDA stream", e))?;
-        streams.insert((device, dir), Stream(s));
-        Ok(Stream(s))
-    }
-
-    /// The primary context of `device`, retained once per process.
-    fn context(&self, device: u32) -> Result<Arc<cudarc::driver::CudaContext>> {
+    /// The primary context of `device` (the one the CUDA runtime and frameworks
+    /// use), retained once per process.
+    fn context(&self, device: u32) -> Result<PrimaryCtx> {
         const OP: &str = "CUDA context";
         if device >= self.devices {
             return err(
@@ -681,59 +709,96 @@ impl Cuda {
                 format!("GPU {device} does not exist ({} visible)", self.devices),
             );
         }
-        let mut ctxs = self.contexts.lock().unwrap();
+        let mut ctxs = self.contexts.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(c) = ctxs.get(&device) {
-            return Ok(c.clone());
+            return Ok(*c);
         }
-        let c =
-            cudarc::driver::CudaContext::new(device as usize).map_err(|e| driver_error(OP, e))?;
-        ctxs.insert(device, c.clone());
-        Ok(c)
+        let mut dev: sys::CUdevice = 0;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: out-parameters of the declared types; the driver is initialised.
+        unsafe {
+            cu(
+                OP,
+                (self.lib.cuDeviceGet)(&mut dev, device as std::ffi::c_int),
+            )?;
+            cu(OP, (self.lib.cuDevicePrimaryCtxRetain)(&mut ctx, dev))?;
+        }
+        ctxs.insert(device, PrimaryCtx(ctx));
+        Ok(PrimaryCtx(ctx))
+    }
+
+    /// The stream of `device`'s staging copies going `dir` (the device's context must
+    /// be current). Non-blocking: it does not wait for work on the default stream.
+    fn stream(&self, device: u32, dir: Direction) -> Result<Stream> {
+        let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = streams.get(&(device, dir)) {
+            return Ok(*s);
+        }
+        let mut s: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: an out-parameter of the declared type; the context is current.
+        cu("create a CUDA stream", unsafe {
+            (self.lib.cuStreamCreate)(
+                &mut s,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as std::ffi::c_uint,
+            )
+        })?;
+        streams.insert((device, dir), Stream(s));
+        Ok(Stream(s))
+    }
+
+    /// The process's CUDA driver, for freeing (it lives as long as the process).
+    fn get() -> Option<Arc<Self>> {
+        CUDA.get().and_then(|c| c.as_ref().ok()).cloned()
     }
 }
 
 /// Device memory from `cuMemAlloc`, freed on drop (its context bound first).
 struct CudaAlloc {
-    ctx: Arc<cudarc::driver::CudaContext>,
+    device: u32,
     ptr: u64,
 }
 
 impl Drop for CudaAlloc {
     fn drop(&mut self) {
-        let freed = self.ctx.bind_to_thread().and_then(|()| {
+        let Some(cuda) = Cuda::get() else { return };
+        let freed = cuda.bind(self.device).and_then(|()| {
             // SAFETY: `ptr` came from cuMemAlloc in this context and nothing uses it
             // any more (the memory's last holder lets go).
-            unsafe { cudarc::driver::result::free_sync(self.ptr) }
+            cu("free GPU memory", unsafe {
+                (cuda.lib.cuMemFree_v2)(self.ptr)
+            })
         });
         if let Err(e) = freed {
-            tracing::warn!(error = ?e, "freeing GPU memory failed");
+            tracing::warn!(error = %e, "freeing GPU memory failed");
         }
     }
 }
 
 /// Page-locked host memory from `cuMemHostAlloc`, freed on drop.
 struct CudaPinned {
-    ctx: Arc<cudarc::driver::CudaContext>,
     ptr: usize,
 }
 
 impl Drop for CudaPinned {
     fn drop(&mut self) {
-        let freed = self.ctx.bind_to_thread().and_then(|()| {
+        let Some(cuda) = Cuda::get() else { return };
+        let freed = cuda.bind(0).and_then(|()| {
             // SAFETY: `ptr` came from cuMemHostAlloc and nothing uses it any more (its
             // PinnedBuf let go, with no copy in flight).
-            unsafe { cudarc::driver::result::free_host(self.ptr as *mut std::ffi::c_void) }
+            cu("free page-locked memory", unsafe {
+                (cuda.lib.cuMemFreeHost)(self.ptr as *mut std::ffi::c_void)
+            })
         });
         if let Err(e) = freed {
-            tracing::warn!(error = ?e, "freeing page-locked memory failed");
+            tracing::warn!(error = %e, "freeing page-locked memory failed");
         }
     }
 }
 
 /// The stream callback of [`GpuDriver::copy_async`]: hands the status to `done`.
 unsafe extern "C" fn copy_done(
-    _stream: cudarc::driver::sys::CUstream,
-    status: cudarc::driver::sys::CUresult,
+    _stream: sys::CUstream,
+    status: sys::CUresult,
     data: *mut std::ffi::c_void,
 ) {
     // SAFETY: `data` is the box `copy_async` leaked for exactly this one callback.
@@ -750,52 +815,54 @@ impl GpuDriver for Cuda {
     }
 
     fn bind(&self, device: u32) -> Result<()> {
-        self.context(device)?
-            .bind_to_thread()
-            .map_err(|e| driver_error("bind a CUDA context", e))
+        const OP: &str = "bind a CUDA context";
+        let PrimaryCtx(ctx) = self.context(device)?;
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: an out-parameter of the declared type; `ctx` is a retained primary
+        // context.
+        unsafe {
+            cu(OP, (self.lib.cuCtxGetCurrent)(&mut current))?;
+            if current != ctx {
+                cu(OP, (self.lib.cuCtxSetCurrent)(ctx))?;
+            }
+        }
+        Ok(())
     }
 
-    fn alloc(
-        &self,
-        device: u32,
-        len: usize,
-    ) -> Result<(u64, Box<dyn std::any::Any + Send + Sync>)> {
+    fn alloc(&self, device: u32, len: usize) -> Result<(u64, Box<dyn Any + Send + Sync>)> {
         const OP: &str = "allocate GPU memory";
-        let ctx = self.context(device)?;
-        ctx.bind_to_thread().map_err(|e| driver_error(OP, e))?;
+        self.bind(device)?;
+        let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: a plain cuMemAlloc of `len` bytes in the bound context; the pointer
         // is owned by the CudaAlloc returned, which frees it.
-        let ptr =
-            unsafe { cudarc::driver::result::malloc_sync(len) }.map_err(|e| driver_error(OP, e))?;
-        Ok((ptr, Box::new(CudaAlloc { ctx, ptr })))
+        cu(OP, unsafe {
+            (self.lib.cuMemAlloc_v2)(&mut ptr, len.max(1))
+        })?;
+        Ok((ptr, Box::new(CudaAlloc { device, ptr })))
     }
 
     fn alloc_pinned(&self, len: usize) -> Result<(usize, Box<dyn Any + Send + Sync>)> {
         const OP: &str = "allocate page-locked memory";
         // Any context will do: portable memory is pinned for every context.
-        let ctx = self.context(0)?;
-        ctx.bind_to_thread().map_err(|e| driver_error(OP, e))?;
+        self.bind(0)?;
+        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
         // SAFETY: a plain cuMemHostAlloc of `len` bytes; the CudaPinned returned owns
         // and frees it.
-        let ptr = unsafe {
-            cudarc::driver::result::malloc_host(
-                len.max(1),
-                cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
-            )
-        }
-        .map_err(|e| driver_error(OP, e))? as usize;
-        Ok((ptr, Box::new(CudaPinned { ctx, ptr })))
+        cu(OP, unsafe {
+            (self.lib.cuMemHostAlloc)(&mut ptr, len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE)
+        })?;
+        let ptr = ptr as usize;
+        Ok((ptr, Box::new(CudaPinned { ptr })))
     }
 
     fn dma_buf(&self, device: u32, start: u64, len: usize) -> Result<std::os::fd::OwnedFd> {
         const OP: &str = "export GPU memory as a dma-buf";
-        use cudarc::driver::sys;
         self.bind(device)?;
         let mut fd: std::ffi::c_int = -1;
         // SAFETY: `fd` is the int the driver writes the descriptor to; the range is
         // only read by the driver (it checks it is device memory).
         let r = unsafe {
-            sys::cuMemGetHandleForAddressRange(
+            (self.lib.cuMemGetHandleForAddressRange)(
                 (&mut fd as *mut std::ffi::c_int).cast(),
                 start,
                 len,
@@ -803,12 +870,12 @@ impl GpuDriver for Cuda {
                 0,
             )
         };
-        if let Err(e) = r.result() {
+        if r != sys::CUresult::CUDA_SUCCESS {
             return err(
                 ErrorKind::NotSupported,
                 OP,
                 format!(
-                    "{start:#x}+{len} on GPU {device}: cuMemGetHandleForAddressRange: {e:?} (dma-buf export needs CUDA 11.7+, a driver and kernel with dma-buf support, and memory from cuMemAlloc or cuMemCreate)"
+                    "{start:#x}+{len} on GPU {device}: cuMemGetHandleForAddressRange: {r:?} (dma-buf export needs CUDA 11.7+, a driver and kernel with dma-buf support, and memory from cuMemAlloc or cuMemCreate)"
                 ),
             );
         }
@@ -835,30 +902,32 @@ impl GpuDriver for Cuda {
         const OP: &str = "start a GPU copy";
         self.bind(device)?;
         let Stream(stream) = self.stream(device, dir)?;
-        use cudarc::driver::sys;
         // SAFETY: the caller's contract: device memory at `dev`, page-locked host
         // memory at `host`, `len` bytes each, alive until `done` runs.
-        let queued = unsafe {
+        cu(OP, unsafe {
             match dir {
-                Direction::ToHost => sys::cuMemcpyDtoHAsync_v2(host.cast(), dev, len, stream),
-                Direction::ToDevice => sys::cuMemcpyHtoDAsync_v2(dev, host.cast(), len, stream),
+                Direction::ToHost => (self.lib.cuMemcpyDtoHAsync_v2)(host.cast(), dev, len, stream),
+                Direction::ToDevice => {
+                    (self.lib.cuMemcpyHtoDAsync_v2)(dev, host.cast(), len, stream)
+                }
             }
-        };
-        queued.result().map_err(|e| driver_error(OP, e))?;
+        })?;
         let data: *mut Box<dyn FnOnce(i32) + Send> = Box::into_raw(Box::new(done));
         // SAFETY: `copy_done` has the callback's signature and takes back `data`, which
         // the driver passes to it exactly once.
-        let added = unsafe { sys::cuStreamAddCallback(stream, Some(copy_done), data.cast(), 0) };
-        if let Err(e) = added.result() {
+        let added = cu(OP, unsafe {
+            (self.lib.cuStreamAddCallback)(stream, Some(copy_done), data.cast(), 0)
+        });
+        if let Err(e) = added {
             // Nothing will report the queued copy: wait for it here, so the memory
             // the caller holds may go when this returns.
             // SAFETY: the callback was not added, so `data` is still ours; the stream
             // is live (never destroyed).
             unsafe {
                 drop(Box::from_raw(data));
-                let _ = cudarc::driver::result::stream::synchronize(stream);
+                let _ = (self.lib.cuStreamSynchronize)(stream);
             }
-            return Err(driver_error(OP, e));
+            return Err(e);
         }
         Ok(())
     }
@@ -867,9 +936,9 @@ impl GpuDriver for Cuda {
         self.bind(device)?;
         // SAFETY: the caller's contract: device memory at `src`, host memory at `dst`,
         // `len` bytes each, alive for the (synchronous) copy.
-        unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(dst.cast(), src, len) }
-            .result()
-            .map_err(|e| driver_error("copy GPU memory to the host", e))
+        cu("copy GPU memory to the host", unsafe {
+            (self.lib.cuMemcpyDtoH_v2)(dst.cast(), src, len)
+        })
     }
 
     unsafe fn copy_from_host(
@@ -881,9 +950,9 @@ impl GpuDriver for Cuda {
     ) -> Result<()> {
         self.bind(device)?;
         // SAFETY: as in `copy_to_host`, the other way round.
-        unsafe { cudarc::driver::sys::cuMemcpyHtoD_v2(dst, src.cast(), len) }
-            .result()
-            .map_err(|e| driver_error("copy host memory to the GPU", e))
+        cu("copy host memory to the GPU", unsafe {
+            (self.lib.cuMemcpyHtoD_v2)(dst, src.cast(), len)
+        })
     }
 
     unsafe fn device_to_device(
@@ -901,9 +970,9 @@ impl GpuDriver for Cuda {
         }
         // SAFETY: both ranges are device memory alive for the call (the caller's
         // contract); with unified addressing cuMemcpy finds their devices itself.
-        unsafe { cudarc::driver::sys::cuMemcpy(dst, src, len) }
-            .result()
-            .map_err(|e| driver_error("copy between GPU buffers", e))
+        cu("copy between GPU buffers", unsafe {
+            (self.lib.cuMemcpy)(dst, src, len)
+        })
     }
 }
 

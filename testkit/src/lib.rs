@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 pub mod elf;
 #[cfg(feature = "etcd")]
 pub mod etcd;
+pub mod fake_cuda;
 
 /// A TCP port on 127.0.0.1 that was free a moment ago (for a server a test starts
 /// in another process).
