@@ -349,14 +349,7 @@ impl RegionSlice {
         buf: crate::gpu::PinnedBuf,
         n: usize,
     ) -> Result<crate::gpu::GpuCopy> {
-        let off = self.range(at, n, "stage registered memory")?;
-        self.region.inner.mem.stage(
-            off,
-            crate::gpu::Direction::ToHost,
-            buf,
-            n,
-            Box::new(self.clone()),
-        )
+        self.stage(crate::gpu::Direction::ToHost, at, buf, n)
     }
 
     /// Start copying the first `n` bytes of `buf` into the slice at `at`: the other
@@ -371,14 +364,23 @@ impl RegionSlice {
         buf: crate::gpu::PinnedBuf,
         n: usize,
     ) -> Result<crate::gpu::GpuCopy> {
+        self.stage(crate::gpu::Direction::ToDevice, at, buf, n)
+    }
+
+    /// Start a staging copy of `at..at+n` of the slice; the copy holds a reference to
+    /// this slice, keeping its memory alive until it has finished.
+    fn stage(
+        &self,
+        dir: crate::gpu::Direction,
+        at: usize,
+        buf: crate::gpu::PinnedBuf,
+        n: usize,
+    ) -> Result<crate::gpu::GpuCopy> {
         let off = self.range(at, n, "stage registered memory")?;
-        self.region.inner.mem.stage(
-            off,
-            crate::gpu::Direction::ToDevice,
-            buf,
-            n,
-            Box::new(self.clone()),
-        )
+        self.region
+            .inner
+            .mem
+            .stage(off, dir, buf, n, Box::new(self.clone()))
     }
 
     /// Copy all of `src` into this slice (`memmove`: the two may overlap).
