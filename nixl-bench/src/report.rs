@@ -7,7 +7,7 @@ use std::io::{self, Write};
 use nixl::Op;
 use serde::Serialize;
 
-use crate::cli::{Format, Sweep, Timeouts, LARGE_BLOCK_SIZE};
+use crate::cli::{Format, SegType, Sweep, Timeouts, LARGE_BLOCK_SIZE};
 use crate::progress::Progress;
 use crate::stats::Row;
 
@@ -247,6 +247,17 @@ fn write_header(out: &mut impl Write, run: &RunInfo) -> io::Result<()> {
             seg(s.target_seg_type)
         ),
     )?;
+    if [s.initiator_seg_type, s.target_seg_type].contains(&SegType::Vram) {
+        line(
+            out,
+            "GPU",
+            format!(
+                "device {}; on the initiator's host: {}",
+                s.device_id,
+                nixl::gpu::status().map_or_else(|e| e.to_string(), |g| g.driver)
+            ),
+        )?;
+    }
     line(
         out,
         "Sweep",
@@ -284,11 +295,14 @@ fn write_header(out: &mut impl Write, run: &RunInfo) -> io::Result<()> {
         out,
         "Buffer",
         format!(
-            "{} per side, {} memory; consistency check {}; preset {}",
+            "{} per side, {}; consistency check {}; preset {}",
             human_size(s.total_buffer_size),
-            match s.memory {
-                crate::cli::MemSource::Host => "host",
-                crate::cli::MemSource::Backend => "backend (Agent::alloc)",
+            match (s.initiator_seg_type, s.target_seg_type, s.memory) {
+                (SegType::Vram, SegType::Vram, _) => "GPU memory (cuMemAlloc)",
+                (SegType::Vram, SegType::Dram, _) | (SegType::Dram, SegType::Vram, _) =>
+                    "GPU memory (cuMemAlloc) on the VRAM side, host memory on the other",
+                (_, _, crate::cli::MemSource::Host) => "host memory",
+                (_, _, crate::cli::MemSource::Backend) => "backend (Agent::alloc) memory",
             },
             if s.check_consistency { "on" } else { "off" },
             s.preset

@@ -65,8 +65,13 @@ fn bench() -> Command {
 
 /// Run to completion within [`HANG`].
 fn run(args: &[&str]) -> Output {
-    let mut child = bench()
-        .args(args)
+    run_cmd(bench().args(args))
+}
+
+/// Run `cmd` (a [`bench`] command) to completion within [`HANG`].
+fn run_cmd(cmd: &mut Command) -> Output {
+    let args: Vec<_> = cmd.get_args().map(|a| a.to_owned()).collect();
+    let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -390,7 +395,7 @@ fn vram_without_a_gpu_names_the_driver() {
         );
         return;
     }
-    let out = run(&[
+    let out = run_cmd(bench().env_remove("NIXL_CUDA_LIB").args([
         "--initiator-seg-type",
         "VRAM",
         "--target-seg-type",
@@ -401,10 +406,61 @@ fn vram_without_a_gpu_names_the_driver() {
         "4",
         "--warmup-iter",
         "1",
-    ]);
+    ]));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("libcuda.so.1"), "{stderr}");
+}
+
+/// The bench's VRAM path end to end (the target in a child process, WRITE and READ,
+/// checked byte for byte) through nixl's real CUDA calls, bound to the CUDA driver
+/// **test double** (`nixl_testkit::fake_cuda`, through `NIXL_CUDA_LIB`). It proves the
+/// bench and nixl drive the driver API correctly, not a GPU.
+#[test]
+fn vram_sweep_through_the_driver_double() {
+    let lib = match nixl_testkit::fake_cuda::library() {
+        Ok(l) => l,
+        Err(e) => return skip("vram_sweep_through_the_driver_double", e),
+    };
+    let out = run_cmd(bench().env("NIXL_CUDA_LIB", &lib).args([
+        "--initiator-seg-type",
+        "VRAM",
+        "--target-seg-type",
+        "VRAM",
+        "--device-id",
+        "1",
+        "--op-type",
+        "WRITE,READ",
+        "--check-consistency",
+        "--start-block-size",
+        "4K",
+        "--max-block-size",
+        "8M",
+        "--num-iter",
+        "8",
+        "--warmup-iter",
+        "1",
+    ]));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("initiator VRAM -> target VRAM"), "{stdout}");
+    assert!(
+        stdout.contains("nixl-fake-cuda"),
+        "the GPU line names the driver: {stdout}"
+    );
+    // 4 KiB to 8 MiB is 12 points per op, each checked.
+    let rows = stdout
+        .lines()
+        .filter(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|w| w.parse::<u64>().is_ok())
+        })
+        .count();
+    assert_eq!(rows, 24, "{stdout}");
 }
 
 #[cfg(feature = "etcd")]

@@ -839,7 +839,7 @@ impl Task {
                 match same_host::Peer::open(&offer) {
                     Ok(p) => {
                         let path = match p.cma_refused() {
-                            None => "same-host: shared memory for Agent::alloc memory, cross-memory attach for the rest; TCP for notifications".to_owned(),
+                            None => "same-host: shared memory for Agent::alloc memory, cross-memory attach for other host memory, TCP for GPU memory and notifications".to_owned(),
                             Some(why) => format!("same-host: shared memory for Agent::alloc memory, TCP for the rest ({why})"),
                         };
                         if let Some(why) = p.cma_refused() {
