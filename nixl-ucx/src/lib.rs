@@ -587,17 +587,24 @@ impl Backend for UcxBackend {
         self.inner.address.clone()
     }
 
+    fn unsupported_reason(&self, kind: MemKind) -> Option<String> {
+        match kind {
+            MemKind::Vram { .. } if !self.inner.cuda => Some(format!(
+                "the bound UCX ({}) has no CUDA support (its cuda_copy transport did not load, or no GPU is visible to it); Debian's UCX has none, the PyPI wheel libucx-cu12 has (NIXL_UCX_LIB)",
+                self.inner.report.version_string()
+            )),
+            _ => None,
+        }
+    }
+
     fn register(&self, region: &RegionRef) -> Result<Bytes> {
         const OP: &str = "ucx register";
         if let MemKind::Vram { device } = region.kind() {
-            if !self.inner.cuda {
+            if let Some(why) = self.unsupported_reason(region.kind()) {
                 return Err(Error::new(
                     ErrorKind::NotSupported,
                     OP,
-                    format!(
-                        "VRAM on device {device}: the bound UCX ({}) has no CUDA support (its cuda_copy transport did not load, or no GPU is visible to it); Debian's UCX has none, the PyPI wheel libucx-cu12 has (NIXL_UCX_LIB)",
-                        self.inner.report.version_string()
-                    ),
+                    format!("VRAM on device {device}: {why}"),
                 ));
             }
             // ucp_mem_map queries the pointer in the context current on this thread.

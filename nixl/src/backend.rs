@@ -540,6 +540,14 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// What this backend can do.
     fn capabilities(&self) -> Capabilities;
 
+    /// Why this backend does not take `kind` memory, when its capabilities say it
+    /// does not and it knows why (a library built without GPU support): the agent
+    /// adds it to the error of a registration no backend takes. Default: `None`.
+    fn unsupported_reason(&self, kind: MemKind) -> Option<String> {
+        let _ = kind;
+        None
+    }
+
     /// Called once when attached to an agent: start listeners and progress tasks here,
     /// through the context's tracker.
     async fn start(&self, ctx: BackendContext) -> Result<()>;

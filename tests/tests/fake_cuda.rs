@@ -113,3 +113,34 @@ mod uccl_double {
 
     conformance_tests!(UCCL_FAKE_CUDA; vram_transfers, vram_lifetime);
 }
+
+/// A GPU registration no attached backend takes says why, in the backend's words
+/// (here nixl-ucx bound to a UCX without CUDA support, such as Debian's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsupported_gpu_memory_says_why() {
+    const CASE: &str = "unsupported_gpu_memory_says_why";
+    if let Err(e) = use_fake_driver() {
+        return nixl_testkit::skip(CASE, e);
+    }
+    let ucx = match nixl_ucx::UcxBackend::new() {
+        Ok(b) => b,
+        Err(e) => return nixl_testkit::skip(CASE, format!("no UCX: {e}")),
+    };
+    if nixl::Backend::capabilities(&ucx).vram {
+        return nixl_testkit::skip(CASE, "the bound UCX has CUDA support");
+    }
+    let a = nixl::Agent::builder("a")
+        .backend(ucx)
+        .build()
+        .await
+        .unwrap();
+    let e = a
+        .register(nixl::Memory::vram(0, 4096).unwrap())
+        .unwrap_err();
+    assert_eq!(e.kind(), nixl::ErrorKind::NotSupported, "{e}");
+    let text = e.to_string();
+    assert!(text.contains("no attached backend supports VRAM"), "{text}");
+    assert!(text.contains("ucx: the bound UCX"), "{text}");
+    assert!(text.contains("no CUDA support"), "{text}");
+    assert!(a.shutdown().await.is_clean());
+}

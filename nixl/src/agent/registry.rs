@@ -97,17 +97,27 @@ impl Agent {
             return err(ErrorKind::ZeroLength, OP, "cannot register zero bytes");
         }
         let kind = mem.kind();
-        let chosen = self.backend_order(options.backends.as_deref(), OP)?;
-        let chosen: Vec<usize> = chosen
-            .into_iter()
+        let order = self.backend_order(options.backends.as_deref(), OP)?;
+        let chosen: Vec<usize> = order
+            .iter()
+            .copied()
             .filter(|&i| self.shared.caps[i].supports(kind))
             .collect();
         if chosen.is_empty() {
+            // What the backends say about it, where they know why.
+            let why: String = order
+                .iter()
+                .filter_map(|&i| {
+                    let b = &self.shared.backends[i];
+                    b.unsupported_reason(kind)
+                        .map(|r| format!("; {}: {r}", b.name()))
+                })
+                .collect();
             return err(
                 ErrorKind::NotSupported,
                 OP,
                 format!(
-                    "no attached backend supports {kind} memory (backends: {:?})",
+                    "no attached backend supports {kind} memory (backends: {:?}){why}",
                     self.backends()
                 ),
             );
