@@ -28,7 +28,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio_util::sync::CancellationToken;
 
-use crate::io::{recv_slice, send_slice, IO_BUF};
+use crate::io::{recv_slices, send_slices, IO_BUF};
 use crate::runs::local_blocks;
 use crate::same_host::{self, Direct, SameHost, Unsuitable};
 use crate::wire::{self, RequestHeader, ResponseHeader};
@@ -997,9 +997,7 @@ impl Task {
                 w.write_all(head).await?;
                 w.write_all(&table).await?;
                 w.write_all(notif).await?;
-                for seg in local_blocks(&local) {
-                    send_slice(w, &seg, scratch).await?;
-                }
+                send_slices(w, local_blocks(&local), scratch).await?;
                 // Payload sent: hand the completer to the table (or finish it, if the
                 // answer already came).
                 let done = self.held.take().expect("held during the payload");
@@ -1170,10 +1168,8 @@ async fn read_loop(rd: OwnedReadHalf, peer: &str, table: &Mutex<Table>, held: &H
                     return protocol("data length mismatch".into());
                 }
                 held.put(done);
-                for seg in local_blocks(&segs) {
-                    if let Err(e) = recv_slice(&mut r, &seg).await {
-                        return lost(e);
-                    }
+                if let Err(e) = recv_slices(&mut r, local_blocks(&segs)).await {
+                    return lost(e);
                 }
                 let done = held.take().expect("held during the data");
                 // The ACK follows; park the request again.

@@ -35,15 +35,12 @@ fn io_err(e: nixl::Error) -> io::Error {
 /// application's work on the device.
 pub(crate) const STAGE_CHUNK: usize = 4 << 20;
 
-/// Write all of `s` to `w` (after whatever `w` holds).
-pub(crate) async fn send_slice(
+/// Write all of host slice `s` to `w` (after whatever `w` holds).
+async fn send_host(
     w: &mut BufWriter<OwnedWriteHalf>,
     s: &RegionSlice,
     scratch: &mut Vec<u8>,
 ) -> io::Result<()> {
-    if s.kind() != MemKind::Dram {
-        return send_staged(w, s).await;
-    }
     if s.len() <= SMALL {
         scratch.resize(s.len(), 0);
         s.read_into(0, scratch).map_err(io_err)?;
@@ -62,15 +59,8 @@ pub(crate) async fn send_slice(
     .await
 }
 
-/// Fill all of `s` from `r` (buffered bytes first). GPU memory is filled through host
-/// buffers; it holds the data when this returns (every copy finished).
-pub(crate) async fn recv_slice(
-    r: &mut BufReader<OwnedReadHalf>,
-    s: &RegionSlice,
-) -> io::Result<()> {
-    if s.kind() != MemKind::Dram {
-        return recv_staged(r, s).await;
-    }
+/// Fill all of host slice `s` from `r` (buffered bytes first).
+async fn recv_host(r: &mut BufReader<OwnedReadHalf>, s: &RegionSlice) -> io::Result<()> {
     let mut at = 0;
     while at < s.len() {
         let buffered = r.buffer();
@@ -132,6 +122,11 @@ pub(crate) fn stage_chunks(len: usize, chunk: usize) -> impl Iterator<Item = (us
     (0..len.div_ceil(chunk)).map(move |k| (k * chunk, chunk.min(len - k * chunk)))
 }
 
+/// Device copies one staged run of slices keeps in flight ahead of (sending) or
+/// behind (receiving) the socket, at most, and the bytes they may hold.
+const STAGE_WINDOW_COPIES: usize = 16;
+const STAGE_WINDOW_BYTES: usize = 16 << 20;
+
 /// A staging buffer of `n` bytes (page-locked, from the process's pool).
 fn pinned(n: usize) -> io::Result<PinnedBuf> {
     PinnedBuf::new(n).map_err(io_err)
@@ -141,51 +136,103 @@ async fn finish(c: GpuCopy) -> io::Result<PinnedBuf> {
     c.await.map_err(io::Error::other)
 }
 
-/// Send GPU memory through page-locked buffers: chunk `k + 1` is copied to the host
-/// (asynchronously, on the GPU's copy engine) while chunk `k` is written to the
-/// socket.
-async fn send_staged(w: &mut BufWriter<OwnedWriteHalf>, s: &RegionSlice) -> io::Result<()> {
-    let chunks: Vec<(usize, usize)> = stage_chunks(s.len(), STAGE_CHUNK).collect();
-    let Some(&(at, n)) = chunks.first() else {
-        return Ok(());
-    };
-    let size = STAGE_CHUNK.min(s.len());
-    let mut copying = Some(s.copy_to_pinned(at, pinned(size)?, n).map_err(io_err)?);
-    let mut spare = None;
-    for (k, &(_, n)) in chunks.iter().enumerate() {
-        let buf = finish(copying.take().expect("one copy per chunk")).await?;
-        if let Some(&(at, next)) = chunks.get(k + 1) {
-            let b = match spare.take() {
-                Some(b) => b,
-                None => pinned(size)?,
-            };
-            copying = Some(s.copy_to_pinned(at, b, next).map_err(io_err)?);
-        }
-        w.write_all(&buf[..n]).await?;
-        spare = Some(buf);
-    }
-    Ok(())
+/// One piece of a run of slices, in wire order: host memory goes as it is, GPU
+/// memory in chunks of at most [`STAGE_CHUNK`].
+enum Piece {
+    Host(RegionSlice),
+    Gpu(RegionSlice, usize, usize),
 }
 
-/// Receive into GPU memory through page-locked buffers: chunk `k` is copied to the
-/// device while chunk `k + 1` is read from the socket. Every copy has finished, and
-/// the bytes are in device memory, when this returns.
-async fn recv_staged(r: &mut BufReader<OwnedReadHalf>, s: &RegionSlice) -> io::Result<()> {
-    let size = STAGE_CHUNK.min(s.len());
-    let mut copying: Option<GpuCopy> = None;
-    let mut spare = None;
-    for (at, n) in stage_chunks(s.len(), STAGE_CHUNK) {
-        let mut buf = match spare.take() {
-            Some(b) => b,
-            None => pinned(size)?,
-        };
-        r.read_exact(&mut buf[..n]).await?;
-        if let Some(c) = copying.take() {
-            spare = Some(finish(c).await?);
+/// The pieces of `slices`, lazily (a request may have millions of blocks).
+fn pieces(slices: impl IntoIterator<Item = RegionSlice>) -> impl Iterator<Item = Piece> {
+    slices.into_iter().flat_map(|s| {
+        let gpu = s.kind() != MemKind::Dram;
+        let host = (!gpu).then(|| Piece::Host(s.clone()));
+        let len = if gpu { s.len() } else { 0 };
+        host.into_iter()
+            .chain(stage_chunks(len, STAGE_CHUNK).map(move |(at, n)| Piece::Gpu(s.clone(), at, n)))
+    })
+}
+
+/// What [`send_slices`] has lined up: host slices, and GPU chunks whose copy to the
+/// host has started.
+enum Ahead {
+    Host(RegionSlice),
+    Gpu(GpuCopy, usize),
+}
+
+/// Write `slices` to `w` in order (after whatever `w` holds). GPU memory goes through
+/// page-locked buffers: the device-to-host copies of up to [`STAGE_WINDOW_COPIES`]
+/// chunks ahead run on the GPU while earlier ones are written to the socket, so a run
+/// of many small GPU blocks costs one copy latency, not one per block.
+pub(crate) async fn send_slices(
+    w: &mut BufWriter<OwnedWriteHalf>,
+    slices: impl IntoIterator<Item = RegionSlice>,
+    scratch: &mut Vec<u8>,
+) -> io::Result<()> {
+    let mut next = pieces(slices);
+    let mut ahead: std::collections::VecDeque<Ahead> = std::collections::VecDeque::new();
+    let (mut copies, mut bytes) = (0usize, 0usize);
+    loop {
+        // Line up more, starting their copies, within the window.
+        while copies < STAGE_WINDOW_COPIES
+            && bytes < STAGE_WINDOW_BYTES
+            && ahead.len() < 4 * STAGE_WINDOW_COPIES
+        {
+            match next.next() {
+                Some(Piece::Host(s)) => ahead.push_back(Ahead::Host(s)),
+                Some(Piece::Gpu(s, at, n)) => {
+                    let c = s.copy_to_pinned(at, pinned(n)?, n).map_err(io_err)?;
+                    ahead.push_back(Ahead::Gpu(c, n));
+                    copies += 1;
+                    bytes += n;
+                }
+                None => break,
+            }
         }
-        copying = Some(s.copy_from_pinned(at, buf, n).map_err(io_err)?);
+        match ahead.pop_front() {
+            None => return Ok(()),
+            Some(Ahead::Host(s)) => send_host(w, &s, scratch).await?,
+            Some(Ahead::Gpu(c, n)) => {
+                let buf = finish(c).await?;
+                copies -= 1;
+                bytes -= n;
+                w.write_all(&buf[..n]).await?;
+            }
+        }
     }
-    if let Some(c) = copying {
+}
+
+/// Fill `slices` from `r` in order (buffered bytes first). GPU memory is read into
+/// page-locked buffers and copied to the device while later pieces are read, up to
+/// [`STAGE_WINDOW_COPIES`] copies at once; every copy has finished, and every byte is
+/// in memory, when this returns.
+pub(crate) async fn recv_slices(
+    r: &mut BufReader<OwnedReadHalf>,
+    slices: impl IntoIterator<Item = RegionSlice>,
+) -> io::Result<()> {
+    let mut behind: std::collections::VecDeque<(GpuCopy, usize)> =
+        std::collections::VecDeque::new();
+    let mut bytes = 0usize;
+    for piece in pieces(slices) {
+        match piece {
+            Piece::Host(s) => recv_host(r, &s).await?,
+            Piece::Gpu(s, at, n) => {
+                while behind.len() >= STAGE_WINDOW_COPIES
+                    || (bytes >= STAGE_WINDOW_BYTES && !behind.is_empty())
+                {
+                    let (c, m) = behind.pop_front().expect("checked non-empty");
+                    finish(c).await?;
+                    bytes -= m;
+                }
+                let mut buf = pinned(n)?;
+                r.read_exact(&mut buf[..n]).await?;
+                behind.push_back((s.copy_from_pinned(at, buf, n).map_err(io_err)?, n));
+                bytes += n;
+            }
+        }
+    }
+    for (c, _) in behind {
         finish(c).await?;
     }
     Ok(())

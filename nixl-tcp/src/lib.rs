@@ -29,10 +29,11 @@
 //!   transfers between agents.
 //! - GPU memory ([`nixl::MemKind::Vram`], through [`nixl::gpu`]) is registered like
 //!   host memory and moves over TCP staged through page-locked host buffers
-//!   ([`nixl::gpu::PinnedBuf`]) in 4 MiB chunks, with asynchronous device copies on a
-//!   stream of their own: the device-to-host copy of one chunk overlaps the socket
-//!   write of the previous one, and on the target the host-to-device copy of one
-//!   chunk overlaps the read of the next. No thread blocks on the GPU, and the copies
+//!   ([`nixl::gpu::PinnedBuf`]) in chunks of at most 4 MiB, with asynchronous device
+//!   copies on a stream of their own: the sender starts the device-to-host copies of
+//!   up to 16 chunks (16 MiB) ahead of the socket, and the target keeps up to as many
+//!   host-to-device copies running behind it, so a batch of small GPU blocks costs
+//!   about one copy latency rather than one per block. No thread blocks on the GPU, and the copies
 //!   do not wait for the application's work on the default stream (data must be
 //!   ready when the transfer is posted, as always). The target answers (and delivers
 //!   the notification) only after its last copy finished, so notifications still

@@ -12,7 +12,7 @@ use nixl::NotificationSink;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::io::{recv_slice, send_slice, IO_BUF};
+use crate::io::{recv_slices, send_slices, IO_BUF};
 use crate::runs::{blocks, range, LocalRun};
 use crate::same_host::{ConnTable, Offer, SameHost};
 use crate::shm;
@@ -219,9 +219,7 @@ async fn serve(
                 }
                 match (h.kind, checked) {
                     (wire::REQ_WRITE, Ok(())) => {
-                        for seg in blocks(&segs) {
-                            recv_slice(&mut r, &seg).await?;
-                        }
+                        recv_slices(&mut r, blocks(&segs)).await?;
                         // Data is in memory: now the notification.
                         if let Some(n) = notif {
                             sink.deliver(&peer, n);
@@ -237,9 +235,7 @@ async fn serve(
                             data_len: len,
                         };
                         w.write_all(&d.encode()).await?;
-                        for seg in blocks(&segs) {
-                            send_slice(&mut w, &seg, &mut scratch).await?;
-                        }
+                        send_slices(&mut w, blocks(&segs), &mut scratch).await?;
                         if let Some(n) = notif {
                             sink.deliver(&peer, n);
                         }

@@ -236,9 +236,18 @@ struct PinnedBlock {
 }
 
 /// Page-locked memory the pool keeps for reuse, at most.
-pub const PINNED_POOL_BYTES: usize = 64 << 20;
+pub const PINNED_POOL_BYTES: usize = 128 << 20;
 
-static PINNED_POOL: Mutex<Vec<PinnedBlock>> = Mutex::new(Vec::new());
+/// Free page-locked blocks by size class, and their total size.
+struct Pool {
+    free: std::collections::BTreeMap<usize, Vec<PinnedBlock>>,
+    bytes: usize,
+}
+
+static PINNED_POOL: Mutex<Pool> = Mutex::new(Pool {
+    free: std::collections::BTreeMap::new(),
+    bytes: 0,
+});
 
 impl PinnedBuf {
     /// A buffer of `len` bytes.
@@ -250,9 +259,11 @@ impl PinnedBuf {
         let cap = len.max(64 << 10).next_power_of_two();
         let pooled = {
             let mut pool = PINNED_POOL.lock().unwrap_or_else(PoisonError::into_inner);
-            pool.iter()
-                .position(|b| b.cap == cap)
-                .map(|i| pool.swap_remove(i))
+            let b = pool.free.get_mut(&cap).and_then(Vec::pop);
+            if b.is_some() {
+                pool.bytes -= cap;
+            }
+            b
         };
         let block = match pooled {
             Some(b) => b,
@@ -312,8 +323,9 @@ impl Drop for PinnedBuf {
             return;
         };
         let mut pool = PINNED_POOL.lock().unwrap_or_else(PoisonError::into_inner);
-        if pool.iter().map(|b| b.cap).sum::<usize>() + block.cap <= PINNED_POOL_BYTES {
-            pool.push(block);
+        if pool.bytes + block.cap <= PINNED_POOL_BYTES {
+            pool.bytes += block.cap;
+            pool.free.entry(block.cap).or_default().push(block);
         } else {
             drop(pool);
             drop(block);
