@@ -1441,3 +1441,67 @@ pub async fn vram_lifetime(but: &BackendUnderTest) {
     assert!(a.shutdown().await.is_clean());
     assert!(b.shutdown().await.is_clean());
 }
+
+/// A peer that shuts down while GPU memory is being staged to or from it: the
+/// in-flight transfers end with an error (never a hang), the staging copies still
+/// running finish before their memory goes, and the initiator's GPU memory can be
+/// deregistered and its agent shut down cleanly afterwards.
+pub async fn vram_peer_gone_mid_transfer(but: &BackendUnderTest) {
+    need!(but, "vram_peer_gone_mid_transfer", remote, vram);
+    if gpu_or_skip("vram_peer_gone_mid_transfer").is_none() {
+        return;
+    }
+    let (a, b) = but.pair().await;
+    const LEN: usize = 16 << 20;
+    let vram = MemKind::Vram { device: 0 };
+    let src = a.register(Memory::vram(0, LEN).unwrap()).unwrap();
+    let dst = b.register(Memory::vram(0, LEN).unwrap()).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let r = remote(&a, "target", dst.id());
+    // Several blocks of 1 MiB, so that staging copies (of hosts that stage) are in
+    // flight when the peer goes.
+    let block = 1u64 << 20;
+    let blocks = LEN as u64 / block;
+    let local = DescList::from_descs(vram, (0..blocks).map(|i| src.desc(i * block, block)));
+    let remote_list = DescList::from_descs(vram, (0..blocks).map(|i| r.desc(i * block, block)));
+    bounded(
+        "warm-up",
+        a.transfer(Op::Write, &local, "target", &remote_list, None)
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    let mut transfers = Vec::new();
+    for i in 0..8 {
+        let op = if i % 2 == 0 { Op::Write } else { Op::Read };
+        transfers.push(
+            a.transfer(op, &local, "target", &remote_list, None)
+                .unwrap(),
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let report = bounded("target shutdown", b.shutdown()).await;
+    assert_eq!(report.tasks_left, 0, "{report:?}");
+    let mut failed = 0;
+    for t in transfers {
+        if let Err(e) = bounded("in-flight GPU transfer after peer shutdown", t).await {
+            assert!(
+                matches!(
+                    e.kind(),
+                    ErrorKind::RemoteDisconnected | ErrorKind::Canceled
+                ),
+                "{e}"
+            );
+            failed += 1;
+        }
+    }
+    println!("{failed} of 8 in-flight GPU transfers failed when the target shut down");
+    bounded("in-flight count to drain", async {
+        while src.inflight() > 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await;
+    a.deregister(&src).unwrap();
+    assert!(a.shutdown().await.is_clean());
+}

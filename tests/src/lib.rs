@@ -55,6 +55,7 @@ macro_rules! conformance_tests {
             vram_transfers,
             vram_notifications_after_data,
             vram_lifetime,
+            vram_peer_gone_mid_transfer,
         );
     };
 }

@@ -42,6 +42,7 @@ conformance_tests!(TCP_FAKE_CUDA;
     vram_transfers,
     vram_notifications_after_data,
     vram_lifetime,
+    vram_peer_gone_mid_transfer,
 );
 
 /// The library nixl binds is the one `NIXL_CUDA_LIB` names (not one cudarc would
@@ -92,7 +93,7 @@ mod verbs_double {
         skip_case: |_| None,
     };
 
-    conformance_tests!(VERBS_FAKE_CUDA; vram_transfers, vram_lifetime);
+    conformance_tests!(VERBS_FAKE_CUDA; vram_transfers, vram_lifetime, vram_peer_gone_mid_transfer);
 }
 
 /// nixl-uccl handing GPU memory to its engine (test double) with the driver double.
@@ -111,7 +112,7 @@ mod uccl_double {
         skip_case: |_| None,
     };
 
-    conformance_tests!(UCCL_FAKE_CUDA; vram_transfers, vram_lifetime);
+    conformance_tests!(UCCL_FAKE_CUDA; vram_transfers, vram_lifetime, vram_peer_gone_mid_transfer);
 }
 
 /// A GPU registration no attached backend takes says why, in the backend's words

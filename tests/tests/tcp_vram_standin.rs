@@ -29,6 +29,7 @@ conformance_tests!(TCP_GPU_STAND_IN;
     vram_transfers,
     vram_notifications_after_data,
     vram_lifetime,
+    vram_peer_gone_mid_transfer,
 );
 
 /// Two connections per peer and transfers split across them: the staged pieces land

@@ -96,5 +96,6 @@ mod gpu_stand_in {
         vram_transfers,
         vram_notifications_after_data,
         vram_lifetime,
+        vram_peer_gone_mid_transfer,
     );
 }
