@@ -170,8 +170,26 @@ pub(crate) async fn send_slices(
     slices: impl IntoIterator<Item = RegionSlice>,
     scratch: &mut Vec<u8>,
 ) -> io::Result<()> {
+    let mut ahead = std::collections::VecDeque::new();
+    let r = send_ahead(w, slices, scratch, &mut ahead).await;
+    if r.is_err() {
+        // The copies already started finish before the transfer is reported failed.
+        for a in ahead {
+            if let Ahead::Gpu(c, _) = a {
+                let _ = c.await;
+            }
+        }
+    }
+    r
+}
+
+async fn send_ahead(
+    w: &mut BufWriter<OwnedWriteHalf>,
+    slices: impl IntoIterator<Item = RegionSlice>,
+    scratch: &mut Vec<u8>,
+    ahead: &mut std::collections::VecDeque<Ahead>,
+) -> io::Result<()> {
     let mut next = pieces(slices);
-    let mut ahead: std::collections::VecDeque<Ahead> = std::collections::VecDeque::new();
     let (mut copies, mut bytes) = (0usize, 0usize);
     loop {
         // Line up more, starting their copies, within the window.
@@ -211,8 +229,24 @@ pub(crate) async fn recv_slices(
     r: &mut BufReader<OwnedReadHalf>,
     slices: impl IntoIterator<Item = RegionSlice>,
 ) -> io::Result<()> {
-    let mut behind: std::collections::VecDeque<(GpuCopy, usize)> =
-        std::collections::VecDeque::new();
+    let mut behind = std::collections::VecDeque::new();
+    let res = recv_behind(r, slices, &mut behind).await;
+    // Every copy started finishes before this returns, on error too: the transfer is
+    // answered or reported failed only after no copy touches its memory.
+    let mut copied = Ok(());
+    for (c, _) in behind {
+        if let Err(e) = finish(c).await {
+            copied = copied.and(Err(e));
+        }
+    }
+    res.and(copied)
+}
+
+async fn recv_behind(
+    r: &mut BufReader<OwnedReadHalf>,
+    slices: impl IntoIterator<Item = RegionSlice>,
+    behind: &mut std::collections::VecDeque<(GpuCopy, usize)>,
+) -> io::Result<()> {
     let mut bytes = 0usize;
     for piece in pieces(slices) {
         match piece {
@@ -231,9 +265,6 @@ pub(crate) async fn recv_slices(
                 bytes += n;
             }
         }
-    }
-    for (c, _) in behind {
-        finish(c).await?;
     }
     Ok(())
 }

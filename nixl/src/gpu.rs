@@ -20,11 +20,19 @@
 //! which searches its own list of names and panics on a miss, is never used.
 //!
 //! # Contexts
-//! Every call binds the device's **primary** context (the one CUDA runtime users such
-//! as PyTorch share) to the calling thread first, so copies are correct from any
-//! thread, including tokio workers a task moves between. Threads that call a
-//! GPU-aware library themselves (a backend's progress thread driving UCX before 1.19)
-//! call [`bind_thread`] once.
+//! Every device call makes the device's **primary** context (the one CUDA runtime
+//! users such as PyTorch share) current on the calling thread for the call and then
+//! restores the thread's own (push and pop), so copies are correct from any thread,
+//! including tokio workers a task moves between, and an application thread keeps the
+//! context it had. Threads that call a GPU-aware library themselves (a backend's
+//! progress thread driving UCX before 1.19) call [`bind_thread`], which does set it.
+//!
+//! # Ordering
+//! Synchronous copies (`read_at`/`write_at`, same-agent transfers) have finished when
+//! they return, so later staging copies see their bytes. Staging copies that are
+//! cancelled (their transfer's task dropped) keep their memory alive and count as
+//! in flight on its registration until the driver reports them done; a reaper thread
+//! frees them then.
 //!
 //! # Owned buffers
 //! [`Memory::vram`](crate::Memory::vram) allocates with `cuMemAlloc` (not from the
@@ -256,7 +264,17 @@ impl PinnedBuf {
     /// As [`status`] where there is no GPU; the driver's when allocation fails.
     pub fn new(len: usize) -> Result<Self> {
         bury();
-        let cap = len.max(64 << 10).next_power_of_two();
+        let cap = len
+            .max(64 << 10)
+            .checked_next_power_of_two()
+            .filter(|&c| c <= isize::MAX as usize)
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::OutOfRange,
+                    "allocate page-locked memory",
+                    format!("{len} bytes is too large"),
+                )
+            })?;
         let pooled = {
             let mut pool = PINNED_POOL.lock().unwrap_or_else(PoisonError::into_inner);
             let b = pool.free.get_mut(&cap).and_then(Vec::pop);
@@ -403,6 +421,43 @@ struct CopyHold {
 /// calls, such as freeing memory, are not allowed.)
 static ORPHANS: Mutex<Vec<(Arc<Mutex<CopyState>>, CopyHold)>> = Mutex::new(Vec::new());
 
+/// Whether the reaper thread runs.
+static REAPER: Mutex<bool> = Mutex::new(false);
+
+/// Keep what a copy whose future was dropped holds until the copy has finished; a
+/// reaper thread frees it soon after (memory a registration may be waiting on).
+fn orphan(state: Arc<Mutex<CopyState>>, hold: CopyHold) {
+    ORPHANS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push((state, hold));
+    let mut running = REAPER.lock().unwrap_or_else(PoisonError::into_inner);
+    if !*running {
+        let spawned = std::thread::Builder::new()
+            .name("nixl-gpu-reaper".into())
+            .spawn(reap);
+        // Without the thread, the next staging call frees them.
+        *running = spawned.is_ok();
+    }
+}
+
+/// The reaper: frees finished orphans every millisecond while there are any.
+fn reap() {
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        bury();
+        let mut running = REAPER.lock().unwrap_or_else(PoisonError::into_inner);
+        if ORPHANS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_empty()
+        {
+            *running = false;
+            return;
+        }
+    }
+}
+
 /// Free what finished orphaned copies held.
 fn bury() {
     let finished: Vec<_> = {
@@ -485,10 +540,7 @@ impl Drop for GpuCopy {
                 .status
                 .is_none();
             if running {
-                ORPHANS
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push((self.state.clone(), hold));
+                orphan(self.state.clone(), hold);
             }
         }
     }
@@ -758,6 +810,50 @@ impl Cuda {
         Ok(Stream(s))
     }
 
+    /// Run `f` with `ctx` current on this thread, and make the thread's own context
+    /// current again afterwards: nixl's calls never change which context the
+    /// application's threads have current.
+    fn in_ctx<R>(&self, PrimaryCtx(ctx): PrimaryCtx, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        const OP: &str = "make a CUDA context current";
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: out-parameters of the declared types; `ctx` is a retained primary
+        // context, pushed and popped in pairs on this thread.
+        unsafe {
+            cu(OP, (self.lib.cuCtxGetCurrent)(&mut current))?;
+            if current == ctx {
+                return f();
+            }
+            cu(OP, (self.lib.cuCtxPushCurrent_v2)(ctx))?;
+            let r = f();
+            let mut popped: sys::CUcontext = std::ptr::null_mut();
+            let p = cu(OP, (self.lib.cuCtxPopCurrent_v2)(&mut popped));
+            r.and_then(|v| p.map(|()| v))
+        }
+    }
+
+    /// Run `f` in `device`'s primary context (see [`Cuda::in_ctx`]).
+    fn on<R>(&self, device: u32, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let ctx = self.context(device)?;
+        self.in_ctx(ctx, f)
+    }
+
+    /// A context for calls that need one but no particular device (page-locked host
+    /// memory is usable from every context): one already retained, so that no other
+    /// GPU gets a context (and its memory) just for this; device 0's otherwise.
+    fn any_ctx(&self) -> Result<PrimaryCtx> {
+        let first = self
+            .contexts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .next()
+            .copied();
+        match first {
+            Some(c) => Ok(c),
+            None => self.context(0),
+        }
+    }
+
     /// The process's CUDA driver, for freeing (it lives as long as the process).
     fn get() -> Option<Arc<Self>> {
         CUDA.get().and_then(|c| c.as_ref().ok()).cloned()
@@ -773,7 +869,7 @@ struct CudaAlloc {
 impl Drop for CudaAlloc {
     fn drop(&mut self) {
         let Some(cuda) = Cuda::get() else { return };
-        let freed = cuda.bind(self.device).and_then(|()| {
+        let freed = cuda.on(self.device, || {
             // SAFETY: `ptr` came from cuMemAlloc in this context and nothing uses it
             // any more (the memory's last holder lets go).
             cu("free GPU memory", unsafe {
@@ -794,11 +890,13 @@ struct CudaPinned {
 impl Drop for CudaPinned {
     fn drop(&mut self) {
         let Some(cuda) = Cuda::get() else { return };
-        let freed = cuda.bind(0).and_then(|()| {
-            // SAFETY: `ptr` came from cuMemHostAlloc and nothing uses it any more (its
-            // PinnedBuf let go, with no copy in flight).
-            cu("free page-locked memory", unsafe {
-                (cuda.lib.cuMemFreeHost)(self.ptr as *mut std::ffi::c_void)
+        let freed = cuda.any_ctx().and_then(|ctx| {
+            cuda.in_ctx(ctx, || {
+                // SAFETY: `ptr` came from cuMemHostAlloc and nothing uses it any more
+                // (its PinnedBuf let go, with no copy in flight).
+                cu("free page-locked memory", unsafe {
+                    (cuda.lib.cuMemFreeHost)(self.ptr as *mut std::ffi::c_void)
+                })
             })
         });
         if let Err(e) = freed {
@@ -808,14 +906,25 @@ impl Drop for CudaPinned {
 }
 
 /// The stream callback of [`GpuDriver::copy_async`]: hands the status to `done`.
+/// The status is taken as the plain integer it is in C: a newer driver may report a
+/// code cudarc's `CUresult` enum does not list, which must never become that enum.
 unsafe extern "C" fn copy_done(
     _stream: sys::CUstream,
-    status: sys::CUresult,
+    status: std::ffi::c_uint,
     data: *mut std::ffi::c_void,
 ) {
     // SAFETY: `data` is the box `copy_async` leaked for exactly this one callback.
     let done = unsafe { Box::from_raw(data.cast::<Box<dyn FnOnce(i32) + Send>>()) };
     done(status as i32);
+}
+
+/// [`copy_done`] as the callback type cudarc declares.
+fn copy_done_callback() -> sys::CUstreamCallback {
+    type Plain = unsafe extern "C" fn(sys::CUstream, std::ffi::c_uint, *mut std::ffi::c_void);
+    type Declared = unsafe extern "C" fn(sys::CUstream, sys::CUresult, *mut std::ffi::c_void);
+    // SAFETY: the two types differ only in the status parameter, a C enum passed as a
+    // 32-bit unsigned integer either way (`CUresult` is `repr(u32)`).
+    Some(unsafe { std::mem::transmute::<Plain, Declared>(copy_done) })
 }
 
 impl GpuDriver for Cuda {
@@ -843,25 +952,27 @@ impl GpuDriver for Cuda {
 
     fn alloc(&self, device: u32, len: usize) -> Result<(u64, Box<dyn Any + Send + Sync>)> {
         const OP: &str = "allocate GPU memory";
-        self.bind(device)?;
         let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: a plain cuMemAlloc of `len` bytes in the bound context; the pointer
-        // is owned by the CudaAlloc returned, which frees it.
-        cu(OP, unsafe {
-            (self.lib.cuMemAlloc_v2)(&mut ptr, len.max(1))
+        self.on(device, || {
+            // SAFETY: a plain cuMemAlloc of `len` bytes in the device's context; the
+            // pointer is owned by the CudaAlloc returned, which frees it.
+            cu(OP, unsafe {
+                (self.lib.cuMemAlloc_v2)(&mut ptr, len.max(1))
+            })
         })?;
         Ok((ptr, Box::new(CudaAlloc { device, ptr })))
     }
 
     fn alloc_pinned(&self, len: usize) -> Result<(usize, Box<dyn Any + Send + Sync>)> {
         const OP: &str = "allocate page-locked memory";
-        // Any context will do: portable memory is pinned for every context.
-        self.bind(0)?;
         let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: a plain cuMemHostAlloc of `len` bytes; the CudaPinned returned owns
-        // and frees it.
-        cu(OP, unsafe {
-            (self.lib.cuMemHostAlloc)(&mut ptr, len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE)
+        // Any context will do: portable memory is pinned for every context.
+        self.in_ctx(self.any_ctx()?, || {
+            // SAFETY: a plain cuMemHostAlloc of `len` bytes; the CudaPinned returned
+            // owns and frees it.
+            cu(OP, unsafe {
+                (self.lib.cuMemHostAlloc)(&mut ptr, len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE)
+            })
         })?;
         let ptr = ptr as usize;
         Ok((ptr, Box::new(CudaPinned { ptr })))
@@ -869,19 +980,20 @@ impl GpuDriver for Cuda {
 
     fn dma_buf(&self, device: u32, start: u64, len: usize) -> Result<std::os::fd::OwnedFd> {
         const OP: &str = "export GPU memory as a dma-buf";
-        self.bind(device)?;
         let mut fd: std::ffi::c_int = -1;
-        // SAFETY: `fd` is the int the driver writes the descriptor to; the range is
-        // only read by the driver (it checks it is device memory).
-        let r = unsafe {
-            (self.lib.cuMemGetHandleForAddressRange)(
-                (&mut fd as *mut std::ffi::c_int).cast(),
-                start,
-                len,
-                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                0,
-            )
-        };
+        let r = self.on(device, || {
+            // SAFETY: `fd` is the int the driver writes the descriptor to; the range
+            // is only read by the driver (it checks it is device memory).
+            Ok(unsafe {
+                (self.lib.cuMemGetHandleForAddressRange)(
+                    (&mut fd as *mut std::ffi::c_int).cast(),
+                    start,
+                    len,
+                    sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                    0,
+                )
+            })
+        })?;
         if r != sys::CUresult::CUDA_SUCCESS {
             return err(
                 ErrorKind::NotSupported,
@@ -912,44 +1024,48 @@ impl GpuDriver for Cuda {
         done: Box<dyn FnOnce(i32) + Send>,
     ) -> Result<()> {
         const OP: &str = "start a GPU copy";
-        self.bind(device)?;
-        let Stream(stream) = self.stream(device, dir)?;
-        // SAFETY: the caller's contract: device memory at `dev`, page-locked host
-        // memory at `host`, `len` bytes each, alive until `done` runs.
-        cu(OP, unsafe {
-            match dir {
-                Direction::ToHost => (self.lib.cuMemcpyDtoHAsync_v2)(host.cast(), dev, len, stream),
-                Direction::ToDevice => {
-                    (self.lib.cuMemcpyHtoDAsync_v2)(dev, host.cast(), len, stream)
+        self.on(device, || {
+            let Stream(stream) = self.stream(device, dir)?;
+            // SAFETY: the caller's contract: device memory at `dev`, page-locked host
+            // memory at `host`, `len` bytes each, alive until `done` runs.
+            cu(OP, unsafe {
+                match dir {
+                    Direction::ToHost => {
+                        (self.lib.cuMemcpyDtoHAsync_v2)(host.cast(), dev, len, stream)
+                    }
+                    Direction::ToDevice => {
+                        (self.lib.cuMemcpyHtoDAsync_v2)(dev, host.cast(), len, stream)
+                    }
                 }
+            })?;
+            let data: *mut Box<dyn FnOnce(i32) + Send> = Box::into_raw(Box::new(done));
+            // SAFETY: `copy_done` has the callback's signature and takes back `data`,
+            // which the driver passes to it exactly once.
+            let added = cu(OP, unsafe {
+                (self.lib.cuStreamAddCallback)(stream, copy_done_callback(), data.cast(), 0)
+            });
+            if let Err(e) = added {
+                // Nothing will report the queued copy: wait for it here, so the memory
+                // the caller holds may go when this returns.
+                // SAFETY: the callback was not added, so `data` is still ours; the
+                // stream is live (never destroyed).
+                unsafe {
+                    drop(Box::from_raw(data));
+                    let _ = (self.lib.cuStreamSynchronize)(stream);
+                }
+                return Err(e);
             }
-        })?;
-        let data: *mut Box<dyn FnOnce(i32) + Send> = Box::into_raw(Box::new(done));
-        // SAFETY: `copy_done` has the callback's signature and takes back `data`, which
-        // the driver passes to it exactly once.
-        let added = cu(OP, unsafe {
-            (self.lib.cuStreamAddCallback)(stream, Some(copy_done), data.cast(), 0)
-        });
-        if let Err(e) = added {
-            // Nothing will report the queued copy: wait for it here, so the memory
-            // the caller holds may go when this returns.
-            // SAFETY: the callback was not added, so `data` is still ours; the stream
-            // is live (never destroyed).
-            unsafe {
-                drop(Box::from_raw(data));
-                let _ = (self.lib.cuStreamSynchronize)(stream);
-            }
-            return Err(e);
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     unsafe fn copy_to_host(&self, device: u32, src: u64, dst: *mut u8, len: usize) -> Result<()> {
-        self.bind(device)?;
-        // SAFETY: the caller's contract: device memory at `src`, host memory at `dst`,
-        // `len` bytes each, alive for the (synchronous) copy.
-        cu("copy GPU memory to the host", unsafe {
-            (self.lib.cuMemcpyDtoH_v2)(dst.cast(), src, len)
+        self.on(device, || {
+            // SAFETY: the caller's contract: device memory at `src`, host memory at
+            // `dst`, `len` bytes each, alive for the (synchronous) copy.
+            cu("copy GPU memory to the host", unsafe {
+                (self.lib.cuMemcpyDtoH_v2)(dst.cast(), src, len)
+            })
         })
     }
 
@@ -960,10 +1076,16 @@ impl GpuDriver for Cuda {
         src: *const u8,
         len: usize,
     ) -> Result<()> {
-        self.bind(device)?;
-        // SAFETY: as in `copy_to_host`, the other way round.
-        cu("copy host memory to the GPU", unsafe {
-            (self.lib.cuMemcpyHtoD_v2)(dst, src.cast(), len)
+        const OP: &str = "copy host memory to the GPU";
+        self.on(device, || {
+            // SAFETY: as in `copy_to_host`, the other way round. From pageable memory
+            // the call may return before the DMA lands; synchronising the legacy
+            // stream it ran on makes the bytes visible to every later copy, including
+            // the staging streams, which do not wait for the legacy stream.
+            unsafe {
+                cu(OP, (self.lib.cuMemcpyHtoD_v2)(dst, src.cast(), len))?;
+                cu(OP, (self.lib.cuStreamSynchronize)(std::ptr::null_mut()))
+            }
         })
     }
 
@@ -975,15 +1097,20 @@ impl GpuDriver for Cuda {
         src: u64,
         len: usize,
     ) -> Result<()> {
-        self.bind(dst_device)?;
+        const OP: &str = "copy between GPU buffers";
         if src_device != dst_device {
             // The source's context must exist (retained) for a peer copy.
             self.context(src_device)?;
         }
-        // SAFETY: both ranges are device memory alive for the call (the caller's
-        // contract); with unified addressing cuMemcpy finds their devices itself.
-        cu("copy between GPU buffers", unsafe {
-            (self.lib.cuMemcpy)(dst, src, len)
+        self.on(dst_device, || {
+            // SAFETY: both ranges are device memory alive for the call (the caller's
+            // contract); with unified addressing cuMemcpy finds their devices itself.
+            // A device-to-device cuMemcpy does not wait for its copy: synchronising
+            // the legacy stream does, as above.
+            unsafe {
+                cu(OP, (self.lib.cuMemcpy)(dst, src, len))?;
+                cu(OP, (self.lib.cuStreamSynchronize)(std::ptr::null_mut()))
+            }
         })
     }
 }

@@ -380,7 +380,7 @@ impl RegionSlice {
         self.region
             .inner
             .mem
-            .stage(off, dir, buf, n, Box::new(self.clone()))
+            .stage(off, dir, buf, n, Box::new(StagingUse::new(self.clone())))
     }
 
     /// Copy all of `src` into this slice (`memmove`: the two may overlap).
@@ -436,6 +436,24 @@ impl RegionSlice {
     ) -> std::io::Result<usize> {
         let off = self.socket_range(at, n, "send from registered memory")?;
         self.region.inner.mem.send_at(off, n, fd)
+    }
+}
+
+/// A staging copy's hold on its registration: it keeps the memory alive and counts as
+/// in flight, so the registration cannot be deregistered (and the application told
+/// its memory is free) while a copy whose transfer already ended still runs.
+struct StagingUse(RegionSlice);
+
+impl StagingUse {
+    fn new(s: RegionSlice) -> Self {
+        s.region.inner.inflight.fetch_add(1, Ordering::AcqRel);
+        Self(s)
+    }
+}
+
+impl Drop for StagingUse {
+    fn drop(&mut self) {
+        self.0.region.inner.inflight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -112,10 +112,10 @@ static CUresult release(uintptr_t p, enum kind kind) {
         if ((*a)->base == p && (*a)->kind == kind) {
             struct alloc *gone = *a;
             *a = gone->next;
-            pthread_mutex_unlock(&mu);
             /* Poison, so that a late reader sees garbage, not the old bytes. */
             memset((void *)gone->base, 0xA5, gone->len);
             free((void *)gone->base);
+            pthread_mutex_unlock(&mu);
             free(gone);
             return OK;
         }
@@ -149,6 +149,25 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { ENTER(); (void)d; return OK;
 CUresult cuCtxGetCurrent(CUcontext *c) { ENTER(); *c = current; return OK; }
 CUresult cuCtxSetCurrent(CUcontext c) { ENTER(); current = c; return OK; }
 
+/* The context stack: push makes a context current, pop restores the one below. */
+static __thread CUcontext stack[16];
+static __thread int depth;
+CUresult cuCtxPushCurrent_v2(CUcontext c) {
+    ENTER();
+    if (!c) return INVALID_CONTEXT;
+    if (depth == 16) fatal("context stack overflow (pushes without pops)");
+    stack[depth++] = current;
+    current = c;
+    return OK;
+}
+CUresult cuCtxPopCurrent_v2(CUcontext *c) {
+    ENTER();
+    if (!depth) return INVALID_CONTEXT;
+    if (c) *c = current;
+    current = stack[--depth];
+    return OK;
+}
+
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     NEED_CTX();
     uintptr_t out;
@@ -167,23 +186,30 @@ CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) {
 }
 CUresult cuMemFreeHost(void *p) { NEED_CTX(); return release((uintptr_t)p, PINNED); }
 
+/* Synchronous copies check and copy under `mu`, so a racing free is caught. */
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
     NEED_CTX();
-    if (!checked(src, n, DEVICE)) return INVALID_VALUE;
-    memcpy(dst, (void *)src, n);
-    return OK;
+    pthread_mutex_lock(&mu);
+    int ok = inside(src, n, DEVICE);
+    if (ok) memcpy(dst, (void *)src, n);
+    pthread_mutex_unlock(&mu);
+    return ok ? OK : INVALID_VALUE;
 }
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
     NEED_CTX();
-    if (!checked(dst, n, DEVICE)) return INVALID_VALUE;
-    memcpy((void *)dst, src, n);
-    return OK;
+    pthread_mutex_lock(&mu);
+    int ok = inside(dst, n, DEVICE);
+    if (ok) memcpy((void *)dst, src, n);
+    pthread_mutex_unlock(&mu);
+    return ok ? OK : INVALID_VALUE;
 }
 CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     NEED_CTX();
-    if (!checked(dst, n, DEVICE) || !checked(src, n, DEVICE)) return INVALID_VALUE;
-    memmove((void *)dst, (void *)src, n);
-    return OK;
+    pthread_mutex_lock(&mu);
+    int ok = inside(dst, n, DEVICE) && inside(src, n, DEVICE);
+    if (ok) memmove((void *)dst, (void *)src, n);
+    pthread_mutex_unlock(&mu);
+    return ok ? OK : INVALID_VALUE;
 }
 
 /* Streams: a FIFO of operations run by a thread of the stream's own. */
@@ -295,6 +321,8 @@ CUresult cuStreamAddCallback(CUstream s, CUstreamCallback cb, void *data, unsign
 }
 CUresult cuStreamSynchronize(CUstream s) {
     NEED_CTX();
+    /* The legacy stream: this double runs its (synchronous) copies at once. */
+    if (!s) return OK;
     pthread_mutex_lock(&s->mu);
     while (s->head || s->busy) pthread_cond_wait(&s->cv, &s->mu);
     pthread_mutex_unlock(&s->mu);

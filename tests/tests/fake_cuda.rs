@@ -145,3 +145,42 @@ async fn unsupported_gpu_memory_says_why() {
     assert!(text.contains("no CUDA support"), "{text}");
     assert!(a.shutdown().await.is_clean());
 }
+
+/// nixl's device calls leave the calling thread's current CUDA context as they found
+/// it (they push and pop the device's primary context): an application thread bound
+/// to GPU 1 stays on GPU 1 after nixl allocated, copied and exported on GPU 0.
+#[test]
+fn device_calls_leave_the_threads_context_alone() {
+    const CASE: &str = "device_calls_leave_the_threads_context_alone";
+    if let Err(e) = use_fake_driver() {
+        return nixl_testkit::skip(CASE, e);
+    }
+    type GetCurrent = unsafe extern "C" fn(*mut *mut std::ffi::c_void) -> std::ffi::c_int;
+    type Retain =
+        unsafe extern "C" fn(*mut *mut std::ffi::c_void, std::ffi::c_int) -> std::ffi::c_int;
+    let path = nixl_testkit::fake_cuda::library().unwrap();
+    let lib = nixl::native::NativeLibrary::open(path.to_str().unwrap()).unwrap();
+    // SAFETY: the driver API's signatures (cuda.h) for these two calls.
+    let (get, retain) = unsafe {
+        (
+            lib.symbol::<GetCurrent>("cuCtxGetCurrent").unwrap(),
+            lib.symbol::<Retain>("cuDevicePrimaryCtxRetain").unwrap(),
+        )
+    };
+    let current = || {
+        let mut c = std::ptr::null_mut();
+        // SAFETY: an out-parameter; the library is loaded.
+        assert_eq!(unsafe { get(&mut c) }, 0);
+        c
+    };
+    nixl::gpu::bind_thread(1).unwrap();
+    let mut gpu1 = std::ptr::null_mut();
+    // SAFETY: as above; device 1 exists in the double.
+    assert_eq!(unsafe { retain(&mut gpu1, 1) }, 0);
+    assert_eq!(current(), gpu1);
+    let m = nixl::Memory::vram(0, 1 << 20).unwrap();
+    let b = nixl::gpu::PinnedBuf::new(4096).unwrap();
+    let d = nixl::gpu::dma_buf(0, m.addr(), 8192).unwrap();
+    drop((m, b, d));
+    assert_eq!(current(), gpu1, "GPU 1's context is still current");
+}
