@@ -28,7 +28,21 @@ pub fn library() -> Result<PathBuf, String> {
 }
 
 fn build() -> Result<PathBuf, String> {
-    let dir = std::env::temp_dir().join(format!("nixl-fake-cuda-{}", std::process::id()));
+    // One build per version of the sources, shared by the test processes (nextest
+    // runs each test in its own): built in a private directory, then renamed into
+    // place, which is atomic.
+    let hash = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (SOURCE, SYMBOLS).hash(&mut h);
+        h.finish()
+    };
+    let shared = std::env::temp_dir().join(format!("nixl-fake-cuda-{hash:016x}"));
+    let lib = shared.join("libcuda.so.1");
+    if lib.exists() {
+        return Ok(lib);
+    }
+    let dir = shared.join(format!("build-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     // Stubs for every name the C file does not implement.
     let implemented: Vec<&str> = SOURCE
@@ -45,10 +59,10 @@ fn build() -> Result<PathBuf, String> {
     let (src, gen) = (dir.join("fake_cuda.c"), dir.join("stubs.c"));
     std::fs::write(&src, SOURCE).map_err(|e| e.to_string())?;
     std::fs::write(&gen, stubs).map_err(|e| e.to_string())?;
-    let lib = dir.join("libcuda.so.1");
+    let built = dir.join("libcuda.so.1");
     let out = Command::new("cc")
         .args(["-shared", "-fPIC", "-O1", "-pthread", "-w", "-o"])
-        .arg(&lib)
+        .arg(&built)
         .arg(&src)
         .arg(&gen)
         .output()
@@ -59,5 +73,7 @@ fn build() -> Result<PathBuf, String> {
             String::from_utf8_lossy(&out.stderr)
         ));
     }
+    std::fs::rename(&built, &lib).map_err(|e| format!("{}: {e}", lib.display()))?;
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(lib)
 }
