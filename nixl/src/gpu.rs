@@ -524,7 +524,7 @@ impl Future for GpuCopy {
             err(
                 ErrorKind::Backend,
                 "copy GPU memory",
-                format!("the asynchronous copy failed with CUresult {status}"),
+                format!("the asynchronous copy failed: {}", cu_name(status as u32)),
             )
         })
     }
@@ -602,11 +602,156 @@ pub(crate) unsafe fn start_copy(
 
 /// A driver call's result as an error (the result's name only: formatting it makes no
 /// driver call).
-fn cu(op: &'static str, r: sys::CUresult) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
+fn cu(op: &'static str, r: std::ffi::c_uint) -> Result<()> {
+    if r == 0 {
         Ok(())
     } else {
-        err(ErrorKind::Backend, op, format!("CUDA: {r:?}"))
+        err(ErrorKind::Backend, op, format!("CUDA: {}", cu_name(r)))
+    }
+}
+
+/// A driver result's name, for the codes worth naming (the number otherwise).
+fn cu_name(r: std::ffi::c_uint) -> String {
+    let name = match r {
+        1 => "CUDA_ERROR_INVALID_VALUE",
+        2 => "CUDA_ERROR_OUT_OF_MEMORY",
+        3 => "CUDA_ERROR_NOT_INITIALIZED",
+        4 => "CUDA_ERROR_DEINITIALIZED",
+        46 => "CUDA_ERROR_DEVICE_UNAVAILABLE",
+        100 => "CUDA_ERROR_NO_DEVICE",
+        101 => "CUDA_ERROR_INVALID_DEVICE",
+        201 => "CUDA_ERROR_INVALID_CONTEXT",
+        400 => "CUDA_ERROR_INVALID_HANDLE",
+        700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
+        801 => "CUDA_ERROR_NOT_SUPPORTED",
+        999 => "CUDA_ERROR_UNKNOWN",
+        _ => return format!("CUresult {r}"),
+    };
+    format!("{name} ({r})")
+}
+
+/// Narrow a driver call bound by cudarc to one whose result is the plain integer it
+/// is in C. cudarc declares results as its `CUresult` enum, and a code a newer driver
+/// adds must never become a value of that enum. The assignment checks the parameters
+/// are exactly cudarc's.
+macro_rules! narrow {
+    ($lib:expr, $name:ident, ($($arg:ty),*)) => {{
+        let declared: unsafe extern "C" fn($($arg),*) -> sys::CUresult = $lib.$name;
+        // SAFETY: the same parameters (checked just above); the result is a C enum
+        // returned as a 32-bit unsigned integer either way (`CUresult` is
+        // `repr(u32)`).
+        unsafe {
+            std::mem::transmute::<
+                unsafe extern "C" fn($($arg),*) -> sys::CUresult,
+                unsafe extern "C" fn($($arg),*) -> std::ffi::c_uint,
+            >(declared)
+        }
+    }};
+}
+
+/// The driver calls nixl makes, results as plain integers (see [`narrow!`]).
+#[allow(non_snake_case)]
+struct Calls {
+    cuDeviceGet: unsafe extern "C" fn(*mut sys::CUdevice, std::ffi::c_int) -> std::ffi::c_uint,
+    cuDevicePrimaryCtxRetain:
+        unsafe extern "C" fn(*mut sys::CUcontext, sys::CUdevice) -> std::ffi::c_uint,
+    cuCtxGetCurrent: unsafe extern "C" fn(*mut sys::CUcontext) -> std::ffi::c_uint,
+    cuCtxSetCurrent: unsafe extern "C" fn(sys::CUcontext) -> std::ffi::c_uint,
+    cuCtxPushCurrent_v2: unsafe extern "C" fn(sys::CUcontext) -> std::ffi::c_uint,
+    cuCtxPopCurrent_v2: unsafe extern "C" fn(*mut sys::CUcontext) -> std::ffi::c_uint,
+    cuMemAlloc_v2: unsafe extern "C" fn(*mut sys::CUdeviceptr, usize) -> std::ffi::c_uint,
+    cuMemFree_v2: unsafe extern "C" fn(sys::CUdeviceptr) -> std::ffi::c_uint,
+    cuMemHostAlloc: unsafe extern "C" fn(
+        *mut *mut std::ffi::c_void,
+        usize,
+        std::ffi::c_uint,
+    ) -> std::ffi::c_uint,
+    cuMemFreeHost: unsafe extern "C" fn(*mut std::ffi::c_void) -> std::ffi::c_uint,
+    cuMemcpyDtoH_v2:
+        unsafe extern "C" fn(*mut std::ffi::c_void, sys::CUdeviceptr, usize) -> std::ffi::c_uint,
+    cuMemcpyHtoD_v2:
+        unsafe extern "C" fn(sys::CUdeviceptr, *const std::ffi::c_void, usize) -> std::ffi::c_uint,
+    cuMemcpy: unsafe extern "C" fn(sys::CUdeviceptr, sys::CUdeviceptr, usize) -> std::ffi::c_uint,
+    cuStreamCreate: unsafe extern "C" fn(*mut sys::CUstream, std::ffi::c_uint) -> std::ffi::c_uint,
+    cuStreamSynchronize: unsafe extern "C" fn(sys::CUstream) -> std::ffi::c_uint,
+    cuMemcpyDtoHAsync_v2: unsafe extern "C" fn(
+        *mut std::ffi::c_void,
+        sys::CUdeviceptr,
+        usize,
+        sys::CUstream,
+    ) -> std::ffi::c_uint,
+    cuMemcpyHtoDAsync_v2: unsafe extern "C" fn(
+        sys::CUdeviceptr,
+        *const std::ffi::c_void,
+        usize,
+        sys::CUstream,
+    ) -> std::ffi::c_uint,
+    cuStreamAddCallback: unsafe extern "C" fn(
+        sys::CUstream,
+        sys::CUstreamCallback,
+        *mut std::ffi::c_void,
+        std::ffi::c_uint,
+    ) -> std::ffi::c_uint,
+    cuMemGetHandleForAddressRange: unsafe extern "C" fn(
+        *mut std::ffi::c_void,
+        sys::CUdeviceptr,
+        usize,
+        sys::CUmemRangeHandleType,
+        std::ffi::c_ulonglong,
+    ) -> std::ffi::c_uint,
+}
+
+impl Calls {
+    fn from(lib: &sys::Lib) -> Self {
+        use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
+        use sys::{CUcontext, CUdevice, CUdeviceptr, CUstream};
+        Self {
+            cuDeviceGet: narrow!(lib, cuDeviceGet, (*mut CUdevice, c_int)),
+            cuDevicePrimaryCtxRetain: narrow!(
+                lib,
+                cuDevicePrimaryCtxRetain,
+                (*mut CUcontext, CUdevice)
+            ),
+            cuCtxGetCurrent: narrow!(lib, cuCtxGetCurrent, (*mut CUcontext)),
+            cuCtxSetCurrent: narrow!(lib, cuCtxSetCurrent, (CUcontext)),
+            cuCtxPushCurrent_v2: narrow!(lib, cuCtxPushCurrent_v2, (CUcontext)),
+            cuCtxPopCurrent_v2: narrow!(lib, cuCtxPopCurrent_v2, (*mut CUcontext)),
+            cuMemAlloc_v2: narrow!(lib, cuMemAlloc_v2, (*mut CUdeviceptr, usize)),
+            cuMemFree_v2: narrow!(lib, cuMemFree_v2, (CUdeviceptr)),
+            cuMemHostAlloc: narrow!(lib, cuMemHostAlloc, (*mut *mut c_void, usize, c_uint)),
+            cuMemFreeHost: narrow!(lib, cuMemFreeHost, (*mut c_void)),
+            cuMemcpyDtoH_v2: narrow!(lib, cuMemcpyDtoH_v2, (*mut c_void, CUdeviceptr, usize)),
+            cuMemcpyHtoD_v2: narrow!(lib, cuMemcpyHtoD_v2, (CUdeviceptr, *const c_void, usize)),
+            cuMemcpy: narrow!(lib, cuMemcpy, (CUdeviceptr, CUdeviceptr, usize)),
+            cuStreamCreate: narrow!(lib, cuStreamCreate, (*mut CUstream, c_uint)),
+            cuStreamSynchronize: narrow!(lib, cuStreamSynchronize, (CUstream)),
+            cuMemcpyDtoHAsync_v2: narrow!(
+                lib,
+                cuMemcpyDtoHAsync_v2,
+                (*mut c_void, CUdeviceptr, usize, CUstream)
+            ),
+            cuMemcpyHtoDAsync_v2: narrow!(
+                lib,
+                cuMemcpyHtoDAsync_v2,
+                (CUdeviceptr, *const c_void, usize, CUstream)
+            ),
+            cuStreamAddCallback: narrow!(
+                lib,
+                cuStreamAddCallback,
+                (CUstream, sys::CUstreamCallback, *mut c_void, c_uint)
+            ),
+            cuMemGetHandleForAddressRange: narrow!(
+                lib,
+                cuMemGetHandleForAddressRange,
+                (
+                    *mut c_void,
+                    CUdeviceptr,
+                    usize,
+                    sys::CUmemRangeHandleType,
+                    c_ulonglong
+                )
+            ),
+        }
     }
 }
 
@@ -614,7 +759,9 @@ fn cu(op: &'static str, r: sys::CUresult) -> Result<()> {
 /// the library the check opened (never through cudarc's own loader, which searches
 /// its own list of names and panics on a miss).
 struct Cuda {
-    lib: sys::Lib,
+    /// cudarc's binding: it holds the library, and [`Calls`] come from it.
+    _lib: sys::Lib,
+    calls: Calls,
     driver: String,
     devices: u32,
     /// Each device's primary context, retained once and kept for the process.
@@ -750,7 +897,8 @@ impl Cuda {
             }
         };
         Ok(Self {
-            lib,
+            calls: Calls::from(&lib),
+            _lib: lib,
             driver: format!(
                 "CUDA driver {}.{} ({path})",
                 version / 1000,
@@ -783,9 +931,9 @@ impl Cuda {
         unsafe {
             cu(
                 OP,
-                (self.lib.cuDeviceGet)(&mut dev, device as std::ffi::c_int),
+                (self.calls.cuDeviceGet)(&mut dev, device as std::ffi::c_int),
             )?;
-            cu(OP, (self.lib.cuDevicePrimaryCtxRetain)(&mut ctx, dev))?;
+            cu(OP, (self.calls.cuDevicePrimaryCtxRetain)(&mut ctx, dev))?;
         }
         ctxs.insert(device, PrimaryCtx(ctx));
         Ok(PrimaryCtx(ctx))
@@ -801,7 +949,7 @@ impl Cuda {
         let mut s: sys::CUstream = std::ptr::null_mut();
         // SAFETY: an out-parameter of the declared type; the context is current.
         cu("create a CUDA stream", unsafe {
-            (self.lib.cuStreamCreate)(
+            (self.calls.cuStreamCreate)(
                 &mut s,
                 sys::CUstream_flags::CU_STREAM_NON_BLOCKING as std::ffi::c_uint,
             )
@@ -819,14 +967,14 @@ impl Cuda {
         // SAFETY: out-parameters of the declared types; `ctx` is a retained primary
         // context, pushed and popped in pairs on this thread.
         unsafe {
-            cu(OP, (self.lib.cuCtxGetCurrent)(&mut current))?;
+            cu(OP, (self.calls.cuCtxGetCurrent)(&mut current))?;
             if current == ctx {
                 return f();
             }
-            cu(OP, (self.lib.cuCtxPushCurrent_v2)(ctx))?;
+            cu(OP, (self.calls.cuCtxPushCurrent_v2)(ctx))?;
             let r = f();
             let mut popped: sys::CUcontext = std::ptr::null_mut();
-            let p = cu(OP, (self.lib.cuCtxPopCurrent_v2)(&mut popped));
+            let p = cu(OP, (self.calls.cuCtxPopCurrent_v2)(&mut popped));
             r.and_then(|v| p.map(|()| v))
         }
     }
@@ -873,7 +1021,7 @@ impl Drop for CudaAlloc {
             // SAFETY: `ptr` came from cuMemAlloc in this context and nothing uses it
             // any more (the memory's last holder lets go).
             cu("free GPU memory", unsafe {
-                (cuda.lib.cuMemFree_v2)(self.ptr)
+                (cuda.calls.cuMemFree_v2)(self.ptr)
             })
         });
         if let Err(e) = freed {
@@ -895,7 +1043,7 @@ impl Drop for CudaPinned {
                 // SAFETY: `ptr` came from cuMemHostAlloc and nothing uses it any more
                 // (its PinnedBuf let go, with no copy in flight).
                 cu("free page-locked memory", unsafe {
-                    (cuda.lib.cuMemFreeHost)(self.ptr as *mut std::ffi::c_void)
+                    (cuda.calls.cuMemFreeHost)(self.ptr as *mut std::ffi::c_void)
                 })
             })
         });
@@ -942,9 +1090,9 @@ impl GpuDriver for Cuda {
         // SAFETY: an out-parameter of the declared type; `ctx` is a retained primary
         // context.
         unsafe {
-            cu(OP, (self.lib.cuCtxGetCurrent)(&mut current))?;
+            cu(OP, (self.calls.cuCtxGetCurrent)(&mut current))?;
             if current != ctx {
-                cu(OP, (self.lib.cuCtxSetCurrent)(ctx))?;
+                cu(OP, (self.calls.cuCtxSetCurrent)(ctx))?;
             }
         }
         Ok(())
@@ -957,7 +1105,7 @@ impl GpuDriver for Cuda {
             // SAFETY: a plain cuMemAlloc of `len` bytes in the device's context; the
             // pointer is owned by the CudaAlloc returned, which frees it.
             cu(OP, unsafe {
-                (self.lib.cuMemAlloc_v2)(&mut ptr, len.max(1))
+                (self.calls.cuMemAlloc_v2)(&mut ptr, len.max(1))
             })
         })?;
         Ok((ptr, Box::new(CudaAlloc { device, ptr })))
@@ -971,7 +1119,7 @@ impl GpuDriver for Cuda {
             // SAFETY: a plain cuMemHostAlloc of `len` bytes; the CudaPinned returned
             // owns and frees it.
             cu(OP, unsafe {
-                (self.lib.cuMemHostAlloc)(&mut ptr, len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE)
+                (self.calls.cuMemHostAlloc)(&mut ptr, len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE)
             })
         })?;
         let ptr = ptr as usize;
@@ -985,7 +1133,7 @@ impl GpuDriver for Cuda {
             // SAFETY: `fd` is the int the driver writes the descriptor to; the range
             // is only read by the driver (it checks it is device memory).
             Ok(unsafe {
-                (self.lib.cuMemGetHandleForAddressRange)(
+                (self.calls.cuMemGetHandleForAddressRange)(
                     (&mut fd as *mut std::ffi::c_int).cast(),
                     start,
                     len,
@@ -994,12 +1142,13 @@ impl GpuDriver for Cuda {
                 )
             })
         })?;
-        if r != sys::CUresult::CUDA_SUCCESS {
+        if r != 0 {
             return err(
                 ErrorKind::NotSupported,
                 OP,
                 format!(
-                    "{start:#x}+{len} on GPU {device}: cuMemGetHandleForAddressRange: {r:?} (dma-buf export needs CUDA 11.7+, a driver and kernel with dma-buf support, and memory from cuMemAlloc or cuMemCreate)"
+                    "{start:#x}+{len} on GPU {device}: cuMemGetHandleForAddressRange: {} (dma-buf export needs CUDA 11.7+, a driver and kernel with dma-buf support, and memory from cuMemAlloc or cuMemCreate)",
+                    cu_name(r)
                 ),
             );
         }
@@ -1031,10 +1180,10 @@ impl GpuDriver for Cuda {
             cu(OP, unsafe {
                 match dir {
                     Direction::ToHost => {
-                        (self.lib.cuMemcpyDtoHAsync_v2)(host.cast(), dev, len, stream)
+                        (self.calls.cuMemcpyDtoHAsync_v2)(host.cast(), dev, len, stream)
                     }
                     Direction::ToDevice => {
-                        (self.lib.cuMemcpyHtoDAsync_v2)(dev, host.cast(), len, stream)
+                        (self.calls.cuMemcpyHtoDAsync_v2)(dev, host.cast(), len, stream)
                     }
                 }
             })?;
@@ -1042,7 +1191,7 @@ impl GpuDriver for Cuda {
             // SAFETY: `copy_done` has the callback's signature and takes back `data`,
             // which the driver passes to it exactly once.
             let added = cu(OP, unsafe {
-                (self.lib.cuStreamAddCallback)(stream, copy_done_callback(), data.cast(), 0)
+                (self.calls.cuStreamAddCallback)(stream, copy_done_callback(), data.cast(), 0)
             });
             if let Err(e) = added {
                 // Nothing will report the queued copy: wait for it here, so the memory
@@ -1051,7 +1200,7 @@ impl GpuDriver for Cuda {
                 // stream is live (never destroyed).
                 unsafe {
                     drop(Box::from_raw(data));
-                    let _ = (self.lib.cuStreamSynchronize)(stream);
+                    let _ = (self.calls.cuStreamSynchronize)(stream);
                 }
                 return Err(e);
             }
@@ -1064,7 +1213,7 @@ impl GpuDriver for Cuda {
             // SAFETY: the caller's contract: device memory at `src`, host memory at
             // `dst`, `len` bytes each, alive for the (synchronous) copy.
             cu("copy GPU memory to the host", unsafe {
-                (self.lib.cuMemcpyDtoH_v2)(dst.cast(), src, len)
+                (self.calls.cuMemcpyDtoH_v2)(dst.cast(), src, len)
             })
         })
     }
@@ -1083,8 +1232,8 @@ impl GpuDriver for Cuda {
             // stream it ran on makes the bytes visible to every later copy, including
             // the staging streams, which do not wait for the legacy stream.
             unsafe {
-                cu(OP, (self.lib.cuMemcpyHtoD_v2)(dst, src.cast(), len))?;
-                cu(OP, (self.lib.cuStreamSynchronize)(std::ptr::null_mut()))
+                cu(OP, (self.calls.cuMemcpyHtoD_v2)(dst, src.cast(), len))?;
+                cu(OP, (self.calls.cuStreamSynchronize)(std::ptr::null_mut()))
             }
         })
     }
@@ -1108,8 +1257,8 @@ impl GpuDriver for Cuda {
             // A device-to-device cuMemcpy does not wait for its copy: synchronising
             // the legacy stream does, as above.
             unsafe {
-                cu(OP, (self.lib.cuMemcpy)(dst, src, len))?;
-                cu(OP, (self.lib.cuStreamSynchronize)(std::ptr::null_mut()))
+                cu(OP, (self.calls.cuMemcpy)(dst, src, len))?;
+                cu(OP, (self.calls.cuStreamSynchronize)(std::ptr::null_mut()))
             }
         })
     }
