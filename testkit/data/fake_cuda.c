@@ -11,7 +11,8 @@
  *   stream; a copy whose memory was freed before it ran, or any driver call made from
  *   inside a stream callback (forbidden by CUDA), aborts the process with a message;
  * - cuMemGetHandleForAddressRange wants host-page-aligned ranges inside one
- *   allocation and returns a descriptor of /dev/null.
+ *   allocation and returns a descriptor of /dev/null;
+ * - freed memory is never handed out again and faults on access.
  *
  * Every other symbol of the driver API is a generated stub returning
  * CUDA_ERROR_NOT_SUPPORTED (801), so that a binding which resolves them all loads.
@@ -19,6 +20,7 @@
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <pthread.h>
+#include <sys/mman.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,10 +92,17 @@ static int checked(uintptr_t p, size_t n, enum kind kind) {
     return ok;
 }
 
+/* Allocations are mappings of their own, never reused: a freed one stays reserved
+ * and inaccessible (PROT_NONE), so a late access faults instead of silently
+ * reading or writing a newer allocation at the same address. */
 static CUresult add(uintptr_t *out, size_t len, size_t align, enum kind kind) {
     size_t rounded = (len + align - 1) / align * align;
-    void *p = aligned_alloc(align, rounded ? rounded : align);
-    if (!p) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    if (!rounded) rounded = align;
+    /* Over-map to align the start, as the real allocators do. */
+    void *m = mmap(NULL, rounded + align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    if (m == MAP_FAILED) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    void *p = (void *)(((uintptr_t)m + align - 1) / align * align);
     struct alloc *a = malloc(sizeof *a);
     a->base = (uintptr_t)p;
     a->len = rounded;
@@ -112,9 +121,9 @@ static CUresult release(uintptr_t p, enum kind kind) {
         if ((*a)->base == p && (*a)->kind == kind) {
             struct alloc *gone = *a;
             *a = gone->next;
-            /* Poison, so that a late reader sees garbage, not the old bytes. */
-            memset((void *)gone->base, 0xA5, gone->len);
-            free((void *)gone->base);
+            /* Quarantine: inaccessible and never handed out again. */
+            madvise((void *)gone->base, gone->len, MADV_DONTNEED);
+            mprotect((void *)gone->base, gone->len, PROT_NONE);
             pthread_mutex_unlock(&mu);
             free(gone);
             return OK;

@@ -3,7 +3,8 @@
 //! `memcpy`, asynchronous copies and stream callbacks run later on a thread per
 //! stream, and misuse (a driver call from a stream callback, an asynchronous copy
 //! whose memory was freed before it ran, staging through memory that is not
-//! page-locked) aborts or fails loudly. Pointed at by `NIXL_CUDA_LIB`, it lets nixl's
+//! page-locked, touching freed memory, which is never reused) aborts, faults or fails
+//! loudly. Pointed at by `NIXL_CUDA_LIB`, it lets nixl's
 //! real CUDA code path (the driver check, the binding, contexts, allocations, streams,
 //! callbacks, dma-buf export) run on machines without a GPU. It proves how nixl uses
 //! the driver API, not that a GPU does what the double does.
