@@ -946,6 +946,40 @@ pub async fn deregister_in_flight_refused(but: &BackendUnderTest) {
     b.shutdown().await;
 }
 
+/// Five milliseconds into `transfers`, shut down the target `b` (it must leave no
+/// task): each transfer then ends within the hang bound, successfully or with
+/// `RemoteDisconnected`/`Canceled`. Returns how many failed.
+async fn shut_down_under(b: nixl::Agent, transfers: Vec<nixl::Transfer>, what: &str) -> usize {
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let report = bounded("target shutdown", b.shutdown()).await;
+    assert_eq!(report.tasks_left, 0, "{report:?}");
+    let mut failed = 0;
+    for t in transfers {
+        let bound = format!("in-flight {what} after peer shutdown");
+        if let Err(e) = bounded(&bound, t).await {
+            assert!(
+                matches!(
+                    e.kind(),
+                    ErrorKind::RemoteDisconnected | ErrorKind::Canceled
+                ),
+                "{e}"
+            );
+            failed += 1;
+        }
+    }
+    failed
+}
+
+/// Wait (within the hang bound) until nothing is in flight on `reg`.
+async fn drained(reg: &nixl::Registration) {
+    bounded("in-flight count to drain", async {
+        while reg.inflight() > 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await;
+}
+
 /// The target shuts down while transfers run: every transfer ends, none hangs.
 pub async fn peer_shutdown_mid_transfer(but: &BackendUnderTest) {
     need!(but, "peer_shutdown_mid_transfer", remote, dram);
@@ -977,22 +1011,7 @@ pub async fn peer_shutdown_mid_transfer(but: &BackendUnderTest) {
             .unwrap(),
         );
     }
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    let report = bounded("target shutdown", b.shutdown()).await;
-    assert_eq!(report.tasks_left, 0, "{report:?}");
-    let mut failed = 0;
-    for t in transfers {
-        if let Err(e) = bounded("in-flight transfer after peer shutdown", t).await {
-            assert!(
-                matches!(
-                    e.kind(),
-                    ErrorKind::RemoteDisconnected | ErrorKind::Canceled
-                ),
-                "{e}"
-            );
-            failed += 1;
-        }
-    }
+    let failed = shut_down_under(b, transfers, "transfer").await;
     println!("{failed} of 8 in-flight transfers failed when the target shut down");
     // New transfers to the dead peer fail fast with an error.
     let e = bounded("post to dead peer", req.post(None).unwrap())
@@ -1416,12 +1435,7 @@ pub async fn vram_lifetime(but: &BackendUnderTest) {
     }
     drop(t);
     // Dropped, not freed under the copy: in flight until the backend lets go.
-    bounded("in-flight count to drain", async {
-        while src.inflight() > 0 {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    })
-    .await;
+    drained(&src).await;
     a.deregister(&src).unwrap();
     // Same-agent copies between GPU and host memory are the agent's own.
     let h = a.register(vec![7u8; 4096]).unwrap();
@@ -1479,29 +1493,9 @@ pub async fn vram_peer_gone_mid_transfer(but: &BackendUnderTest) {
                 .unwrap(),
         );
     }
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    let report = bounded("target shutdown", b.shutdown()).await;
-    assert_eq!(report.tasks_left, 0, "{report:?}");
-    let mut failed = 0;
-    for t in transfers {
-        if let Err(e) = bounded("in-flight GPU transfer after peer shutdown", t).await {
-            assert!(
-                matches!(
-                    e.kind(),
-                    ErrorKind::RemoteDisconnected | ErrorKind::Canceled
-                ),
-                "{e}"
-            );
-            failed += 1;
-        }
-    }
+    let failed = shut_down_under(b, transfers, "GPU transfer").await;
     println!("{failed} of 8 in-flight GPU transfers failed when the target shut down");
-    bounded("in-flight count to drain", async {
-        while src.inflight() > 0 {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    })
-    .await;
+    drained(&src).await;
     a.deregister(&src).unwrap();
     assert!(a.shutdown().await.is_clean());
 }
