@@ -1518,26 +1518,33 @@ impl Backend for UcclBackend {
 
     fn register(&self, region: &RegionRef) -> Result<Bytes> {
         const OP: &str = "uccl register";
-        if let MemKind::Vram { device } = region.kind() {
-            // The engine's CUDA calls (pointer attributes, dma-buf export) run on
-            // this thread, in the device's primary context.
-            nixl::gpu::bind_thread(device)
+        if region.kind() != MemKind::Dram {
+            nixl::gpu::status()
                 .map_err(|e| Error::new(e.kind(), OP, format!("{} memory: {e}", region.kind())))?;
         }
         let st = self.inner.started()?;
         let seg = region.segment();
         let (addr, len) = (seg.addr() as usize, seg.len());
         let o = &st.owner;
-        // SAFETY: `region` (kept in `regs` until deregister, which destroys the memory
-        // region first) keeps the memory alive while UCCL has it registered.
-        #[allow(unsafe_code)]
-        let mr = unsafe { o.api.reg(o.engine, addr, len)? };
-        let fifo = match o.api.prepare_fifo(o.engine, mr, addr, len) {
-            Ok(f) => f,
-            Err(e) => {
-                o.api.mr_destroy(o.engine, mr);
-                return Err(e);
+        let register = || {
+            // SAFETY: `region` (kept in `regs` until deregister, which destroys the
+            // memory region first) keeps the memory alive while UCCL has it
+            // registered.
+            #[allow(unsafe_code)]
+            let mr = unsafe { o.api.reg(o.engine, addr, len)? };
+            match o.api.prepare_fifo(o.engine, mr, addr, len) {
+                Ok(f) => Ok((mr, f)),
+                Err(e) => {
+                    o.api.mr_destroy(o.engine, mr);
+                    Err(e)
+                }
             }
+        };
+        let (mr, fifo) = match region.kind() {
+            // The engine's CUDA calls (pointer attributes, dma-buf export) run on this
+            // thread, in the device's primary context; the thread's own comes back.
+            MemKind::Vram { device } => nixl::gpu::with_context(device, register)?,
+            MemKind::Dram => register()?,
         };
         o.insert(region.id(), mr, region.clone());
         self.inner

@@ -607,10 +607,11 @@ impl Backend for UcxBackend {
                     format!("VRAM on device {device}: {why}"),
                 ));
             }
-            // ucp_mem_map queries the pointer in the context current on this thread.
-            nixl::gpu::bind_thread(device)?;
+            // ucp_mem_map queries the pointer in the context current on this thread;
+            // the thread's own context comes back afterwards.
             let seg = region.segment();
-            return self.with_core(OP, |core| {
+            return nixl::gpu::with_context(device, || {
+                self.with_core(OP, |core| {
                 if core.gpu.is_some_and(|d| d != device) {
                     tracing::warn!(first = ?core.gpu, device, "ucx: GPU memory of a second device; UCX before 1.19 copies it in the first device's context");
                 }
@@ -624,6 +625,7 @@ impl Backend for UcxBackend {
                     .with_source(e)
                 })?;
                 Ok(wire::encode_blob(seg.addr(), seg.len() as u64, &packed))
+            })
             });
         }
         let seg = region.segment();

@@ -100,6 +100,10 @@ pub(crate) trait GpuDriver: Send + Sync + fmt::Debug {
     /// Make `device`'s primary context current on this thread.
     fn bind(&self, device: u32) -> Result<()>;
 
+    /// Run `f` with `device`'s primary context current on this thread, then make the
+    /// thread's own context current again.
+    fn scoped(&self, device: u32, f: &mut dyn FnMut() -> Result<()>) -> Result<()>;
+
     /// `len` bytes of device memory on `device`: its address and the owner that frees
     /// it when dropped.
     fn alloc(&self, device: u32, len: usize)
@@ -210,12 +214,29 @@ pub fn status() -> Result<GpuInfo> {
 
 /// Make `device`'s primary context current on the calling thread, for threads that
 /// call a GPU-aware library themselves (nixl's own device copies bind it on every
-/// call).
+/// call). It stays current; for one call on a thread the application owns, use
+/// [`with_context`].
 ///
 /// # Errors
 /// As [`status`]; [`ErrorKind::Backend`] from the driver.
 pub fn bind_thread(device: u32) -> Result<()> {
     driver()?.bind(device)
+}
+
+/// Run `f` with `device`'s primary context current on the calling thread, then make
+/// the thread's own context current again: for a GPU-aware library call made on a
+/// thread the application owns (a backend registering GPU memory).
+///
+/// # Errors
+/// As [`status`]; [`ErrorKind::Backend`] from the driver; `f`'s.
+pub fn with_context<R>(device: u32, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let mut f = Some(f);
+    let mut out = None;
+    driver()?.scoped(device, &mut || {
+        out = Some(f.take().expect("called once")()?);
+        Ok(())
+    })?;
+    Ok(out.expect("`scoped` ran `f`"))
 }
 
 /// From now on, this process's "device memory" is host memory and device copies are
@@ -1098,6 +1119,10 @@ impl GpuDriver for Cuda {
         Ok(())
     }
 
+    fn scoped(&self, device: u32, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        self.on(device, f)
+    }
+
     fn alloc(&self, device: u32, len: usize) -> Result<(u64, Box<dyn Any + Send + Sync>)> {
         const OP: &str = "allocate GPU memory";
         let mut ptr: sys::CUdeviceptr = 0;
@@ -1291,6 +1316,11 @@ impl GpuDriver for HostStandIn {
             );
         }
         Ok(())
+    }
+
+    fn scoped(&self, device: u32, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        self.bind(device)?;
+        f()
     }
 
     fn alloc(

@@ -183,4 +183,11 @@ fn device_calls_leave_the_threads_context_alone() {
     let d = nixl::gpu::dma_buf(0, m.addr(), 8192).unwrap();
     drop((m, b, d));
     assert_eq!(current(), gpu1, "GPU 1's context is still current");
+    // What backends use around a GPU-aware library's call on such a thread.
+    let mut gpu0 = std::ptr::null_mut();
+    // SAFETY: as above.
+    assert_eq!(unsafe { retain(&mut gpu0, 0) }, 0);
+    let inside = nixl::gpu::with_context(0, || Ok(current() as usize)).unwrap();
+    assert_eq!(inside, gpu0 as usize, "GPU 0's context is current inside");
+    assert_eq!(current(), gpu1, "and GPU 1's again after");
 }
