@@ -1,8 +1,6 @@
 //! The object-safe [`Backend`] trait and what the agent hands to backends.
 
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -11,12 +9,14 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::completion::{Completer, Op};
+#[cfg(doc)]
+use crate::error::ErrorKind;
+use crate::error::Result;
 use crate::memory::{MemKind, Memory};
 use crate::notification::Notification;
 use crate::region::{RegionRef, RegionSlice};
 use crate::thread::ThreadSpawner;
-use crate::transfer::{CompletionState, Op};
 
 /// What a backend can do, as plain data. The agent and the conformance suite choose
 /// backends by capabilities, never by name.
@@ -630,224 +630,10 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     }
 }
 
-/// How a backend reports the end of one posted transfer.
-///
-/// Holding it keeps the transfer's memory alive. Dropping it without calling
-/// [`Completer::complete`] fails the transfer with [`ErrorKind::Canceled`], so a
-/// backend that loses a request can never leave its future hanging.
-pub struct Completer {
-    sink: Option<Sink>,
-}
-
-/// Where a completer reports.
-enum Sink {
-    /// The transfer's own state.
-    Whole(Arc<CompletionState>),
-    /// One part of a split transfer.
-    Part(Arc<Join>),
-}
-
-/// What the parts of a split completer share.
-struct Join {
-    /// Parts not yet completed.
-    left: AtomicUsize,
-    /// The first error a part reported.
-    error: Mutex<Option<Error>>,
-    /// The completer that was split, and what to do with it once every part is done.
-    parent: Mutex<Option<(Completer, JoinThen)>>,
-    /// Whether the transfer was canceled, read without the lock.
-    canceled: Box<dyn Fn() -> bool + Send + Sync>,
-}
-
-type JoinThen = Box<dyn FnOnce(Completer, Result<()>) + Send>;
-
-impl Join {
-    fn part_done(&self, result: Result<()>) {
-        if let Err(e) = result {
-            let mut first = self.error.lock().unwrap();
-            if first.is_none() {
-                *first = Some(e);
-            }
-        }
-        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            // The last part: every other part's memory use is over.
-            let result = match self.error.lock().unwrap().take() {
-                Some(e) => Err(e),
-                None => Ok(()),
-            };
-            let parent = self.parent.lock().unwrap().take();
-            if let Some((parent, then)) = parent {
-                then(parent, result);
-            }
-        }
-    }
-}
-
-impl Completer {
-    pub(crate) fn new(state: Arc<CompletionState>) -> Self {
-        Self {
-            sink: Some(Sink::Whole(state)),
-        }
-    }
-
-    /// Report the outcome. Memory is released before the awaiting task wakes.
-    pub fn complete(mut self, result: Result<()>) {
-        match self.sink.take() {
-            Some(Sink::Whole(s)) => s.finish(result),
-            Some(Sink::Part(j)) => j.part_done(result),
-            None => {}
-        }
-    }
-
-    /// Whether the application dropped the transfer's future; work not yet started may
-    /// be skipped (then complete with [`ErrorKind::Canceled`]).
-    pub fn is_canceled(&self) -> bool {
-        match &self.sink {
-            Some(Sink::Whole(s)) => s.is_canceled(),
-            Some(Sink::Part(j)) => (j.canceled)(),
-            None => false,
-        }
-    }
-
-    /// Split this completer into one per part of the transfer (a backend that sends
-    /// pieces over several connections or queue pairs). The transfer completes when
-    /// every part has completed, with the first error a part reported, so its memory
-    /// stays alive until the last part lets go. Each part follows the rules of a
-    /// whole completer: dropping one unreported fails it with
-    /// [`ErrorKind::Canceled`], and [`Completer::is_canceled`] reports the
-    /// transfer's cancellation.
-    ///
-    /// `parts` of 0 completes the transfer at once (nothing to wait for).
-    pub fn split(self, parts: usize) -> Vec<Self> {
-        self.split_then(parts, |c, r| c.complete(r))
-    }
-
-    /// [`Completer::split`], with `then` called once every part has completed,
-    /// with this completer and the combined result, on the thread that completed the
-    /// last part. A backend uses it to send a notification only after every part's
-    /// data has arrived, then complete. `then` must not block.
-    pub fn split_then(
-        self,
-        parts: usize,
-        then: impl FnOnce(Self, Result<()>) + Send + 'static,
-    ) -> Vec<Self> {
-        if parts == 0 {
-            then(self, Ok(()));
-            return Vec::new();
-        }
-        let canceled: Box<dyn Fn() -> bool + Send + Sync> = match &self.sink {
-            Some(Sink::Whole(s)) => {
-                let s = s.clone();
-                Box::new(move || s.is_canceled())
-            }
-            Some(Sink::Part(j)) => {
-                let j = j.clone();
-                Box::new(move || (j.canceled)())
-            }
-            None => Box::new(|| false),
-        };
-        let join = Arc::new(Join {
-            left: AtomicUsize::new(parts),
-            error: Mutex::new(None),
-            parent: Mutex::new(Some((self, Box::new(then)))),
-            canceled,
-        });
-        (0..parts)
-            .map(|_| Self {
-                sink: Some(Sink::Part(join.clone())),
-            })
-            .collect()
-    }
-}
-
-impl Drop for Completer {
-    fn drop(&mut self) {
-        if self.sink.is_some() {
-            let sink = Self {
-                sink: self.sink.take(),
-            };
-            sink.complete(Err(Error::new(
-                ErrorKind::Canceled,
-                "transfer",
-                "the backend dropped the request without completing it",
-            )));
-        }
-    }
-}
-
-impl fmt::Debug for Completer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Completer")
-            .field("pending", &self.sink.is_some())
-            .field("part", &matches!(self.sink, Some(Sink::Part(_))))
-            .finish()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transfer::{Status, Transfer};
     use proptest::prelude::*;
-
-    fn pair() -> (Transfer, Completer) {
-        let state = CompletionState::standalone();
-        (Transfer::new(state.clone()), Completer::new(state))
-    }
-
-    fn failed(kind: ErrorKind) -> Result<()> {
-        Err(Error::new(kind, "test", "a part failed"))
-    }
-
-    #[test]
-    fn split_completes_after_the_last_part_with_the_first_error() {
-        let (t, c) = pair();
-        let mut parts = c.split(3);
-        assert_eq!(parts.len(), 3);
-        parts.pop().unwrap().complete(Ok(()));
-        parts
-            .pop()
-            .unwrap()
-            .complete(failed(ErrorKind::RemoteDisconnected));
-        assert_eq!(t.status(), Status::InFlight, "one part is still out");
-        // A part dropped unreported counts as canceled, after the first error.
-        drop(parts.pop());
-        assert_eq!(t.status(), Status::Failed(ErrorKind::RemoteDisconnected));
-
-        let (t, c) = pair();
-        for p in c.split(2) {
-            p.complete(Ok(()));
-        }
-        assert_eq!(t.status(), Status::Done);
-
-        let (t, c) = pair();
-        assert!(c.split(0).is_empty());
-        assert_eq!(t.status(), Status::Done, "nothing to wait for");
-    }
-
-    #[test]
-    fn split_then_runs_once_with_the_parent_and_parts_see_cancellation() {
-        let (t, c) = pair();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let parts = c.split_then(2, move |parent, r| {
-            tx.send(r.is_ok()).unwrap();
-            parent.complete(failed(ErrorKind::Backend));
-        });
-        let mut nested = parts.into_iter();
-        let first = nested.next().unwrap();
-        let inner = nested.next().unwrap().split(2);
-        assert!(!first.is_canceled() && !inner[0].is_canceled());
-        drop(t);
-        assert!(
-            first.is_canceled() && inner[1].is_canceled(),
-            "parts see the drop"
-        );
-        first.complete(Ok(()));
-        for p in inner {
-            p.complete(Ok(()));
-        }
-        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![true]);
-    }
 
     fn run(
         local_offset: u64,

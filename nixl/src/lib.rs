@@ -34,6 +34,7 @@
 
 mod agent;
 mod backend;
+mod completion;
 mod descriptor;
 mod error;
 pub mod exchange;
@@ -53,10 +54,11 @@ pub use agent::{
     RequestOptions, ShutdownReport, TaskMonitor,
 };
 pub use backend::{
-    Backend, BackendContext, Capabilities, Completer, NixlDialect, NotificationSink,
-    PreparedTransfer, Segment, SegmentRun, Segments, Target, TargetRegion, TransferPlan,
+    Backend, BackendContext, Capabilities, NixlDialect, NotificationSink, PreparedTransfer,
+    Segment, SegmentRun, Segments, Target, TargetRegion, TransferPlan,
 };
 pub use bytes::Bytes;
+pub use completion::{Completer, Op, Status};
 pub use descriptor::{Desc, DescList, Strided};
 pub use error::{Error, ErrorKind, Result};
 pub use exchange::{NixlListenerOptions, SharedSecret, SideChannelOptions};
@@ -65,7 +67,7 @@ pub use notification::{Notification, Notifications};
 pub use region::{RegionRef, RegionSlice, Registration, RemoteRegionInfo};
 pub use telemetry::{TelemetryOptions, TransferTelemetry};
 pub use thread::{ThreadSpawner, ThreadWake};
-pub use transfer::{Op, Status, Transfer, XferRequest};
+pub use transfer::{Transfer, XferRequest};
 
 /// Version of this crate.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

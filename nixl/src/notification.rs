@@ -9,6 +9,8 @@ use bytes::Bytes;
 use futures_core::Stream;
 use tokio::sync::mpsc;
 
+use crate::error::{err, ErrorKind, Result};
+
 /// A notification received from a peer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Notification {
@@ -72,4 +74,25 @@ impl fmt::Debug for Notifications {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Notifications").finish_non_exhaustive()
     }
+}
+
+/// A notification longer than the backend carries (`max`, its
+/// [`Capabilities::max_notification`]) is refused before it is sent.
+pub(crate) fn check_notification(
+    msg: &[u8],
+    max: usize,
+    backend: &str,
+    op: &'static str,
+) -> Result<()> {
+    if msg.len() > max {
+        return err(
+            ErrorKind::InvalidArgument,
+            op,
+            format!(
+                "notification of {} bytes exceeds {backend}'s limit of {max}",
+                msg.len()
+            ),
+        );
+    }
+    Ok(())
 }

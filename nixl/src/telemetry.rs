@@ -43,9 +43,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram, Label};
 
+use crate::completion::{Observer, Op, Status};
 use crate::error::{Error, ErrorKind};
 use crate::memory::MemKind;
-use crate::transfer::{Op, Status};
 
 /// What an agent records; all off by default. See the [module docs](self).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -75,7 +75,9 @@ pub struct TransferTelemetry {
     pub posted_at: SystemTime,
     /// Time spent in the post call; `None` while that call has not returned.
     pub post_duration: Option<Duration>,
-    /// Post to completion; `None` while in flight.
+    /// From the start of the post to completion, or to the post call's return when
+    /// the transfer completed inside it, so it is never shorter than
+    /// [`post_duration`](Self::post_duration); `None` while in flight.
     pub duration: Option<Duration>,
     /// Outcome so far.
     pub status: Status,
@@ -276,8 +278,8 @@ impl Probe {
         }
     }
 
-    /// The transfer finished with `result`.
-    pub(crate) fn finish(&self, result: &Result<(), Error>) {
+    /// The transfer finished with `result` (possibly inside the post call).
+    fn finish(&self, result: &Result<(), Error>) {
         let took = self.started.elapsed();
         let status = match result {
             Ok(()) => Status::Done,
@@ -312,6 +314,7 @@ impl Probe {
         }
         let i = &self.t.info;
         let post_ns = self.post_ns.load(Ordering::Acquire);
+        let post_duration = (post_ns != u64::MAX).then(|| Duration::from_nanos(post_ns));
         let done = self.done.get();
         Some(TransferTelemetry {
             op: i.op,
@@ -320,9 +323,17 @@ impl Probe {
             bytes: i.bytes,
             segments: i.segments,
             posted_at: self.posted_at,
-            post_duration: (post_ns != u64::MAX).then(|| Duration::from_nanos(post_ns)),
-            duration: done.map(|d| d.0),
+            post_duration,
+            // A transfer that completes inside the post call is stamped before the
+            // call returns; the whole never ends before its post does.
+            duration: done.map(|d| post_duration.map_or(d.0, |p| d.0.max(p))),
             status: done.map_or(Status::InFlight, |d| d.1),
         })
+    }
+}
+
+impl Observer for Probe {
+    fn finished(&self, result: &Result<(), Error>) {
+        self.finish(result);
     }
 }

@@ -3,75 +3,36 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use tokio::sync::Notify;
 
-use crate::backend::{Completer, PreparedTransfer};
-use crate::error::{err, Error, ErrorKind, Result};
+use crate::backend::PreparedTransfer;
+use crate::completion::{
+    Completer, CompletionState, InflightCounter, InflightGuard, Observer, Op, Status,
+};
+use crate::error::{err, ErrorKind, Result};
+use crate::notification::check_notification;
 use crate::region::RegionInner;
 use crate::telemetry::{Probe, RequestTelemetry, TransferTelemetry};
-
-/// Direction of a transfer, from the initiator's point of view.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Op {
-    /// Pull remote memory into local memory.
-    Read,
-    /// Push local memory into remote memory.
-    Write,
-}
-
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Read => "READ",
-            Self::Write => "WRITE",
-        })
-    }
-}
-
-/// State of a request's latest post, queried without awaiting.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Status {
-    /// Never posted.
-    Idle,
-    /// Posted, not finished.
-    InFlight,
-    /// Finished successfully.
-    Done,
-    /// Finished with an error of this kind.
-    Failed(ErrorKind),
-}
-
-/// Counts transfers in flight across an agent, so shutdown can drain them.
-#[derive(Debug, Default)]
-pub(crate) struct InflightCounter {
-    count: AtomicUsize,
-    pub(crate) zero: Notify,
-}
-
-impl InflightCounter {
-    pub(crate) fn get(&self) -> usize {
-        self.count.load(Ordering::Acquire)
-    }
-}
 
 /// Keeps a posted transfer's memory alive and counted until its backend reports.
 struct Keepalive {
     regions: Vec<Arc<RegionInner>>,
-    counter: Arc<InflightCounter>,
+    _counted: InflightGuard,
 }
 
 impl Keepalive {
-    fn new(regions: Vec<Arc<RegionInner>>, counter: Arc<InflightCounter>) -> Self {
+    fn new(regions: Vec<Arc<RegionInner>>, counter: &Arc<InflightCounter>) -> Self {
         for r in &regions {
             r.inflight.fetch_add(1, Ordering::AcqRel);
         }
-        counter.count.fetch_add(1, Ordering::AcqRel);
-        Self { regions, counter }
+        Self {
+            regions,
+            _counted: counter.enter(),
+        }
     }
 }
 
@@ -79,115 +40,6 @@ impl Drop for Keepalive {
     fn drop(&mut self) {
         for r in &self.regions {
             r.inflight.fetch_sub(1, Ordering::AcqRel);
-        }
-        if self.counter.count.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.counter.zero.notify_waiters();
-        }
-    }
-}
-
-const PENDING: u8 = 0;
-const OK: u8 = 1;
-const FAILED: u8 = 2;
-
-/// Shared between a [`Transfer`] future and the backend's [`Completer`].
-pub(crate) struct CompletionState {
-    state: AtomicU8,
-    error_kind: Mutex<Option<ErrorKind>>,
-    error: Mutex<Option<Error>>,
-    waker: Mutex<Option<Waker>>,
-    canceled: AtomicBool,
-    keepalive: Mutex<Option<Keepalive>>,
-    /// The post's record, with telemetry on.
-    probe: Option<Probe>,
-}
-
-impl CompletionState {
-    fn new(keepalive: Option<Keepalive>, probe: Option<Probe>) -> Arc<Self> {
-        Arc::new(Self {
-            state: AtomicU8::new(PENDING),
-            error_kind: Mutex::new(None),
-            error: Mutex::new(None),
-            waker: Mutex::new(None),
-            canceled: AtomicBool::new(false),
-            keepalive: Mutex::new(keepalive),
-            probe,
-        })
-    }
-
-    pub(crate) fn standalone() -> Arc<Self> {
-        Self::new(None, None)
-    }
-
-    pub(crate) fn finish(&self, result: Result<()>) {
-        // Release memory (and counters) before anyone can observe completion, so
-        // deregistering right after `.await` works.
-        drop(self.keepalive.lock().unwrap().take());
-        if let Some(p) = &self.probe {
-            p.finish(&result);
-        }
-        let state = match result {
-            Ok(()) => OK,
-            Err(e) => {
-                *self.error_kind.lock().unwrap() = Some(e.kind());
-                *self.error.lock().unwrap() = Some(e);
-                FAILED
-            }
-        };
-        self.state.store(state, Ordering::Release);
-        if let Some(w) = self.waker.lock().unwrap().take() {
-            w.wake();
-        }
-    }
-
-    pub(crate) fn is_canceled(&self) -> bool {
-        self.canceled.load(Ordering::Acquire)
-    }
-
-    fn status(&self) -> Status {
-        match self.state.load(Ordering::Acquire) {
-            PENDING => Status::InFlight,
-            OK => Status::Done,
-            _ => Status::Failed(
-                self.error_kind
-                    .lock()
-                    .unwrap()
-                    .unwrap_or(ErrorKind::Backend),
-            ),
-        }
-    }
-
-    fn poll_done(&self, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        if let Some(r) = self.take_result() {
-            return Poll::Ready(r);
-        }
-        *self.waker.lock().unwrap() = Some(cx.waker().clone());
-        // Re-check: the backend may have finished between the first check and storing
-        // the waker.
-        match self.take_result() {
-            Some(r) => Poll::Ready(r),
-            None => Poll::Pending,
-        }
-    }
-
-    fn take_result(&self) -> Option<Result<()>> {
-        match self.state.load(Ordering::Acquire) {
-            PENDING => None,
-            OK => Some(Ok(())),
-            _ => Some(Err(self.error.lock().unwrap().take().unwrap_or_else(
-                || {
-                    let kind = self
-                        .error_kind
-                        .lock()
-                        .unwrap()
-                        .unwrap_or(ErrorKind::Backend);
-                    Error::new(
-                        kind,
-                        "transfer",
-                        "the transfer failed (error already taken)",
-                    )
-                },
-            ))),
         }
     }
 }
@@ -202,11 +54,13 @@ impl CompletionState {
 #[must_use = "a Transfer reports its outcome only when awaited; dropping it cancels it"]
 pub struct Transfer {
     state: Arc<CompletionState>,
+    /// The post's record, with telemetry on.
+    probe: Option<Arc<Probe>>,
 }
 
 impl Transfer {
-    pub(crate) fn new(state: Arc<CompletionState>) -> Self {
-        Self { state }
+    pub(crate) fn new(state: Arc<CompletionState>, probe: Option<Arc<Probe>>) -> Self {
+        Self { state, probe }
     }
 
     /// Status without awaiting.
@@ -219,7 +73,7 @@ impl Transfer {
     /// otherwise, and for standalone notifications. Await `&mut transfer` to read it
     /// after completion.
     pub fn telemetry(&self) -> Option<TransferTelemetry> {
-        self.state.probe.as_ref().and_then(Probe::telemetry)
+        self.probe.as_deref().and_then(Probe::telemetry)
     }
 }
 
@@ -233,9 +87,7 @@ impl Future for Transfer {
 
 impl Drop for Transfer {
     fn drop(&mut self) {
-        if self.state.state.load(Ordering::Acquire) == PENDING {
-            self.state.canceled.store(true, Ordering::Release);
-        }
+        self.state.cancel_if_pending();
     }
 }
 
@@ -276,7 +128,8 @@ pub struct XferRequest {
     pub(crate) runs: usize,
     /// The serving backend's [`Capabilities::max_notification`](crate::Capabilities).
     pub(crate) max_notification: usize,
-    pub(crate) last: Mutex<Option<Arc<CompletionState>>>,
+    /// The latest post: its state and, with telemetry on, its record.
+    pub(crate) last: Mutex<Option<(Arc<CompletionState>, Option<Arc<Probe>>)>>,
     /// What each post records (`None`: telemetry off).
     pub(crate) telemetry: Option<RequestTelemetry>,
 }
@@ -299,7 +152,7 @@ impl XferRequest {
         };
         owner.check_running(OP)?;
         if let Some(n) = &notif {
-            crate::agent::check_notification(n, self.max_notification, &self.backend, OP)?;
+            check_notification(n, self.max_notification, &self.backend, OP)?;
         }
         if let Some(peer) = &self.peer {
             let current = owner.peer_generation(peer, OP)?;
@@ -328,7 +181,7 @@ impl XferRequest {
         let mut last = self.last.lock().unwrap();
         if last
             .as_ref()
-            .is_some_and(|s| s.status() == Status::InFlight)
+            .is_some_and(|(s, _)| s.status() == Status::InFlight)
         {
             return err(
                 ErrorKind::NotAllowed,
@@ -339,18 +192,19 @@ impl XferRequest {
         if notif.is_some() {
             owner.notification_sent();
         }
-        let probe = self.telemetry.as_ref().map(Probe::start);
+        let probe = self.telemetry.as_ref().map(|t| Arc::new(Probe::start(t)));
+        let keepalive = Keepalive::new(self.regions.clone(), &owner.inflight());
         let state = CompletionState::new(
-            Some(Keepalive::new(self.regions.clone(), owner.inflight())),
-            probe,
+            Some(Box::new(keepalive)),
+            probe.clone().map(|p| p as Arc<dyn Observer>),
         );
-        *last = Some(state.clone());
+        *last = Some((state.clone(), probe.clone()));
         drop(last);
         self.prepared.post(notif, Completer::new(state.clone()));
-        if let Some(p) = &state.probe {
+        if let Some(p) = &probe {
             p.posted();
         }
-        Ok(Transfer::new(state))
+        Ok(Transfer::new(state, probe))
     }
 
     /// The latest post's record, when the agent records transfers
@@ -361,7 +215,7 @@ impl XferRequest {
             .lock()
             .unwrap()
             .as_ref()
-            .and_then(|s| s.probe.as_ref())
+            .and_then(|(_, p)| p.as_deref())
             .and_then(Probe::telemetry)
     }
 
@@ -371,7 +225,7 @@ impl XferRequest {
             .lock()
             .unwrap()
             .as_ref()
-            .map_or(Status::Idle, |s| s.status())
+            .map_or(Status::Idle, |(s, _)| s.status())
     }
 
     /// READ or WRITE.

@@ -11,10 +11,10 @@ use tokio_util::task::TaskTracker;
 
 use super::{random_u64, Agent, Regions, Shared};
 use crate::backend::{Backend, BackendContext, NotificationSink};
+use crate::completion::InflightCounter;
 use crate::error::{err, ErrorKind, Result};
 use crate::telemetry::{AgentMetrics, TelemetryOptions};
 use crate::thread::{ThreadSet, ThreadSpawner};
-use crate::transfer::InflightCounter;
 
 /// Agent-wide options.
 #[derive(Clone, Debug)]
@@ -158,6 +158,8 @@ impl AgentBuilder {
             peers: RwLock::new(HashMap::new()),
             next_generation: AtomicU64::new(1),
             running: AtomicBool::new(true),
+            live: super::shutdown::LiveAgent::new(),
+            shut_down: tokio::sync::watch::channel(false).0,
             cancel,
             tracker,
             threads: Arc::new(ThreadSet::default()),

@@ -3,8 +3,8 @@
 
 use bytes::Bytes;
 
-use crate::backend::{Completer, NotificationSink, PreparedTransfer, Segments, Target};
-use crate::transfer::Op;
+use crate::backend::{NotificationSink, PreparedTransfer, Segments, Target};
+use crate::completion::{Completer, Op};
 
 /// Name reported by [`XferRequest::backend`](crate::XferRequest::backend) for requests
 /// the agent serves itself.

@@ -28,14 +28,15 @@ use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::backend::{Backend, Capabilities, Completer, NotificationSink};
+use crate::backend::{Backend, Capabilities, NotificationSink};
+use crate::completion::{Completer, CompletionState, InflightCounter};
 use crate::descriptor::RangeIndex;
 use crate::error::{err, Error, ErrorKind, Result};
-use crate::notification::{Notifications, Slot};
+use crate::notification::{check_notification, Notifications, Slot};
 use crate::region::{RegionInner, RemoteRegion};
 use crate::telemetry::{AgentMetrics, TelemetryOptions};
 use crate::thread::ThreadSet;
-use crate::transfer::{CompletionState, InflightCounter, RequestOwner, Transfer};
+use crate::transfer::{RequestOwner, Transfer};
 
 pub use builder::{AgentBuilder, AgentOptions, RegisterOptions, RequestOptions};
 pub use request::{Indices, PreparedDescs};
@@ -117,6 +118,10 @@ struct Shared {
     peers: RwLock<HashMap<String, Arc<Peer>>>,
     next_generation: AtomicU64,
     running: AtomicBool,
+    /// Counted among the process's live agents (see `shutdown::LiveAgent`).
+    live: shutdown::LiveAgent,
+    /// Set when the first `shutdown()` has finished; later calls wait for it.
+    shut_down: tokio::sync::watch::Sender<bool>,
     cancel: CancellationToken,
     tracker: TaskTracker,
     threads: Arc<ThreadSet>,
@@ -144,9 +149,11 @@ impl Drop for Shared {
         self.running.store(false, Ordering::Release);
         self.cancel.cancel();
         self.tracker.close();
-        let left = self
-            .threads
-            .join_blocking(std::time::Instant::now() + self.options.shutdown_timeout);
+        let deadline = std::time::Instant::now() + self.options.shutdown_timeout;
+        let mut left = self.threads.join_blocking(deadline);
+        if let Some(reaper) = self.live.leave() {
+            left.extend(reaper.join_blocking(deadline));
+        }
         if !left.is_empty() {
             tracing::error!(agent = %self.name, threads = ?left, "backend threads still running after the agent was dropped");
         }
@@ -332,7 +339,7 @@ impl Agent {
         self.shared.notification_sent();
         let state = CompletionState::standalone();
         self.shared.backends[i].notify(peer, msg, Completer::new(state.clone()));
-        Ok(Transfer::new(state))
+        Ok(Transfer::new(state, None))
     }
 
     /// The incoming notifications. One handle at a time; dropping it hands the queue
@@ -356,27 +363,6 @@ impl Agent {
     pub fn is_running(&self) -> bool {
         self.shared.running.load(Ordering::Acquire)
     }
-}
-
-/// A notification longer than the backend carries (`max`, its
-/// [`Capabilities::max_notification`]) is refused before it is sent.
-pub(crate) fn check_notification(
-    msg: &[u8],
-    max: usize,
-    backend: &str,
-    op: &'static str,
-) -> Result<()> {
-    if msg.len() > max {
-        return err(
-            ErrorKind::InvalidArgument,
-            op,
-            format!(
-                "notification of {} bytes exceeds {backend}'s limit of {max}",
-                msg.len()
-            ),
-        );
-    }
-    Ok(())
 }
 
 impl fmt::Debug for Agent {

@@ -9,15 +9,16 @@ use bytes::Bytes;
 
 use super::choice::{self, Candidate, Need};
 use super::local::{LocalCopy, AGENT_COPY};
-use super::segments::{build_segments, Merger, Sides};
+use super::segments::{build_segments, Merger, RegionTable, Sides};
 use super::{Agent, RequestOptions};
 use crate::backend::{PreparedTransfer, SegmentRun, Segments, TransferPlan};
+use crate::completion::Op;
 use crate::descriptor::{DescList, RangeIndex, Ranged};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::memory::MemKind;
 use crate::region::{RegionInner, RemoteRegion};
 use crate::telemetry::{RequestTelemetry, TransferInfo};
-use crate::transfer::{Op, RequestOwner, Transfer, XferRequest};
+use crate::transfer::{RequestOwner, Transfer, XferRequest};
 
 /// Descriptor lists checked once, to build many requests from by index.
 ///
@@ -39,22 +40,6 @@ pub struct PreparedDescs {
 enum Side {
     Local,
     Remote { peer: String, generation: u64 },
-}
-
-/// The registrations a prepared list touches; runs refer to them by position.
-#[derive(Debug)]
-pub(super) enum RegionTable {
-    Local(Vec<Arc<RegionInner>>),
-    Remote(Vec<Arc<RemoteRegion>>),
-}
-
-impl RegionTable {
-    fn len(&self) -> usize {
-        match self {
-            Self::Local(v) => v.len(),
-            Self::Remote(v) => v.len(),
-        }
-    }
 }
 
 /// `count` blocks of `len` bytes in registration `region` of the table, the first

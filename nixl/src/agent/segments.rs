@@ -1,10 +1,27 @@
 //! Turning checked runs of descriptor pairs into backend segments, merging neighbours.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 
-use super::request::RegionTable;
 use crate::backend::{SegmentRun, Segments, TargetRegion};
-use crate::region::RegionRef;
+use crate::region::{RegionInner, RegionRef, RemoteRegion};
+
+/// The registrations a prepared list touches; runs refer to them by position.
+#[derive(Debug)]
+pub(super) enum RegionTable {
+    Local(Vec<Arc<RegionInner>>),
+    Remote(Vec<Arc<RemoteRegion>>),
+}
+
+impl RegionTable {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Self::Local(v) => v.len(),
+            Self::Remote(v) => v.len(),
+        }
+    }
+}
 
 /// The single pair `i` of `p`, `len` bytes long.
 fn single(p: &SegmentRun, i: usize, len: u64) -> SegmentRun {

@@ -1,16 +1,44 @@
 //! Teardown, in the order the [`Backend`](crate::Backend) trait documents, and its
 //! report.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 
 use super::Agent;
 use crate::error::{Error, ErrorKind};
+use crate::gpu::reaper;
+
+/// Agents of this process not yet shut down or dropped. Process-wide services that
+/// no one agent owns (the GPU reaper thread) stop with the last of them.
+static LIVE_AGENTS: AtomicUsize = AtomicUsize::new(0);
+
+/// One agent's place in [`LIVE_AGENTS`], given up once.
+#[derive(Debug)]
+pub(super) struct LiveAgent(AtomicBool);
+
+impl LiveAgent {
+    pub(super) fn new() -> Self {
+        LIVE_AGENTS.fetch_add(1, Ordering::AcqRel);
+        Self(AtomicBool::new(true))
+    }
+
+    /// Stop counting this agent; the process's last one stops the GPU reaper and
+    /// gets it to join.
+    pub(super) fn leave(&self) -> Option<reaper::Stopping> {
+        if self.0.swap(false, Ordering::AcqRel) && LIVE_AGENTS.fetch_sub(1, Ordering::AcqRel) == 1
+        {
+            reaper::stop()
+        } else {
+            None
+        }
+    }
+}
 
 /// What [`Agent::shutdown`] could not stop cleanly.
 #[derive(Debug, Default)]
+#[must_use = "the report says what did not stop in time; check `is_clean()`"]
 pub struct ShutdownReport {
     /// Transfers still in flight when the drain timeout passed (then cancelled).
     pub canceled_transfers: usize,
@@ -50,12 +78,21 @@ impl Agent {
     /// all memory; destroy the backends' contexts; wait for every task. Everything
     /// after draining shares one bound,
     /// [`AgentOptions::shutdown_timeout`](crate::AgentOptions::shutdown_timeout).
-    /// Returns what did not stop cleanly. Calling it again is harmless.
+    /// Returns what did not stop cleanly. Calling it again is harmless: a call made
+    /// while another is running waits for that one to finish, then returns a report
+    /// with [`ShutdownReport::already_shut_down`] set.
+    ///
+    /// # Cancel safety
+    /// Not cancel-safe: dropping the future part way leaves the agent stopped
+    /// part way (it still refuses new work, and dropping it finishes teardown).
     pub async fn shutdown(&self) -> ShutdownReport {
         let s = &self.shared;
         let mut report = ShutdownReport::default();
         if !s.running.swap(false, Ordering::AcqRel) {
             report.already_shut_down = true;
+            let mut done = s.shut_down.subscribe();
+            // An error means the sender is gone, and with it the agent.
+            let _ = done.wait_for(|&d| d).await;
             return report;
         }
         // 2. Drain.
@@ -136,9 +173,14 @@ impl Agent {
             report.tasks_left = s.tracker.len();
             tracing::warn!(agent = %s.name, tasks = report.tasks_left, "tasks still running after the shutdown bound");
         }
+        // 9. The process's last agent stops the GPU reaper.
+        if let Some(reaper) = s.live.leave() {
+            report.threads_left.extend(reaper.join(deadline).await);
+        }
         if !report.threads_left.is_empty() {
             tracing::error!(agent = %s.name, threads = ?report.threads_left, "backend threads still running after the shutdown bound");
         }
+        s.shut_down.send_replace(true);
         report
     }
 }
