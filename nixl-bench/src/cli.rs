@@ -106,10 +106,10 @@ pub(crate) struct Cli {
     #[arg(long = "etcd-user", value_name = "USER")]
     pub(crate) etcd_user: Option<String>,
 
-    /// Internal: serve as the target over stdin/stdout (set when the bench starts its
-    /// own child).
-    #[arg(long, hide = true)]
-    pub(crate) stdio: bool,
+    /// Internal: serve as the target over the Unix socket at PATH (set when the bench
+    /// starts its own child; see `child.rs`).
+    #[arg(long = "control-socket", value_name = "PATH", hide = true)]
+    pub(crate) control_socket: Option<PathBuf>,
 
     /// Transport: tcp (built in), verbs (built in; needs an RDMA device), ucx (feature
     /// `ucx`) or uccl (feature `uccl`).
@@ -485,7 +485,8 @@ pub(crate) struct Config {
     /// Two hosts through etcd instead of `--peer`.
     #[cfg(feature = "etcd")]
     pub(crate) etcd: Option<EtcdConfig>,
-    pub(crate) stdio: bool,
+    /// The local mode's control socket, in its target child (`--control-socket`).
+    pub(crate) control_socket: Option<PathBuf>,
     pub(crate) backend: String,
     pub(crate) backend_params: Vec<(String, String)>,
     pub(crate) sweep: Sweep,
@@ -568,8 +569,8 @@ impl Cli {
                 return fail("--check-consistency is not available with --peer-kind nixl (a NIXL agent has no nixl-bench control channel)");
             }
         }
-        if self.stdio && role != Role::Target {
-            return fail("--stdio is for --role target");
+        if self.control_socket.is_some() && role != Role::Target {
+            return fail("--control-socket is for --role target");
         }
         for (which, seg) in [
             ("--initiator-seg-type", self.initiator_seg_type),
@@ -685,7 +686,7 @@ impl Cli {
             listen,
             #[cfg(feature = "etcd")]
             etcd,
-            stdio: self.stdio,
+            control_socket: self.control_socket,
             backend: self.backend.to_ascii_lowercase(),
             backend_params: self.backend_params,
             sweep: Sweep {
@@ -749,8 +750,8 @@ impl Cli {
         if self.peer.is_some() {
             return fail("--peer and --etcd-endpoints both say how to find the target; give one");
         }
-        if self.stdio {
-            return fail("--stdio and --etcd-endpoints do not go together");
+        if self.control_socket.is_some() {
+            return fail("--control-socket and --etcd-endpoints do not go together");
         }
         let endpoints: Vec<String> = urls
             .split(',')
@@ -1014,6 +1015,10 @@ mod tests {
                 "--benchmark-group is for etcd mode",
             ),
             (&["--peer", "h:1"][..], "--peer is for --role initiator"),
+            (
+                &["--control-socket", "/tmp/s"][..],
+                "--control-socket is for --role target",
+            ),
             (
                 &["--start-block-size", "8K", "--max-block-size", "4K"][..],
                 "larger than",

@@ -1,5 +1,6 @@
 //! The control channel between initiator and target: one text line per message, over
-//! the child's stdin/stdout (local mode) or a small TCP connection (two hosts).
+//! a Unix socket to the child (local mode, see `child.rs`) or a small TCP connection (two
+//! hosts).
 //!
 //! ```text
 //! initiator -> target                   target -> initiator

@@ -132,16 +132,10 @@ async fn run(config: &Config) -> Result<()> {
     match config.role {
         Role::Local => local(config).await,
         Role::Initiator => remote_initiator(config).await,
-        Role::Target if config.stdio => {
-            let channel = Channel::new(
-                tokio::io::stdin(),
-                tokio::io::stdout(),
-                "the initiator (parent process)",
-                config.timeouts.exchange,
-            );
-            target::serve(config, channel, IpAddr::V4(Ipv4Addr::LOCALHOST)).await
-        }
-        Role::Target => remote_target(config).await,
+        Role::Target => match &config.control_socket {
+            Some(path) => child_target(config, path).await,
+            None => remote_target(config).await,
+        },
         Role::Auto => auto_role(config).await,
     }
 }
@@ -172,7 +166,7 @@ async fn local(config: &Config) -> Result<()> {
         ));
     }
     let host = IpAddr::V4(Ipv4Addr::LOCALHOST);
-    let (child, channel) = TargetProcess::spawn(config)?;
+    let (child, channel) = TargetProcess::spawn(config).await?;
     let target = TargetInfo {
         mode: "local",
         process: format!("child process {} on this host", child.id()),
@@ -216,6 +210,13 @@ async fn remote_initiator(config: &Config) -> Result<()> {
     };
     let (run, rows) = initiator::run(config, channel, host, target).await?;
     plot(config, &run, &rows)
+}
+
+/// The target in the local mode's child process: serve the parent over its socket.
+async fn child_target(config: &Config, socket: &std::path::Path) -> Result<()> {
+    let _noise = child::Noise::start();
+    let channel = child::connect(socket, config.timeouts.exchange).await?;
+    target::serve(config, channel, IpAddr::V4(Ipv4Addr::LOCALHOST)).await
 }
 
 /// Target only: wait for one initiator, serve it, exit.

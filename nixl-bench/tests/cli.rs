@@ -661,6 +661,68 @@ fn killed_child_target_fails_the_local_run() {
     assert!(!alive(&pid), "child {pid} was not reaped");
 }
 
+/// Whether `pid` still runs: a zombie (an orphan whose new parent has not reaped it
+/// yet) does not.
+fn running(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
+        !state.is_some_and(|s| s.starts_with('Z'))
+    })
+}
+
+/// The child target needs no one to stop it: when the initiator dies without a word
+/// (SIGKILL, no `done`), the child sees its control socket close and exits.
+#[test]
+fn killed_initiator_ends_its_child_target() {
+    let (mut initiator, header, _) = start_long_run(&[]);
+    let pid = child_pid(&header);
+    assert!(running(&pid));
+    // The private directory of the control socket went when the child connected, so
+    // even a parent killed outright leaves none behind.
+    let dir = format!("nixl-bench-{}-", initiator.id());
+    let left: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|name| name.starts_with(&dir))
+        .collect();
+    assert!(left.is_empty(), "control socket directories left: {left:?}");
+    initiator.kill().unwrap();
+    initiator.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while running(&pid) {
+        assert!(
+            Instant::now() < deadline,
+            "child {pid} still runs 30 s after its parent died"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The child target's stdout and stderr are not the control channel: a child that
+/// prints junk on both (as UCX does with `UCX_PROTO_INFO=y`) before and during the run
+/// still completes a checked sweep, the junk goes to our stderr, and our stdout stays
+/// the report alone.
+#[test]
+fn a_chatty_child_target_does_not_break_the_local_run() {
+    let out = run_cmd(
+        bench()
+            .args(with(&["--json", "--check-consistency"]))
+            .env("NIXL_BENCH_TEST_NOISE", "1"),
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}\n{stderr}", out.status);
+    for noise in ["[noise on stdout 0]", "[noise on stderr 0]"] {
+        assert!(
+            stderr.contains(noise),
+            "the child printed no {noise:?}: {stderr}"
+        );
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&stdout).expect("stdout is one JSON document, without the noise");
+    assert_eq!(v["results"].as_array().map(Vec::len), Some(5), "{stdout}");
+}
+
 #[test]
 fn ctrl_c_stops_the_run_and_reaps_the_child() {
     let (mut initiator, header, _) = start_long_run(&[]);
