@@ -56,7 +56,7 @@ async fn main() -> nixl::Result<()> {
     println!("wrote 4096 bytes to an agent found through etcd");
 
     // Shutdown revokes decode's lease: prefill's watch forgets it.
-    decode.shutdown().await;
+    let _ = decode.shutdown().await;
     for _ in 0..100 {
         if prefill.peers().is_empty() {
             break;
@@ -67,6 +67,6 @@ async fn main() -> nixl::Result<()> {
         "after decode's shutdown, prefill knows {:?}",
         prefill.peers()
     );
-    prefill.shutdown().await;
+    let _ = prefill.shutdown().await;
     Ok(())
 }

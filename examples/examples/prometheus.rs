@@ -68,8 +68,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("serving http://{addr}/metrics for {hold} s");
         tokio::time::sleep(Duration::from_secs(hold)).await;
     }
-    prefill.shutdown().await;
-    decode.shutdown().await;
+    let _ = prefill.shutdown().await;
+    let _ = decode.shutdown().await;
     Ok(())
 }
 

@@ -57,7 +57,7 @@ async fn main() -> nixl::Result<()> {
     prefill.invalidate_at(addr, &options).await?;
     println!("after invalidate, decode knows {:?}", decode.peers());
     for a in [prefill, decode, stranger] {
-        a.shutdown().await;
+        let _ = a.shutdown().await;
     }
     Ok(())
 }

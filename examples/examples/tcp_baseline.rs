@@ -58,7 +58,7 @@ async fn child() {
     s.write_all(&total.to_le_bytes()).await.unwrap();
     notes.recv().await;
     drop(notes);
-    agent.shutdown().await;
+    let _ = agent.shutdown().await;
 }
 
 fn gbps(bytes: u64, d: Duration) -> f64 {
@@ -162,6 +162,6 @@ async fn main() {
         }
     }
     agent.notify("target", "done").unwrap().await.unwrap();
-    agent.shutdown().await;
+    let _ = agent.shutdown().await;
     proc.wait().unwrap();
 }

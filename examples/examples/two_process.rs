@@ -44,7 +44,7 @@ async fn target() -> nixl::Result<()> {
         }
     }
     drop(notes);
-    agent.shutdown().await;
+    let _ = agent.shutdown().await;
     Ok(())
 }
 
@@ -71,7 +71,7 @@ async fn initiator(metadata: Vec<u8>) -> nixl::Result<()> {
         3 * SIZE
     );
     agent.notify(&peer, "done")?.await?;
-    agent.shutdown().await;
+    let _ = agent.shutdown().await;
     Ok(())
 }
 

@@ -94,8 +94,8 @@ fn bench_post(c: &mut Criterion) {
     g.finish();
     drop((local, remote_req));
     rt.block_on(async {
-        init.shutdown().await;
-        target.shutdown().await;
+        let _ = init.shutdown().await;
+        let _ = target.shutdown().await;
     });
 }
 

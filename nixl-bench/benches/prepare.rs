@@ -139,8 +139,8 @@ fn bench_prepare(c: &mut Criterion) {
             g.finish();
         }
         rt.block_on(async {
-            init.shutdown().await;
-            target.shutdown().await;
+            let _ = init.shutdown().await;
+            let _ = target.shutdown().await;
         });
     }
 }

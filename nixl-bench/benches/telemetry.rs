@@ -125,9 +125,9 @@ fn bench_telemetry(c: &mut Criterion) {
     g.finish();
     rt.block_on(async {
         for (a, ..) in agents {
-            a.shutdown().await;
+            let _ = a.shutdown().await;
         }
-        target.shutdown().await;
+        let _ = target.shutdown().await;
     });
 }
 

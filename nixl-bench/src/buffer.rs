@@ -404,7 +404,7 @@ mod tests {
             ranges: vec![(3 * c, 1)],
         };
         assert!(fill(&buf, &outside).is_err());
-        agent.shutdown().await;
+        let _ = agent.shutdown().await;
     }
 
     #[test]

@@ -80,8 +80,8 @@ fn bench_post(c: &mut Criterion) {
     }
     g.finish();
     rt.block_on(async {
-        init.shutdown().await;
-        target.shutdown().await;
+        let _ = init.shutdown().await;
+        let _ = target.shutdown().await;
     });
 }
 

@@ -57,7 +57,7 @@ async fn target() {
     // Wait until the initiator closes our stdin.
     let mut line = String::new();
     let _ = std::io::stdin().lock().read_line(&mut line);
-    a.shutdown().await;
+    let _ = a.shutdown().await;
 }
 
 async fn initiator() {
@@ -167,7 +167,7 @@ async fn initiator() {
         }
     }
     drop(child.stdin.take());
-    a.shutdown().await;
+    let _ = a.shutdown().await;
     let _ = child.wait();
 }
 

@@ -99,14 +99,14 @@ mod wire;
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
-use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
-    Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, NixlDialect, Op,
-    PreparedTransfer, RegionRef, Result, TargetRegion, TransferPlan,
+    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind,
+    NixlDialect, Op, PreparedTransfer, RegionRef, Result, TargetRegion, TransferPlan,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -322,12 +322,12 @@ struct Inner {
     address: Bytes,
     cuda: bool,
     shared: Arc<Shared>,
-    started: OnceLock<Started>,
+    started: Attachment<Started>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if let Some(s) = self.started.get() {
+        if let Some(s) = self.started.try_get() {
             s.cancel.cancel();
         }
         // Requests may keep the driver's state alive; UCX itself goes now (or as soon
@@ -439,7 +439,7 @@ impl UcxBackend {
                 address,
                 cuda,
                 shared,
-                started: OnceLock::new(),
+                started: Attachment::new("ucx"),
             }),
         })
     }
@@ -498,13 +498,7 @@ impl UcxBackend {
     }
 
     fn started(&self, op: &'static str) -> Result<&Started> {
-        self.inner.started.get().ok_or_else(|| {
-            Error::new(
-                ErrorKind::NotAllowed,
-                op,
-                "the ucx backend is not attached to an agent",
-            )
-        })
+        self.inner.started.get(op)
     }
 
     fn with_core<T>(&self, op: &'static str, f: impl FnOnce(&mut Core) -> Result<T>) -> Result<T> {
@@ -545,13 +539,7 @@ impl Backend for UcxBackend {
         let started = Started {
             cancel: cancel.clone(),
         };
-        self.inner.started.set(started).map_err(|_| {
-            Error::new(
-                ErrorKind::NotAllowed,
-                OP,
-                "the ucx backend is already attached to an agent",
-            )
-        })?;
+        self.inner.started.attach(OP, async { Ok(started) }).await?;
         self.with_core(OP, |core| {
             core.agent = ctx.agent_name.clone();
             core.sink = Some(ctx.notifications.clone());
@@ -806,7 +794,7 @@ impl Backend for UcxBackend {
     }
 
     async fn shutdown(&self, timeout: Duration) -> Result<()> {
-        match self.inner.started.get() {
+        match self.inner.started.try_get() {
             Some(s) => {
                 s.cancel.cancel();
                 if tokio::time::timeout(timeout, self.inner.shared.wait_stopped())

@@ -106,8 +106,8 @@ async fn allocated_memory_moves_data_both_ways() {
             assert!(got == pattern(seed, 4096), "READ {tag:?}: data differs");
         }
     }
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// Allocated memory stays valid after its backend and agent are gone (the UCX context
@@ -147,7 +147,7 @@ async fn zero_length_allocation_is_refused() {
         return;
     };
     assert_eq!(b.alloc(0).unwrap_err().kind(), ErrorKind::ZeroLength);
-    a.shutdown().await;
+    let _ = a.shutdown().await;
 }
 
 /// With `post_inline`, a small WRITE into UCX-allocated memory over shared memory is
@@ -201,7 +201,7 @@ async fn inline_post_completes_before_post_returns() {
                 "only {done_at_return}/100 inline posts completed before returning"
             );
         }
-        a.shutdown().await;
-        b.shutdown().await;
+        let _ = a.shutdown().await;
+        let _ = b.shutdown().await;
     }
 }

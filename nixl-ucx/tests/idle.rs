@@ -81,7 +81,7 @@ async fn idle_drivers_do_not_poll() {
             .await
             .unwrap();
         assert_eq!(dst.to_vec().unwrap()[..16], [1u8; 16]);
-        a.shutdown().await;
-        b.shutdown().await;
+        let _ = a.shutdown().await;
+        let _ = b.shutdown().await;
     }
 }

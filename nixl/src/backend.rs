@@ -159,6 +159,106 @@ impl BackendContext {
     }
 }
 
+/// What a backend has once attached to an agent (its "started" state: the context,
+/// its listener's address, its own tokens), set once by [`Backend::start`].
+///
+/// Every backend needs the same three things: refuse a second attach, refuse work
+/// before the first, and reach the state from every call. Hold one of these and call
+/// [`Attachment::attach`] in `start`, [`Attachment::get`] everywhere else.
+///
+/// ```
+/// # use nixl::{Attachment, BackendContext, Result};
+/// struct Started { ctx: BackendContext }
+/// struct MyBackend { started: Attachment<Started> }
+///
+/// impl MyBackend {
+///     async fn start(&self, ctx: BackendContext) -> Result<()> {
+///         self.started.attach("start my backend", async { Ok(Started { ctx }) }).await?;
+///         Ok(())
+///     }
+///     fn work(&self) -> Result<()> {
+///         let started = self.started.get("do work")?;
+///         let _ = &started.ctx;
+///         Ok(())
+///     }
+/// }
+/// ```
+pub struct Attachment<S> {
+    backend: &'static str,
+    claimed: std::sync::atomic::AtomicBool,
+    started: std::sync::OnceLock<S>,
+}
+
+impl<S> Attachment<S> {
+    /// Not attached yet; `backend` names it in errors ("the tcp backend is ...").
+    pub const fn new(backend: &'static str) -> Self {
+        Self {
+            backend,
+            claimed: std::sync::atomic::AtomicBool::new(false),
+            started: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Attach: run `start` (the backend's own start-up) and keep what it returns. A
+    /// second attach, even while the first is starting, is refused before its
+    /// `start` runs; a `start` that fails leaves the backend attachable again.
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotAllowed`] when already attached; `start`'s error.
+    pub async fn attach(
+        &self,
+        op: &'static str,
+        start: impl std::future::Future<Output = Result<S>>,
+    ) -> Result<&S> {
+        use std::sync::atomic::Ordering;
+        if self.claimed.swap(true, Ordering::AcqRel) {
+            return Err(crate::error::Error::new(
+                crate::error::ErrorKind::NotAllowed,
+                op,
+                format!(
+                    "the {} backend is already attached to an agent",
+                    self.backend
+                ),
+            ));
+        }
+        match start.await {
+            Ok(s) => Ok(self.started.get_or_init(|| s)),
+            Err(e) => {
+                self.claimed.store(false, Ordering::Release);
+                Err(e)
+            }
+        }
+    }
+
+    /// The started state.
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotAllowed`] before the backend is attached.
+    pub fn get(&self, op: &'static str) -> Result<&S> {
+        self.started.get().ok_or_else(|| {
+            crate::error::Error::new(
+                crate::error::ErrorKind::NotAllowed,
+                op,
+                format!("the {} backend is not attached to an agent", self.backend),
+            )
+        })
+    }
+
+    /// The started state, if attached.
+    pub fn try_get(&self) -> Option<&S> {
+        self.started.get()
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Attachment<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Attachment")
+            .field("backend", &self.backend)
+            .field("started", &self.started.get())
+            .finish()
+    }
+}
+
 /// The remote (or second local) side of one transfer segment.
 #[derive(Clone, Debug)]
 pub enum Target {
@@ -634,6 +734,35 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[tokio::test]
+    async fn an_attachment_is_set_once_and_a_failed_start_can_be_retried() {
+        use crate::error::{Error, ErrorKind};
+        let a: Attachment<u32> = Attachment::new("test");
+        let e = a.get("use").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotAllowed);
+        assert!(e.to_string().contains("the test backend is not attached"), "{e}");
+        let failed = a
+            .attach("start", async {
+                Err(Error::new(ErrorKind::Backend, "start", "no listener"))
+            })
+            .await;
+        assert_eq!(failed.unwrap_err().kind(), ErrorKind::Backend);
+        assert!(a.try_get().is_none());
+        assert_eq!(*a.attach("start", async { Ok(7) }).await.unwrap(), 7);
+        let mut ran = false;
+        let again = a
+            .attach("start", async {
+                ran = true;
+                Ok(8)
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(again.kind(), ErrorKind::NotAllowed);
+        assert!(again.to_string().contains("already attached"), "{again}");
+        assert!(!ran, "a second attach never starts");
+        assert_eq!(*a.get("use").unwrap(), 7);
+    }
 
     fn run(
         local_offset: u64,

@@ -54,8 +54,8 @@ pub use agent::{
     RequestOptions, ShutdownReport, TaskMonitor,
 };
 pub use backend::{
-    Backend, BackendContext, Capabilities, NixlDialect, NotificationSink, PreparedTransfer,
-    Segment, SegmentRun, Segments, Target, TargetRegion, TransferPlan,
+    Attachment, Backend, BackendContext, Capabilities, NixlDialect, NotificationSink,
+    PreparedTransfer, Segment, SegmentRun, Segments, Target, TargetRegion, TransferPlan,
 };
 pub use bytes::Bytes;
 pub use completion::{Completer, Op, Status};

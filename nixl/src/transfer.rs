@@ -3,7 +3,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 
@@ -99,12 +99,56 @@ impl fmt::Debug for Transfer {
     }
 }
 
+/// Which generation of a peer's metadata is current, read by posts without any
+/// agent-wide lock. One per loaded peer, kept across the loads that extend or replace
+/// its metadata; a forgotten peer's is retired for good (0).
+#[derive(Debug)]
+pub(crate) struct PeerSlot {
+    current: AtomicU64,
+}
+
+impl PeerSlot {
+    pub(crate) fn new(generation: u64) -> Arc<Self> {
+        Arc::new(Self {
+            current: AtomicU64::new(generation),
+        })
+    }
+
+    /// Newer metadata of the same peer is in place.
+    pub(crate) fn set(&self, generation: u64) {
+        self.current.store(generation, Ordering::Release);
+    }
+
+    /// The peer was forgotten: requests prepared for it are refused from now on,
+    /// even if it is loaded again.
+    pub(crate) fn retire(&self) {
+        self.current.store(0, Ordering::Release);
+    }
+
+    /// Whether a request prepared against `generation` may still be posted.
+    fn check(&self, peer: &str, generation: u64, op: &'static str) -> Result<()> {
+        match self.current.load(Ordering::Acquire) {
+            0 => err(
+                ErrorKind::UnknownPeer,
+                op,
+                format!("peer {peer:?} was forgotten since the request was made; make it again"),
+            ),
+            current if current != generation => err(
+                ErrorKind::StaleGeneration,
+                op,
+                format!(
+                    "request was prepared against generation {generation} of peer {peer:?}, current is {current}; prepare it again"
+                ),
+            ),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// What a request needs from its agent at post time.
 pub(crate) trait RequestOwner: Send + Sync {
     /// Refuse new work once shutdown started.
     fn check_running(&self, op: &'static str) -> Result<()>;
-    /// The peer's current generation, or an UnknownPeer error.
-    fn peer_generation(&self, peer: &str, op: &'static str) -> Result<u64>;
     fn inflight(&self) -> Arc<InflightCounter>;
     /// A post carries a notification (for the metrics).
     fn notification_sent(&self);
@@ -119,7 +163,8 @@ pub struct XferRequest {
     pub(crate) owner: Weak<dyn RequestOwner>,
     pub(crate) op: Op,
     pub(crate) peer: Option<String>,
-    pub(crate) generation: u64,
+    /// The peer's slot and the generation the request was prepared against.
+    pub(crate) generation: Option<(Arc<PeerSlot>, u64)>,
     pub(crate) backend: String,
     pub(crate) prepared: Box<dyn PreparedTransfer>,
     pub(crate) regions: Vec<Arc<RegionInner>>,
@@ -139,8 +184,9 @@ impl XferRequest {
     ///
     /// # Errors
     /// [`ErrorKind::ShutDown`] once the agent is shutting down or gone;
-    /// [`ErrorKind::StaleGeneration`] if the peer's metadata was reloaded or forgotten
-    /// since preparing ([`ErrorKind::UnknownPeer`] if it is gone);
+    /// [`ErrorKind::StaleGeneration`] if the peer's full metadata was reloaded since
+    /// preparing ([`ErrorKind::UnknownPeer`] if it was forgotten since, even if loaded
+    /// again);
     /// [`ErrorKind::NotFound`] if a region was deregistered;
     /// [`ErrorKind::NotAllowed`] if the previous post has not finished;
     /// [`ErrorKind::InvalidArgument`] if `notif` is longer than the backend carries
@@ -154,18 +200,8 @@ impl XferRequest {
         if let Some(n) = &notif {
             check_notification(n, self.max_notification, &self.backend, OP)?;
         }
-        if let Some(peer) = &self.peer {
-            let current = owner.peer_generation(peer, OP)?;
-            if current != self.generation {
-                return err(
-                    ErrorKind::StaleGeneration,
-                    OP,
-                    format!(
-                        "request was prepared against generation {} of peer {peer:?}, current is {current}; prepare it again",
-                        self.generation
-                    ),
-                );
-            }
+        if let (Some(peer), Some((slot, generation))) = (&self.peer, &self.generation) {
+            slot.check(peer, *generation, OP)?;
         }
         if let Some(r) = self
             .regions

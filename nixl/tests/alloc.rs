@@ -96,7 +96,7 @@ async fn alloc_prefers_the_first_backend_that_offers_memory() {
     let r = a.register(m).unwrap();
     assert!(r.to_vec().unwrap().iter().all(|&x| x == 0), "zero-filled");
     assert_eq!(a.alloc(0).unwrap_err().kind(), ErrorKind::ZeroLength);
-    a.shutdown().await;
+    let _ = a.shutdown().await;
     assert_eq!(a.alloc(1).unwrap_err().kind(), ErrorKind::ShutDown);
 }
 

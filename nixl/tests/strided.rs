@@ -252,8 +252,8 @@ fn strided_requests_match_their_expanded_form() {
     let compared = compared.map(|c| c.get());
     assert!(compared[0] > 500 && compared[1] > 500, "{compared:?}");
     rt.block_on(async {
-        a.shutdown().await;
-        b.shutdown().await;
+        let _ = a.shutdown().await;
+        let _ = b.shutdown().await;
     });
 }
 
@@ -355,8 +355,8 @@ async fn a_regular_list_stays_one_run_up_to_the_backend() {
         .unwrap();
     assert_eq!((req.segments(), req.bytes()), (1, 2 * N as u64 * 64));
     drop(lb);
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 #[tokio::test]
@@ -411,5 +411,5 @@ async fn runs_split_at_registration_boundaries_and_fail_at_the_first_bad_block()
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     let _ = rec;
-    a.shutdown().await;
+    let _ = a.shutdown().await;
 }

@@ -96,6 +96,6 @@ async fn ten_million_block_request_holds_o_runs() {
         "{bytes} bytes allocated in {count} allocations"
     );
     req.post(None).unwrap().await.unwrap();
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }

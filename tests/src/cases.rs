@@ -228,8 +228,8 @@ pub async fn many_descriptors_and_merging(but: &BackendUnderTest) {
         &dst.to_vec().unwrap()[..65536],
         &s[900_000..900_000 + 65536]
     );
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// Strided lists (a KV cache's blocks at a regular stride): WRITE and READ move every
@@ -315,8 +315,8 @@ pub async fn strided_lists(but: &BackendUnderTest) {
     assert!((0..BLOCKS).all(|i| r[i * 128 + LEN as usize..(i + 1) * 128]
         .iter()
         .all(|&x| x == 0)));
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// Transfers between two regions of one agent, with a notification to itself.
@@ -367,7 +367,7 @@ pub async fn local_transfers(but: &BackendUnderTest) {
         )
         .unwrap();
     assert_eq!(r.backend(), "agent", "same-agent DRAM is the agent's copy");
-    a.shutdown().await;
+    let _ = a.shutdown().await;
 }
 
 /// A transfer's notification arrives after its data, in posting order.
@@ -437,8 +437,8 @@ pub async fn notifications_after_data_in_order(but: &BackendUnderTest) {
     .unwrap();
     let n = bounded("read notification", notes.recv()).await.unwrap();
     assert_eq!(&n.msg[..], b"read-done");
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// Standalone notifications, both ways, in order; the stream handle is exclusive.
@@ -467,8 +467,8 @@ pub async fn standalone_notifications(but: &BackendUnderTest) {
     let mut na = a.notifications().unwrap();
     assert_eq!(&bounded("recv", na.recv()).await.unwrap().msg[..], b"pong");
     assert_eq!(kind(a.notify("nobody", "x")), ErrorKind::UnknownPeer);
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// One prepared request posted 1,000 times; status is queryable without awaiting.
@@ -544,8 +544,8 @@ pub async fn prepared_reposts(but: &BackendUnderTest) {
         }
     }
     bounded("big", t).await.unwrap();
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 trait WholeDesc {
@@ -674,8 +674,8 @@ pub async fn invalid_inputs_rejected(but: &BackendUnderTest) {
     .await
     .unwrap();
     assert_ne!(checksum(&r1), before.0);
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// A request prepared against an older copy of a peer's metadata is refused.
@@ -715,8 +715,8 @@ pub async fn stale_generation_refused(but: &BackendUnderTest) {
     // Forgotten peer.
     a.forget_peer("target").unwrap();
     assert_eq!(kind(req.post(None)), ErrorKind::UnknownPeer);
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// One-shot transfers prepare their own lists, so a full metadata reload racing them
@@ -768,8 +768,8 @@ pub async fn one_shot_survives_reloads(but: &BackendUnderTest) {
         failures.len(),
         failures[0]
     );
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// Metadata with a forged key gets the transfer refused by the target; nothing changes.
@@ -825,8 +825,8 @@ pub async fn forged_key_refused(but: &BackendUnderTest) {
     .await
     .unwrap();
     assert_eq!(dst.to_vec().unwrap(), src.to_vec().unwrap());
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// Metadata that lies about a region's size: the target itself refuses the overrun.
@@ -881,8 +881,8 @@ pub async fn wire_out_of_range_refused(but: &BackendUnderTest) {
         before,
         "target memory unchanged"
     );
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// Memory used by an in-flight transfer cannot be deregistered; afterwards it can.
@@ -942,8 +942,8 @@ pub async fn deregister_in_flight_refused(but: &BackendUnderTest) {
             ),
         );
     }
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// Five milliseconds into `transfers`, shut down the target `b` (it must leave no
@@ -1346,8 +1346,8 @@ pub async fn vram_transfers(but: &BackendUnderTest) {
             gpu.driver
         ),
     );
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// A WRITE into the target's GPU memory with a notification: when the notification
@@ -1402,8 +1402,8 @@ pub async fn vram_notifications_after_data(but: &BackendUnderTest) {
     for t in transfers {
         bounded("transfer", t).await.unwrap();
     }
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// GPU memory is kept alive by in-flight work like host memory: a dropped transfer

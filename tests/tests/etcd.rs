@@ -92,8 +92,8 @@ mod with_etcd {
             a.peers().is_empty()
         })
         .await;
-        a.shutdown().await;
-        b.shutdown().await;
+        let _ = a.shutdown().await;
+        let _ = b.shutdown().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -168,12 +168,12 @@ mod with_etcd {
         let full = raw.get(xa.key("a", "full"), None).await.unwrap();
         assert_eq!(full.kvs().len(), 1);
         println!("claim restored {:?} after the lease was lost", t0.elapsed());
-        a.shutdown().await;
+        let _ = a.shutdown().await;
         assert!(
             raw.get(KEY, None).await.unwrap().kvs().is_empty(),
             "released at shutdown"
         );
-        b.shutdown().await;
+        let _ = b.shutdown().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -250,7 +250,7 @@ mod with_etcd {
             )
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::UnknownPeer);
-        a.shutdown().await;
+        let _ = a.shutdown().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -360,9 +360,9 @@ mod with_etcd {
         )
         .await
         .unwrap();
-        a.shutdown().await;
+        let _ = a.shutdown().await;
         for x in [b, c] {
-            x.shutdown().await;
+            let _ = x.shutdown().await;
         }
     }
 }

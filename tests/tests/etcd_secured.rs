@@ -218,7 +218,7 @@ mod with_etcd {
                 matches!(e.kind(), ErrorKind::NotAllowed | ErrorKind::Backend),
                 "{what}: {e}"
             );
-            c.shutdown().await;
+            let _ = c.shutdown().await;
         }
         // The user's permissions end at the namespace.
         let mut user = options(&etcd, Some(good.clone()), Some(("nixl", PASSWORD)))
@@ -258,7 +258,7 @@ mod with_etcd {
                 "{what}: {e}"
             );
             println!("{what}: {e}");
-            c.shutdown().await;
+            let _ = c.shutdown().await;
         }
         // Tokens expired meanwhile: publishing and fetching still work.
         tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -279,8 +279,8 @@ mod with_etcd {
             "secured etcd",
             "TLS with client certificates and user/password auth: the right credentials publish and fetch; wrong or missing password (NotAllowed), untrusted server or client certificate and plain http (Backend) are refused",
         );
-        a.shutdown().await;
-        b.shutdown().await;
+        let _ = a.shutdown().await;
+        let _ = b.shutdown().await;
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -79,8 +79,8 @@ async fn fetch_send_invalidate_then_transfer() {
     assert_eq!(b.peers(), vec!["a".to_string()]);
     a.invalidate_at(addr, &opts(None)).await.unwrap();
     assert!(b.peers().is_empty());
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -99,8 +99,8 @@ async fn ipv6_listener() {
     };
     assert!(addr.is_ipv6());
     assert_eq!(a.fetch_metadata(addr, &opts(None)).await.unwrap(), "b");
-    b.shutdown().await;
-    a.shutdown().await;
+    let _ = b.shutdown().await;
+    let _ = a.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -150,7 +150,7 @@ async fn secret_required_and_checked() {
     // The secret never appears in Debug output.
     assert!(!format!("{:?}", opts(Some("s3cret-s3cret"))).contains("s3cret"));
     for x in [a, b, c] {
-        x.shutdown().await;
+        let _ = x.shutdown().await;
     }
 }
 
@@ -164,14 +164,14 @@ async fn hundred_concurrent_fetches() {
         tasks.push(tokio::spawn(async move {
             let a = agent(&format!("a{i}")).await;
             let name = a.fetch_metadata(addr, &opts(Some("k"))).await;
-            a.shutdown().await;
+            let _ = a.shutdown().await;
             name
         }));
     }
     for t in tasks {
         assert_eq!(bounded("fetch", t).await.unwrap().unwrap(), "b");
     }
-    b.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -218,8 +218,8 @@ async fn bad_frames_close_only_their_connection() {
             .unwrap(),
         "b"
     );
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,7 +241,7 @@ async fn silent_server_times_out() {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
     hold.abort();
-    a.shutdown().await;
+    let _ = a.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -299,8 +299,8 @@ proptest! {
             }
             let name = bounded("fetch after fuzz", a.fetch_metadata(addr, &opts(None))).await.unwrap();
             assert_eq!(name, "b");
-            a.shutdown().await;
-            b.shutdown().await;
+            let _ = a.shutdown().await;
+            let _ = b.shutdown().await;
         });
     }
 }

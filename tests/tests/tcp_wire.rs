@@ -392,8 +392,8 @@ async fn hostile_requests_refused_memory_unchanged() {
         "hostile nixl-tcp requests sent over the wire",
         format!("{tried} tried, {tried} refused, target memory unchanged"),
     );
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// Pieces of a request (a transfer split across connections), spoken by hand: a
@@ -446,7 +446,7 @@ async fn pieces_move_their_range_and_are_checked_whole() {
     c.s.write_all(&frame).await.unwrap();
     assert!(c.closed().await);
     assert_eq!(checksum(&r), before, "nothing written");
-    b.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 fn with_secret(s: Option<&str>) -> TcpOptions {
@@ -490,7 +490,7 @@ async fn shared_secret_gates_every_connection() {
             vec![0u8; 4096],
             "{what}: nothing was read"
         );
-        a.shutdown().await;
+        let _ = a.shutdown().await;
     }
     // A raw client that guesses a MAC is refused before any request is read.
     let mut s = TcpStream::connect(addr).await.unwrap();
@@ -540,7 +540,7 @@ async fn shared_secret_gates_every_connection() {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
     for x in [a, b, open] {
-        x.shutdown().await;
+        let _ = x.shutdown().await;
     }
 }
 
@@ -566,7 +566,7 @@ proptest! {
             let mut ok = Raw::connect(addr).await;
             let key = key_of(&b.metadata().unwrap(), mem.id());
             assert_eq!(ok.request(READ, &[(key, mem.addr(), 8)], None, &[]).await, (ST_OK, true));
-            b.shutdown().await;
+            let _ = b.shutdown().await;
         });
     }
 }

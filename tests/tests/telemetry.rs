@@ -260,8 +260,8 @@ async fn scraped_metrics_match_transfers() {
     a.forget_peer("metrics-b").unwrap();
     let s = parse(&scrape(addr));
     assert_eq!(value(&s, "nixl_peers", &ma), 0.0);
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
     nixl_conformance::support::figure(
         "metrics scraped over HTTP",
         "posted/completed/bytes/errors per op, notifications, registrations and peers matched 9 transfers exactly",
@@ -290,8 +290,8 @@ async fn peer_labels_on_request() {
     let s = parse(&scrape(addr));
     let want = [("agent", "labels-a"), ("op", "write"), ("peer", "labels-b")];
     assert_eq!(value(&s, "nixl_transfer_bytes_total", &want), 4096.0);
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// Spans named `nixl_transfer` that closed, with their recorded fields.
@@ -428,9 +428,9 @@ async fn transfer_records_and_spans() {
         .unwrap();
     bounded("write", &mut t3).await.unwrap();
     assert_eq!(t3.telemetry(), None);
-    a.shutdown().await;
-    b.shutdown().await;
-    c.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
+    let _ = c.shutdown().await;
     // One span per post of the recording agent, closed, with its fields.
     let closed = spans.0.lock().unwrap().clone();
     assert_eq!(closed.len(), 2, "{closed:?}");

@@ -277,5 +277,5 @@ async fn unprivileged_initiator_falls_back_to_tcp_or_is_refused() {
         vec![0x3Cu8; 4 << 20],
         "the TCP fallback wrote"
     );
-    b.shutdown().await;
+    let _ = b.shutdown().await;
 }

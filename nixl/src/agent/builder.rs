@@ -156,6 +156,7 @@ impl AgentBuilder {
             regions: RwLock::new(Regions::default()),
             next_region_id: AtomicU64::new(1),
             peers: RwLock::new(HashMap::new()),
+            loading: Mutex::new(()),
             next_generation: AtomicU64::new(1),
             running: AtomicBool::new(true),
             live: super::shutdown::LiveAgent::new(),

@@ -36,7 +36,7 @@ use crate::notification::{check_notification, Notifications, Slot};
 use crate::region::{RegionInner, RemoteRegion};
 use crate::telemetry::{AgentMetrics, TelemetryOptions};
 use crate::thread::ThreadSet;
-use crate::transfer::{RequestOwner, Transfer};
+use crate::transfer::{PeerSlot, RequestOwner, Transfer};
 
 pub use builder::{AgentBuilder, AgentOptions, RegisterOptions, RequestOptions};
 pub use request::{Indices, PreparedDescs};
@@ -93,6 +93,8 @@ struct Peer {
     nixl: bool,
     instance: u64,
     generation: u64,
+    /// Where posts read which generation is current.
+    slot: Arc<PeerSlot>,
     /// (backend name, connection info if known).
     backends: Vec<(String, Option<Bytes>)>,
     regions: RangeIndex<Arc<RemoteRegion>>,
@@ -115,7 +117,11 @@ struct Shared {
     caps: Vec<Capabilities>,
     regions: RwLock<Regions>,
     next_region_id: AtomicU64,
+    /// Known peers. Loads build the new state without this lock and swap it in;
+    /// posts never take it.
     peers: RwLock<HashMap<String, Arc<Peer>>>,
+    /// Serialises loading and forgetting peers (never taken by transfers).
+    loading: Mutex<()>,
     next_generation: AtomicU64,
     running: AtomicBool,
     /// Counted among the process's live agents (see `shutdown::LiveAgent`).
@@ -180,17 +186,6 @@ impl RequestOwner for Shared {
         }
     }
 
-    fn peer_generation(&self, peer: &str, op: &'static str) -> Result<u64> {
-        match self.peers.read().unwrap().get(peer) {
-            Some(p) => Ok(p.generation),
-            None => err(
-                ErrorKind::UnknownPeer,
-                op,
-                format!("peer {peer:?} is not loaded (forgotten?)"),
-            ),
-        }
-    }
-
     fn inflight(&self) -> Arc<InflightCounter> {
         self.inflight.clone()
     }
@@ -205,10 +200,14 @@ impl RequestOwner for Shared {
 /// A named endpoint that owns backends, registrations, known peers, the notification
 /// stream and every background task it starts.
 ///
-/// Dropping the agent cancels all of its tasks and joins its backends' threads (within
-/// [`AgentOptions::shutdown_timeout`]); prefer [`Agent::shutdown`], which also drains
-/// in-flight transfers, releases everything in order and reports what did not stop in
-/// time.
+/// Cheap to clone: clones are handles to one agent (an `Arc`), to share it between
+/// tasks. [`Agent::shutdown`] through any handle stops it for all.
+///
+/// Dropping the last handle cancels all of its tasks and joins its backends' threads
+/// (within [`AgentOptions::shutdown_timeout`]); prefer [`Agent::shutdown`], which also
+/// drains in-flight transfers, releases everything in order and reports what did not
+/// stop in time.
+#[derive(Clone)]
 pub struct Agent {
     shared: Arc<Shared>,
 }

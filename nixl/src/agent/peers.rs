@@ -8,13 +8,14 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::{Agent, Peer};
+use crate::backend::Backend;
 use crate::descriptor::RangeIndex;
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::interop::{self, NixlMetadata};
 use crate::memory::MemKind;
 use crate::metadata::{AgentMetadata, BackendMeta, RegionBlob, RegionMeta};
 use crate::region::{RemoteRegion, RemoteRegionInfo};
-use crate::transfer::RequestOwner;
+use crate::transfer::{PeerSlot, RequestOwner};
 
 /// What loading a peer's metadata does to what is known of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -209,13 +210,18 @@ impl Agent {
     /// whose generation rule is settled here, under the lock: without connection info
     /// it extends the known peer; with the same connection info as known it extends
     /// too; new connection info (or an unknown peer) replaces.
+    ///
+    /// The new state is built, and the backends told, without the agent-wide `peers`
+    /// lock (loads are serialised among themselves only), then swapped in: transfers
+    /// to other peers go on meanwhile. A backend that refuses the new connection info
+    /// leaves the old state whole, in the agent and in the backends told before it.
     fn load_decoded(&self, mut md: AgentMetadata, nixl: bool, strict: bool) -> Result<String> {
         const OP: &str = "load metadata";
         if md.name == self.shared.name {
             return err(ErrorKind::InvalidArgument, OP, "this is the agent's own metadata; use the agent's own name as peer for local transfers");
         }
-        let mut peers = self.shared.peers.write().unwrap();
-        let old = peers.get(&md.name).cloned();
+        let _loading = self.shared.loading.lock().unwrap();
+        let old = self.shared.peers.read().unwrap().get(&md.name).cloned();
         let has_conn = md.backends.iter().any(|b| b.conn_info.is_some());
         if strict {
             // NIXL's rule, for metadata from anyone who reaches a NIXL listener: it
@@ -339,35 +345,89 @@ impl Agent {
                 }
             }
         }
-        for bm in md.backends.iter().filter(|b| b.conn_info.is_some()) {
-            if let Some(b) = self.shared.backends.iter().find(|b| b.name() == bm.name) {
-                let info = bm.conn_info.as_deref().unwrap_or_default();
-                match (nixl, b.nixl()) {
-                    (true, Some(d)) => d.add_peer(&md.name, info)?,
-                    _ => b.add_peer(&md.name, info)?,
-                }
+        let restarted = load == (Load::Replace { restarted: true });
+        self.tell_backends(&md, nixl, old.as_deref(), restarted)?;
+        let (generation, slot) = match (&base, &old) {
+            (Some(b), _) => (b.generation, b.slot.clone()),
+            (None, old) => {
+                let g = self.shared.next_generation.fetch_add(1, Ordering::Relaxed);
+                (
+                    g,
+                    old.as_ref()
+                        .map_or_else(|| PeerSlot::new(g), |o| o.slot.clone()),
+                )
             }
-        }
-        let generation = match &base {
-            Some(b) => b.generation,
-            None => self.shared.next_generation.fetch_add(1, Ordering::Relaxed),
         };
-        peers.insert(
-            md.name.clone(),
-            Arc::new(Peer {
-                nixl,
-                instance: md.instance,
-                generation,
-                backends,
-                regions,
-                by_id,
-            }),
-        );
+        let n = {
+            let mut peers = self.shared.peers.write().unwrap();
+            peers.insert(
+                md.name.clone(),
+                Arc::new(Peer {
+                    nixl,
+                    instance: md.instance,
+                    generation,
+                    slot: slot.clone(),
+                    backends,
+                    regions,
+                    by_id,
+                }),
+            );
+            // Posts see the new generation once it is in place.
+            slot.set(generation);
+            peers.len()
+        };
         if let Some(m) = &self.shared.metrics {
-            m.peers.set(peers.len() as f64);
+            m.peers.set(n as f64);
         }
         tracing::debug!(agent = %self.shared.name, peer = %md.name, generation, partial = md.partial, nixl, regions = md.regions.len(), "loaded peer metadata");
         Ok(md.name)
+    }
+
+    /// Give each backend the peer's new connection info. On the first refusal, the
+    /// backends already told (every backend, when a restart made them drop the old
+    /// instance) get the old connection info back, or forget the peer if it had none
+    /// for them, and the refusal is returned.
+    fn tell_backends(
+        &self,
+        md: &AgentMetadata,
+        nixl: bool,
+        old: Option<&Peer>,
+        restarted: bool,
+    ) -> Result<()> {
+        let add = |b: &Arc<dyn Backend>, info: &[u8]| match (nixl, b.nixl()) {
+            (true, Some(d)) => d.add_peer(&md.name, info),
+            _ => b.add_peer(&md.name, info),
+        };
+        let mut told: Vec<&Arc<dyn Backend>> = Vec::new();
+        for bm in md.backends.iter().filter(|b| b.conn_info.is_some()) {
+            let Some(b) = self.shared.backends.iter().find(|b| b.name() == bm.name) else {
+                continue;
+            };
+            let info = bm.conn_info.as_deref().unwrap_or_default();
+            if let Err(e) = add(b, info) {
+                if restarted {
+                    told = self.shared.backends.iter().collect();
+                }
+                for b in told {
+                    let before = old.and_then(|p| {
+                        p.backends
+                            .iter()
+                            .find(|(n, _)| n == b.name())
+                            .and_then(|(_, c)| c.clone())
+                    });
+                    let undone = match before {
+                        Some(info) => add(b, &info),
+                        None => b.remove_peer(&md.name),
+                    };
+                    if let Err(u) = undone {
+                        tracing::warn!(peer = %md.name, backend = b.name(), error = %u, "restoring the peer's previous connection info failed");
+                    }
+                }
+                return Err(e);
+            }
+            told.push(b);
+        }
+        Ok(())
     }
 
     /// Forget a peer: its connections close, its in-flight transfers fail, and requests
@@ -377,15 +437,17 @@ impl Agent {
     /// [`ErrorKind::UnknownPeer`] if it is not known; the first backend's error when
     /// closing its connections failed (the peer is forgotten all the same).
     pub fn forget_peer(&self, peer: &str) -> Result<()> {
+        let _loading = self.shared.loading.lock().unwrap();
         {
             let mut peers = self.shared.peers.write().unwrap();
-            if peers.remove(peer).is_none() {
+            let Some(p) = peers.remove(peer) else {
                 return err(
                     ErrorKind::UnknownPeer,
                     "forget peer",
                     format!("peer {peer:?} is not known"),
                 );
-            }
+            };
+            p.slot.retire();
             if let Some(m) = &self.shared.metrics {
                 m.peers.set(peers.len() as f64);
             }

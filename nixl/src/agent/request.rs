@@ -384,11 +384,11 @@ impl Agent {
         let peer = match &remote.side {
             Side::Local => None,
             Side::Remote { peer, generation } => {
-                let current = self.shared.peer_generation(peer, OP)?;
-                if current != *generation {
-                    return err(ErrorKind::StaleGeneration, OP, format!("remote descriptors were prepared against generation {generation} of {peer:?}, current is {current}"));
+                let p = self.peer(peer, OP)?;
+                if p.generation != *generation {
+                    return err(ErrorKind::StaleGeneration, OP, format!("remote descriptors were prepared against generation {generation} of {peer:?}, current is {}", p.generation));
                 }
-                Some(self.peer(peer, OP)?)
+                Some(p)
             }
         };
         let merged = pair_spans(
@@ -444,7 +444,7 @@ impl Agent {
             Side::Local => None,
             Side::Remote { peer, .. } => Some(peer.clone()),
         };
-        let generation = peer.as_ref().map_or(0, |p| p.generation);
+        let generation = peer.as_ref().map(|p| (p.slot.clone(), p.generation));
         let owner: Arc<dyn RequestOwner> = self.shared.clone();
         let request = |backend: String,
                        prepared: Box<dyn PreparedTransfer>,
@@ -454,7 +454,7 @@ impl Agent {
             owner: Arc::downgrade(&owner),
             op,
             peer: peer_name.clone(),
-            generation,
+            generation: generation.clone(),
             backend,
             prepared,
             regions: keep.clone(),

@@ -27,8 +27,7 @@ impl LiveAgent {
     /// Stop counting this agent; the process's last one stops the GPU reaper and
     /// gets it to join.
     pub(super) fn leave(&self) -> Option<reaper::Stopping> {
-        if self.0.swap(false, Ordering::AcqRel) && LIVE_AGENTS.fetch_sub(1, Ordering::AcqRel) == 1
-        {
+        if self.0.swap(false, Ordering::AcqRel) && LIVE_AGENTS.fetch_sub(1, Ordering::AcqRel) == 1 {
             reaper::stop()
         } else {
             None

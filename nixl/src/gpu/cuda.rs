@@ -10,9 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
 
-use super::driver::{
-    cu_name, Direction, GpuDriver, GpuInfo, DEFAULT_SONAME, ENV_LIB, MIN_DRIVER,
-};
+use super::driver::{cu_name, Direction, GpuDriver, GpuInfo, DEFAULT_SONAME, ENV_LIB, MIN_DRIVER};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::native::NativeLibrary;
 

@@ -82,10 +82,10 @@ mod stand_in;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use access::driver;
 #[cfg(feature = "gpu-test-double")]
 pub use access::use_host_stand_in;
 pub use access::{bind_thread, status, with_context};
-pub(crate) use access::driver;
 pub(crate) use copy::start_copy;
 pub use copy::GpuCopy;
 pub use dma_buf::{dma_buf, DmaBuf};

@@ -153,11 +153,7 @@ mod stand_in {
             // SAFETY: the buffer is alive (we own it) and nothing else uses it
             // once its last holder let go.
             unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.mem.as_mut_ptr(),
-                    now.as_mut_ptr(),
-                    now.len(),
-                )
+                std::ptr::copy_nonoverlapping(self.mem.as_mut_ptr(), now.as_mut_ptr(), now.len())
             };
             self.complete.store(now == self.expect, Ordering::SeqCst);
             self.freed.store(true, Ordering::SeqCst);
@@ -187,12 +183,7 @@ mod stand_in {
         // its owner) and keeps alive; on the stand-in, device memory is host
         // memory.
         let mem = unsafe {
-            Memory::from_raw_parts_with_owner(
-                ptr,
-                len,
-                MemKind::Vram { device: 0 },
-                Some(watch),
-            )
+            Memory::from_raw_parts_with_owner(ptr, len, MemKind::Vram { device: 0 }, Some(watch))
         }
         .unwrap();
         let r = region(mem);

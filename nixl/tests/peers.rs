@@ -1,0 +1,267 @@
+//! Loading peers' metadata: what the agent and its backends believe after a backend
+//! refuses, and that a load does not stop transfers to other peers.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use nixl::{
+    Agent, Backend, BackendContext, Bytes, Capabilities, Completer, DescList, ErrorKind, MemKind,
+    Op, PreparedTransfer, RegionRef, RequestOptions, Result, TransferPlan,
+};
+
+/// A test double of a transport that keeps a ledger of the connection info it was
+/// given per peer, refuses connection info it is told to, can hold `add_peer` until a
+/// barrier opens, and completes every transfer at once without moving data.
+#[derive(Debug)]
+struct Ledger {
+    name: &'static str,
+    info: Mutex<Vec<u8>>,
+    peers: Mutex<HashMap<String, Vec<u8>>>,
+    refuse: Mutex<Option<Vec<u8>>>,
+    hold: Mutex<Option<(String, Arc<Barrier>)>>,
+}
+
+impl Ledger {
+    fn new(name: &'static str, info: &[u8]) -> Arc<Self> {
+        Arc::new(Self {
+            name,
+            info: Mutex::new(info.to_vec()),
+            peers: Mutex::new(HashMap::new()),
+            refuse: Mutex::new(None),
+            hold: Mutex::new(None),
+        })
+    }
+
+    fn knows(&self, peer: &str) -> Option<Vec<u8>> {
+        self.peers.lock().unwrap().get(peer).cloned()
+    }
+}
+
+#[derive(Debug)]
+struct Done;
+
+impl PreparedTransfer for Done {
+    fn post(&self, _notif: Option<Bytes>, done: Completer) {
+        done.complete(Ok(()));
+    }
+}
+
+#[async_trait]
+impl Backend for Ledger {
+    fn name(&self) -> &str {
+        self.name
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            remote: true,
+            dram: true,
+            ..Capabilities::default()
+        }
+    }
+    async fn start(&self, _ctx: BackendContext) -> Result<()> {
+        Ok(())
+    }
+    fn connection_info(&self) -> Bytes {
+        Bytes::from(self.info.lock().unwrap().clone())
+    }
+    fn register(&self, _region: &RegionRef) -> Result<Bytes> {
+        Ok(Bytes::from_static(b"key"))
+    }
+    fn deregister(&self, _region_id: u64) -> Result<()> {
+        Ok(())
+    }
+    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+        let held = self.hold.lock().unwrap().clone();
+        if let Some((p, barrier)) = held {
+            if p == peer {
+                barrier.wait(); // the test posts meanwhile
+                barrier.wait();
+            }
+        }
+        if self.refuse.lock().unwrap().as_deref() == Some(conn_info) {
+            return Err(nixl::Error::new(
+                ErrorKind::Backend,
+                "add peer",
+                "this connection info is refused (test double)",
+            ));
+        }
+        self.peers
+            .lock()
+            .unwrap()
+            .insert(peer.to_owned(), conn_info.to_vec());
+        Ok(())
+    }
+    async fn connect(&self, _peer: &str) -> Result<()> {
+        Ok(())
+    }
+    fn remove_peer(&self, peer: &str) -> Result<()> {
+        self.peers.lock().unwrap().remove(peer);
+        Ok(())
+    }
+    fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
+        Ok(Box::new(Done))
+    }
+    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
+        done.complete(Ok(()));
+    }
+    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Forwards to a shared [`Ledger`], so the test keeps a handle on what the agent has.
+#[derive(Debug)]
+struct Shared(Arc<Ledger>);
+
+#[async_trait]
+impl Backend for Shared {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.0.capabilities()
+    }
+    async fn start(&self, ctx: BackendContext) -> Result<()> {
+        self.0.start(ctx).await
+    }
+    fn connection_info(&self) -> Bytes {
+        self.0.connection_info()
+    }
+    fn register(&self, region: &RegionRef) -> Result<Bytes> {
+        self.0.register(region)
+    }
+    fn deregister(&self, region_id: u64) -> Result<()> {
+        self.0.deregister(region_id)
+    }
+    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+        self.0.add_peer(peer, conn_info)
+    }
+    async fn connect(&self, peer: &str) -> Result<()> {
+        self.0.connect(peer).await
+    }
+    fn remove_peer(&self, peer: &str) -> Result<()> {
+        self.0.remove_peer(peer)
+    }
+    fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
+        self.0.prepare(plan)
+    }
+    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
+        self.0.notify(peer, msg, done)
+    }
+    async fn shutdown(&self, timeout: Duration) -> Result<()> {
+        self.0.shutdown(timeout).await
+    }
+}
+
+async fn agent(name: &str, backends: &[&Arc<Ledger>]) -> Agent {
+    let mut b = Agent::builder(name);
+    for l in backends {
+        b = b.backend(Shared(Arc::clone(l)));
+    }
+    b.build().await.unwrap()
+}
+
+fn one(d: nixl::Desc) -> DescList {
+    DescList::from_descs(MemKind::Dram, [d])
+}
+
+/// A request from `a` to `peer`'s first region.
+fn request(a: &Agent, peer: &str, src: &nixl::Registration) -> nixl::XferRequest {
+    let rd = a.remote_regions(peer).unwrap()[0].clone();
+    a.create_request(
+        Op::Write,
+        &one(src.desc(0, 64)),
+        peer,
+        &one(rd.desc(0, 64)),
+        &RequestOptions::default(),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_refused_load_leaves_the_old_peer_whole_in_the_agent_and_its_backends() {
+    let (first, second) = (Ledger::new("first", b"a1"), Ledger::new("second", b"a2"));
+    let a = agent("a", &[&first, &second]).await;
+    let src = a.register(vec![1u8; 64]).unwrap();
+
+    let (b_first, b_second) = (Ledger::new("first", b"b1"), Ledger::new("second", b"b2"));
+    let b = agent("b", &[&b_first, &b_second]).await;
+    let _dst = b.register(vec![0u8; 64]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    assert_eq!(first.knows("b").as_deref(), Some(&b"b1"[..]));
+    assert_eq!(second.knows("b").as_deref(), Some(&b"b2"[..]));
+    let req = request(&a, "b", &src);
+    req.post(None).unwrap().await.unwrap();
+    let regions = a.remote_regions("b").unwrap();
+
+    // "b" restarts with new connection info, which a's second backend refuses after
+    // its first one took it.
+    let b2_first = Ledger::new("first", b"b1-new");
+    let b2_second = Ledger::new("second", b"bad");
+    let b2 = agent("b", &[&b2_first, &b2_second]).await;
+    let _dst2 = b2.register(vec![0u8; 128]).unwrap();
+    *second.refuse.lock().unwrap() = Some(b"bad".to_vec());
+    let e = a.load_metadata(&b2.metadata().unwrap()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Backend, "{e}");
+
+    // The agent still knows the old "b", and the request made for it still posts.
+    assert_eq!(a.remote_regions("b").unwrap(), regions);
+    req.post(None).unwrap().await.unwrap();
+    // The backend told before the refusal has the old connection info back.
+    assert_eq!(first.knows("b").as_deref(), Some(&b"b1"[..]));
+    assert_eq!(second.knows("b").as_deref(), Some(&b"b2"[..]));
+
+    // A peer never seen before, refused: no backend keeps it.
+    let c_first = Ledger::new("first", b"c1");
+    let c_second = Ledger::new("second", b"bad");
+    let c = agent("c", &[&c_first, &c_second]).await;
+    assert!(a.load_metadata(&c.metadata().unwrap()).is_err());
+    assert_eq!(first.knows("c"), None);
+    assert!(a.remote_regions("c").is_err());
+    for x in [a, b, b2, c] {
+        let _ = x.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_in_progress_does_not_stop_posts_to_other_peers() {
+    let (first, b_first, s_first) = (
+        Ledger::new("first", b"a1"),
+        Ledger::new("first", b"b1"),
+        Ledger::new("first", b"s1"),
+    );
+    let a = agent("a", &[&first]).await;
+    let b = agent("b", &[&b_first]).await;
+    let slow = agent("slow", &[&s_first]).await;
+    let src = a.register(vec![1u8; 64]).unwrap();
+    let _dst = b.register(vec![0u8; 64]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let req = request(&a, "b", &src);
+
+    // Loading "slow" stops inside a's backend until the test has posted to "b".
+    let barrier = Arc::new(Barrier::new(2));
+    *first.hold.lock().unwrap() = Some(("slow".to_owned(), barrier.clone()));
+    let md = slow.metadata().unwrap();
+    let loader = {
+        let a = a.clone();
+        std::thread::spawn(move || a.load_metadata(&md))
+    };
+    let b2 = barrier.clone();
+    let posted = tokio::task::spawn_blocking(move || {
+        b2.wait(); // the load is inside add_peer
+        let ok = req.post(None).is_ok();
+        b2.wait(); // let the load finish
+        ok
+    });
+    let posted = tokio::time::timeout(Duration::from_secs(20), posted)
+        .await
+        .expect("a post waited for a load of another peer")
+        .unwrap();
+    assert!(posted, "the post failed while another peer loaded");
+    assert_eq!(loader.join().unwrap().unwrap(), "slow");
+    for x in [a, b, slow] {
+        let _ = x.shutdown().await;
+    }
+}
