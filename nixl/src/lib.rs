@@ -33,6 +33,7 @@
 #![deny(unsafe_code)]
 
 mod agent;
+mod aligned;
 mod backend;
 mod completion;
 mod descriptor;

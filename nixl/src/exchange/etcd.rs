@@ -35,7 +35,7 @@ use super::FULL_LABEL;
 use crate::agent::WeakAgent;
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::region::Registration;
-use crate::Agent;
+use crate::agent::Agent;
 
 /// Options for [`EtcdExchange`].
 #[derive(Clone, Debug)]

@@ -39,14 +39,14 @@ pub const FULL_LABEL: &str = "full";
 /// (more wait to be accepted). `what` names the listener in logs. Returns the bound
 /// address. Shared by the side channel and NIXL's listener protocol.
 pub(crate) async fn serve_connections<O, F, Fut>(
-    agent: &crate::Agent,
+    agent: &crate::agent::Agent,
     addr: std::net::SocketAddr,
     op: &'static str,
     what: &'static str,
     max_connections: usize,
     options: O,
     serve: F,
-) -> crate::Result<std::net::SocketAddr>
+) -> crate::error::Result<std::net::SocketAddr>
 where
     O: Send + Sync + 'static,
     F: Fn(crate::agent::WeakAgent, tokio::net::TcpStream, std::sync::Arc<O>) -> Fut

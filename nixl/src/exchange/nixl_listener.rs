@@ -12,7 +12,7 @@ use tokio::net::TcpStream;
 
 use crate::agent::WeakAgent;
 use crate::error::{err, Error, ErrorKind, Result};
-use crate::Agent;
+use crate::agent::Agent;
 
 /// The marker every command starts with.
 const MARK: &[u8] = b"NIXLCOMM:";

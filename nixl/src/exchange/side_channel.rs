@@ -20,7 +20,7 @@ use super::FULL_LABEL;
 use crate::agent::WeakAgent;
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::region::Registration;
-use crate::Agent;
+use crate::agent::Agent;
 
 type HmacSha256 = Hmac<Sha256>;
 

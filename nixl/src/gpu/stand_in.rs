@@ -49,12 +49,12 @@ impl GpuDriver for HostStandIn {
         len: usize,
     ) -> Result<(u64, Box<dyn std::any::Any + Send + Sync>)> {
         self.bind(device)?;
-        let buf = crate::memory::AlignedBuf::new(len);
+        let buf = crate::aligned::AlignedBuf::new(len);
         Ok((buf.as_mut_ptr() as u64, Box::new(buf)))
     }
 
     fn alloc_pinned(&self, len: usize) -> Result<(usize, Box<dyn Any + Send + Sync>)> {
-        let buf = crate::memory::AlignedBuf::new(len.max(1));
+        let buf = crate::aligned::AlignedBuf::new(len.max(1));
         Ok((buf.as_mut_ptr() as usize, Box::new(buf)))
     }
 

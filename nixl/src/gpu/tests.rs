@@ -141,7 +141,7 @@ mod stand_in {
     /// Owns the stand-in "device memory" of a test and records, when freed,
     /// whether the copy into it had finished by then.
     struct Watch {
-        mem: crate::AlignedBuf,
+        mem: crate::aligned::AlignedBuf,
         expect: Vec<u8>,
         freed: Arc<AtomicBool>,
         complete: Arc<AtomicBool>,
@@ -171,7 +171,7 @@ mod stand_in {
             Arc::new(AtomicBool::new(false)),
             Arc::new(AtomicBool::new(false)),
         );
-        let mem = crate::AlignedBuf::new(len);
+        let mem = crate::aligned::AlignedBuf::new(len);
         let ptr = mem.as_mut_ptr();
         let watch = Watch {
             mem,

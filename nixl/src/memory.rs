@@ -1,7 +1,8 @@
 //! Memory the agent can register: owned buffers (the safe path) and caller-managed
 //! memory (the `unsafe` path).
 //!
-//! This is the crate's one module with `unsafe` code. Everything here upholds one
+//! One of the crate's audited modules with `unsafe` code (with `aligned`, `native` and
+//! the GPU driver's parts). Everything here upholds one
 //! invariant: a [`Memory`] value's `(ptr, len)` stays valid for reads and writes for as
 //! long as the value lives, because the value owns the buffer (or the caller promised
 //! so through [`Memory::from_raw_parts`]).
@@ -15,8 +16,7 @@ use bytes::BytesMut;
 
 use crate::error::{err, Error, ErrorKind, Result};
 
-mod aligned;
-pub use aligned::{AlignedBuf, PAGE_SIZE};
+pub use crate::aligned::{AlignedBuf, PAGE_SIZE};
 
 /// Kind of memory a registration or descriptor refers to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,5 +1,5 @@
-//! Page-aligned, zero-initialised host buffers: the floor under registered memory,
-//! GPU staging and the host stand-in for device memory.
+//! Page-aligned, zero-initialised host buffers: the floor under registered memory
+//! (`memory`), GPU staging and the host stand-in for device memory (`gpu`).
 #![allow(unsafe_code)]
 
 use std::fmt;
