@@ -785,33 +785,18 @@ fn notification_slots(dev: &Arc<Device>, size: usize, count: usize) -> Result<Sl
 }
 
 /// Keepalive and user timeout on a control connection, so a silent peer host is
-/// noticed within `dead`.
+/// noticed within `dead` (as nixl-tcp does, through socket2).
 fn tune(s: &TcpStream, dead: Duration) {
     let _ = s.set_nodelay(true);
-    let fd = s.as_raw_fd();
-    let idle = (dead / 2).max(Duration::from_secs(1)).as_secs() as libc::c_int;
-    let set = |level: libc::c_int, name: libc::c_int, v: libc::c_int| {
-        // SAFETY: `fd` is an open socket owned by `s` for this call; the option value
-        // is a c_int on the stack, its size passed alongside.
-        unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                name,
-                (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        }
-    };
-    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
-    set(
-        libc::IPPROTO_TCP,
-        libc::TCP_USER_TIMEOUT,
-        dead.as_millis().min(i32::MAX as u128) as libc::c_int,
-    );
+    let sock = socket2::SockRef::from(s);
+    let idle = (dead / 2).max(Duration::from_secs(1));
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(idle)
+        .with_interval(Duration::from_secs(1))
+        .with_retries(3);
+    let _ = sock.set_tcp_keepalive(&ka);
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    let _ = sock.set_tcp_user_timeout(Some(dead));
 }
 
 /// Most bytes in one control frame.
