@@ -7,7 +7,7 @@ use bytes::Bytes;
 use nixl::{AlignedBuf, NotificationSink, Result};
 
 use crate::api::{Completion, RecvWr, Sge, WcOpcode};
-use crate::device::{Device, MemoryRegion, QueuePair};
+use crate::ffi::device::{Device, MemoryRegion, QueuePair};
 
 /// Receive work-request ids are `id << SLOT_BITS | slot`, with `id` unique in the
 /// process: a stale completion of a destroyed queue pair whose number was reused

@@ -20,7 +20,7 @@
 //! providers (mlx5, efa, erdma, bnxt_re, rxe, ...) serve it and a process that also
 //! runs NCCL holds one libibverbs. Nothing is linked at build time and no symbol of
 //! libibverbs is defined here (a test reads the ELF of the built binaries). The
-//! structures and calls this crate uses are declared in `ffi.rs`; the data-path calls
+//! structures and calls this crate uses are declared in `ffi/sys.rs`; the data-path calls
 //! that `verbs.h` makes inline go through the context's operation table as it does.
 //! [`VerbsBackend::library_report`] says which libibverbs was bound, from where, and
 //! which providers sit beside it.
@@ -105,10 +105,8 @@
 //! something made from it is alive, whoever lets go last.
 
 pub mod api;
-mod device;
 mod ffi;
 mod inbound;
-pub mod library;
 mod link;
 pub mod plan;
 #[cfg(feature = "test-double")]
@@ -116,7 +114,8 @@ pub mod test_double;
 pub mod wire;
 
 #[doc(hidden)]
-pub use ffi::{layout as ffi_layout, signatures as ffi_signatures};
+pub use ffi::sys::{layout as ffi_layout, signatures as ffi_signatures};
+pub use ffi::library;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -135,8 +134,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{Completion, VerbsApi};
-use crate::device::{Device, MemoryRegion, QpUse, QueuePair};
+use crate::api::Completion;
+use crate::ffi::device::{Device, MemoryRegion, QpUse, QueuePair};
+use crate::ffi::VerbsApi;
 use crate::inbound::Inbound;
 use crate::link::{Lane, Link, LinkState, Pending, Slots};
 use crate::plan::{Piece, Reliability, WrLimits, WrPlan};

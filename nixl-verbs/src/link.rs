@@ -11,7 +11,7 @@ use nixl::{AlignedBuf, Completer, Error, ErrorKind, Result};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{Completion, SendOp, SendWr, Sge, WcStatus};
-use crate::device::{MemoryRegion, QueuePair};
+use crate::ffi::device::{MemoryRegion, QueuePair};
 use crate::plan::{signaled, WrPlan};
 
 /// One transfer (or standalone notification) for a send queue.
@@ -753,7 +753,7 @@ pub(crate) fn post_on(lanes: &[Arc<Lane>], max_notif: usize, peer: &str, p: Pend
 mod tests {
     use super::*;
     use crate::api::{Completion, WcOpcode};
-    use crate::device::Device;
+    use crate::ffi::device::Device;
     use crate::VerbsOptions;
 
     /// Completions nothing waits for (an unknown id, a repeat, flushes after a
@@ -763,7 +763,7 @@ mod tests {
     fn stray_completions_are_ignored_and_errors_fail_the_lane_once() {
         let o = VerbsOptions::default();
         let dev = Arc::new(Device::open(crate::test_double::api(), &o).unwrap());
-        let qp = QueuePair::create(&dev, dev.caps(&o), crate::device::QpUse::Send).unwrap();
+        let qp = QueuePair::create(&dev, dev.caps(&o), crate::ffi::device::QpUse::Send).unwrap();
         let lane = Lane::new("peer", 1, qp, None);
         let ok = Completion {
             wr_id: 12345,

@@ -105,9 +105,10 @@ use nixl::{Error, ErrorKind, Result};
 
 use crate::api::{
     access, Channel, Completion, DeviceInfo, DeviceLimits, GidEntry, GidType, Handle, LinkLayer,
-    Mr, Mtu, PortInfo, PostError, Qp, QpCaps, QpTransition, RecvWr, SendOp, SendWr, Sge, VerbsApi,
+    Mr, Mtu, PortInfo, PostError, Qp, QpCaps, QpTransition, RecvWr, SendOp, SendWr, Sge,
     WcOpcode, WcStatus, PORT_ACTIVE,
 };
+use crate::ffi::VerbsApi;
 
 /// The double's only device.
 pub const DEVICE_NAME: &str = "dbl0";

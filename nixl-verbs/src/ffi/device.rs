@@ -11,8 +11,9 @@ use nixl::{Error, ErrorKind, Result};
 
 use crate::api::{
     Channel, DeviceLimits, GidType, Handle, LinkLayer, Mr, PortInfo, Qp, QpCaps, QpTransition,
-    VerbsApi, PORT_ACTIVE,
+    PORT_ACTIVE,
 };
+use crate::ffi::VerbsApi;
 use crate::wire::Endpoint;
 use crate::VerbsOptions;
 
