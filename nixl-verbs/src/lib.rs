@@ -103,6 +103,11 @@
 //! destroys the completion queue (after acknowledging its events), the channel and
 //! the protection domain and closes the device, so nothing is released while
 //! something made from it is alive, whoever lets go last.
+//!
+//! ## Unsafe code
+//! Only in the `ffi` module (the declarations, the libibverbs binding, and the
+//! owners whose safe methods the rest of the crate calls) and in the test double.
+#![deny(unsafe_code)]
 
 pub mod api;
 mod ffi;
@@ -113,13 +118,12 @@ pub mod plan;
 pub mod test_double;
 pub mod wire;
 
+pub use ffi::library;
 #[doc(hidden)]
 pub use ffi::sys::{layout as ffi_layout, signatures as ffi_signatures};
-pub use ffi::library;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -135,7 +139,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::Completion;
-use crate::ffi::device::{Device, MemoryRegion, QpUse, QueuePair};
+use crate::ffi::device::{Device, MemoryRegion, QpUse, QueuePair, RegisteredBuf};
 use crate::ffi::VerbsApi;
 use crate::inbound::Inbound;
 use crate::link::{Lane, Link, LinkState, Pending, Slots};
@@ -777,11 +781,7 @@ impl VerbsBackend {
 
 /// Registered buffers for `count` notifications of `size` bytes.
 fn notification_slots(dev: &Arc<Device>, size: usize, count: usize) -> Result<Slots> {
-    let mem = nixl::AlignedBuf::new(size * count);
-    // SAFETY: `mem` moves into the `Slots` that owns the registration, and is freed
-    // after it (field order).
-    let mr = unsafe { MemoryRegion::register(dev, mem.as_mut_ptr() as usize, mem.len(), false) }?;
-    Ok(Slots::new(mr, mem, size))
+    Ok(Slots::new(RegisteredBuf::new(dev, size * count)?, size))
 }
 
 /// Keepalive and user timeout on a control connection, so a silent peer host is
@@ -822,15 +822,6 @@ async fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     let mut b = vec![0u8; n];
     s.read_exact(&mut b).await?;
     Ok(b)
-}
-
-/// A descriptor tokio can watch.
-struct ChannelFd(RawFd);
-
-impl AsRawFd for ChannelFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0
-    }
 }
 
 impl Inner {
@@ -911,15 +902,9 @@ async fn completions(
             format!("{what}: {e}"),
         )
     };
-    // SAFETY: the channel's descriptor stays open while the device lives, and the
-    // device (which the caller holds) outlives this local.
-    let registered = unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(
-            ChannelFd(dev.channel.fd),
-            tokio::io::Interest::READABLE,
-        )
-    };
-    let afd = registered.map_err(|e| fatal("cannot watch the completion channel", &e))?;
+    let afd = dev
+        .watch_channel()
+        .map_err(|e| fatal("cannot watch the completion channel", &e))?;
     let api = &dev.api;
     let spin = inner.options.spin;
     let mut wcs = [Completion::EMPTY; 64];
@@ -1092,15 +1077,12 @@ impl Backend for VerbsBackend {
         }
         let mr = match region.kind() {
             nixl::MemKind::Dram => {
-                // SAFETY: the agent keeps the memory alive while the registration
-                // exists: `region` (kept here until deregistration) holds it.
-                unsafe { MemoryRegion::register(&dev, seg.addr() as usize, seg.len(), true) }?
+                // The registration holds `region`, which keeps the memory alive.
+                MemoryRegion::register(&dev, region)?
             }
             nixl::MemKind::Vram { device } => {
-                // SAFETY: as above, for device memory.
-                let (mr, how) = unsafe {
-                    MemoryRegion::register_gpu(&dev, device, seg.addr() as usize, seg.len())
-                }?;
+                // As above, for device memory.
+                let (mr, how) = MemoryRegion::register_gpu(&dev, device, region)?;
                 tracing::debug!(
                     device,
                     len = seg.len(),

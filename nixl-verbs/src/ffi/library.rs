@@ -28,13 +28,12 @@ use nixl::native::{self, BoundObject, NativeLibrary};
 pub use nixl::native::{LibraryReport, LibrarySource};
 use nixl::{Error, ErrorKind, Result};
 
-use crate::api::{
-    Channel, Completion, DeviceInfo, DeviceLimits, GidEntry, GidType, Handle, LinkLayer, Mr, Mtu,
-    PortInfo, PostError, Qp, QpCaps, QpTransition, RecvWr, SendOp, SendWr, Sge, WcOpcode,
-    WcStatus,
-};
 use super::sys::*;
 use super::VerbsApi;
+use crate::api::{
+    Channel, Completion, DeviceInfo, DeviceLimits, GidEntry, GidType, Handle, LinkLayer, Mr, Mtu,
+    PortInfo, PostError, Qp, QpCaps, QpTransition, RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus,
+};
 
 /// Default soname of libibverbs (searched the loader's usual way).
 pub const DEFAULT_SONAME: &str = "libibverbs.so.1";

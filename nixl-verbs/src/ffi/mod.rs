@@ -22,8 +22,8 @@ use std::os::fd::BorrowedFd;
 use nixl::Result;
 
 use crate::api::{
-    Channel, Completion, DeviceInfo, DeviceLimits, GidEntry, Handle, Mr, PortInfo, PostError,
-    Qp, QpCaps, QpTransition, RecvWr, SendWr, Sge, WcStatus,
+    Channel, Completion, DeviceInfo, DeviceLimits, GidEntry, Handle, Mr, PortInfo, PostError, Qp,
+    QpCaps, QpTransition, RecvWr, SendWr, Sge, WcStatus,
 };
 
 /// The verbs calls of this crate. Crate-internal: its safe methods dereference
@@ -166,4 +166,3 @@ pub(crate) trait VerbsApi: Send + Sync + fmt::Debug + 'static {
     /// The text of a completion status (`ibv_wc_status_str`).
     fn status_str(&self, status: WcStatus) -> String;
 }
-
