@@ -1,1 +1,2 @@
 //! Runnable examples live in `examples/`.
+#![forbid(unsafe_code)]

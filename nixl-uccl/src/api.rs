@@ -5,10 +5,16 @@
 //! The backend's lifecycle (who calls what, from which thread, in which order) is
 //! written once against [`EngineApi`]; only the binding differs. Handles are opaque
 //! addresses; the binding decides what they point to.
+//!
+//! The handles' owners (`EngineOwner`, `OwnedConn`, `NewEngine`) are here too:
+//! they make the trait's unsafe calls, so the rest of the crate needs none.
 
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use nixl::Result;
+use nixl::{Op, RegionRef, Result};
 
 /// An engine instance (`uccl_engine_t*` in the real library).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -204,4 +210,260 @@ pub trait EngineApi: Send + Sync + fmt::Debug + 'static {
     /// # Safety
     /// `c` is live and unused from now on.
     unsafe fn conn_destroy(&self, c: ConnHandle);
+}
+
+/// The engine and everything created in it. Dropped last: connections still open
+/// first, then memory regions, then the engine.
+#[derive(Debug)]
+pub(crate) struct EngineOwner {
+    pub(crate) api: Arc<dyn EngineApi>,
+    pub(crate) engine: EngineHandle,
+    mrs: Mutex<MrTable>,
+    /// Inbound connections, to close at teardown (never keyed by address).
+    inbound: Mutex<Vec<ConnHandle>>,
+    /// Set when operations were abandoned inside the engine (never seen done): the
+    /// engine may still touch their memory, so neither the regions nor the engine are
+    /// destroyed, and that memory is never freed.
+    pub(crate) poisoned: std::sync::atomic::AtomicBool,
+}
+
+/// Memory regions by registration id, each with the memory it covers, which stays
+/// alive until the region is destroyed (so a peer's key never reaches freed memory).
+#[derive(Debug, Default)]
+struct MrTable {
+    live: HashMap<u64, (u64, RegionRef)>,
+    /// Abandoned operations still using a registration.
+    busy: HashMap<u64, usize>,
+    /// Deregistered while busy: destroyed when the last operation is seen done.
+    doomed: HashMap<u64, (u64, RegionRef)>,
+}
+
+impl EngineOwner {
+    /// The owner of a new engine.
+    pub(crate) fn new(mut engine: NewEngine) -> Self {
+        Self {
+            api: engine.api.clone(),
+            engine: engine.engine.take().expect("an engine is owned once"),
+            mrs: Mutex::default(),
+            inbound: Mutex::new(Vec::new()),
+            poisoned: Default::default(),
+        }
+    }
+
+    /// Connect to a peer's engine (blocks until it accepted); the connection holds
+    /// this owner.
+    pub(crate) fn connect(self: &Arc<Self>, ip: &str, gpu: &str, port: u16) -> Result<OwnedConn> {
+        self.api
+            .connect(self.engine, ip, gpu, port)
+            .map(|conn| OwnedConn {
+                conn,
+                owner: self.clone(),
+            })
+    }
+
+    /// Wait for one inbound connection (see [`EngineApi::accept`]), kept until
+    /// [`EngineOwner::close_inbound`]; returns the peer's address as the engine saw it.
+    pub(crate) fn accept(&self) -> Option<String> {
+        let a = self.api.accept(self.engine)?;
+        self.inbound.lock().unwrap().push(a.conn);
+        Some(a.ip)
+    }
+
+    /// Register the agent's `region`, kept until its memory region is destroyed;
+    /// returns the memory region and what peers need to reach it.
+    pub(crate) fn register(&self, region: &RegionRef) -> Result<(u64, FifoItem)> {
+        let seg = region.segment();
+        let (addr, len) = (seg.addr() as usize, seg.len());
+        // SAFETY: `region` keeps the memory alive while it lives, and the table keeps
+        // it (below) until the memory region is destroyed.
+        let mr = unsafe { self.api.reg(self.engine, addr, len)? };
+        match self.api.prepare_fifo(self.engine, mr, addr, len) {
+            Ok(f) => {
+                self.insert(region.id(), mr, region.clone());
+                Ok((mr, f))
+            }
+            Err(e) => {
+                self.api.mr_destroy(self.engine, mr);
+                Err(e)
+            }
+        }
+    }
+
+    pub(crate) fn close_inbound(&self) {
+        let conns = std::mem::take(&mut *self.inbound.lock().unwrap());
+        for c in conns {
+            // SAFETY: accepted on this engine, and removed from the list so nothing
+            // uses it again.
+            unsafe { self.api.conn_destroy(c) };
+        }
+    }
+
+    fn insert(&self, id: u64, mr: u64, region: RegionRef) {
+        self.mrs.lock().unwrap().live.insert(id, (mr, region));
+    }
+
+    /// Deregister `id` now, or once the abandoned operations using it are done.
+    pub(crate) fn deregister(&self, id: u64) -> bool {
+        let mut t = self.mrs.lock().unwrap();
+        let Some(entry) = t.live.remove(&id) else {
+            return false;
+        };
+        if t.busy.get(&id).is_some_and(|&n| n > 0) {
+            t.doomed.insert(id, entry);
+        } else {
+            drop(t);
+            self.api.mr_destroy(self.engine, entry.0);
+        }
+        true
+    }
+
+    pub(crate) fn hold(&self, ids: &[u64]) {
+        let mut t = self.mrs.lock().unwrap();
+        for id in ids {
+            *t.busy.entry(*id).or_default() += 1;
+        }
+    }
+
+    pub(crate) fn release(&self, ids: &[u64]) {
+        let mut done = Vec::new();
+        {
+            let mut t = self.mrs.lock().unwrap();
+            for id in ids {
+                let n = t.busy.entry(*id).or_default();
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    t.busy.remove(id);
+                    if let Some(e) = t.doomed.remove(id) {
+                        done.push(e);
+                    }
+                }
+            }
+        }
+        for (mr, _region) in done {
+            self.api.mr_destroy(self.engine, mr);
+        }
+    }
+}
+
+/// How long dropping the owner waits for `uccl_engine_destroy` (which joins UCCL's
+/// own threads) before leaving it to finish alone.
+const DESTROY_BOUND: Duration = Duration::from_secs(10);
+
+impl Drop for EngineOwner {
+    fn drop(&mut self) {
+        self.close_inbound();
+        let t = std::mem::take(&mut *self.mrs.lock().unwrap());
+        if self.poisoned.load(std::sync::atomic::Ordering::Acquire) {
+            tracing::warn!(
+                regions = t.live.len() + t.doomed.len(),
+                "UCCL engine left alive: operations it never reported done may still use registered memory, which stays allocated"
+            );
+            for (_, (_, region)) in t.live.into_iter().chain(t.doomed) {
+                std::mem::forget(region);
+            }
+            return;
+        }
+        for (_, (mr, _region)) in t.live.into_iter().chain(t.doomed) {
+            self.api.mr_destroy(self.engine, mr);
+        }
+        let (api, engine) = (self.api.clone(), self.engine);
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let destroy = move || {
+            // SAFETY: this owner was the engine's last holder: every thread,
+            // connection and registration that could call into it held the owner
+            // and is gone.
+            unsafe { api.destroy(engine) };
+            let _ = tx.send(());
+        };
+        // UCCL's destroy joins its own threads, which can take a while (its accept
+        // polls once a second): bounded, then left to finish on its own thread.
+        match std::thread::Builder::new()
+            .name("uccl-destroy".into())
+            .spawn(destroy)
+        {
+            Ok(h) => {
+                if rx.recv_timeout(DESTROY_BOUND).is_ok() {
+                    // Done: reap the thread so it does not outlive the agent.
+                    let _ = h.join();
+                } else {
+                    tracing::warn!(
+                        "uccl_engine_destroy did not return within {DESTROY_BOUND:?}; left running"
+                    );
+                }
+            }
+            Err(e) => tracing::warn!(%e, "no thread for uccl_engine_destroy; engine leaked"),
+        }
+    }
+}
+
+/// An engine connection; dropping it closes it. It holds the engine's owner, so the
+/// engine outlives every connection, wherever one ends up (a link, a channel nobody
+/// reads any more).
+#[derive(Debug)]
+pub(crate) struct OwnedConn {
+    pub(crate) conn: ConnHandle,
+    pub(crate) owner: Arc<EngineOwner>,
+}
+
+impl Drop for OwnedConn {
+    fn drop(&mut self) {
+        // SAFETY: connected on this engine; this value was its only holder.
+        unsafe { self.owner.api.conn_destroy(self.conn) };
+    }
+}
+
+impl OwnedConn {
+    /// Start a one-sided `op` between local `addr..addr + len`, which must lie in
+    /// registration `mr` of this engine, and `remote`; returns the transfer id for
+    /// [`EngineApi::done`].
+    pub(crate) fn start(
+        &self,
+        op: Op,
+        mr: u64,
+        addr: usize,
+        len: usize,
+        remote: FifoItem,
+    ) -> Result<u64> {
+        let api = &self.owner.api;
+        // SAFETY: the connection is live while `self` is. The range lies in
+        // registration `mr` (the backend's pieces are cut from the registration's
+        // segment at prepare, which the agent checked); the engine owner keeps that
+        // registration's memory alive until its region is destroyed, which waits for
+        // operations abandoned in the engine.
+        unsafe {
+            match op {
+                Op::Write => api.write(self.conn, mr, addr, len, remote),
+                Op::Read => api.read(self.conn, mr, addr, len, remote),
+            }
+        }
+    }
+}
+
+/// An engine just created and not yet owned: destroyed when dropped, unless an
+/// [`EngineOwner`] takes it.
+#[derive(Debug)]
+pub(crate) struct NewEngine {
+    api: Arc<dyn EngineApi>,
+    /// Taken by the owner.
+    engine: Option<EngineHandle>,
+}
+
+impl NewEngine {
+    /// Create an engine on `api`.
+    pub(crate) fn create(api: Arc<dyn EngineApi>) -> Result<Self> {
+        let engine = api.create()?;
+        Ok(Self {
+            api,
+            engine: Some(engine),
+        })
+    }
+}
+
+impl Drop for NewEngine {
+    fn drop(&mut self) {
+        if let Some(e) = self.engine.take() {
+            // SAFETY: just created, never shared (an owner took it otherwise).
+            unsafe { self.api.destroy(e) };
+        }
+    }
 }

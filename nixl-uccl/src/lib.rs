@@ -127,7 +127,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-use api::{ConnHandle, EngineApi, EngineHandle, FifoItem};
+use api::{ConnHandle, EngineApi, EngineOwner, FifoItem, NewEngine, OwnedConn};
 use wire::{ConnInfo, Frame};
 
 /// Longest notification this backend carries, in bytes (UCCL's own stop at 256).
@@ -204,146 +204,6 @@ fn err<T>(kind: ErrorKind, op: &'static str, msg: impl Into<String>) -> Result<T
     Err(Error::new(kind, op, msg))
 }
 
-/// The engine and everything created in it. Dropped last: connections still open
-/// first, then memory regions, then the engine.
-#[derive(Debug)]
-struct EngineOwner {
-    api: Arc<dyn EngineApi>,
-    engine: EngineHandle,
-    mrs: Mutex<MrTable>,
-    /// Inbound connections, to close at teardown (never keyed by address).
-    inbound: Mutex<Vec<ConnHandle>>,
-    /// Set when operations were abandoned inside the engine (never seen done): the
-    /// engine may still touch their memory, so neither the regions nor the engine are
-    /// destroyed, and that memory is never freed.
-    poisoned: std::sync::atomic::AtomicBool,
-}
-
-/// Memory regions by registration id, each with the memory it covers, which stays
-/// alive until the region is destroyed (so a peer's key never reaches freed memory).
-#[derive(Debug, Default)]
-struct MrTable {
-    live: HashMap<u64, (u64, RegionRef)>,
-    /// Abandoned operations still using a registration.
-    busy: HashMap<u64, usize>,
-    /// Deregistered while busy: destroyed when the last operation is seen done.
-    doomed: HashMap<u64, (u64, RegionRef)>,
-}
-
-impl EngineOwner {
-    fn close_inbound(&self) {
-        let conns = std::mem::take(&mut *self.inbound.lock().unwrap());
-        for c in conns {
-            // SAFETY: accepted on this engine, and removed from the list so nothing
-            // uses it again.
-            #[allow(unsafe_code)]
-            unsafe {
-                self.api.conn_destroy(c)
-            };
-        }
-    }
-
-    fn insert(&self, id: u64, mr: u64, region: RegionRef) {
-        self.mrs.lock().unwrap().live.insert(id, (mr, region));
-    }
-
-    /// Deregister `id` now, or once the abandoned operations using it are done.
-    fn deregister(&self, id: u64) -> bool {
-        let mut t = self.mrs.lock().unwrap();
-        let Some(entry) = t.live.remove(&id) else {
-            return false;
-        };
-        if t.busy.get(&id).is_some_and(|&n| n > 0) {
-            t.doomed.insert(id, entry);
-        } else {
-            drop(t);
-            self.api.mr_destroy(self.engine, entry.0);
-        }
-        true
-    }
-
-    fn hold(&self, ids: &[u64]) {
-        let mut t = self.mrs.lock().unwrap();
-        for id in ids {
-            *t.busy.entry(*id).or_default() += 1;
-        }
-    }
-
-    fn release(&self, ids: &[u64]) {
-        let mut done = Vec::new();
-        {
-            let mut t = self.mrs.lock().unwrap();
-            for id in ids {
-                let n = t.busy.entry(*id).or_default();
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    t.busy.remove(id);
-                    if let Some(e) = t.doomed.remove(id) {
-                        done.push(e);
-                    }
-                }
-            }
-        }
-        for (mr, _region) in done {
-            self.api.mr_destroy(self.engine, mr);
-        }
-    }
-}
-
-/// How long dropping the owner waits for `uccl_engine_destroy` (which joins UCCL's
-/// own threads) before leaving it to finish alone.
-const DESTROY_BOUND: Duration = Duration::from_secs(10);
-
-impl Drop for EngineOwner {
-    fn drop(&mut self) {
-        self.close_inbound();
-        let t = std::mem::take(&mut *self.mrs.lock().unwrap());
-        if self.poisoned.load(std::sync::atomic::Ordering::Acquire) {
-            tracing::warn!(
-                regions = t.live.len() + t.doomed.len(),
-                "UCCL engine left alive: operations it never reported done may still use registered memory, which stays allocated"
-            );
-            for (_, (_, region)) in t.live.into_iter().chain(t.doomed) {
-                std::mem::forget(region);
-            }
-            return;
-        }
-        for (_, (mr, _region)) in t.live.into_iter().chain(t.doomed) {
-            self.api.mr_destroy(self.engine, mr);
-        }
-        let (api, engine) = (self.api.clone(), self.engine);
-        let (tx, rx) = std::sync::mpsc::channel::<()>();
-        let destroy = move || {
-            // SAFETY: this owner was the engine's last holder: every thread,
-            // connection and registration that could call into it held the owner
-            // and is gone.
-            #[allow(unsafe_code)]
-            unsafe {
-                api.destroy(engine)
-            };
-            let _ = tx.send(());
-        };
-        // UCCL's destroy joins its own threads, which can take a while (its accept
-        // polls once a second): bounded, then left to finish on its own thread.
-        match std::thread::Builder::new()
-            .name("uccl-destroy".into())
-            .spawn(destroy)
-        {
-            Ok(h) => {
-                if rx.recv_timeout(DESTROY_BOUND).is_ok() {
-                    // Done: reap the thread so it does not outlive the agent.
-                    let _ = h.join();
-                } else {
-                    tracing::warn!(
-                        "uccl_engine_destroy did not return within {DESTROY_BOUND:?}; left running"
-                    );
-                }
-            }
-            Err(e) => tracing::warn!(%e, "no thread for uccl_engine_destroy; engine leaked"),
-        }
-    }
-}
-
 /// Liveness and the control writer of one outbound peer link. Tasks hold this, never
 /// the engine connection.
 #[derive(Debug)]
@@ -379,25 +239,6 @@ impl LinkState {
 #[derive(Debug)]
 enum Out {
     Notif(Bytes, Completer),
-}
-
-/// An engine connection; dropping it closes it. It holds the engine's owner, so the
-/// engine outlives every connection, wherever one ends up (a link, a channel nobody
-/// reads any more).
-#[derive(Debug)]
-struct OwnedConn {
-    conn: ConnHandle,
-    owner: Arc<EngineOwner>,
-}
-
-impl Drop for OwnedConn {
-    fn drop(&mut self) {
-        // SAFETY: connected on this engine; this value was its only holder.
-        #[allow(unsafe_code)]
-        unsafe {
-            self.owner.api.conn_destroy(self.conn)
-        };
-    }
 }
 
 /// One connected peer: the control link, and the engine connection once a transfer
@@ -807,13 +648,7 @@ impl Inner {
         st.ctx.spawn_thread(
             "uccl-connect",
             move |_stop| {
-                let r = owner
-                    .api
-                    .connect(owner.engine, &ip, &gpu, port)
-                    .map(|conn| OwnedConn {
-                        conn,
-                        owner: owner.clone(),
-                    });
+                let r = owner.connect(&ip, &gpu, port);
                 // Nobody waiting any more (timed out, shut down) drops it: closed.
                 let _ = tx.send(r);
             },
@@ -1288,16 +1123,13 @@ fn step(j: &mut Job, api: &dyn EngineApi, opts: &UcclOptions, outstanding: &mut 
         && *outstanding < opts.max_outstanding.max(1)
     {
         let pc = j.pieces[j.issued];
-        // SAFETY: the piece lies in registration `mr` (checked by the agent and at
-        // prepare); the engine owner keeps that registration's memory alive until its
-        // region is destroyed, which waits for operations abandoned in the engine.
-        #[allow(unsafe_code)]
-        let r = unsafe {
-            match j.op {
-                Op::Write => api.write(j.conn, pc.mr, pc.addr, pc.len, pc.remote),
-                Op::Read => api.read(j.conn, pc.mr, pc.addr, pc.len, pc.remote),
-            }
-        };
+        // The piece lies in registration `mr` (checked by the agent and at prepare).
+        let r = j
+            .link
+            .conn
+            .get()
+            .expect("a data link has its engine connection")
+            .start(j.op, pc.mr, pc.addr, pc.len, pc.remote);
         match r {
             Ok(id) => {
                 j.inflight.push_back(id);
@@ -1379,19 +1211,12 @@ impl Backend for UcclBackend {
         // agent-owned thread that ends right after (not tokio's blocking pool, whose
         // idle threads would outlive the agent).
         let api = inner.api.clone();
-        let (tx, rx) = oneshot::channel::<Result<EngineHandle>>();
+        let (tx, rx) = oneshot::channel::<Result<NewEngine>>();
         ctx.spawn_thread(
             "uccl-create",
             move |_stop| {
-                let r = api.create();
-                if let Err(Ok(e)) = tx.send(r) {
-                    // Nobody waits any more (the agent stopped): nothing else has it.
-                    // SAFETY: just created, never shared.
-                    #[allow(unsafe_code)]
-                    unsafe {
-                        api.destroy(e)
-                    };
-                }
+                // Nobody waiting any more (the agent stopped) drops it: destroyed.
+                let _ = tx.send(NewEngine::create(api));
             },
             || {},
         )?;
@@ -1402,14 +1227,8 @@ impl Backend for UcclBackend {
                 "engine creation ended without a result",
             )
         })??;
-        let owner = Arc::new(EngineOwner {
-            api: inner.api.clone(),
-            engine,
-            mrs: Mutex::default(),
-            inbound: Mutex::new(Vec::new()),
-            poisoned: Default::default(),
-        });
-        let engine_meta = owner.api.metadata(engine)?;
+        let owner = Arc::new(EngineOwner::new(engine));
+        let engine_meta = owner.api.metadata(owner.engine)?;
         let engine_ip = engine_meta
             .split_once('?')
             .and_then(|(a, _)| a.rsplit_once(':'))
@@ -1523,30 +1342,15 @@ impl Backend for UcclBackend {
                 .map_err(|e| Error::new(e.kind(), OP, format!("{} memory: {e}", region.kind())))?;
         }
         let st = self.inner.started()?;
-        let seg = region.segment();
-        let (addr, len) = (seg.addr() as usize, seg.len());
         let o = &st.owner;
-        let register = || {
-            // SAFETY: `region` (kept in `regs` until deregister, which destroys the
-            // memory region first) keeps the memory alive while UCCL has it
-            // registered.
-            #[allow(unsafe_code)]
-            let mr = unsafe { o.api.reg(o.engine, addr, len)? };
-            match o.api.prepare_fifo(o.engine, mr, addr, len) {
-                Ok(f) => Ok((mr, f)),
-                Err(e) => {
-                    o.api.mr_destroy(o.engine, mr);
-                    Err(e)
-                }
-            }
-        };
+        // The owner keeps `region` until it destroyed the memory region.
+        let register = || o.register(region);
         let (mr, fifo) = match region.kind() {
             // The engine's CUDA calls (pointer attributes, dma-buf export) run on this
             // thread, in the device's primary context; the thread's own comes back.
             MemKind::Vram { device } => nixl::gpu::with_context(device, register)?,
             MemKind::Dram => register()?,
         };
-        o.insert(region.id(), mr, region.clone());
         self.inner
             .regs
             .lock()
@@ -1794,10 +1598,9 @@ fn accept_loop(owner: &EngineOwner, gate: &AcceptGate, stop: &CancellationToken)
         if stop.is_cancelled() {
             return;
         }
-        match owner.api.accept(owner.engine) {
-            Some(a) => {
-                tracing::debug!(ip = %a.ip, "UCCL engine accepted a connection");
-                owner.inbound.lock().unwrap().push(a.conn);
+        match owner.accept() {
+            Some(ip) => {
+                tracing::debug!(%ip, "UCCL engine accepted a connection");
                 if stop.is_cancelled() {
                     return;
                 }

@@ -4,10 +4,10 @@
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use nixl::{AlignedBuf, NotificationSink, Result};
+use nixl::{NotificationSink, Result};
 
 use crate::api::{Completion, RecvWr, Sge, WcOpcode};
-use crate::device::{Device, MemoryRegion, QueuePair};
+use crate::ffi::device::{Device, QueuePair, RegisteredBuf};
 
 /// Receive work-request ids are `id << SLOT_BITS | slot`, with `id` unique in the
 /// process: a stale completion of a destroyed queue pair whose number was reused
@@ -24,26 +24,25 @@ pub(crate) struct Inbound {
     /// Declared before the buffers: dropped (destroyed) first, so the device never
     /// writes a buffer that is gone.
     qp: Mutex<Option<QueuePair>>,
-    /// Leaked instead of freed when the queue pair could not be destroyed.
-    ring: std::mem::ManuallyDrop<Ring>,
+    /// Leaked instead of freed when the queue pair could not be destroyed; `None`
+    /// only while dropping.
+    ring: Option<Ring>,
     leak: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Inbound {
     fn drop(&mut self) {
         self.close();
-        if !self.leak.load(std::sync::atomic::Ordering::Acquire) {
-            // SAFETY: dropped once, here, after the queue pair (its only user) is gone.
-            unsafe { std::mem::ManuallyDrop::drop(&mut self.ring) };
+        if self.leak.load(std::sync::atomic::Ordering::Acquire) {
+            std::mem::forget(self.ring.take());
         }
     }
 }
 
 /// Receive buffers: `slots` of `size` bytes in one registration. The device writes
-/// them, so they are reached through raw pointers only, never a Rust reference.
+/// them, so they are reached through copies only, never a Rust reference.
 struct Ring {
-    mr: MemoryRegion,
-    mem: AlignedBuf,
+    buf: RegisteredBuf,
     size: usize,
 }
 
@@ -53,17 +52,14 @@ impl Inbound {
     pub(crate) fn new(peer: &str, dev: &Arc<Device>, qp: QueuePair, size: usize) -> Result<Self> {
         let slots = (qp.qp.caps.max_recv_wr.max(1) as usize).min(1 << SLOT_BITS);
         let size = size.max(1);
-        let mem = AlignedBuf::new(slots * size);
-        // SAFETY: `mem` lives in this `Inbound` and is freed after the registration
-        // (field order of `Ring`) and after the queue pair (field order of `Inbound`).
-        let mr =
-            unsafe { MemoryRegion::register(dev, mem.as_mut_ptr() as usize, mem.len(), false) }?;
+        // Freed after the queue pair (field order of `Inbound`).
+        let buf = RegisteredBuf::new(dev, slots * size)?;
         let me = Self {
             peer: peer.to_owned(),
             qp_num: qp.qp.qp_num,
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             qp: Mutex::new(Some(qp)),
-            ring: std::mem::ManuallyDrop::new(Ring { mr, mem, size }),
+            ring: Some(Ring { buf, size }),
             leak: std::sync::atomic::AtomicBool::new(false),
         };
         let wrs: Vec<RecvWr> = (0..slots).map(|i| me.recv_wr(i)).collect();
@@ -71,14 +67,18 @@ impl Inbound {
         Ok(me)
     }
 
+    fn ring(&self) -> &Ring {
+        self.ring.as_ref().expect("taken only while dropping")
+    }
+
     fn recv_wr(&self, slot: usize) -> RecvWr {
-        let r = &self.ring;
+        let r = self.ring();
         RecvWr {
             wr_id: self.id << SLOT_BITS | slot as u64,
             sge: Sge {
-                addr: r.mem.as_mut_ptr() as u64 + (slot * r.size) as u64,
+                addr: r.buf.addr(slot * r.size),
                 len: r.size as u32,
-                lkey: r.mr.mr.lkey,
+                lkey: r.buf.lkey(),
             },
         }
     }
@@ -88,8 +88,8 @@ impl Inbound {
         let Some(qp) = g.as_ref() else {
             return Ok(());
         };
-        // SAFETY: the buffers are in the ring, registered, and outlive the queue pair.
-        unsafe { qp.dev.api.post_recv(qp.qp.handle, wrs) }.map_err(|p| p.error)
+        // The buffers are in the ring, registered, and outlive the queue pair.
+        qp.post_recv(wrs).map_err(|p| p.error)
     }
 
     /// Run `f` on the queue pair, if it is still there.
@@ -101,11 +101,11 @@ impl Inbound {
     /// buffer again), or a flush after closing.
     pub(crate) fn on_completion(&self, c: &Completion, sink: &NotificationSink) {
         let slot = (c.wr_id & ((1 << SLOT_BITS) - 1)) as usize;
-        let r = &self.ring;
+        let r = self.ring();
         if c.wr_id >> SLOT_BITS != self.id
             || !c.status.is_ok()
             || c.opcode != WcOpcode::Recv
-            || slot * r.size >= r.mem.len()
+            || slot * r.size >= r.buf.len()
         {
             if c.status.is_ok() {
                 tracing::debug!(peer = %self.peer, wr_id = c.wr_id, "verbs: unexpected completion on an inbound queue pair; ignored");
@@ -114,16 +114,10 @@ impl Inbound {
         }
         let len = (c.byte_len as usize).min(r.size);
         let mut msg = vec![0u8; len];
-        // SAFETY: slot `slot` lies inside `mem` (checked above) and the device
-        // finished writing it before it reported the completion; it is not posted
-        // again until the bytes are copied out.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                r.mem.as_mut_ptr().add(slot * r.size),
-                msg.as_mut_ptr(),
-                len,
-            );
-        }
+        // Slot `slot` lies inside the ring (checked above) and the device finished
+        // writing it before it reported the completion; it is not posted again until
+        // the bytes are copied out.
+        r.buf.read(slot * r.size, &mut msg);
         let msg = Bytes::from(msg);
         sink.deliver(&self.peer, msg);
         if let Err(e) = self.post(&[self.recv_wr(slot)]) {

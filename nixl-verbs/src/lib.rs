@@ -20,7 +20,7 @@
 //! providers (mlx5, efa, erdma, bnxt_re, rxe, ...) serve it and a process that also
 //! runs NCCL holds one libibverbs. Nothing is linked at build time and no symbol of
 //! libibverbs is defined here (a test reads the ELF of the built binaries). The
-//! structures and calls this crate uses are declared in `ffi.rs`; the data-path calls
+//! structures and calls this crate uses are declared in `ffi/sys.rs`; the data-path calls
 //! that `verbs.h` makes inline go through the context's operation table as it does.
 //! [`VerbsBackend::library_report`] says which libibverbs was bound, from where, and
 //! which providers sit beside it.
@@ -103,24 +103,27 @@
 //! destroys the completion queue (after acknowledging its events), the channel and
 //! the protection domain and closes the device, so nothing is released while
 //! something made from it is alive, whoever lets go last.
+//!
+//! ## Unsafe code
+//! Only in the `ffi` module (the declarations, the libibverbs binding, and the
+//! owners whose safe methods the rest of the crate calls) and in the test double.
+#![deny(unsafe_code)]
 
 pub mod api;
-mod device;
 mod ffi;
 mod inbound;
-pub mod library;
 mod link;
 pub mod plan;
 #[cfg(feature = "test-double")]
 pub mod test_double;
 pub mod wire;
 
+pub use ffi::library;
 #[doc(hidden)]
-pub use ffi::{layout as ffi_layout, signatures as ffi_signatures};
+pub use ffi::sys::{layout as ffi_layout, signatures as ffi_signatures};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -135,8 +138,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{Completion, VerbsApi};
-use crate::device::{Device, MemoryRegion, QpUse, QueuePair};
+use crate::api::Completion;
+use crate::ffi::device::{Device, MemoryRegion, QpUse, QueuePair, RegisteredBuf};
+use crate::ffi::VerbsApi;
 use crate::inbound::Inbound;
 use crate::link::{Lane, Link, LinkState, Pending, Slots};
 use crate::plan::{Piece, Reliability, WrLimits, WrPlan};
@@ -777,41 +781,22 @@ impl VerbsBackend {
 
 /// Registered buffers for `count` notifications of `size` bytes.
 fn notification_slots(dev: &Arc<Device>, size: usize, count: usize) -> Result<Slots> {
-    let mem = nixl::AlignedBuf::new(size * count);
-    // SAFETY: `mem` moves into the `Slots` that owns the registration, and is freed
-    // after it (field order).
-    let mr = unsafe { MemoryRegion::register(dev, mem.as_mut_ptr() as usize, mem.len(), false) }?;
-    Ok(Slots::new(mr, mem, size))
+    Ok(Slots::new(RegisteredBuf::new(dev, size * count)?, size))
 }
 
 /// Keepalive and user timeout on a control connection, so a silent peer host is
-/// noticed within `dead`.
+/// noticed within `dead` (as nixl-tcp does, through socket2).
 fn tune(s: &TcpStream, dead: Duration) {
     let _ = s.set_nodelay(true);
-    let fd = s.as_raw_fd();
-    let idle = (dead / 2).max(Duration::from_secs(1)).as_secs() as libc::c_int;
-    let set = |level: libc::c_int, name: libc::c_int, v: libc::c_int| {
-        // SAFETY: `fd` is an open socket owned by `s` for this call; the option value
-        // is a c_int on the stack, its size passed alongside.
-        unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                name,
-                (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        }
-    };
-    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, idle);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1);
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
-    set(
-        libc::IPPROTO_TCP,
-        libc::TCP_USER_TIMEOUT,
-        dead.as_millis().min(i32::MAX as u128) as libc::c_int,
-    );
+    let sock = socket2::SockRef::from(s);
+    let idle = (dead / 2).max(Duration::from_secs(1));
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(idle)
+        .with_interval(Duration::from_secs(1))
+        .with_retries(3);
+    let _ = sock.set_tcp_keepalive(&ka);
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    let _ = sock.set_tcp_user_timeout(Some(dead));
 }
 
 /// Most bytes in one control frame.
@@ -837,15 +822,6 @@ async fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     let mut b = vec![0u8; n];
     s.read_exact(&mut b).await?;
     Ok(b)
-}
-
-/// A descriptor tokio can watch.
-struct ChannelFd(RawFd);
-
-impl AsRawFd for ChannelFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0
-    }
 }
 
 impl Inner {
@@ -926,15 +902,9 @@ async fn completions(
             format!("{what}: {e}"),
         )
     };
-    // SAFETY: the channel's descriptor stays open while the device lives, and the
-    // device (which the caller holds) outlives this local.
-    let registered = unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(
-            ChannelFd(dev.channel.fd),
-            tokio::io::Interest::READABLE,
-        )
-    };
-    let afd = registered.map_err(|e| fatal("cannot watch the completion channel", &e))?;
+    let afd = dev
+        .watch_channel()
+        .map_err(|e| fatal("cannot watch the completion channel", &e))?;
     let api = &dev.api;
     let spin = inner.options.spin;
     let mut wcs = [Completion::EMPTY; 64];
@@ -1107,15 +1077,12 @@ impl Backend for VerbsBackend {
         }
         let mr = match region.kind() {
             nixl::MemKind::Dram => {
-                // SAFETY: the agent keeps the memory alive while the registration
-                // exists: `region` (kept here until deregistration) holds it.
-                unsafe { MemoryRegion::register(&dev, seg.addr() as usize, seg.len(), true) }?
+                // The registration holds `region`, which keeps the memory alive.
+                MemoryRegion::register(&dev, region)?
             }
             nixl::MemKind::Vram { device } => {
-                // SAFETY: as above, for device memory.
-                let (mr, how) = unsafe {
-                    MemoryRegion::register_gpu(&dev, device, seg.addr() as usize, seg.len())
-                }?;
+                // As above, for device memory.
+                let (mr, how) = MemoryRegion::register_gpu(&dev, device, region)?;
                 tracing::debug!(
                     device,
                     len = seg.len(),

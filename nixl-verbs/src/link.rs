@@ -7,11 +7,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use nixl::{AlignedBuf, Completer, Error, ErrorKind, Result};
+use nixl::{Completer, Error, ErrorKind, Result};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{Completion, SendOp, SendWr, Sge, WcStatus};
-use crate::device::{MemoryRegion, QueuePair};
+use crate::ffi::device::{QueuePair, RegisteredBuf};
 use crate::plan::{signaled, WrPlan};
 
 /// One transfer (or standalone notification) for a send queue.
@@ -157,20 +157,18 @@ struct Signal {
 }
 
 /// Registered buffers for notifications too long to send inline. The device reads
-/// them, so they are reached through raw pointers only.
+/// them, so they are reached through copies only.
 pub(crate) struct Slots {
-    pub(crate) mr: MemoryRegion,
-    pub(crate) mem: AlignedBuf,
+    pub(crate) buf: RegisteredBuf,
     pub(crate) size: usize,
     free: Vec<usize>,
 }
 
 impl Slots {
-    pub(crate) fn new(mr: MemoryRegion, mem: AlignedBuf, size: usize) -> Self {
-        let n = mem.len() / size.max(1);
+    pub(crate) fn new(buf: RegisteredBuf, size: usize) -> Self {
+        let n = buf.len() / size.max(1);
         Self {
-            mr,
-            mem,
+            buf,
             size,
             free: (0..n).rev().collect(),
         }
@@ -461,12 +459,9 @@ impl Sq {
     /// notification and no buffer is free for it.
     fn post_chunk(&mut self, free: usize) -> Result<bool> {
         let window = self.window;
-        let qp = self
-            .qp
+        self.qp
             .as_ref()
-            .ok_or_else(|| Error::new(ErrorKind::Backend, "verbs post", "queue pair gone"))?
-            .qp
-            .handle;
+            .ok_or_else(|| Error::new(ErrorKind::Backend, "verbs post", "queue pair gone"))?;
         self.wrs.clear();
         self.sges.clear();
         let job = self.backlog.front_mut().expect("caller checked");
@@ -509,16 +504,14 @@ impl Sq {
                     return Ok(false);
                 };
                 slot = Some(s);
-                let at = slots.mem.as_mut_ptr().wrapping_add(s * slots.size);
-                // SAFETY: slot `s` is free (no work request names it) and lies inside
-                // `mem`; the notification is at most `size` bytes (checked at post).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(msg.as_ptr(), at, msg.len().min(slots.size))
-                };
+                let at = s * slots.size;
+                // Slot `s` is free (no work request names it); the notification is at
+                // most `size` bytes (checked at post).
+                slots.buf.write(at, &msg[..msg.len().min(slots.size)]);
                 Some(Sge {
-                    addr: at as u64,
+                    addr: slots.buf.addr(at),
                     len: msg.len() as u32,
-                    lkey: slots.mr.mr.lkey,
+                    lkey: slots.buf.lkey(),
                 })
             };
             if let Some(s) = sge {
@@ -560,18 +553,20 @@ impl Sq {
                 since = 0;
             }
         }
-        // SAFETY: every entry lies in memory the job's completer keeps alive (its
+        // Every entry lies in memory the job's completer keeps alive (its
         // registrations), in a notification buffer this lane owns, or (inline) in
         // the job's notification bytes, read by the device during the call; all stay
         // valid until the work request completes or the queue pair is destroyed.
-        let posted = unsafe {
-            self.qp
-                .as_ref()
-                .expect("checked above")
-                .dev
-                .api
-                .post_send(qp, &self.wrs, &self.sges)
-        };
+        let inline = self
+            .backlog
+            .front()
+            .and_then(|j| j.notif.as_deref())
+            .unwrap_or_default();
+        let posted = self
+            .qp
+            .as_ref()
+            .expect("checked above")
+            .post_send(&self.wrs, &self.sges, inline);
         match posted {
             Ok(()) => {
                 self.outstanding += n as u32;
@@ -753,7 +748,7 @@ pub(crate) fn post_on(lanes: &[Arc<Lane>], max_notif: usize, peer: &str, p: Pend
 mod tests {
     use super::*;
     use crate::api::{Completion, WcOpcode};
-    use crate::device::Device;
+    use crate::ffi::device::Device;
     use crate::VerbsOptions;
 
     /// Completions nothing waits for (an unknown id, a repeat, flushes after a
@@ -763,7 +758,7 @@ mod tests {
     fn stray_completions_are_ignored_and_errors_fail_the_lane_once() {
         let o = VerbsOptions::default();
         let dev = Arc::new(Device::open(crate::test_double::api(), &o).unwrap());
-        let qp = QueuePair::create(&dev, dev.caps(&o), crate::device::QpUse::Send).unwrap();
+        let qp = QueuePair::create(&dev, dev.caps(&o), crate::ffi::device::QpUse::Send).unwrap();
         let lane = Lane::new("peer", 1, qp, None);
         let ok = Completion {
             wr_id: 12345,

@@ -95,6 +95,11 @@
 //! [`kill`] (a device dies), [`live_objects`] / [`live_objects_of`] /
 //! [`live_details`] (leak checks), [`set_limits`] (limits of devices opened later),
 //! [`wait_until`].
+//!
+//! It implements the crate's `VerbsApi` (whose calls are unsafe) and copies between
+//! registrations through raw pointers, as a NIC's DMA would: the crate's other
+//! module allowed `unsafe`, besides `ffi`.
+#![allow(unsafe_code)]
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::fd::{BorrowedFd, RawFd};
@@ -105,9 +110,10 @@ use nixl::{Error, ErrorKind, Result};
 
 use crate::api::{
     access, Channel, Completion, DeviceInfo, DeviceLimits, GidEntry, GidType, Handle, LinkLayer,
-    Mr, Mtu, PortInfo, PostError, Qp, QpCaps, QpTransition, RecvWr, SendOp, SendWr, Sge, VerbsApi,
-    WcOpcode, WcStatus, PORT_ACTIVE,
+    Mr, Mtu, PortInfo, PostError, Qp, QpCaps, QpTransition, RecvWr, SendOp, SendWr, Sge, WcOpcode,
+    WcStatus, PORT_ACTIVE,
 };
+use crate::ffi::VerbsApi;
 
 /// The double's only device.
 pub const DEVICE_NAME: &str = "dbl0";

@@ -1,4 +1,4 @@
-//! Our declarations of libibverbs' ABI (`src/ffi.rs`) against the host's
+//! Our declarations of libibverbs' ABI (`src/ffi/sys.rs`) against the host's
 //! `<infiniband/verbs.h>`: a C program prints the size, alignment and offset of every
 //! struct and field declared, and every constant's value; the C compiler checks every
 //! function type (`__builtin_types_compatible_p`). Needs `cc` and the header (Debian:
@@ -96,7 +96,7 @@ fn declarations_match_the_host_header() {
         .unwrap();
     assert!(
         out.status.success(),
-        "the C check of ffi.rs against {HEADER} failed to compile (a function type or a name differs):\n{}",
+        "the C check of ffi/sys.rs against {HEADER} failed to compile (a function type or a name differs):\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     let run = Command::new(&exe).output().unwrap();
@@ -120,7 +120,7 @@ fn declarations_match_the_host_header() {
     }
     assert!(
         wrong.is_empty(),
-        "ffi.rs differs from {HEADER}:\n{}",
+        "ffi/sys.rs differs from {HEADER}:\n{}",
         wrong.join("\n")
     );
     // Every declared struct is checked whole, and the 128-byte send request with it.

@@ -4,6 +4,7 @@
 //! SKIP and FIGURE lines go to stderr and, when `NIXL_SKIP_LOG` / `NIXL_FIGURE_LOG`
 //! name a file (`scripts/test` sets both), are appended there, so the script lists
 //! them at the end of a run (nextest hides a passing test's stderr).
+#![forbid(unsafe_code)]
 
 use std::time::{Duration, Instant};
 

@@ -565,6 +565,7 @@ pub async fn invalid_inputs_rejected(but: &BackendUnderTest) {
     // Two adjacent target regions carved out of one buffer (the raw registration path).
     let buf = std::sync::Arc::new(AlignedBuf::new(8192));
     let base = buf.as_mut_ptr();
+    #[allow(unsafe_code)] // The case tests the core's raw registration path.
     // SAFETY: both halves lie inside `buf`, which each Memory keeps alive as its owner;
     // nothing else references the buffer's bytes.
     let (h1, h2) = unsafe {
@@ -648,6 +649,7 @@ pub async fn invalid_inputs_rejected(but: &BackendUnderTest) {
     // GPU memory on a backend without VRAM support: a clear NotSupported. The
     // pointer is never dereferenced: registration is refused first.
     if !caps.vram {
+        #[allow(unsafe_code)] // A device pointer can only be made this way.
         // SAFETY: the region is refused before anything could touch it.
         let vram = unsafe {
             Memory::from_raw_parts(

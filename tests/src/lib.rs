@@ -5,6 +5,7 @@
 //! [`Capabilities`](nixl::Capabilities), never by backend name, and print a visible
 //! `SKIP` line (and return without asserting) when the backend lacks a capability or
 //! its native library is absent.
+#![deny(unsafe_code)]
 
 pub mod cases;
 /// A real etcd server for tests (from the shared test kit).

@@ -5,6 +5,7 @@
 //! says `stop` (or closes); then shuts down and prints `STOPPED`. After the first
 //! transfer it prints `PATH <data path>` (how the backend reaches the target). TCP
 //! options come from the `NIXL_TCP_*` variables (see `tcp_options_from_env`).
+#![forbid(unsafe_code)]
 
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};

@@ -6,6 +6,7 @@
 //! `NOTIF <text>`; on the notification `done` it prints `CHECKSUM <fnv1a>` of its
 //! memory, shuts down and exits. TCP options come from `NIXL_TCP_LISTEN`,
 //! `NIXL_TCP_DEAD_PEER_MS` and `NIXL_TCP_CONNECT_MS` when set.
+#![forbid(unsafe_code)]
 
 use std::io::Write;
 

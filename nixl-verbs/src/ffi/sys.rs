@@ -19,8 +19,6 @@
 //!   shorter compat struct [`ibv_port_attr_compat`] (`struct _compat_ibv_port_attr`
 //!   inside rdma-core), which is `struct ibv_port_attr` without its last field.
 #![allow(non_camel_case_types)]
-// The all-zero constants below are the module's only unsafe code.
-#![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::marker::{PhantomData, PhantomPinned};

@@ -2,17 +2,26 @@
 //! order: every memory region and queue pair holds the [`Device`], so the protection
 //! domain, completion queue and device context are released only after the last of
 //! them, whoever lets go last.
+//!
+//! These owners are where the crate's unsafe verbs calls are made, and why the rest
+//! of it needs none: a memory region owns what keeps its memory mapped (the agent's
+//! [`RegionRef`], or a buffer of its own) and lets go of it only after deregistering,
+//! so the device, which reaches memory only through the keys of live registrations
+//! of this protection domain, never reaches memory that is gone; posting through a
+//! [`QueuePair`] is safe for that reason.
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use nixl::{Error, ErrorKind, Result};
+use nixl::{AlignedBuf, Error, ErrorKind, RegionRef, Result};
+use tokio::io::unix::{AsyncFd, AsyncFdRegisterError};
 
 use crate::api::{
-    Channel, DeviceLimits, GidType, Handle, LinkLayer, Mr, PortInfo, Qp, QpCaps, QpTransition,
-    VerbsApi, PORT_ACTIVE,
+    Channel, DeviceLimits, GidType, Handle, LinkLayer, Mr, PortInfo, PostError, Qp, QpCaps,
+    QpTransition, RecvWr, SendWr, Sge, PORT_ACTIVE,
 };
+use crate::ffi::VerbsApi;
 use crate::wire::Endpoint;
 use crate::VerbsOptions;
 
@@ -267,6 +276,30 @@ impl Device {
             max_inline_data: 64,
         }
     }
+
+    /// The completion channel's descriptor, registered with tokio for readability.
+    /// It borrows the device, which keeps the descriptor open.
+    ///
+    /// # Errors
+    /// Registration with the reactor failed.
+    pub(crate) fn watch_channel(
+        &self,
+    ) -> std::result::Result<AsyncFd<ChannelFd<'_>>, AsyncFdRegisterError<ChannelFd<'_>>> {
+        // SAFETY: the channel's descriptor stays open, the same one, while the device
+        // lives (its `Drop` destroys the channel), and the returned value borrows the
+        // device, so it is dropped first.
+        unsafe { AsyncFd::register_with_interest(ChannelFd(self), tokio::io::Interest::READABLE) }
+    }
+}
+
+/// The descriptor of a device's completion channel, for tokio to watch.
+#[derive(Debug)]
+pub(crate) struct ChannelFd<'a>(&'a Device);
+
+impl AsRawFd for ChannelFd<'_> {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.channel.fd
+    }
 }
 
 impl Drop for Device {
@@ -295,10 +328,22 @@ impl Drop for Device {
     }
 }
 
-/// A registered memory region; deregistered when dropped.
+/// A registered memory region; deregistered when dropped, then what keeps its memory
+/// mapped is let go.
 pub(crate) struct MemoryRegion {
     pub(crate) dev: Arc<Device>,
     pub(crate) mr: Mr,
+    /// Dropped after `Drop` deregistered the region; leaked should that fail (the
+    /// device may still reach the memory).
+    memory: Option<Backing>,
+}
+
+/// What keeps a registered region's memory mapped.
+enum Backing {
+    /// The agent's registration: holding it keeps the memory alive.
+    Region(#[allow(dead_code)] RegionRef),
+    /// A buffer of this crate's own ([`RegisteredBuf`]).
+    Buffer(AlignedBuf),
 }
 
 impl std::fmt::Debug for MemoryRegion {
@@ -311,16 +356,34 @@ impl std::fmt::Debug for MemoryRegion {
 }
 
 impl MemoryRegion {
+    /// Register the agent's `region` (host memory) for local use and for peers' READs
+    /// and WRITEs; the region is kept until this is dropped.
+    pub(crate) fn register(dev: &Arc<Device>, region: &RegionRef) -> Result<Self> {
+        let seg = region.segment();
+        // SAFETY: `region` keeps the memory mapped while it lives, and the value made
+        // here holds it until `Drop` has deregistered the region.
+        unsafe {
+            Self::register_raw(
+                dev,
+                seg.addr() as usize,
+                seg.len(),
+                true,
+                Backing::Region(region.clone()),
+            )
+        }
+    }
+
     /// Register `addr..addr + len` for local use, and for peers' READs and WRITEs
-    /// when `remote`.
+    /// when `remote`; `memory` keeps it mapped.
     ///
     /// # Safety
-    /// The memory stays mapped until this is dropped.
-    pub(crate) unsafe fn register(
+    /// `memory` keeps `addr..addr + len` mapped while it lives.
+    unsafe fn register_raw(
         dev: &Arc<Device>,
         addr: usize,
         len: usize,
         remote: bool,
+        memory: Backing,
     ) -> Result<Self> {
         use crate::api::access::*;
         let access = if remote {
@@ -328,17 +391,18 @@ impl MemoryRegion {
         } else {
             LOCAL_WRITE
         };
-        // SAFETY: the caller keeps the memory mapped until `Drop` deregisters it.
+        // SAFETY: `memory` keeps the memory mapped until `Drop` deregisters it.
         let mr = unsafe { dev.api.reg_mr(dev.pd, addr, len, access) }?;
         Ok(Self {
             dev: dev.clone(),
             mr,
+            memory: Some(memory),
         })
     }
 }
 
 impl MemoryRegion {
-    /// Register `addr..addr + len` of GPU `device`'s memory for local use and peers'
+    /// Register the agent's `region`, memory of GPU `device`, for local use and peers'
     /// READs and WRITEs: by dma-buf (`ibv_reg_dmabuf_mr`) where the driver exports
     /// one and the NIC takes it, else by `ibv_reg_mr` on the device pointer, which
     /// works where the peer-memory module (`nvidia-peermem`) is loaded. Returns the
@@ -348,26 +412,28 @@ impl MemoryRegion {
     /// As [`nixl::gpu::status`] without a GPU; [`ErrorKind::NotSupported`] naming both
     /// failures when neither way works.
     ///
-    /// # Safety
-    /// The device memory stays allocated until this is dropped.
-    pub(crate) unsafe fn register_gpu(
+    /// The agent's `region` is kept until this is dropped.
+    pub(crate) fn register_gpu(
         dev: &Arc<Device>,
         device: u32,
-        addr: usize,
-        len: usize,
+        region: &RegionRef,
     ) -> Result<(Self, GpuRegistration)> {
         use crate::api::access::*;
         const OP: &str = "verbs register";
+        let seg = region.segment();
+        let (addr, len) = (seg.addr() as usize, seg.len());
         let access = LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ;
         nixl::gpu::status()?;
         let region = |mr| Self {
             dev: dev.clone(),
             mr,
+            memory: Some(Backing::Region(region.clone())),
         };
         let by_dmabuf = nixl::gpu::dma_buf(device, addr as u64, len).and_then(|d| {
-            // SAFETY: the caller keeps the device memory allocated until `Drop`
-            // deregisters it; `d.fd` is open for the call (the registration keeps
-            // its own reference to the dma-buf).
+            // SAFETY: `region` keeps the device memory allocated while it lives, and
+            // the value made of the result holds it until `Drop` has deregistered
+            // it; `d.fd` is open for the call (the registration keeps its own
+            // reference to the dma-buf).
             unsafe {
                 dev.api
                     .reg_dmabuf_mr(dev.pd, d.offset, len, addr as u64, d.fd.as_fd(), access)
@@ -408,8 +474,101 @@ impl Drop for MemoryRegion {
     fn drop(&mut self) {
         // SAFETY: whoever used this region holds it; it is the last user.
         if let Err(e) = unsafe { self.dev.api.dereg_mr(self.mr.handle) } {
-            tracing::warn!(error = %e, "verbs: deregistering a memory region failed");
+            tracing::warn!(error = %e, "verbs: deregistering a memory region failed; its memory is leaked");
+            std::mem::forget(self.memory.take());
         }
+    }
+}
+
+/// A buffer of this crate's own (notification buffers), registered for local use.
+/// The device writes it (receives) and reads it (sends), so it is reached only by
+/// copies through raw pointers, never through a Rust reference.
+pub(crate) struct RegisteredBuf(MemoryRegion);
+
+impl std::fmt::Debug for RegisteredBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredBuf")
+            .field("len", &self.len())
+            .field("lkey", &self.lkey())
+            .finish()
+    }
+}
+
+impl RegisteredBuf {
+    /// `len` bytes, registered on `dev`.
+    pub(crate) fn new(dev: &Arc<Device>, len: usize) -> Result<Self> {
+        let mem = AlignedBuf::new(len);
+        let (addr, len) = (mem.as_mut_ptr() as usize, mem.len());
+        // SAFETY: the buffer moves into the region, which frees it only after
+        // deregistering (or never).
+        unsafe { MemoryRegion::register_raw(dev, addr, len, false, Backing::Buffer(mem)) }.map(Self)
+    }
+
+    fn mem(&self) -> &AlignedBuf {
+        match &self.0.memory {
+            Some(Backing::Buffer(b)) => b,
+            _ => unreachable!("a RegisteredBuf is made with its buffer"),
+        }
+    }
+
+    /// Its length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.mem().len()
+    }
+
+    /// The key of its local scatter/gather entries.
+    pub(crate) fn lkey(&self) -> u32 {
+        self.0.mr.lkey
+    }
+
+    /// The address of byte `offset`, for work requests.
+    pub(crate) fn addr(&self, offset: usize) -> u64 {
+        self.mem().as_mut_ptr() as u64 + offset as u64
+    }
+
+    /// Copy `dst.len()` bytes out, from `offset`. What the bytes mean is the caller's
+    /// protocol: read a receive buffer once its completion arrived and before it is
+    /// posted again.
+    ///
+    /// # Panics
+    /// When the range does not fit the buffer.
+    pub(crate) fn read(&self, offset: usize, dst: &mut [u8]) {
+        let mem = self.mem();
+        assert!(
+            offset
+                .checked_add(dst.len())
+                .is_some_and(|e| e <= mem.len()),
+            "read past a registered buffer"
+        );
+        // SAFETY: the range lies inside the buffer (checked above), which lives as
+        // long as `self`; `dst` is a separate allocation; bytes have no invalid
+        // values, and no Rust reference to the buffer exists.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                mem.as_mut_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            );
+        }
+    }
+
+    /// Copy `src` in, at `offset`. As for [`RegisteredBuf::read`], when the device
+    /// reads it is the caller's protocol: write a send buffer no work request names.
+    ///
+    /// # Panics
+    /// When the range does not fit the buffer.
+    pub(crate) fn write(&self, offset: usize, src: &[u8]) {
+        let mem = self.mem();
+        assert!(
+            offset
+                .checked_add(src.len())
+                .is_some_and(|e| e <= mem.len()),
+            "write past a registered buffer"
+        );
+        // SAFETY: as in `read`; `src` is a separate allocation.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), mem.as_mut_ptr().add(offset), src.len())
+        };
     }
 }
 
@@ -490,6 +649,59 @@ impl QueuePair {
             self.dev.api.modify_qp(self.qp.handle, s)?;
         }
         Ok(())
+    }
+
+    /// Post `wrs` as one chain. Entries name memory by the keys of registrations on
+    /// this device, which the device checks; an inline entry (copied during the call,
+    /// without a key) must lie in `inline`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for an inline entry outside `inline` (nothing
+    /// posted); the device's, with the count it accepted.
+    pub(crate) fn post_send(
+        &self,
+        wrs: &[SendWr],
+        sges: &[Sge],
+        inline: &[u8],
+    ) -> std::result::Result<(), PostError> {
+        let (lo, hi) = (
+            inline.as_ptr() as u64,
+            inline.as_ptr() as u64 + inline.len() as u64,
+        );
+        let outside = wrs.iter().filter(|w| w.inline).any(|w| {
+            let at = w.first_sge as usize;
+            sges.get(at..at + w.num_sge as usize).is_none_or(|es| {
+                es.iter()
+                    .any(|e| e.addr < lo || e.addr.saturating_add(u64::from(e.len)) > hi)
+            })
+        });
+        if outside {
+            return Err(PostError {
+                posted: 0,
+                error: Error::new(
+                    ErrorKind::InvalidArgument,
+                    "verbs post",
+                    "an inline entry lies outside the bytes given to send inline",
+                ),
+            });
+        }
+        // SAFETY: the device reaches memory only through the keys of this device's
+        // live registrations (a wrong key or range fails the work request), and each
+        // registration keeps its memory mapped until it is deregistered, after which
+        // the device no longer reaches it; inline entries lie in `inline` (checked
+        // above), which is read during the call only.
+        unsafe { self.dev.api.post_send(self.qp.handle, wrs, sges) }
+    }
+
+    /// Post receives. Each buffer is named by the key of a registration on this
+    /// device, which the device checks.
+    ///
+    /// # Errors
+    /// The device's, with the count it accepted.
+    pub(crate) fn post_recv(&self, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
+        // SAFETY: as for `post_send`: the device writes only memory of live
+        // registrations, which keep it mapped until deregistered.
+        unsafe { self.dev.api.post_recv(self.qp.handle, wrs) }
     }
 
     /// Move it to ERROR and destroy it.

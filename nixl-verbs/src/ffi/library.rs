@@ -8,13 +8,12 @@
 //! what was bound: its real path, the rdma-core release its file name carries, the
 //! providers installed next to it and the driver configuration directory.
 //!
-//! The declarations are this crate's own (its `ffi` module, checked against the
+//! The declarations are this crate's own (its `ffi::sys` module, checked against the
 //! host header by the `abi_layout` test); the calls `verbs.h` makes
 //! `static inline` (`ibv_post_send`, `ibv_post_recv`, `ibv_poll_cq`,
 //! `ibv_req_notify_cq`) go through the object's `context->ops`, as the header does.
 //! Posting converts the crate's work requests into libibverbs' chained structs in
 //! per-thread buffers that are reused, so steady-state posting does not allocate.
-#![allow(unsafe_code)]
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -29,12 +28,12 @@ use nixl::native::{self, BoundObject, NativeLibrary};
 pub use nixl::native::{LibraryReport, LibrarySource};
 use nixl::{Error, ErrorKind, Result};
 
+use super::sys::*;
+use super::VerbsApi;
 use crate::api::{
     Channel, Completion, DeviceInfo, DeviceLimits, GidEntry, GidType, Handle, LinkLayer, Mr, Mtu,
-    PortInfo, PostError, Qp, QpCaps, QpTransition, RecvWr, SendOp, SendWr, Sge, VerbsApi, WcOpcode,
-    WcStatus,
+    PortInfo, PostError, Qp, QpCaps, QpTransition, RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus,
 };
-use crate::ffi::*;
 
 /// Default soname of libibverbs (searched the loader's usual way).
 pub const DEFAULT_SONAME: &str = "libibverbs.so.1";
@@ -1247,7 +1246,7 @@ fn bind(requested: &str, source: LibrarySource) -> Result<Arc<Libibverbs>> {
     };
     macro_rules! sym {
         ($name:literal, $ty:ty) => {{
-            // SAFETY: `$ty` is the symbol's C type as `verbs.h` declares it (ffi.rs;
+            // SAFETY: `$ty` is the symbol's C type as `verbs.h` declares it (ffi/sys.rs;
             // the abi_layout test checks each against the header), and `dlsym` finds
             // its default version (IBVERBS_1.1 for every one bound here; 1.0 for the
             // completion channel calls). The library is never unloaded.
