@@ -162,8 +162,8 @@ async fn notifications_follow_direct_data() {
             "data before notification {i}"
         );
     }
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -193,7 +193,7 @@ async fn large_transfers_use_the_copy_thread_which_is_joined() {
         r.threads_left.is_empty(),
         "the copy thread was joined: {r:?}"
     );
-    b.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -257,8 +257,8 @@ async fn deregistration_revokes_direct_access() {
     .await
     .unwrap();
     assert_eq!(again.to_vec().unwrap(), src.to_vec().unwrap());
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -284,15 +284,15 @@ async fn a_target_without_the_path_falls_back_or_is_refused() {
     .await
     .unwrap();
     assert_eq!(dst.to_vec().unwrap(), src.to_vec().unwrap());
-    a.shutdown().await;
+    let _ = a.shutdown().await;
     // Require: connecting fails with the reason.
     let (r, _) = agent("r", SameHost::Require).await;
     let peer = r.load_metadata(&md).unwrap();
     let e = r.connect(&peer).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotSupported, "{e}");
     assert!(e.to_string().contains("required"), "{e}");
-    r.shutdown().await;
-    b.shutdown().await;
+    let _ = r.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -315,6 +315,6 @@ async fn the_target_refusing_the_offer_is_a_fallback_too() {
     assert!(path.contains("turned off in the options"), "{path}");
     // Agent::alloc without the path is ordinary memory.
     assert!(ab.alloc(4096).is_none());
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }

@@ -176,8 +176,8 @@ async fn large_transfers_move_over_several_connections_in_order() {
         "one large block"
     );
     assert_eq!(connections_to(target), CONNECTIONS, "connections are kept");
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -245,8 +245,8 @@ async fn a_refused_request_writes_no_piece() {
     let note = bounded("notification", notes.next()).await.unwrap();
     assert_eq!(&note.msg[..], b"good");
     assert!(dst.to_vec().unwrap() == pattern(3, n));
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }
 
 /// A peer that goes away while split transfers (with notifications) are in flight:
@@ -287,7 +287,7 @@ async fn split_transfers_to_a_vanishing_peer_fail_as_disconnected() {
                 );
             }
         }
-        a.shutdown().await;
+        let _ = a.shutdown().await;
         drop(dst);
     }
 }

@@ -100,6 +100,6 @@ async fn a_burst_of_small_requests_keeps_bytes_and_order() {
             "notification order"
         );
     }
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
 }

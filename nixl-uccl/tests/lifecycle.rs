@@ -116,7 +116,7 @@ async fn stop_during_connect_never_races_destroy() {
         "destroyed under a running connect"
     );
     // B goes away: the stuck connect returns, and only then is A's engine destroyed.
-    b.shutdown().await;
+    let _ = b.shutdown().await;
     assert!(
         test_double::wait_until(Duration::from_secs(10), || !test_double::engine_alive(
             &a_meta
@@ -241,7 +241,7 @@ async fn frozen_but_live_peer_times_out() {
     );
     let r = a.shutdown().await;
     assert!(r.is_clean(), "{r:?}");
-    b.shutdown().await;
+    let _ = b.shutdown().await;
     assert!(test_double::wait_until(Duration::from_secs(10), || {
         !test_double::engine_alive(&a_meta)
     }));
@@ -345,8 +345,8 @@ async fn control_link_to_an_unregistered_peer_stays_up() {
         let n = bounded("recv", nb.recv()).await.unwrap();
         assert_eq!(&n.msg[..], want.as_bytes());
     }
-    a.shutdown().await;
-    b.shutdown().await;
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
     no_misuse();
 }
 
@@ -383,7 +383,7 @@ async fn operations_never_done_leave_engine_and_memory_alive() {
     .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
     let a_meta = ab.engine_metadata().unwrap();
-    a.shutdown().await;
+    let _ = a.shutdown().await;
     drop((a, ab, dst));
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert!(
@@ -396,6 +396,6 @@ async fn operations_never_done_leave_engine_and_memory_alive() {
         "region destroyed under an operation"
     );
     test_double::thaw(&b_meta);
-    b.shutdown().await;
+    let _ = b.shutdown().await;
     no_misuse();
 }

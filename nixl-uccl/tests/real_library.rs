@@ -173,8 +173,8 @@ fn missing_library_is_unavailable_and_other_backends_work() {
             .await
             .unwrap();
         assert_eq!(dst.to_vec().unwrap(), vec![7u8; 4096]);
-        a.shutdown().await;
-        b.shutdown().await;
+        let _ = a.shutdown().await;
+        let _ = b.shutdown().await;
     });
 }
 

@@ -499,7 +499,7 @@ impl Core {
         self.peers.insert(
             Arc::from(peer),
             PeerConn {
-                epoch: nixl::random_u64(),
+                epoch: random_u64(),
                 address: address.to_vec(),
                 ep,
                 peer_failure,
@@ -1249,4 +1249,11 @@ pub(crate) fn run_thread(shared: Arc<Shared>, stop: CancellationToken) {
         fd.drain();
     }
     teardown(&shared);
+}
+
+/// A random `u64` from the OS (connection epochs).
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    getrandom::getrandom(&mut b).expect("the OS random source works");
+    u64::from_le_bytes(b)
 }

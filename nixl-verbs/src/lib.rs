@@ -124,15 +124,15 @@ pub use ffi::sys::{layout as ffi_layout, signatures as ffi_signatures};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::native::LibraryReport;
 use nixl::{
-    Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op, PreparedTransfer,
-    RegionRef, Result, TargetRegion, TransferPlan,
+    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
+    PreparedTransfer, RegionRef, Result, TargetRegion, TransferPlan,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -249,7 +249,7 @@ struct Inner {
     report: Option<LibraryReport>,
     /// `None` after [`Backend::destroy`].
     dev: Mutex<Option<Arc<Device>>>,
-    started: OnceLock<Started>,
+    started: Attachment<Started>,
     regions: Mutex<HashMap<u64, (Arc<MemoryRegion>, RegionRef)>>,
     peers: Mutex<HashMap<String, PeerEntry>>,
     qps: Mutex<HashMap<u32, Role>>,
@@ -368,7 +368,7 @@ impl VerbsBackend {
                 options,
                 report,
                 dev: Mutex::new(Some(Arc::new(dev))),
-                started: OnceLock::new(),
+                started: Attachment::new("verbs"),
                 regions: Mutex::new(HashMap::new()),
                 peers: Mutex::new(HashMap::new()),
                 qps: Mutex::new(HashMap::new()),
@@ -402,7 +402,7 @@ impl VerbsBackend {
 
     /// The control listener's address, once started.
     pub fn control_addr(&self) -> Option<SocketAddr> {
-        self.inner.started.get().map(|s| s.control)
+        self.inner.started.try_get().map(|s| s.control)
     }
 
     fn dev(&self, op: &'static str) -> Result<Arc<Device>> {
@@ -415,12 +415,65 @@ impl VerbsBackend {
     }
 
     fn started(&self, op: &'static str) -> Result<&Started> {
-        self.inner.started.get().ok_or_else(|| {
+        self.inner.started.get(op)
+    }
+
+    /// Start listening and the completion loop: the state [`Backend::start`] keeps.
+    async fn start_attached(&self, ctx: BackendContext) -> Result<Started> {
+        const OP: &str = "start verbs backend";
+        let dev = self.dev(OP)?;
+        let o = &self.inner.options;
+        let listener = TcpListener::bind(o.control_listen).await.map_err(|e| {
             Error::new(
-                ErrorKind::NotAllowed,
-                op,
-                "the verbs backend is not attached to an agent",
+                ErrorKind::Backend,
+                OP,
+                format!("cannot listen on {}", o.control_listen),
             )
+            .with_source(e)
+        })?;
+        let bound = listener.local_addr().map_err(|e| {
+            Error::new(ErrorKind::Backend, OP, "listener has no address").with_source(e)
+        })?;
+        let control = o.advertise.unwrap_or(bound);
+        let cancel = ctx.cancel.child_token();
+        // The accept loop.
+        let (me, c, tracker) = (self.clone(), cancel.clone(), ctx.tracker.clone());
+        ctx.tracker.spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = c.cancelled() => break,
+                    r = listener.accept() => r,
+                };
+                match accepted {
+                    Ok((s, from)) => {
+                        let (me, cc) = (me.clone(), c.child_token());
+                        tracker.spawn(async move {
+                            if let Err(e) = me.serve(s, cc).await {
+                                tracing::debug!(%from, error = %e, "verbs: control connection ended");
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "verbs: accept failed");
+                        tokio::select! {
+                            _ = c.cancelled() => break,
+                            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                        }
+                    }
+                }
+            }
+        });
+        let handle = ctx.tracker.spawn(completion_loop(
+            self.inner.clone(),
+            dev,
+            ctx.notifications.clone(),
+            cancel.clone(),
+        ));
+        *self.inner.completion_loop.lock().unwrap() = Some(handle);
+        Ok(Started {
+            ctx,
+            control,
+            cancel,
         })
     }
 
@@ -543,7 +596,7 @@ impl VerbsBackend {
         let stopping = self
             .inner
             .started
-            .get()
+            .try_get()
             .is_some_and(|s| s.cancel.is_cancelled());
         let e = match why {
             Some(why) => Error::new(
@@ -971,82 +1024,16 @@ impl Backend for VerbsBackend {
 
     async fn start(&self, ctx: BackendContext) -> Result<()> {
         const OP: &str = "start verbs backend";
-        if self.inner.started.get().is_some() {
-            return Err(Error::new(
-                ErrorKind::NotAllowed,
-                OP,
-                "the verbs backend is already attached to an agent",
-            ));
-        }
-        let dev = self.dev(OP)?;
-        let o = &self.inner.options;
-        let listener = TcpListener::bind(o.control_listen).await.map_err(|e| {
-            Error::new(
-                ErrorKind::Backend,
-                OP,
-                format!("cannot listen on {}", o.control_listen),
-            )
-            .with_source(e)
-        })?;
-        let bound = listener.local_addr().map_err(|e| {
-            Error::new(ErrorKind::Backend, OP, "listener has no address").with_source(e)
-        })?;
-        let control = o.advertise.unwrap_or(bound);
-        let cancel = ctx.cancel.child_token();
-        // The accept loop.
-        let (me, c, tracker) = (self.clone(), cancel.clone(), ctx.tracker.clone());
-        ctx.tracker.spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    _ = c.cancelled() => break,
-                    r = listener.accept() => r,
-                };
-                match accepted {
-                    Ok((s, from)) => {
-                        let (me, cc) = (me.clone(), c.child_token());
-                        tracker.spawn(async move {
-                            if let Err(e) = me.serve(s, cc).await {
-                                tracing::debug!(%from, error = %e, "verbs: control connection ended");
-                            }
-                        });
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "verbs: accept failed");
-                        tokio::select! {
-                            _ = c.cancelled() => break,
-                            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                        }
-                    }
-                }
-            }
-        });
-        let handle = ctx.tracker.spawn(completion_loop(
-            self.inner.clone(),
-            dev,
-            ctx.notifications.clone(),
-            cancel.clone(),
-        ));
-        *self.inner.completion_loop.lock().unwrap() = Some(handle);
         self.inner
             .started
-            .set(Started {
-                ctx,
-                control,
-                cancel,
-            })
-            .map_err(|_| {
-                Error::new(
-                    ErrorKind::NotAllowed,
-                    OP,
-                    "the verbs backend is already attached to an agent",
-                )
-            })?;
+            .attach(OP, self.start_attached(ctx))
+            .await?;
         Ok(())
     }
 
     fn connection_info(&self) -> Bytes {
         let (Some(s), Some(dev)) = (
-            self.inner.started.get(),
+            self.inner.started.try_get(),
             self.inner.dev.lock().unwrap().clone(),
         ) else {
             return Bytes::new();
@@ -1108,7 +1095,7 @@ impl Backend for VerbsBackend {
         if self
             .inner
             .started
-            .get()
+            .try_get()
             .is_some_and(|s| s.cancel.is_cancelled())
         {
             self.close_everything(ErrorKind::Canceled, "the agent is going away");
@@ -1248,7 +1235,7 @@ impl Backend for VerbsBackend {
     }
 
     async fn shutdown(&self, timeout: Duration) -> Result<()> {
-        if let Some(s) = self.inner.started.get() {
+        if let Some(s) = self.inner.started.try_get() {
             s.cancel.cancel();
         }
         self.close_everything(ErrorKind::ShutDown, "the agent is shutting down");

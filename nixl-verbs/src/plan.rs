@@ -138,7 +138,9 @@ pub fn connect(
 
 /// A random 24-bit packet sequence number.
 pub fn random_psn() -> u32 {
-    (nixl::random_u64() & 0xFF_FFFF) as u32
+    let mut b = [0u8; 4];
+    getrandom::getrandom(&mut b).expect("the OS random source works");
+    u32::from_le_bytes(b) & 0xFF_FFFF
 }
 
 /// Device limits that shape work requests.

@@ -741,7 +741,10 @@ mod tests {
         let a: Attachment<u32> = Attachment::new("test");
         let e = a.get("use").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::NotAllowed);
-        assert!(e.to_string().contains("the test backend is not attached"), "{e}");
+        assert!(
+            e.to_string().contains("the test backend is not attached"),
+            "{e}"
+        );
         let failed = a
             .attach("start", async {
                 Err(Error::new(ErrorKind::Backend, "start", "no listener"))

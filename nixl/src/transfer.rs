@@ -99,6 +99,9 @@ impl fmt::Debug for Transfer {
     }
 }
 
+/// One post of a request: its completion state and, with telemetry on, its record.
+pub(crate) type Posted = (Arc<CompletionState>, Option<Arc<Probe>>);
+
 /// Which generation of a peer's metadata is current, read by posts without any
 /// agent-wide lock. One per loaded peer, kept across the loads that extend or replace
 /// its metadata; a forgotten peer's is retired for good (0).
@@ -174,7 +177,7 @@ pub struct XferRequest {
     /// The serving backend's [`Capabilities::max_notification`](crate::Capabilities).
     pub(crate) max_notification: usize,
     /// The latest post: its state and, with telemetry on, its record.
-    pub(crate) last: Mutex<Option<(Arc<CompletionState>, Option<Arc<Probe>>)>>,
+    pub(crate) last: Mutex<Option<Posted>>,
     /// What each post records (`None`: telemetry off).
     pub(crate) telemetry: Option<RequestTelemetry>,
 }

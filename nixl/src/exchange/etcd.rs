@@ -32,10 +32,10 @@ use tokio_util::task::TaskTracker;
 
 use super::side_channel::check_label;
 use super::FULL_LABEL;
+use crate::agent::Agent;
 use crate::agent::WeakAgent;
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::region::Registration;
-use crate::agent::Agent;
 
 /// Options for [`EtcdExchange`].
 #[derive(Clone, Debug)]

@@ -10,9 +10,9 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::agent::Agent;
 use crate::agent::WeakAgent;
 use crate::error::{err, Error, ErrorKind, Result};
-use crate::agent::Agent;
 
 /// The marker every command starts with.
 const MARK: &[u8] = b"NIXLCOMM:";

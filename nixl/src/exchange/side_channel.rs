@@ -17,10 +17,10 @@ use tokio::net::TcpStream;
 
 use super::frame::{read_frame, write_frame, FrameError, Kind, MAC_LEN, NONCE_LEN};
 use super::FULL_LABEL;
+use crate::agent::Agent;
 use crate::agent::WeakAgent;
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::region::Registration;
-use crate::agent::Agent;
 
 type HmacSha256 = Hmac<Sha256>;
 

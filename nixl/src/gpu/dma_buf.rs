@@ -4,8 +4,8 @@
 use super::access::driver;
 #[cfg(doc)]
 use super::access::status;
-use crate::error::{Error, ErrorKind, Result};
 use crate::aligned::PAGE_SIZE;
+use crate::error::{Error, ErrorKind, Result};
 
 /// A range of device memory exported as a dma-buf, for registering it with an RDMA
 /// NIC (`ibv_reg_dmabuf_mr`: GPUDirect RDMA without the peer-memory kernel module).
