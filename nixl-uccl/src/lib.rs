@@ -119,7 +119,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::native::{LibraryReport, LibrarySource};
 use nixl::{
-    Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, Op,
+    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, Op,
     PreparedTransfer, RegionRef, Result, Target, TransferPlan,
 };
 use tokio::io::AsyncWriteExt;
@@ -395,10 +395,24 @@ struct AcceptGate {
 #[derive(Debug)]
 struct Started {
     ctx: BackendContext,
-    owner: Arc<EngineOwner>,
+    /// The engine; `None` once destroyed (the rest of the state outlives it).
+    engine: Mutex<Option<Arc<EngineOwner>>>,
     info: Bytes,
     engine_meta: String,
     progress: Arc<Progress>,
+}
+
+impl Started {
+    /// The engine, unless it was destroyed.
+    fn owner(&self) -> Result<Arc<EngineOwner>> {
+        self.engine.lock().unwrap().clone().ok_or_else(|| {
+            Error::new(
+                ErrorKind::ShutDown,
+                "uccl",
+                "the engine was destroyed (the agent shut down)",
+            )
+        })
+    }
 }
 
 #[derive(Debug)]
@@ -406,7 +420,7 @@ struct Inner {
     options: UcclOptions,
     api: Arc<dyn EngineApi>,
     report: Option<LibraryReport>,
-    started: Mutex<Option<Arc<Started>>>,
+    started: Attachment<Started>,
     /// Registered regions: id to (memory region, the region kept alive).
     regs: Mutex<HashMap<u64, (u64, RegionRef)>>,
     peers: Mutex<HashMap<String, PeerSlot>>,
@@ -451,7 +465,7 @@ impl UcclBackend {
                 options,
                 api,
                 report,
-                started: Mutex::new(None),
+                started: Attachment::new("uccl"),
                 regs: Mutex::new(HashMap::new()),
                 peers: Mutex::new(HashMap::new()),
                 gate: Arc::default(),
@@ -472,14 +486,8 @@ impl UcclBackend {
 }
 
 impl Inner {
-    fn started(&self) -> Result<Arc<Started>> {
-        self.started.lock().unwrap().clone().ok_or_else(|| {
-            Error::new(
-                ErrorKind::ShutDown,
-                "uccl",
-                "the backend is not started (or was destroyed)",
-            )
-        })
+    fn started(&self) -> Result<&Started> {
+        self.started.get("uccl")
     }
 
     fn mark_registered(&self) {
@@ -512,7 +520,7 @@ impl Inner {
             return Ok(l);
         }
         let st = self.started()?;
-        let link = tokio::time::timeout(self.options.connect_timeout, self.dial(&st, peer, &info))
+        let link = tokio::time::timeout(self.options.connect_timeout, self.dial(st, peer, &info))
             .await
             .map_err(|_| {
                 Error::new(
@@ -598,7 +606,7 @@ impl Inner {
         let pending = link.pending.lock().unwrap().take();
         let mut rx = match pending {
             Some(rx) => rx,
-            None => tokio::time::timeout_at(deadline, self.engine_connect(&st, &link, peer, &info))
+            None => tokio::time::timeout_at(deadline, self.engine_connect(st, &link, peer, &info))
                 .await
                 .map_err(|_| timed_out())??,
         };
@@ -620,7 +628,7 @@ impl Inner {
     /// Wait for the target's Ready, then start UCCL's connect on an agent-owned thread.
     async fn engine_connect(
         &self,
-        st: &Arc<Started>,
+        st: &Started,
         link: &Link,
         peer: &str,
         info: &ConnInfo,
@@ -644,7 +652,7 @@ impl Inner {
             _ = link.state.dead.cancelled() => return err(ErrorKind::RemoteDisconnected, OP, link.state.why()),
         }
         let (tx, rx) = oneshot::channel::<Result<OwnedConn>>();
-        let owner = st.owner.clone();
+        let owner = st.owner()?;
         st.ctx.spawn_thread(
             "uccl-connect",
             move |_stop| {
@@ -658,7 +666,7 @@ impl Inner {
     }
 
     /// The control handshake.
-    async fn dial(&self, st: &Arc<Started>, peer: &str, info: &ConnInfo) -> Result<Arc<Link>> {
+    async fn dial(&self, st: &Started, peer: &str, info: &ConnInfo) -> Result<Arc<Link>> {
         const OP: &str = "uccl connect";
         let gone = |e: std::io::Error| {
             Error::new(
@@ -1182,31 +1190,12 @@ impl PreparedTransfer for Prepared {
     }
 }
 
-#[async_trait]
-impl Backend for UcclBackend {
-    fn name(&self) -> &str {
-        "uccl"
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            local: false,
-            remote: true,
-            notifications: true,
-            dram: true,
-            vram: true,
-            target_checks: false,
-            max_segments: usize::MAX,
-            max_notification: MAX_NOTIFICATION,
-        }
-    }
-
-    async fn start(&self, ctx: BackendContext) -> Result<()> {
+impl UcclBackend {
+    /// Create the engine and start its threads and control listener: the state
+    /// [`Backend::start`] keeps.
+    async fn start_engine(&self, ctx: BackendContext) -> Result<Started> {
         const OP: &str = "start uccl";
         let inner = &self.inner;
-        if inner.started.lock().unwrap().is_some() {
-            return err(ErrorKind::InvalidArgument, OP, "already started");
-        }
         // Creating an engine initialises the NIC and GPU and may take a while: on an
         // agent-owned thread that ends right after (not tokio's blocking pool, whose
         // idle threads would outlive the agent).
@@ -1313,13 +1302,39 @@ impl Backend for UcclBackend {
             }
         });
 
-        *inner.started.lock().unwrap() = Some(Arc::new(Started {
+        Ok(Started {
             ctx,
-            owner,
+            engine: Mutex::new(Some(owner)),
             info,
             engine_meta,
             progress,
-        }));
+        })
+    }
+}
+
+#[async_trait]
+impl Backend for UcclBackend {
+    fn name(&self) -> &str {
+        "uccl"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            local: false,
+            remote: true,
+            notifications: true,
+            dram: true,
+            vram: true,
+            target_checks: false,
+            max_segments: usize::MAX,
+            max_notification: MAX_NOTIFICATION,
+        }
+    }
+
+    async fn start(&self, ctx: BackendContext) -> Result<()> {
+        const OP: &str = "start uccl";
+        let inner = &self.inner;
+        inner.started.attach(OP, self.start_engine(ctx)).await?;
         // Memory registered before start (not possible through the agent, but cheap to
         // honour) already counts.
         if !inner.regs.lock().unwrap().is_empty() {
@@ -1342,7 +1357,7 @@ impl Backend for UcclBackend {
                 .map_err(|e| Error::new(e.kind(), OP, format!("{} memory: {e}", region.kind())))?;
         }
         let st = self.inner.started()?;
-        let o = &st.owner;
+        let o = st.owner()?;
         // The owner keeps `region` until it destroyed the memory region.
         let register = || o.register(region);
         let (mr, fifo) = match region.kind() {
@@ -1371,8 +1386,8 @@ impl Backend for UcclBackend {
         };
         // The owner keeps the memory until its region is destroyed (now, or once
         // abandoned operations on it are done, or with the engine).
-        if let Ok(st) = self.inner.started() {
-            st.owner.deregister(region_id);
+        if let Ok(owner) = self.inner.started().and_then(Started::owner) {
+            owner.deregister(region_id);
         }
         Ok(())
     }
@@ -1548,19 +1563,24 @@ impl Backend for UcclBackend {
             }
         }
         drop(slots);
-        if let Ok(st) = self.inner.started() {
-            st.owner.close_inbound();
+        if let Ok(owner) = self.inner.started().and_then(Started::owner) {
+            owner.close_inbound();
         }
         Ok(())
     }
 
     fn destroy(&self) -> Result<()> {
-        let Some(st) = self.inner.started.lock().unwrap().take() else {
+        let Some(owner) = self
+            .inner
+            .started
+            .try_get()
+            .and_then(|st| st.engine.lock().unwrap().take())
+        else {
             return Ok(());
         };
-        // Tasks mid-connect may hold `Started` (and so the owner) a moment longer.
-        let holders = Arc::strong_count(&st.owner) + Arc::strong_count(&st) - 1;
-        drop(st);
+        // Tasks mid-connect may hold the owner a moment longer.
+        let holders = Arc::strong_count(&owner);
+        drop(owner);
         // `Started` held one reference; the rest are threads or links still alive.
         if holders > 1 {
             return err(
@@ -1581,8 +1601,8 @@ impl Drop for Inner {
         if let Ok(p) = self.peers.get_mut() {
             p.clear();
         }
-        if let Ok(s) = self.started.get_mut() {
-            s.take();
+        if let Some(s) = self.started.try_get() {
+            s.engine.lock().unwrap().take();
         }
     }
 }

@@ -203,3 +203,76 @@ async fn stubborn_thread_is_named_not_waited_on() {
     release.store(true, Ordering::SeqCst);
     assert!(gone(T));
 }
+
+/// A test double whose shutdown takes a while and says when it has finished.
+#[derive(Debug)]
+struct SlowStop(Arc<AtomicBool>);
+
+#[async_trait]
+impl Backend for SlowStop {
+    fn name(&self) -> &str {
+        "slow-stop"
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            dram: true,
+            ..Capabilities::default()
+        }
+    }
+    async fn start(&self, _ctx: BackendContext) -> Result<()> {
+        Ok(())
+    }
+    fn connection_info(&self) -> Bytes {
+        Bytes::new()
+    }
+    fn register(&self, _region: &RegionRef) -> Result<Bytes> {
+        Ok(Bytes::new())
+    }
+    fn deregister(&self, _region_id: u64) -> Result<()> {
+        Ok(())
+    }
+    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
+        Ok(())
+    }
+    async fn connect(&self, _peer: &str) -> Result<()> {
+        Ok(())
+    }
+    fn remove_peer(&self, _peer: &str) -> Result<()> {
+        Ok(())
+    }
+    fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
+        unreachable!("no transfers in this test")
+    }
+    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
+        done.complete(Ok(()));
+    }
+    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        self.0.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// A second `shutdown()` while the first runs returns only once the first finished.
+#[tokio::test]
+async fn a_concurrent_shutdown_waits_for_the_first() {
+    let stopped = Arc::new(AtomicBool::new(false));
+    let a = Agent::builder("slow")
+        .backend(SlowStop(stopped.clone()))
+        .build()
+        .await
+        .unwrap();
+    let first = tokio::spawn({
+        let a = a.clone();
+        async move { a.shutdown().await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = a.shutdown().await;
+    assert!(second.already_shut_down);
+    assert!(
+        stopped.load(Ordering::SeqCst),
+        "the second call returned while the first was still stopping the backend"
+    );
+    let first = first.await.unwrap();
+    assert!(!first.already_shut_down && first.is_clean(), "{first:?}");
+}

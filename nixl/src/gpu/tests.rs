@@ -220,4 +220,32 @@ mod stand_in {
             "memory freed before the copy landed"
         );
     }
+
+    /// The reaper is a thread that exists while orphaned copies do, and that stops
+    /// and joins when told to (the process's last agent does at its shutdown).
+    #[test]
+    fn the_reaper_runs_for_orphans_and_joins_when_stopped() {
+        use_host_stand_in();
+        let len = 4096;
+        let r = region(Memory::vram(0, len).unwrap());
+        {
+            let _paused = STAND_IN_COPIES.write().unwrap();
+            let copy = r
+                .slice(0, len)
+                .unwrap()
+                .copy_from_pinned(0, PinnedBuf::new(len).unwrap(), len)
+                .unwrap();
+            drop(copy);
+            // A new thread names itself once it runs.
+            let until = Instant::now() + Duration::from_secs(5);
+            while nixl_testkit::threads::named("nixl-gpu-reaper") == 0 {
+                assert!(Instant::now() < until, "an orphaned copy starts the reaper");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        let stopping = reaper::stop().expect("the reaper was running");
+        let left = stopping.join_blocking(Instant::now() + Duration::from_secs(10));
+        assert_eq!(left, None, "the reaper joins once its orphan finished");
+        assert_eq!(reaper::pending(), 0);
+    }
 }
