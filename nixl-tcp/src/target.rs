@@ -13,11 +13,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::io::{recv_slices, send_slices, IO_BUF};
+use crate::options::Started;
 use crate::runs::{blocks, range, LocalRun};
-use crate::same_host::{ConnTable, Offer, SameHost};
+use crate::same_host::{ConnTable, SameHost};
 use crate::shm;
-use crate::wire::{self, RequestHeader, ResponseHeader, SegEntry};
-use crate::{Inner, Started};
+use crate::wire::{self, Offer, RequestHeader, ResponseHeader, SegEntry};
+use crate::Inner;
 
 pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: &Started) {
     let cancel = started.cancel.clone();
