@@ -109,6 +109,7 @@
 mod conn;
 mod io;
 mod options;
+mod protocol;
 mod route;
 mod runs;
 mod same_host;
