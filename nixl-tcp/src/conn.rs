@@ -29,10 +29,10 @@ use tokio::sync::{mpsc, watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::io::{recv_slices, send_slices, IO_BUF};
+use crate::options::{Started, TcpOptions};
 use crate::runs::local_blocks;
 use crate::same_host::{self, Direct, SameHost, Unsuitable};
 use crate::wire::{self, RequestHeader, ResponseHeader};
-use crate::{Started, TcpOptions};
 
 /// Requests whose whole frame (header, descriptor table, notification and a WRITE's
 /// payload) is at most this long are written from the submitting thread when the
@@ -322,12 +322,36 @@ fn required_error(peer: &str, why: &Unsuitable) -> Error {
     )
 }
 
-/// End a transfer whose data moved directly: its notification follows over TCP (so
-/// it arrives after the data), and the transfer completes once the target has it.
-pub(crate) fn finish_direct(c: &Conn, r: Result<()>, notif: Option<Bytes>, done: Completer) {
-    match (r, notif) {
-        (Ok(()), Some(n)) => c.submit(Job::notify(n, done)),
-        (r, _) => done.complete(r),
+/// What follows a direct (same-host) copy, wherever it ran. Returns what is left to
+/// send over TCP: the notification of a copy that worked (it follows over TCP, so it
+/// arrives after the data, and the transfer completes once the target has it), the
+/// whole transfer (built by `whole`) where the copy could not be made and the
+/// options allow TCP, or nothing.
+fn after_direct(
+    peer: &str,
+    require: bool,
+    r: std::result::Result<Result<()>, Unsuitable>,
+    notif: Option<Bytes>,
+    done: Completer,
+    whole: impl FnOnce(Option<Bytes>, Completer) -> Job,
+) -> Option<Job> {
+    match r {
+        Ok(Ok(())) => match notif {
+            Some(n) => Some(Job::notify(n, done)),
+            None => {
+                done.complete(Ok(()));
+                None
+            }
+        },
+        Ok(Err(e)) => {
+            done.complete(Err(e));
+            None
+        }
+        Err(why) if require => {
+            done.complete(Err(required_error(peer, &why)));
+            None
+        }
+        Err(_) => Some(whole(notif, done)),
     }
 }
 
@@ -448,14 +472,15 @@ impl Conn {
         self.path.get().cloned()
     }
 
-    /// Send over TCP a job the same-host path could not take, unless the options
-    /// require the same-host path.
-    pub(crate) fn submit_indirect(&self, job: Job, why: Unsuitable) {
-        if self.require {
-            job.done.complete(Err(required_error(&self.peer, &why)));
-        } else {
-            self.submit(job);
-        }
+    /// What follows a direct copy to this peer (see [`after_direct`]).
+    pub(crate) fn after_direct(
+        &self,
+        r: std::result::Result<Result<()>, Unsuitable>,
+        notif: Option<Bytes>,
+        done: Completer,
+        whole: impl FnOnce(Option<Bytes>, Completer) -> Job,
+    ) -> Option<Job> {
+        after_direct(&self.peer, self.require, r, notif, done, whole)
     }
 
     /// Send `job` over TCP: written here when the connection is idle and the frame is
@@ -1039,23 +1064,14 @@ impl Task {
         else {
             return Some(job);
         };
-        match peer.transfer(*op, local, direct) {
-            Ok(r) => {
-                let Job { notif, done, .. } = job;
-                match (r, notif) {
-                    (Ok(()), Some(n)) => Some(Job::notify(n, done)),
-                    (r, _) => {
-                        done.complete(r);
-                        None
-                    }
-                }
-            }
-            Err(why) if self.options.same_host == SameHost::Require => {
-                job.done.complete(Err(required_error(&self.peer, &why)));
-                None
-            }
-            Err(_) => Some(job),
-        }
+        let r = peer.transfer(*op, local, direct);
+        let Job { kind, notif, done } = job;
+        let require = self.options.same_host == SameHost::Require;
+        after_direct(&self.peer, require, r, notif, done, |notif, done| Job {
+            kind,
+            notif,
+            done,
+        })
     }
 }
 

@@ -108,12 +108,16 @@
 
 mod conn;
 mod io;
+mod options;
+mod protocol;
+mod route;
 mod runs;
 mod same_host;
 mod shm;
 mod target;
 mod wire;
 
+pub use options::TcpOptions;
 pub use same_host::SameHost;
 
 use std::collections::HashMap;
@@ -127,120 +131,19 @@ use nixl::{
     random_u64, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
     PreparedTransfer, RegionRef, Result, Segments, TargetRegion, TransferPlan,
 };
-use tokio_util::sync::CancellationToken;
 
 use conn::{Conn, Job, Lane};
+use options::Started;
+use route::{Route, Socket, Stripe};
 
 /// Version of this crate.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
-
-/// Options for [`TcpBackend`].
-#[derive(Clone, Debug)]
-pub struct TcpOptions {
-    /// Address to listen on for peers (default `127.0.0.1:0`: loopback, any port). Use
-    /// a routable address for peers on other hosts.
-    pub listen: SocketAddr,
-    /// Address to publish in metadata, when peers must use another one than the bound
-    /// address (NAT, `0.0.0.0` listeners). Default: the bound address.
-    pub advertise: Option<SocketAddr>,
-    /// Limit for connecting and for the connection handshake.
-    pub connect_timeout: Duration,
-    /// Bound on noticing a peer that went silent (host crash, cut link): TCP keepalive
-    /// probes and `TCP_USER_TIMEOUT` are set from it. A peer process that dies is
-    /// noticed at once (its kernel closes the connection).
-    pub dead_peer_timeout: Duration,
-    /// Longest notification accepted.
-    pub max_notification: usize,
-    /// When set, both ends of every connection prove they know this secret
-    /// (HMAC-SHA256 challenge-response) before any request is read: a client without
-    /// it reaches no registered memory, whatever keys it has. Set the same secret on
-    /// every agent of a deployment.
-    pub secret: Option<nixl::SharedSecret>,
-    /// The same-host path (default [`SameHost::Auto`]).
-    pub same_host: SameHost,
-    /// Same-host transfers up to this many bytes are copied on the thread that posts
-    /// them and complete before `post` returns; larger ones on the backend's copy
-    /// thread (one per agent, started at the first such transfer). Handing a copy to
-    /// another thread costs two thread wake-ups, tens of microseconds on small
-    /// machines, so the default (4 MiB) keeps everything but the largest copies inline;
-    /// at DRAM speed a 4 MiB copy holds the posting thread for about a millisecond.
-    /// Lower it where tokio workers must never be held that long.
-    pub inline_copy_max: usize,
-    /// TCP connections per peer for large transfers (at least 1). One TCP stream is
-    /// bound by the core that copies it on each side; a transfer of at least
-    /// [`TcpOptions::stripe_min`] bytes is cut into this many pieces of equal size
-    /// that move over as many connections at once. The first connection carries
-    /// everything else; the others are opened at the first large transfer. Default:
-    /// as many as this process may use cores, between 1 and 4 (each connection's
-    /// copies run on a core of their own on each side; even on two cores, two
-    /// connections let one side's copy overlap the other's).
-    pub connections: usize,
-    /// Transfers over TCP of at least this many bytes are split across
-    /// [`TcpOptions::connections`] (default 1 MiB). Smaller ones stay whole on the
-    /// first connection, where splitting would cost more round trips than it saves.
-    pub stripe_min: usize,
-}
-
-impl Default for TcpOptions {
-    fn default() -> Self {
-        Self {
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            advertise: None,
-            connect_timeout: Duration::from_secs(5),
-            dead_peer_timeout: Duration::from_secs(10),
-            max_notification: 1 << 20,
-            secret: None,
-            same_host: SameHost::Auto,
-            inline_copy_max: 4 << 20,
-            connections: default_connections(),
-            stripe_min: 1 << 20,
-        }
-    }
-}
-
-/// The cores this process may use, between 1 and 4.
-fn default_connections() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 4))
-}
-
-impl TcpOptions {
-    /// How many connections a transfer of `bytes` over TCP uses.
-    fn lanes_for(&self, bytes: u64) -> usize {
-        if bytes >= self.stripe_min as u64 {
-            self.connections.max(1)
-        } else {
-            1
-        }
-    }
-
-    /// The TCP part of the data path's description.
-    fn tcp_path(&self) -> String {
-        match self.connections {
-            0 | 1 => "TCP, one connection".to_owned(),
-            n => {
-                let min = match self.stripe_min {
-                    b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
-                    b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
-                    b => format!("{b} bytes"),
-                };
-                format!("TCP, {n} connections per peer (transfers from {min} split across them)")
-            }
-        }
-    }
-}
 
 /// The TCP backend. Attach it to an agent with
 /// [`AgentBuilder::backend`](nixl::AgentBuilder::backend).
 #[derive(Debug, Clone)]
 pub struct TcpBackend {
     inner: Arc<Inner>,
-}
-
-#[derive(Debug)]
-pub(crate) struct Started {
-    pub(crate) ctx: BackendContext,
-    pub(crate) addr: SocketAddr,
-    pub(crate) cancel: CancellationToken,
 }
 
 #[derive(Debug)]
@@ -376,17 +279,7 @@ impl TcpBackend {
                 return Ok(c.clone());
             }
         }
-        let same_host = match (&self.inner.boot, &entry.boot) {
-            _ if self.inner.options.same_host == SameHost::Off => {
-                Err("turned off in the options".to_owned())
-            }
-            (None, _) => Err("this kernel has no boot id to compare".to_owned()),
-            (Some(_), None) => Err("the peer offers no same-host path".to_owned()),
-            (Some(a), Some(b)) if a != b => {
-                Err("the peer runs on another host (different kernel boot id)".to_owned())
-            }
-            _ => Ok(()),
-        };
+        let same_host = self.same_host_for(entry);
         let c = Conn::open(
             peer.to_owned(),
             entry.addr,
@@ -396,6 +289,28 @@ impl TcpBackend {
         );
         entry.conn = Some(c.clone());
         Ok(c)
+    }
+
+    /// Whether connections to `peer` ask for the same-host path, or why not.
+    fn same_host_wanted(&self, peer: &str) -> std::result::Result<(), String> {
+        match self.inner.peers.lock().unwrap().get(peer) {
+            Some(entry) => self.same_host_for(entry),
+            None => Err("the peer is unknown".to_owned()),
+        }
+    }
+
+    fn same_host_for(&self, entry: &PeerEntry) -> std::result::Result<(), String> {
+        match (&self.inner.boot, &entry.boot) {
+            _ if self.inner.options.same_host == SameHost::Off => {
+                Err("turned off in the options".to_owned())
+            }
+            (None, _) => Err("this kernel has no boot id to compare".to_owned()),
+            (Some(_), None) => Err("the peer offers no same-host path".to_owned()),
+            (Some(a), Some(b)) if a != b => {
+                Err("the peer runs on another host (different kernel boot id)".to_owned())
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Connections 1 to `n - 1` to `peer` (the first is [`TcpBackend::conn`]'s),
@@ -603,14 +518,14 @@ impl Backend for TcpBackend {
         // Same-host slot, key and start address of each target registration, decoded
         // once; the wire table is written from them, and the plan itself is kept (runs
         // over registration tables: O(runs), however many blocks).
-        let mut all_direct = true;
+        let mut all_granted = true;
         let targets = segs
             .targets()
             .iter()
             .map(|t| match t {
                 TargetRegion::Remote { addr, blob, .. } => decode_blob(blob)
                     .map(|(key, slot)| {
-                        all_direct &= slot.is_some();
+                        all_granted &= slot.is_some();
                         (slot.unwrap_or_default(), key, *addr)
                     })
                     .ok_or_else(|| {
@@ -630,50 +545,29 @@ impl Backend for TcpBackend {
                 )),
             })
             .collect::<Result<Vec<_>>>()?;
-        // The same-host path copies host memory; GPU memory on either side goes over
-        // TCP, staged through host buffers.
-        all_direct &= segs
-            .locals()
-            .iter()
-            .all(|r| r.kind() == nixl::MemKind::Dram);
         let targets = same_host::Direct { targets };
         let runs = segs.runs();
         let mut table = Vec::with_capacity(runs.len() * wire::SEG_LEN);
         for r in runs {
             targets.entry(r).encode_into(&mut table);
         }
-        let total = segs.bytes();
-        // Over TCP, large transfers go as pieces over several connections. Every piece
-        // carries the whole table (the target checks all of it), so only transfers
-        // whose table is small beside their data are split.
-        let lanes = self.inner.options.lanes_for(total);
-        let stripes = if lanes > 1 && (table.len() as u64) * (lanes as u64) * 32 <= total {
-            let mut from = 0;
-            segs.split(lanes, STRIPE_ALIGN)
-                .into_iter()
-                .map(|piece| {
-                    let s = Stripe {
-                        from,
-                        local: Arc::new(piece),
-                    };
-                    from += s.local.bytes();
-                    s
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        // The same-host path takes a transfer whole or not at all.
-        let direct = all_direct.then(|| Arc::new(targets));
+        let route = Route::choose(
+            route::Facts {
+                segs,
+                table_len: table.len(),
+                granted: all_granted.then_some(targets),
+                same_host: self.same_host_wanted(&peer).is_ok(),
+            },
+            &self.inner.options,
+        );
         Ok(Box::new(RemotePrepared {
             backend: self.clone(),
             peer,
             op: plan.op,
             table: Bytes::from(table),
+            total: segs.bytes(),
             local: Arc::new(plan.segments),
-            direct,
-            total,
-            stripes,
+            route,
         }))
     }
 
@@ -715,18 +609,8 @@ fn decode_blob(blob: &[u8]) -> Option<(u64, Option<u32>)> {
 /// A large same-host transfer for the copy thread.
 type CopyJob = Box<dyn FnOnce() + Send>;
 
-/// Pieces of a transfer split across connections are cut on page multiples.
-const STRIPE_ALIGN: u64 = 4096;
-
-/// One piece of a transfer split across connections: its segments, and where they
-/// start in the transfer.
-#[derive(Debug)]
-struct Stripe {
-    from: u64,
-    local: Arc<Segments>,
-}
-
-/// A transfer to a peer: the segment table is encoded once, at prepare time.
+/// A transfer to a peer: the segment table is encoded once, and the route chosen
+/// once, at prepare time.
 #[derive(Debug)]
 struct RemotePrepared {
     backend: TcpBackend,
@@ -734,12 +618,8 @@ struct RemotePrepared {
     op: Op,
     table: Bytes,
     local: Arc<Segments>,
-    /// The remote side for the same-host path, when the target granted every segment.
-    direct: Option<Arc<same_host::Direct>>,
     total: u64,
-    /// The pieces over several connections, for transfers over TCP of at least
-    /// [`TcpOptions::stripe_min`] bytes (empty otherwise).
-    stripes: Vec<Stripe>,
+    route: Route,
 }
 
 impl RemotePrepared {
@@ -748,31 +628,35 @@ impl RemotePrepared {
             self.op,
             self.table.clone(),
             self.local.clone(),
-            self.direct.clone(),
+            self.route.direct().cloned(),
             self.total,
             notif,
             done,
         )
     }
-}
 
-impl RemotePrepared {
     /// Post the pieces, one per connection. The first connection carries the first
     /// piece and then a gate: nothing posted after this transfer goes out on it
     /// until every piece has landed, then the notification (if any) goes first. So a
     /// split transfer keeps the ordering one connection gives: its notification, and
     /// any later one, arrives after all of its data.
-    fn post_striped(&self, first: Arc<Conn>, notif: Option<Bytes>, done: Completer) {
+    fn post_striped(
+        &self,
+        stripes: &[Stripe],
+        first: Arc<Conn>,
+        notif: Option<Bytes>,
+        done: Completer,
+    ) {
         let extra = match self
             .backend
-            .extra_conns(&self.peer, self.stripes.len(), "tcp post")
+            .extra_conns(&self.peer, stripes.len(), "tcp post")
         {
             Ok(extra) => extra,
             Err(e) => return done.complete(Err(e)),
         };
         let gate = Arc::new(conn::GateSlot::new(&self.peer));
         let slot = gate.clone();
-        let parts = done.split_then(self.stripes.len(), move |done, result| {
+        let parts = done.split_then(stripes.len(), move |done, result| {
             slot.open(conn::Gated {
                 done,
                 result,
@@ -789,7 +673,7 @@ impl RemotePrepared {
             )
         };
         let mut parts = parts.into_iter();
-        let mut stripes = self.stripes.iter();
+        let mut stripes = stripes.iter();
         let (Some(p0), Some(s0)) = (parts.next(), stripes.next()) else {
             return;
         };
@@ -797,6 +681,18 @@ impl RemotePrepared {
         first.submit_gate(gate);
         for ((lane, stripe), part) in extra.iter().zip(stripes).zip(parts) {
             lane.submit(piece(stripe, part));
+        }
+    }
+
+    /// Over the socket, in pieces where the route says so and the first connection is
+    /// up and TCP-only; whole otherwise (the connection task sends a job queued while
+    /// connecting whole, directly where the same-host path came up).
+    fn post_socket(&self, socket: &Socket, c: Arc<Conn>, notif: Option<Bytes>, done: Completer) {
+        match socket {
+            Socket::Striped(stripes) if c.is_up() && c.same_host().is_none() => {
+                self.post_striped(stripes, c, notif, done)
+            }
+            _ => c.submit(self.job(notif, done)),
         }
     }
 }
@@ -808,21 +704,24 @@ impl PreparedTransfer for RemotePrepared {
             Ok(c) => c,
             Err(e) => return done.complete(Err(e)),
         };
-        let (Some(direct), Some(peer)) = (&self.direct, c.same_host()) else {
-            // Not connected yet (the connection task decides when it sends the job,
-            // whole), or not direct: TCP, in pieces when it is large.
-            if self.stripes.len() > 1 && c.is_up() && c.same_host().is_none() {
-                return self.post_striped(c, notif, done);
-            }
-            return c.submit(self.job(notif, done));
+        let (direct, inline, otherwise) = match &self.route {
+            Route::Socket(socket) => return self.post_socket(socket, c, notif, done),
+            Route::SameHost {
+                direct,
+                inline,
+                otherwise,
+            } => (direct, *inline, otherwise),
+        };
+        let Some(peer) = c.same_host() else {
+            return self.post_socket(otherwise, c, notif, done);
         };
         if c.is_dead() || done.is_canceled() {
             return c.submit(self.job(notif, done));
         }
-        if self.total <= self.backend.inner.options.inline_copy_max as u64 {
-            match peer.transfer(self.op, &self.local, direct) {
-                Ok(r) => conn::finish_direct(&c, r, notif, done),
-                Err(why) => c.submit_indirect(self.job(notif, done), why),
+        if inline {
+            let r = peer.transfer(self.op, &self.local, direct);
+            if let Some(rest) = c.after_direct(r, notif, done, |n, d| self.job(n, d)) {
+                c.submit(rest);
             }
             return;
         }
@@ -833,21 +732,21 @@ impl PreparedTransfer for RemotePrepared {
             direct.clone(),
             self.total,
         );
-        let job: CopyJob = Box::new(move || match peer.transfer(op, &local, &direct) {
-            Ok(r) => conn::finish_direct(&c, r, notif, done),
-            Err(why) => c.submit_indirect(
-                Job::transfer(op, table, local, Some(direct), total, notif, done),
-                why,
-            ),
+        let copy: CopyJob = Box::new(move || {
+            let r = peer.transfer(op, &local, &direct);
+            let whole = |n, d| Job::transfer(op, table, local, Some(direct), total, n, d);
+            if let Some(rest) = c.after_direct(r, notif, done, whole) {
+                c.submit(rest);
+            }
         });
         // On the backend's copy thread; inline only if it cannot run (shutting down).
         match self.backend.copier() {
             Some(tx) => {
-                if let Err(std::sync::mpsc::SendError(job)) = tx.send(job) {
-                    job();
+                if let Err(std::sync::mpsc::SendError(copy)) = tx.send(copy) {
+                    copy();
                 }
             }
-            None => job(),
+            None => copy(),
         }
     }
 }

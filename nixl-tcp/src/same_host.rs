@@ -10,7 +10,7 @@ use nixl::{
 };
 
 use crate::shm::{self, Access, Grant, Mapping, Table};
-use crate::wire::SegEntry;
+use crate::wire::{Offer, SegEntry};
 
 /// Whether nixl-tcp moves data between agents on one host without the socket.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -198,15 +198,6 @@ impl Drop for Grants {
     fn drop(&mut self) {
         self.revoke_everything();
     }
-}
-
-/// What the target sent for a same-host connection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Offer {
-    pub(crate) pid: u32,
-    pub(crate) table_fd: i32,
-    pub(crate) table_addr: u64,
-    pub(crate) nonce: [u8; shm::NONCE_LEN],
 }
 
 /// Initiator side: a connected same-host peer.

@@ -7,17 +7,18 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use nixl::NotificationSink;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::io::{recv_slices, send_slices, IO_BUF};
+use crate::options::Started;
+use crate::protocol::target::{Action, Refusal, Registry, Target};
 use crate::runs::{blocks, range, LocalRun};
-use crate::same_host::{ConnTable, Offer, SameHost};
+use crate::same_host::{ConnTable, SameHost};
 use crate::shm;
-use crate::wire::{self, RequestHeader, ResponseHeader, SegEntry};
-use crate::{Inner, Started};
+use crate::wire::{self, Offer, ResponseHeader, SegEntry};
+use crate::Inner;
 
 pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: &Started) {
     let cancel = started.cancel.clone();
@@ -58,16 +59,37 @@ pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: 
     });
 }
 
-#[derive(Debug)]
-struct Refusal {
-    status: u8,
-    msg: String,
-}
-
 fn proto(msg: impl Into<String>) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, msg.into())
 }
 
+/// The runs a request was checked into, and room to cut a piece from them.
+#[derive(Default)]
+pub(crate) struct Checked {
+    runs: Vec<LocalRun>,
+    piece: Vec<LocalRun>,
+}
+
+impl Registry for Inner {
+    type Runs = Checked;
+
+    fn check(&self, table: &[u8], runs: &mut Checked) -> Result<(), Refusal> {
+        check(self, table, &mut runs.runs)
+    }
+
+    fn restrict(runs: &mut Checked, from: u64, len: u64) {
+        range(&runs.runs, from, len, &mut runs.piece);
+        std::mem::swap(&mut runs.runs, &mut runs.piece);
+        runs.piece.clear();
+    }
+
+    fn clear(runs: &mut Checked) {
+        runs.runs.clear();
+    }
+}
+
+/// Serve one incoming connection: the protocol is [`protocol::target`]'s; this
+/// only moves bytes between the socket, registered memory and the agent.
 async fn serve(
     inner: Arc<Inner>,
     stream: TcpStream,
@@ -77,189 +99,64 @@ async fn serve(
     let (rd, wr) = stream.into_split();
     let mut r = BufReader::with_capacity(IO_BUF, rd);
     let mut w = BufWriter::with_capacity(IO_BUF, wr);
-
-    // Hello.
-    let mut hello = [0u8; 8];
-    r.read_exact(&mut hello).await?;
-    if hello[..4] != wire::MAGIC {
-        return Err(proto("not a nixl-tcp hello"));
-    }
-    let version_ok = hello[4..6] == wire::VERSION.to_le_bytes();
-    let name_len = u16::from_le_bytes([hello[6], hello[7]]) as usize;
-    if name_len == 0 || name_len > wire::MAX_NAME {
-        return Err(proto(format!("peer name of {name_len} bytes")));
-    }
-    let mut name = vec![0u8; name_len];
-    r.read_exact(&mut name).await?;
-    let peer = String::from_utf8(name).map_err(|_| proto("peer name is not UTF-8"))?;
-    let mut reply = Vec::with_capacity(7 + wire::NONCE_LEN);
-    reply.extend_from_slice(&wire::MAGIC);
-    reply.extend_from_slice(&wire::VERSION.to_le_bytes());
-    let our_nonce = wire::nonce();
-    match (&inner.options.secret, version_ok) {
-        (_, false) => reply.push(1),
-        (None, true) => reply.push(wire::ST_OK),
-        (Some(_), true) => {
-            reply.push(wire::ST_AUTH);
-            reply.extend_from_slice(&our_nonce);
-        }
-    }
-    w.write_all(&reply).await?;
-    w.flush().await?;
-    if !version_ok {
-        return Err(proto("unsupported protocol version"));
-    }
-    if let Some(secret) = &inner.options.secret {
-        // Nothing else is read or served before the peer proves it knows the secret.
-        let mut msg = [0u8; wire::NONCE_LEN + 32];
-        r.read_exact(&mut msg).await?;
-        let (their_nonce, mac) = msg.split_at(wire::NONCE_LEN);
-        if !secret.verify(
-            wire::CLIENT_CONTEXT,
-            &[&our_nonce, their_nonce, peer.as_bytes()],
-            mac,
-        ) {
-            w.write_all(&[wire::ST_REFUSED]).await?;
-            w.flush().await?;
-            return Err(proto(format!("peer {peer:?} failed authentication")));
-        }
-        let proof = secret.sign(wire::SERVER_CONTEXT, &[their_nonce, &our_nonce]);
-        w.write_all(&[wire::ST_OK]).await?;
-        w.write_all(&proof).await?;
-        w.flush().await?;
-    }
-    // Same-host path: the initiator asks (1) or not (0).
-    let mut want = [0u8; 1];
-    r.read_exact(&mut want).await?;
-    let _grants = if want[0] == 1 {
-        let offered = offer(&inner);
-        match &offered {
-            Some((t, o)) => {
-                w.write_all(&[1]).await?;
-                w.write_all(&wire::encode_offer(o)).await?;
-                tracing::debug!(%peer, "tcp: same-host path offered");
-                Some(Detach {
-                    inner: inner.clone(),
-                    table: t.clone(),
-                })
-            }
-            None => {
-                w.write_all(&[0]).await?;
-                None
-            }
-        }
-    } else {
-        None
-    };
-    w.flush().await?;
-    tracing::debug!(%peer, "tcp: peer connected");
-
-    let max_notif = inner.options.max_notification;
-    let mut hbuf = [0u8; wire::HEADER_LEN];
-    let mut table = Vec::new();
-    let mut segs: Vec<LocalRun> = Vec::new();
-    let mut piece: Vec<LocalRun> = Vec::new();
+    let mut m = Target::<Inner>::new(
+        inner.options.secret.clone(),
+        inner.options.max_notification,
+        wire::nonce(),
+    );
+    let mut _grants = None;
     let mut scratch = Vec::new();
     loop {
-        match r.read_exact(&mut hbuf).await {
+        while let Some(action) = m.poll() {
+            match action {
+                Action::Reply(bytes) => {
+                    w.write_all(&bytes).await?;
+                    w.flush().await?;
+                }
+                Action::Ack { id, status, msg } => ack(&mut w, id, status, &msg).await?,
+                Action::Offer => {
+                    let offered = offer(&inner);
+                    m.offered(offered.as_ref().map(|(_, o)| o));
+                    if let Some((t, _)) = offered {
+                        tracing::debug!(peer = %m.peer(), "tcp: same-host path offered");
+                        _grants = Some(Detach {
+                            inner: inner.clone(),
+                            table: t,
+                        });
+                    }
+                }
+                Action::Deliver(n) => sink.deliver(m.peer(), n),
+                Action::Receive { .. } => {
+                    recv_slices(&mut r, blocks(&m.runs().runs)).await?;
+                    m.moved();
+                }
+                Action::Skip(len) => {
+                    let mut skip = (&mut r).take(len);
+                    tokio::io::copy(&mut skip, &mut tokio::io::sink()).await?;
+                    if skip.limit() != 0 {
+                        return Err(std::io::ErrorKind::UnexpectedEof.into());
+                    }
+                    m.moved();
+                }
+                Action::SendData(head) => {
+                    w.write_all(&head).await?;
+                    send_slices(&mut w, blocks(&m.runs().runs), &mut scratch).await?;
+                    m.moved();
+                }
+                Action::Close(why) => return Err(proto(why)),
+            }
+        }
+        let Some(buf) = m.need() else {
+            return Err(proto("the protocol stalled"));
+        };
+        match r.read_exact(buf).await {
             Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && m.at_boundary() => {
+                return Ok(())
+            }
             Err(e) => return Err(e),
         }
-        let h = RequestHeader::decode(&hbuf);
-        if h.notif_len as usize > max_notif {
-            ack(&mut w, h.id, wire::ST_TOO_LARGE, "notification too large").await?;
-            return Err(proto(format!("notification of {} bytes", h.notif_len)));
-        }
-        match h.kind {
-            wire::REQ_NOTIFY => {
-                let n = read_bytes(&mut r, h.notif_len as usize).await?;
-                sink.deliver(&peer, n);
-                ack(&mut w, h.id, wire::ST_OK, "").await?;
-            }
-            wire::REQ_WRITE | wire::REQ_READ => {
-                if h.segments > wire::MAX_ENTRIES {
-                    ack(&mut w, h.id, wire::ST_TOO_LARGE, "too many run entries").await?;
-                    return Err(proto(format!("{} segments", h.segments)));
-                }
-                let part = if h.part {
-                    let mut b = [0u8; wire::PART_LEN];
-                    r.read_exact(&mut b).await?;
-                    Some(wire::decode_part(&b))
-                } else {
-                    None
-                };
-                table.resize(h.segments as usize * wire::SEG_LEN, 0);
-                r.read_exact(&mut table).await?;
-                let notif = if h.has_notif {
-                    Some(read_bytes(&mut r, h.notif_len as usize).await?)
-                } else {
-                    None
-                };
-                let mut total: u64 = 0;
-                for e in SegEntry::decode_all(&table) {
-                    total = e
-                        .bytes()
-                        .and_then(|b| total.checked_add(b))
-                        .ok_or_else(|| proto("segment lengths overflow"))?;
-                }
-                // A piece moves its range of the request; the whole request is
-                // checked all the same, so every piece of a bad one is refused.
-                let (from, len) = part.unwrap_or((0, total));
-                if from.checked_add(len).is_none_or(|end| end > total) {
-                    return Err(proto(format!(
-                        "piece {from}+{len} outside a request of {total} bytes"
-                    )));
-                }
-                let checked = check(&inner, &table, &mut segs);
-                if checked.is_ok() && part.is_some() {
-                    range(&segs, from, len, &mut piece);
-                    std::mem::swap(&mut segs, &mut piece);
-                    piece.clear();
-                }
-                match (h.kind, checked) {
-                    (wire::REQ_WRITE, Ok(())) => {
-                        recv_slices(&mut r, blocks(&segs)).await?;
-                        // Data is in memory: now the notification.
-                        if let Some(n) = notif {
-                            sink.deliver(&peer, n);
-                        }
-                        ack(&mut w, h.id, wire::ST_OK, "").await?;
-                    }
-                    (_, Ok(())) => {
-                        let d = ResponseHeader {
-                            kind: wire::RESP_DATA,
-                            status: wire::ST_OK,
-                            msg_len: 0,
-                            id: h.id,
-                            data_len: len,
-                        };
-                        w.write_all(&d.encode()).await?;
-                        send_slices(&mut w, blocks(&segs), &mut scratch).await?;
-                        if let Some(n) = notif {
-                            sink.deliver(&peer, n);
-                        }
-                        ack(&mut w, h.id, wire::ST_OK, "").await?;
-                    }
-                    (kind, Err(refusal)) => {
-                        tracing::debug!(%peer, status = refusal.status, msg = %refusal.msg, "tcp: refused request");
-                        if kind == wire::REQ_WRITE {
-                            // Skip the payload without touching memory.
-                            let mut skip = (&mut r).take(len);
-                            tokio::io::copy(&mut skip, &mut tokio::io::sink()).await?;
-                            if skip.limit() != 0 {
-                                return Err(std::io::ErrorKind::UnexpectedEof.into());
-                            }
-                        }
-                        ack(&mut w, h.id, refusal.status, &refusal.msg).await?;
-                    }
-                }
-                segs.clear();
-            }
-            other => {
-                return Err(proto(format!("unknown request kind {other:#x}")));
-            }
-        }
+        m.received(&inner);
     }
 }
 
@@ -338,15 +235,6 @@ fn check(inner: &Inner, table: &[u8], segs: &mut Vec<LocalRun>) -> Result<(), Re
         });
     }
     Ok(())
-}
-
-async fn read_bytes(
-    r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
-    n: usize,
-) -> std::io::Result<Bytes> {
-    let mut v = vec![0u8; n];
-    r.read_exact(&mut v).await?;
-    Ok(Bytes::from(v))
 }
 
 async fn ack(

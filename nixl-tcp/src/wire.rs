@@ -61,10 +61,20 @@ pub(crate) const NONCE_LEN: usize = 32;
 pub(crate) const CLIENT_CONTEXT: &str = "nixl-tcp v1 client";
 pub(crate) const SERVER_CONTEXT: &str = "nixl-tcp v1 server";
 
+/// What the target sent for a same-host connection: its pid, its grant table's
+/// descriptor and address, and the nonce the table carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Offer {
+    pub(crate) pid: u32,
+    pub(crate) table_fd: i32,
+    pub(crate) table_addr: u64,
+    pub(crate) nonce: [u8; crate::shm::NONCE_LEN],
+}
+
 /// Length of a same-host offer after its status byte.
 pub(crate) const OFFER_LEN: usize = 4 + 4 + 8 + crate::shm::NONCE_LEN;
 
-pub(crate) fn encode_offer(o: &crate::same_host::Offer) -> [u8; OFFER_LEN] {
+pub(crate) fn encode_offer(o: &Offer) -> [u8; OFFER_LEN] {
     let mut b = [0u8; OFFER_LEN];
     b[0..4].copy_from_slice(&o.pid.to_le_bytes());
     b[4..8].copy_from_slice(&o.table_fd.to_le_bytes());
@@ -73,10 +83,10 @@ pub(crate) fn encode_offer(o: &crate::same_host::Offer) -> [u8; OFFER_LEN] {
     b
 }
 
-pub(crate) fn decode_offer(b: &[u8; OFFER_LEN]) -> crate::same_host::Offer {
+pub(crate) fn decode_offer(b: &[u8; OFFER_LEN]) -> Offer {
     let mut nonce = [0u8; crate::shm::NONCE_LEN];
     nonce.copy_from_slice(&b[16..]);
-    crate::same_host::Offer {
+    Offer {
         pid: u32_at(b, 0),
         table_fd: u32_at(b, 4) as i32,
         table_addr: u64_at(b, 8),
@@ -321,7 +331,7 @@ mod tests {
 
     #[test]
     fn offers_and_connection_info_round_trip() {
-        let o = crate::same_host::Offer {
+        let o = Offer {
             pid: 4321,
             table_fd: -1,
             table_addr: 0x7f00_0000_1000,

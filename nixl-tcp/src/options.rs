@@ -1,0 +1,112 @@
+//! The backend's options, and what attaching to an agent gives it.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use nixl::BackendContext;
+use tokio_util::sync::CancellationToken;
+
+use crate::same_host::SameHost;
+
+/// Options for [`TcpBackend`](crate::TcpBackend).
+#[derive(Clone, Debug)]
+pub struct TcpOptions {
+    /// Address to listen on for peers (default `127.0.0.1:0`: loopback, any port). Use
+    /// a routable address for peers on other hosts.
+    pub listen: SocketAddr,
+    /// Address to publish in metadata, when peers must use another one than the bound
+    /// address (NAT, `0.0.0.0` listeners). Default: the bound address.
+    pub advertise: Option<SocketAddr>,
+    /// Limit for connecting and for the connection handshake.
+    pub connect_timeout: Duration,
+    /// Bound on noticing a peer that went silent (host crash, cut link): TCP keepalive
+    /// probes and `TCP_USER_TIMEOUT` are set from it. A peer process that dies is
+    /// noticed at once (its kernel closes the connection).
+    pub dead_peer_timeout: Duration,
+    /// Longest notification accepted.
+    pub max_notification: usize,
+    /// When set, both ends of every connection prove they know this secret
+    /// (HMAC-SHA256 challenge-response) before any request is read: a client without
+    /// it reaches no registered memory, whatever keys it has. Set the same secret on
+    /// every agent of a deployment.
+    pub secret: Option<nixl::SharedSecret>,
+    /// The same-host path (default [`SameHost::Auto`]).
+    pub same_host: SameHost,
+    /// Same-host transfers up to this many bytes are copied on the thread that posts
+    /// them and complete before `post` returns; larger ones on the backend's copy
+    /// thread (one per agent, started at the first such transfer). Handing a copy to
+    /// another thread costs two thread wake-ups, tens of microseconds on small
+    /// machines, so the default (4 MiB) keeps everything but the largest copies inline;
+    /// at DRAM speed a 4 MiB copy holds the posting thread for about a millisecond.
+    /// Lower it where tokio workers must never be held that long.
+    pub inline_copy_max: usize,
+    /// TCP connections per peer for large transfers (at least 1). One TCP stream is
+    /// bound by the core that copies it on each side; a transfer of at least
+    /// [`TcpOptions::stripe_min`] bytes is cut into this many pieces of equal size
+    /// that move over as many connections at once. The first connection carries
+    /// everything else; the others are opened at the first large transfer. Default:
+    /// as many as this process may use cores, between 1 and 4 (each connection's
+    /// copies run on a core of their own on each side; even on two cores, two
+    /// connections let one side's copy overlap the other's).
+    pub connections: usize,
+    /// Transfers over TCP of at least this many bytes are split across
+    /// [`TcpOptions::connections`] (default 1 MiB). Smaller ones stay whole on the
+    /// first connection, where splitting would cost more round trips than it saves.
+    pub stripe_min: usize,
+}
+
+impl Default for TcpOptions {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            connect_timeout: Duration::from_secs(5),
+            dead_peer_timeout: Duration::from_secs(10),
+            max_notification: 1 << 20,
+            secret: None,
+            same_host: SameHost::Auto,
+            inline_copy_max: 4 << 20,
+            connections: default_connections(),
+            stripe_min: 1 << 20,
+        }
+    }
+}
+
+/// The cores this process may use, between 1 and 4.
+fn default_connections() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 4))
+}
+
+impl TcpOptions {
+    /// How many connections a transfer of `bytes` over TCP uses.
+    pub(crate) fn lanes_for(&self, bytes: u64) -> usize {
+        if bytes >= self.stripe_min as u64 {
+            self.connections.max(1)
+        } else {
+            1
+        }
+    }
+
+    /// The TCP part of the data path's description.
+    pub(crate) fn tcp_path(&self) -> String {
+        match self.connections {
+            0 | 1 => "TCP, one connection".to_owned(),
+            n => {
+                let min = match self.stripe_min {
+                    b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+                    b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+                    b => format!("{b} bytes"),
+                };
+                format!("TCP, {n} connections per peer (transfers from {min} split across them)")
+            }
+        }
+    }
+}
+
+/// What attaching to an agent gave the backend.
+#[derive(Debug)]
+pub(crate) struct Started {
+    pub(crate) ctx: BackendContext,
+    pub(crate) addr: SocketAddr,
+    pub(crate) cancel: CancellationToken,
+}

@@ -1,0 +1,461 @@
+//! The target's side of a connection as a plain state machine: it is told the bytes
+//! it asked for and what the I/O task finished, and says what to do next. No
+//! sockets, no clocks; the I/O task (`crate::target`) only moves bytes.
+//!
+//! The machine reads the hello, the authentication and the same-host request, then
+//! one request after another: header, a piece's range, the run table and the
+//! notification, each of the length the previous part announced (bounded before
+//! anything is allocated). A request is checked whole against the registrations
+//! ([`Registry::check`]) before any byte of registered memory is touched; its
+//! payload itself moves between socket and memory in the I/O task
+//! ([`Action::Receive`], [`Action::Skip`], [`Action::SendData`]), which then calls
+//! [`Target::moved`]. A refused WRITE's payload is skipped, so the connection stays
+//! usable; a request the target will not even read closes the connection.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+use nixl::SharedSecret;
+
+use crate::wire::{self, Offer, RequestHeader, ResponseHeader, SegEntry};
+
+/// Why a request was refused (its ACK's status and message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Refusal {
+    pub(crate) status: u8,
+    pub(crate) msg: String,
+}
+
+/// The registrations requests are checked against.
+pub(crate) trait Registry {
+    /// The checked runs of a request: what its data moves through.
+    type Runs: Default;
+    /// Check every entry of `table` (whole `SEG_LEN` entries); fill `runs` only if
+    /// all pass.
+    fn check(&self, table: &[u8], runs: &mut Self::Runs) -> Result<(), Refusal>;
+    /// Keep only bytes `from..from + len` of `runs` (a piece of the request).
+    fn restrict(runs: &mut Self::Runs, from: u64, len: u64);
+    /// Empty `runs` (letting go of what they hold), keeping their capacity.
+    fn clear(runs: &mut Self::Runs);
+}
+
+/// What the I/O task does next.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Write these handshake bytes and flush.
+    Reply(Vec<u8>),
+    /// Write an ACK for request `id` and flush.
+    Ack { id: u64, status: u8, msg: String },
+    /// The initiator asks for the same-host path: make an offer (or not) and pass it
+    /// to [`Target::offered`].
+    Offer,
+    /// Hand a notification to the agent.
+    Deliver(Bytes),
+    /// Receive `len` bytes from the socket into the checked runs, then
+    /// [`Target::moved`].
+    Receive { len: u64 },
+    /// Read and discard `len` bytes (a refused WRITE's payload), then
+    /// [`Target::moved`].
+    Skip(u64),
+    /// Write this DATA header and then the checked runs' bytes, then
+    /// [`Target::moved`].
+    SendData([u8; wire::HEADER_LEN]),
+    /// Close the connection: the peer broke the protocol or a limit.
+    Close(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Hello,
+    Name {
+        version_ok: bool,
+    },
+    Auth,
+    Want,
+    /// Waiting for [`Target::offered`].
+    Offering,
+    Header,
+    Part,
+    Table,
+    Notif,
+    /// Waiting for the I/O task to move a payload ([`Target::moved`]).
+    Moving,
+    Closed,
+}
+
+/// What follows a payload once it moved.
+#[derive(Debug)]
+enum After {
+    /// Deliver the notification (if any), then ACK with success.
+    Done,
+    /// ACK with this refusal.
+    Refused(Refusal),
+}
+
+/// One incoming connection's protocol state.
+#[derive(Debug)]
+pub(crate) struct Target<R: Registry> {
+    step: Step,
+    /// The bytes asked for: `need` of `small`, the table or the notification.
+    small: [u8; wire::NONCE_LEN + 32],
+    need: usize,
+    table: Vec<u8>,
+    notif: Vec<u8>,
+    secret: Option<SharedSecret>,
+    nonce: [u8; wire::NONCE_LEN],
+    max_notification: usize,
+    peer: String,
+    /// The request being read or served.
+    head: RequestHeader,
+    part: Option<(u64, u64)>,
+    note: Option<Bytes>,
+    runs: R::Runs,
+    after: Option<After>,
+    out: VecDeque<Action>,
+}
+
+fn header_none() -> RequestHeader {
+    RequestHeader {
+        kind: 0,
+        has_notif: false,
+        part: false,
+        segments: 0,
+        id: 0,
+        notif_len: 0,
+    }
+}
+
+impl<R: Registry> Target<R> {
+    /// A new connection; `nonce` is this side's authentication challenge (used only
+    /// with a secret).
+    pub(crate) fn new(
+        secret: Option<SharedSecret>,
+        max_notification: usize,
+        nonce: [u8; wire::NONCE_LEN],
+    ) -> Self {
+        Self {
+            step: Step::Hello,
+            small: [0; wire::NONCE_LEN + 32],
+            need: 8,
+            table: Vec::new(),
+            notif: Vec::new(),
+            secret,
+            nonce,
+            max_notification,
+            peer: String::new(),
+            head: header_none(),
+            part: None,
+            note: None,
+            runs: R::Runs::default(),
+            after: None,
+            out: VecDeque::new(),
+        }
+    }
+
+    /// The peer's agent name (empty before its hello).
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// The checked runs of the request whose payload moves now.
+    pub(crate) fn runs(&self) -> &R::Runs {
+        &self.runs
+    }
+
+    /// The next thing to do, until there is none: then read [`Target::need`].
+    pub(crate) fn poll(&mut self) -> Option<Action> {
+        self.out.pop_front()
+    }
+
+    /// Where the bytes the machine waits for go (read exactly this many), or `None`
+    /// while it waits for the I/O task or is closed.
+    pub(crate) fn need(&mut self) -> Option<&mut [u8]> {
+        match self.step {
+            Step::Offering | Step::Moving | Step::Closed => None,
+            Step::Table | Step::Name { .. } => Some(&mut self.table[..]),
+            Step::Notif => Some(&mut self.notif[..]),
+            _ => Some(&mut self.small[..self.need]),
+        }
+    }
+
+    /// Whether the connection may end here: between requests.
+    pub(crate) fn at_boundary(&self) -> bool {
+        self.step == Step::Header
+    }
+
+    fn close(&mut self, why: impl Into<String>) {
+        self.step = Step::Closed;
+        self.out.push_back(Action::Close(why.into()));
+    }
+
+    fn ask(&mut self, step: Step, n: usize) {
+        self.step = step;
+        self.need = n;
+    }
+
+    /// The bytes [`Target::need`] asked for arrived.
+    pub(crate) fn received(&mut self, registry: &R) {
+        match self.step {
+            Step::Hello => self.on_hello(),
+            Step::Name { version_ok } => self.on_name(version_ok),
+            Step::Auth => self.on_auth(),
+            Step::Want => {
+                if self.small[0] == 1 {
+                    self.step = Step::Offering;
+                    self.out.push_back(Action::Offer);
+                } else {
+                    self.serving();
+                }
+            }
+            Step::Header => self.on_header(registry),
+            Step::Part => {
+                let mut b = [0u8; wire::PART_LEN];
+                b.copy_from_slice(&self.small[..wire::PART_LEN]);
+                self.part = Some(wire::decode_part(&b));
+                self.table_next(registry);
+            }
+            Step::Table => self.notif_next(registry),
+            Step::Notif => {
+                let n = Bytes::from(std::mem::take(&mut self.notif));
+                if self.head.kind == wire::REQ_NOTIFY {
+                    self.out.push_back(Action::Deliver(n));
+                    self.ack(wire::ST_OK, String::new());
+                    self.ask(Step::Header, wire::HEADER_LEN);
+                } else {
+                    self.note = Some(n);
+                    self.evaluate(registry);
+                }
+            }
+            Step::Offering | Step::Moving | Step::Closed => {}
+        }
+    }
+
+    fn on_hello(&mut self) {
+        let hello = &self.small[..8];
+        if hello[..4] != wire::MAGIC {
+            return self.close("not a nixl-tcp hello");
+        }
+        let version_ok = hello[4..6] == wire::VERSION.to_le_bytes();
+        let name_len = u16::from_le_bytes([hello[6], hello[7]]) as usize;
+        if name_len == 0 || name_len > wire::MAX_NAME {
+            return self.close(format!("peer name of {name_len} bytes"));
+        }
+        // The name may be longer than `small`: read it into the table buffer.
+        self.table.resize(name_len, 0);
+        self.ask(Step::Name { version_ok }, name_len);
+    }
+
+    fn on_name(&mut self, version_ok: bool) {
+        let Ok(peer) = std::str::from_utf8(&self.table) else {
+            return self.close("peer name is not UTF-8");
+        };
+        self.peer = peer.to_owned();
+        let mut reply = Vec::with_capacity(7 + wire::NONCE_LEN);
+        reply.extend_from_slice(&wire::MAGIC);
+        reply.extend_from_slice(&wire::VERSION.to_le_bytes());
+        match (&self.secret, version_ok) {
+            (_, false) => reply.push(1),
+            (None, true) => reply.push(wire::ST_OK),
+            (Some(_), true) => {
+                reply.push(wire::ST_AUTH);
+                reply.extend_from_slice(&self.nonce);
+            }
+        }
+        self.out.push_back(Action::Reply(reply));
+        if !version_ok {
+            return self.close("unsupported protocol version");
+        }
+        if self.secret.is_some() {
+            // Nothing else is read or served before the peer proves it knows the secret.
+            self.ask(Step::Auth, wire::NONCE_LEN + 32);
+        } else {
+            self.ask(Step::Want, 1);
+        }
+    }
+
+    fn on_auth(&mut self) {
+        let Some(secret) = &self.secret else {
+            return self.close("authentication without a secret");
+        };
+        let (their_nonce, mac) = self.small.split_at(wire::NONCE_LEN);
+        if !secret.verify(
+            wire::CLIENT_CONTEXT,
+            &[&self.nonce, their_nonce, self.peer.as_bytes()],
+            mac,
+        ) {
+            self.out.push_back(Action::Reply(vec![wire::ST_REFUSED]));
+            let why = format!("peer {:?} failed authentication", self.peer);
+            return self.close(why);
+        }
+        let proof = secret.sign(wire::SERVER_CONTEXT, &[their_nonce, &self.nonce]);
+        let mut reply = Vec::with_capacity(1 + proof.len());
+        reply.push(wire::ST_OK);
+        reply.extend_from_slice(&proof);
+        self.out.push_back(Action::Reply(reply));
+        self.ask(Step::Want, 1);
+    }
+
+    /// The same-host offer the I/O task made (or not) for [`Action::Offer`].
+    pub(crate) fn offered(&mut self, offer: Option<&Offer>) {
+        if self.step != Step::Offering {
+            return;
+        }
+        let reply = match offer {
+            Some(o) => {
+                let mut b = Vec::with_capacity(1 + wire::OFFER_LEN);
+                b.push(1);
+                b.extend_from_slice(&wire::encode_offer(o));
+                b
+            }
+            None => vec![0],
+        };
+        self.out.push_back(Action::Reply(reply));
+        self.serving();
+    }
+
+    /// The handshake is over: requests from here on.
+    fn serving(&mut self) {
+        tracing::debug!(peer = %self.peer, "tcp: peer connected");
+        self.ask(Step::Header, wire::HEADER_LEN);
+    }
+
+    fn ack(&mut self, status: u8, msg: String) {
+        self.out.push_back(Action::Ack {
+            id: self.head.id,
+            status,
+            msg,
+        });
+    }
+
+    fn on_header(&mut self, registry: &R) {
+        let mut b = [0u8; wire::HEADER_LEN];
+        b.copy_from_slice(&self.small[..wire::HEADER_LEN]);
+        let h = RequestHeader::decode(&b);
+        self.head = h;
+        self.part = None;
+        self.note = None;
+        if h.notif_len as usize > self.max_notification {
+            self.ack(wire::ST_TOO_LARGE, "notification too large".into());
+            return self.close(format!("notification of {} bytes", h.notif_len));
+        }
+        match h.kind {
+            wire::REQ_NOTIFY => {
+                self.notif = vec![0; h.notif_len as usize];
+                self.step = Step::Notif;
+            }
+            wire::REQ_WRITE | wire::REQ_READ => {
+                if h.segments > wire::MAX_ENTRIES {
+                    self.ack(wire::ST_TOO_LARGE, "too many run entries".into());
+                    return self.close(format!("{} segments", h.segments));
+                }
+                if h.part {
+                    self.ask(Step::Part, wire::PART_LEN);
+                } else {
+                    self.table_next(registry);
+                }
+            }
+            other => self.close(format!("unknown request kind {other:#x}")),
+        }
+    }
+
+    /// Read the run table next (nothing to read for none).
+    fn table_next(&mut self, registry: &R) {
+        self.table
+            .resize(self.head.segments as usize * wire::SEG_LEN, 0);
+        if self.table.is_empty() {
+            return self.notif_next(registry);
+        }
+        self.step = Step::Table;
+    }
+
+    /// Read the notification next, if the request carries one; else serve it.
+    fn notif_next(&mut self, registry: &R) {
+        if !self.head.has_notif {
+            return self.evaluate(registry);
+        }
+        self.notif = vec![0; self.head.notif_len as usize];
+        if self.notif.is_empty() {
+            self.note = Some(Bytes::new());
+            return self.evaluate(registry);
+        }
+        self.step = Step::Notif;
+    }
+
+    /// The request is read (but for a WRITE's payload): check it whole, then move its
+    /// data or refuse it.
+    fn evaluate(&mut self, registry: &R) {
+        let total = SegEntry::decode_all(&self.table).try_fold(0u64, |total, e| {
+            e.bytes().and_then(|b| total.checked_add(b))
+        });
+        let Some(total) = total else {
+            return self.close("segment lengths overflow");
+        };
+        // A piece moves its range of the request; the whole request is checked all
+        // the same, so every piece of a bad one is refused.
+        let (from, len) = self.part.unwrap_or((0, total));
+        if from.checked_add(len).is_none_or(|end| end > total) {
+            return self.close(format!(
+                "piece {from}+{len} outside a request of {total} bytes"
+            ));
+        }
+        let checked = registry.check(&self.table, &mut self.runs);
+        if checked.is_ok() && self.part.is_some() {
+            R::restrict(&mut self.runs, from, len);
+        }
+        let write = self.head.kind == wire::REQ_WRITE;
+        match checked {
+            Ok(()) if write => {
+                self.after = Some(After::Done);
+                self.step = Step::Moving;
+                self.out.push_back(Action::Receive { len });
+            }
+            Ok(()) => {
+                let d = ResponseHeader {
+                    kind: wire::RESP_DATA,
+                    status: wire::ST_OK,
+                    msg_len: 0,
+                    id: self.head.id,
+                    data_len: len,
+                };
+                self.after = Some(After::Done);
+                self.step = Step::Moving;
+                self.out.push_back(Action::SendData(d.encode()));
+            }
+            Err(refusal) => {
+                tracing::debug!(peer = %self.peer, status = refusal.status, msg = %refusal.msg, "tcp: refused request");
+                if write {
+                    // Skip the payload without touching memory.
+                    self.after = Some(After::Refused(refusal));
+                    self.step = Step::Moving;
+                    self.out.push_back(Action::Skip(len));
+                } else {
+                    R::clear(&mut self.runs);
+                    self.ack(refusal.status, refusal.msg);
+                    self.ask(Step::Header, wire::HEADER_LEN);
+                }
+            }
+        }
+    }
+
+    /// The payload of [`Action::Receive`], [`Action::Skip`] or [`Action::SendData`]
+    /// moved: now the notification (the data is in place), then the ACK.
+    pub(crate) fn moved(&mut self) {
+        if self.step != Step::Moving {
+            return;
+        }
+        R::clear(&mut self.runs);
+        match self.after.take() {
+            Some(After::Done) | None => {
+                if let Some(n) = self.note.take() {
+                    self.out.push_back(Action::Deliver(n));
+                }
+                self.ack(wire::ST_OK, String::new());
+            }
+            Some(After::Refused(r)) => self.ack(r.status, r.msg),
+        }
+        self.ask(Step::Header, wire::HEADER_LEN);
+    }
+}
+
+#[cfg(test)]
+mod tests;

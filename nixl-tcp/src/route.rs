@@ -1,0 +1,121 @@
+//! How a prepared transfer moves: decided once, when it is prepared, and carried in
+//! the prepared transfer. [`Route::choose`] is the one place a route is picked;
+//! posting only follows it. The one thing not known at prepare time is whether the
+//! connection (made at the first transfer) proved the same-host path; a route that
+//! wants it says what to do without it.
+
+use std::sync::Arc;
+
+use nixl::{MemKind, Segments};
+
+use crate::options::TcpOptions;
+use crate::same_host::Direct;
+
+/// Pieces of a transfer split across connections are cut on page multiples.
+const STRIPE_ALIGN: u64 = 4096;
+
+/// How a prepared transfer moves.
+#[derive(Debug)]
+pub(crate) enum Route {
+    /// Host memory on both sides, the peer on this host and every target registration
+    /// granted: this process copies the data itself (shared memory or cross-memory
+    /// attach), on the posting thread when `inline`, else on the copy thread. Only
+    /// the notification goes over the socket. Where the connection did not prove the
+    /// same-host path, the transfer goes by `otherwise`.
+    SameHost {
+        direct: Arc<Direct>,
+        inline: bool,
+        otherwise: Socket,
+    },
+    /// Over the socket.
+    Socket(Socket),
+}
+
+/// How a transfer moves over the socket.
+#[derive(Debug)]
+pub(crate) enum Socket {
+    /// Whole, on the peer's first connection.
+    Whole,
+    /// In pieces over several connections (at least two), once the first connection
+    /// is up; whole while it is still connecting.
+    Striped(Vec<Stripe>),
+}
+
+/// One piece of a transfer split across connections: its segments, and where they
+/// start in the transfer.
+#[derive(Debug)]
+pub(crate) struct Stripe {
+    pub(crate) from: u64,
+    pub(crate) local: Arc<Segments>,
+}
+
+/// What [`Route::choose`] decides from.
+pub(crate) struct Facts<'a> {
+    pub(crate) segs: &'a Segments,
+    /// Encoded length of the request's run table.
+    pub(crate) table_len: usize,
+    /// The target side for the same-host path, when the target granted every
+    /// registration of the transfer.
+    pub(crate) granted: Option<Direct>,
+    /// Whether a connection to this peer asks for the same-host path (same kernel,
+    /// not turned off in the options).
+    pub(crate) same_host: bool,
+}
+
+impl Route {
+    /// Pick the route of a transfer. A new route (GPU memory on one host, say) is a
+    /// new variant chosen here and one arm where transfers are posted.
+    pub(crate) fn choose(f: Facts<'_>, options: &TcpOptions) -> Self {
+        let socket = Socket::choose(f.segs, f.table_len, options);
+        // The same-host path copies host memory; GPU memory on either side goes over
+        // TCP, staged through host buffers (the target never grants it).
+        let host_only = f.segs.locals().iter().all(|r| r.kind() == MemKind::Dram);
+        match f.granted {
+            Some(direct) if f.same_host && host_only => Self::SameHost {
+                direct: Arc::new(direct),
+                inline: f.segs.bytes() <= options.inline_copy_max as u64,
+                otherwise: socket,
+            },
+            _ => Self::Socket(socket),
+        }
+    }
+
+    /// The target side for the same-host path, if this route takes it.
+    pub(crate) fn direct(&self) -> Option<&Arc<Direct>> {
+        match self {
+            Self::SameHost { direct, .. } => Some(direct),
+            Self::Socket(_) => None,
+        }
+    }
+}
+
+impl Socket {
+    /// Over TCP, large transfers go as pieces over several connections. Every piece
+    /// carries the whole table (the target checks all of it), so only transfers whose
+    /// table is small beside their data are split.
+    fn choose(segs: &Segments, table_len: usize, options: &TcpOptions) -> Self {
+        let total = segs.bytes();
+        let lanes = options.lanes_for(total);
+        if lanes < 2 || (table_len as u64) * (lanes as u64) * 32 > total {
+            return Self::Whole;
+        }
+        let mut from = 0;
+        let stripes: Vec<Stripe> = segs
+            .split(lanes, STRIPE_ALIGN)
+            .into_iter()
+            .map(|piece| {
+                let s = Stripe {
+                    from,
+                    local: Arc::new(piece),
+                };
+                from += s.local.bytes();
+                s
+            })
+            .collect();
+        if stripes.len() > 1 {
+            Self::Striped(stripes)
+        } else {
+            Self::Whole
+        }
+    }
+}
