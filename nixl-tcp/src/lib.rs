@@ -122,13 +122,13 @@ pub use same_host::SameHost;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
-    random_u64, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
+    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
     PreparedTransfer, RegionRef, Result, Segments, TargetRegion, TransferPlan,
 };
 
@@ -149,7 +149,7 @@ pub struct TcpBackend {
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub(crate) options: TcpOptions,
-    pub(crate) started: OnceLock<Started>,
+    pub(crate) started: Attachment<Started>,
     /// Same-host grants. Declared before `regions`: dropping it revokes every grant
     /// before the registrations (and the memory they keep alive) go.
     pub(crate) grants: same_host::Grants,
@@ -204,7 +204,7 @@ impl TcpBackend {
         Self {
             inner: Arc::new(Inner {
                 options,
-                started: OnceLock::new(),
+                started: Attachment::new("tcp"),
                 grants: same_host::Grants::default(),
                 regions: RwLock::new(HashMap::new()),
                 keys: Mutex::new(HashMap::new()),
@@ -217,17 +217,35 @@ impl TcpBackend {
 
     /// The address it listens on, once started.
     pub fn local_addr(&self) -> Option<SocketAddr> {
-        self.inner.started.get().map(|s| s.addr)
+        self.inner.started.try_get().map(|s| s.addr)
+    }
+
+    /// Listen and start accepting: the state [`Backend::start`] keeps.
+    async fn listen(&self, ctx: BackendContext) -> Result<Started> {
+        const OP: &str = "start tcp backend";
+        let listener = tokio::net::TcpListener::bind(self.inner.options.listen)
+            .await
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Backend,
+                    OP,
+                    format!("cannot listen on {}", self.inner.options.listen),
+                )
+                .with_source(e)
+            })?;
+        let bound = listener.local_addr().map_err(|e| {
+            Error::new(ErrorKind::Backend, OP, "listener has no address").with_source(e)
+        })?;
+        let addr = self.inner.options.advertise.unwrap_or(bound);
+        let cancel = ctx.cancel.child_token();
+        let started = Started { ctx, addr, cancel };
+        target::spawn_listener(self.inner.clone(), listener, &started);
+        tracing::debug!(%bound, advertised = %addr, "tcp backend listening");
+        Ok(started)
     }
 
     fn started(&self, op: &'static str) -> Result<&Started> {
-        self.inner.started.get().ok_or_else(|| {
-            Error::new(
-                ErrorKind::NotAllowed,
-                op,
-                "the tcp backend is not attached to an agent",
-            )
-        })
+        self.inner.started.get(op)
     }
 
     /// The copy thread's queue, starting the thread (owned by the agent, joined at
@@ -237,7 +255,7 @@ impl TcpBackend {
         if let Some(tx) = &*g {
             return Some(tx.clone());
         }
-        let started = self.inner.started.get()?;
+        let started = self.inner.started.try_get()?;
         let (tx, rx) = std::sync::mpsc::channel::<CopyJob>();
         let waker = tx.clone();
         started
@@ -368,31 +386,7 @@ impl Backend for TcpBackend {
 
     async fn start(&self, ctx: BackendContext) -> Result<()> {
         const OP: &str = "start tcp backend";
-        let listener = tokio::net::TcpListener::bind(self.inner.options.listen)
-            .await
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::Backend,
-                    OP,
-                    format!("cannot listen on {}", self.inner.options.listen),
-                )
-                .with_source(e)
-            })?;
-        let bound = listener.local_addr().map_err(|e| {
-            Error::new(ErrorKind::Backend, OP, "listener has no address").with_source(e)
-        })?;
-        let addr = self.inner.options.advertise.unwrap_or(bound);
-        let cancel = ctx.cancel.child_token();
-        let started = Started { ctx, addr, cancel };
-        target::spawn_listener(self.inner.clone(), listener, &started);
-        self.inner.started.set(started).map_err(|_| {
-            Error::new(
-                ErrorKind::NotAllowed,
-                OP,
-                "the tcp backend is already attached to an agent",
-            )
-        })?;
-        tracing::debug!(%bound, advertised = %addr, "tcp backend listening");
+        self.inner.started.attach(OP, self.listen(ctx)).await?;
         Ok(())
     }
 
@@ -583,7 +577,7 @@ impl Backend for TcpBackend {
         // Same-host peers stop touching our memory first (waits for copies running).
         self.inner.grants.revoke_everything();
         self.inner.copier.lock().unwrap().take();
-        if let Some(s) = self.inner.started.get() {
+        if let Some(s) = self.inner.started.try_get() {
             s.cancel.cancel();
         }
         let peers = std::mem::take(&mut *self.inner.peers.lock().unwrap());
@@ -749,4 +743,11 @@ impl PreparedTransfer for RemotePrepared {
             None => copy(),
         }
     }
+}
+
+/// A random `u64` from the OS (registration keys).
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    getrandom::getrandom(&mut b).expect("the OS random source works");
+    u64::from_le_bytes(b)
 }

@@ -51,8 +51,8 @@ mod thread;
 mod transfer;
 
 pub use agent::{
-    random_u64, Agent, AgentBuilder, AgentOptions, Indices, PreparedDescs, RegisterOptions,
-    RequestOptions, ShutdownReport, TaskMonitor,
+    Agent, AgentBuilder, AgentOptions, Indices, PreparedDescs, RegisterOptions, RequestOptions,
+    ShutdownReport, TaskMonitor,
 };
 pub use backend::{
     Attachment, Backend, BackendContext, Capabilities, NixlDialect, NotificationSink,

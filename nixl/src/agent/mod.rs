@@ -375,7 +375,7 @@ impl fmt::Debug for Agent {
 }
 
 /// A random `u64` from the OS (agent instances, keys, nonces).
-pub fn random_u64() -> u64 {
+pub(crate) fn random_u64() -> u64 {
     let mut b = [0u8; 8];
     getrandom::getrandom(&mut b).expect("the OS random source works");
     u64::from_le_bytes(b)
