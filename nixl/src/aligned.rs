@@ -79,7 +79,7 @@ impl AlignedBuf {
     }
 
     /// Raw pointer to the first byte, derived without creating a reference (for
-    /// [`Memory::from_raw_parts`] over parts of one buffer).
+    /// [`Memory::from_raw_parts`](crate::Memory::from_raw_parts) over parts of one buffer).
     pub fn as_mut_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }

@@ -52,6 +52,8 @@
 //! callback, which only wakes the future. Dropping a [`GpuCopy`] does not stop its
 //! copy: the buffer and the memory it copies stay alive until the copy has finished.
 //!
+//! [`ErrorKind::UnavailableLibrary`]: crate::ErrorKind::UnavailableLibrary
+//! [`ErrorKind::NotSupported`]: crate::ErrorKind::NotSupported
 //! [`RegionSlice::copy_to_pinned`]: crate::RegionSlice::copy_to_pinned
 //! [`RegionSlice::copy_from_pinned`]: crate::RegionSlice::copy_from_pinned
 //!
