@@ -5,6 +5,7 @@
 //! a whole core.
 //!
 //! Needs libucp at run time; without it each test prints a SKIP line.
+#![allow(unsafe_code)] // getrusage, to read this process's CPU time
 
 use std::time::{Duration, Instant};
 

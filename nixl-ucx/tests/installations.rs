@@ -4,6 +4,7 @@
 //! installed with `pip install --target "$NIXL_TEST_UCX_WHEEL_DIR" libucx-cu12`. Each
 //! scenario runs in a child process (this binary re-run on one ignored test), because
 //! what a process has loaded cannot be undone. A missing installation prints a SKIP line.
+#![allow(unsafe_code)] // dlopen of a second UCX, as an application would
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -3,6 +3,7 @@
 //! registration calls nixl-verbs makes for GPU memory, the fallback between them, and
 //! that data moves through the regions they give; not GPUDirect RDMA, which needs a
 //! GPU and an RDMA NIC (`tests/verbs.rs` in the conformance suite runs there).
+#![allow(unsafe_code)] // memory from raw parts, as a framework's GPU memory is
 
 use std::time::Duration;
 

@@ -1,6 +1,7 @@
 //! A regular request of ten million blocks holds O(runs) memory, not O(blocks):
 //! counted by a global allocator around preparing both lists and building the
 //! request (its own test binary, so no other test allocates meanwhile).
+#![allow(unsafe_code)] // a counting global allocator
 
 mod common;
 

@@ -7,6 +7,7 @@
 //! misuse (a driver call from a callback, a copy whose memory was freed first). It
 //! proves how nixl drives the CUDA API on machines without a GPU; `scripts/gpu-check`
 //! runs the same cases against a real driver.
+#![allow(unsafe_code)] // calls into the CUDA driver double, and memory from raw parts
 
 use std::sync::Arc;
 
