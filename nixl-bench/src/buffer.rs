@@ -22,10 +22,9 @@ fn to_page(addr: u64) -> u64 {
 
 /// A page-aligned window of `len` bytes in a registration of this agent.
 ///
-/// The memory is a plain zeroed `Vec` (one page longer than the window), which the OS
-/// maps lazily: only the bytes a sweep touches take up memory, even with nixlbench's
-/// 8 GiB buffers. (`AlignedBuf` would be page-aligned by itself, but zeroing with that
-/// alignment writes every page up front.)
+/// Host memory is an [`nixl::AlignedBuf`] (one page longer than the window), which the
+/// OS maps lazily: only the bytes a sweep touches take up memory, even with
+/// nixlbench's 8 GiB buffers. It asks for transparent huge pages unless told not to.
 #[derive(Clone, Debug)]
 pub(crate) struct Buffer {
     reg: Registration,
@@ -44,6 +43,7 @@ impl Buffer {
         agent: &Agent,
         len: u64,
         source: MemSource,
+        huge_pages: bool,
         seg: SegType,
         device: u32,
     ) -> Result<Self> {
@@ -55,7 +55,10 @@ impl Buffer {
             (SegType::Vram, _) => nixl::Memory::vram(device, bytes).with_context(|| {
                 format!("allocate {bytes} bytes of GPU memory on device {device}")
             })?,
-            (SegType::Dram, MemSource::Host) => vec![0u8; bytes].into(),
+            (SegType::Dram, MemSource::Host) if huge_pages => {
+                nixl::AlignedBuf::with_huge_pages(bytes).into()
+            }
+            (SegType::Dram, MemSource::Host) => nixl::AlignedBuf::new(bytes).into(),
             (SegType::Dram, MemSource::Backend) => agent
                 .alloc(bytes)
                 .with_context(|| format!("allocate {bytes} bytes from the backend"))?,
@@ -370,7 +373,7 @@ mod tests {
             .await
             .unwrap();
         let c = CHUNK as u64;
-        let buf = Buffer::register(&agent, 3 * c, MemSource::Host, SegType::Dram, 0).unwrap();
+        let buf = Buffer::register(&agent, 3 * c, MemSource::Host, true, SegType::Dram, 0).unwrap();
         assert_eq!(
             (buf.reg.addr() + buf.base) % PAGE,
             0,

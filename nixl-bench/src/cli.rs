@@ -220,16 +220,22 @@ pub(crate) struct Cli {
     #[arg(long, value_enum, ignore_case = true, default_value_t = MemSource::Host)]
     pub(crate) memory: MemSource,
 
+    /// Host buffers ask for transparent huge pages (`madvise(MADV_HUGEPAGE)`), as the
+    /// numpy and PyTorch buffers NIXL's users register do; `false` for ordinary
+    /// pages. Both sides follow the initiator's choice.
+    #[arg(long = "huge-pages", alias = "huge_pages", num_args = 0..=1, default_missing_value = "true", default_value = "true", value_parser = parse_bool, value_name = "BOOL")]
+    pub(crate) huge_pages: bool,
+
     /// Where a request's blocks lie: `consecutive` (block after block, as nixlbench)
     /// or `scattered` (a block-sized gap after every block, so no two descriptors can
     /// merge: each block is its own segment, as a KV cache's pages are).
     #[arg(long = "descriptor-layout", alias = "descriptor_layout", value_enum, ignore_case = true, default_value_t = DescLayout::Consecutive)]
     pub(crate) descriptor_layout: DescLayout,
 
-    /// Merge contiguous descriptors into one segment, as NIXL does by default (off: a
-    /// batch is `batch_size` segments, nixlbench's measurement). Scattered blocks never
-    /// merge.
-    #[arg(long = "merge-descriptors", alias = "merge_descriptors", num_args = 0..=1, default_missing_value = "true", default_value = "false", value_parser = parse_bool, value_name = "BOOL")]
+    /// Merge contiguous descriptors into one segment, as NIXL (and so nixlbench) does
+    /// by default; `--merge-descriptors false` keeps a batch as `batch_size` segments.
+    /// Scattered blocks never merge.
+    #[arg(long = "merge-descriptors", alias = "merge_descriptors", num_args = 0..=1, default_missing_value = "true", default_value = "true", value_parser = parse_bool, value_name = "BOOL")]
     pub(crate) merge_descriptors: bool,
 
     /// Before the sweep, measure in this process what the hardware gives without nixl:
@@ -402,6 +408,8 @@ pub(crate) struct Sweep {
     pub(crate) check_consistency: bool,
     /// Where both sides' buffers come from.
     pub(crate) memory: MemSource,
+    /// Whether host buffers ask for transparent huge pages.
+    pub(crate) huge_pages: bool,
     pub(crate) descriptor_layout: DescLayout,
     /// Whether contiguous descriptors are merged (off: a batch is `batch_size` blocks).
     pub(crate) merge_descriptors: bool,
@@ -707,6 +715,7 @@ impl Cli {
                 recreate_xfer: self.recreate_xfer,
                 check_consistency: self.check_consistency,
                 memory: self.memory,
+                huge_pages: self.huge_pages,
                 descriptor_layout: self.descriptor_layout,
                 merge_descriptors: self.merge_descriptors,
                 baselines: self.baselines,

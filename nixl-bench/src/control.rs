@@ -52,8 +52,16 @@ pub(crate) struct Setup {
     /// Where the target's buffer comes from (absent from older initiators: host).
     #[serde(default)]
     pub(crate) memory: MemSource,
+    /// Whether host buffers ask for transparent huge pages (absent from older
+    /// initiators: yes).
+    #[serde(default = "yes")]
+    pub(crate) huge_pages: bool,
     /// The initiator's agent metadata, hex (for backends that need both sides').
     pub(crate) initiator_metadata: String,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Messages to the target.
@@ -404,6 +412,7 @@ mod tests {
             seg_type: SegType::Dram,
             device_id: 0,
             memory: MemSource::Backend,
+            huge_pages: false,
             initiator_metadata: "00ff".into(),
         }));
         let line = setup.encode();

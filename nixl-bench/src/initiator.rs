@@ -58,6 +58,7 @@ pub(crate) async fn start_agent(
         .backend_arc(backend.clone())
         .options(agent_options(config.timeouts.teardown))
         .telemetry(crate::metrics::telemetry(config))
+        .huge_pages(config.sweep.huge_pages)
         .build()
         .await
         .context("start the initiator agent")?;
@@ -99,6 +100,7 @@ async fn drive(
         agent,
         config.sweep.total_buffer_size,
         config.sweep.memory,
+        config.sweep.huge_pages,
         config.sweep.initiator_seg_type,
         config.sweep.device_id,
     )?;
@@ -147,6 +149,7 @@ pub(crate) async fn run_nixl(config: &Config, addr: SocketAddr) -> Result<(RunIn
             &agent,
             config.sweep.total_buffer_size,
             config.sweep.memory,
+            config.sweep.huge_pages,
             config.sweep.initiator_seg_type,
             config.sweep.device_id,
         )?;
@@ -260,6 +263,7 @@ async fn exchange(
         seg_type: s.target_seg_type,
         device_id: s.device_id,
         memory: s.memory,
+        huge_pages: s.huge_pages,
         initiator_metadata: control::hex(&agent.metadata()?),
     };
     channel.send(&ToTarget::Setup(Box::new(setup))).await?;

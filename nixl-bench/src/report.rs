@@ -301,7 +301,9 @@ fn write_header(out: &mut impl Write, run: &RunInfo) -> io::Result<()> {
                 (SegType::Vram, SegType::Vram, _) => "GPU memory (cuMemAlloc)",
                 (SegType::Vram, SegType::Dram, _) | (SegType::Dram, SegType::Vram, _) =>
                     "GPU memory (cuMemAlloc) on the VRAM side, host memory on the other",
-                (_, _, crate::cli::MemSource::Host) => "host memory",
+                (_, _, crate::cli::MemSource::Host) if s.huge_pages =>
+                    "host memory asking for transparent huge pages",
+                (_, _, crate::cli::MemSource::Host) => "host memory, small pages",
                 (_, _, crate::cli::MemSource::Backend) => "backend (Agent::alloc) memory",
             },
             if s.check_consistency { "on" } else { "off" },

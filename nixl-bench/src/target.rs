@@ -100,6 +100,7 @@ async fn session(config: &Config, channel: &mut Channel, agent: &Agent) -> Resul
         agent,
         setup.buffer_size,
         setup.memory,
+        setup.huge_pages,
         setup.seg_type,
         setup.device_id,
     )?;

@@ -63,7 +63,7 @@ pub use completion::{Completer, Op, Status};
 pub use descriptor::{Desc, DescList, Strided};
 pub use error::{Error, ErrorKind, Result};
 pub use exchange::{NixlListenerOptions, SharedSecret, SideChannelOptions};
-pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, PAGE_SIZE};
+pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, HUGE_PAGE_SIZE, PAGE_SIZE};
 pub use notification::{Notification, Notifications};
 pub use region::{RegionRef, RegionSlice, Registration, RemoteRegionInfo};
 pub use telemetry::{TelemetryOptions, TransferTelemetry};

@@ -71,6 +71,7 @@ pub struct AgentBuilder {
     backends: Vec<Arc<dyn Backend>>,
     options: AgentOptions,
     telemetry: TelemetryOptions,
+    huge_pages: bool,
 }
 
 impl AgentBuilder {
@@ -80,6 +81,7 @@ impl AgentBuilder {
             backends: Vec::new(),
             options: AgentOptions::default(),
             telemetry: TelemetryOptions::default(),
+            huge_pages: true,
         }
     }
 
@@ -88,6 +90,15 @@ impl AgentBuilder {
     #[must_use]
     pub fn telemetry(mut self, telemetry: TelemetryOptions) -> Self {
         self.telemetry = telemetry;
+        self
+    }
+
+    /// Whether [`Agent::alloc`](crate::Agent::alloc) memory that no backend provides
+    /// asks for transparent huge pages ([`AlignedBuf::with_huge_pages`](crate::AlignedBuf::with_huge_pages));
+    /// on by default.
+    #[must_use]
+    pub fn huge_pages(mut self, on: bool) -> Self {
+        self.huge_pages = on;
         self
     }
 
@@ -170,6 +181,7 @@ impl AgentBuilder {
             labels: Mutex::new(HashMap::new()),
             shutdown_hooks: Mutex::new(Vec::new()),
             telemetry: self.telemetry,
+            huge_pages: self.huge_pages,
             metrics,
         });
         let agent = Agent { shared };

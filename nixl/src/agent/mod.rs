@@ -141,6 +141,8 @@ struct Shared {
     /// lease while the connection still works).
     pub(crate) shutdown_hooks: Mutex<Vec<ShutdownHook>>,
     telemetry: TelemetryOptions,
+    /// `Agent::alloc` memory asks for transparent huge pages.
+    huge_pages: bool,
     /// Metric handles, with [`TelemetryOptions::metrics`].
     metrics: Option<Arc<AgentMetrics>>,
 }

@@ -17,8 +17,10 @@ impl Agent {
     /// Zero-filled host memory of `len` bytes, from the first attached backend (in
     /// attach order) that offers memory it reaches faster than ordinary memory
     /// ([`Backend::alloc`](crate::Backend::alloc); nixl-ucx's shared memory, for
-    /// example), else an [`AlignedBuf`]. Register it as usual; it works with every
-    /// backend.
+    /// example), else an [`AlignedBuf`] that asks for transparent huge pages from
+    /// 2 MiB up ([`AlignedBuf::with_huge_pages`]; opt out with
+    /// [`AgentBuilder::huge_pages`](crate::AgentBuilder::huge_pages)). Register it as
+    /// usual; it works with every backend.
     ///
     /// # Errors
     /// [`ErrorKind::ZeroLength`] for `len == 0`; the backend's error when its
@@ -34,7 +36,12 @@ impl Agent {
                 return m;
             }
         }
-        Ok(AlignedBuf::new(len).into())
+        Ok(if self.shared.huge_pages {
+            AlignedBuf::with_huge_pages(len)
+        } else {
+            AlignedBuf::new(len)
+        }
+        .into())
     }
 
     /// Register memory with every attached backend that supports its kind.
