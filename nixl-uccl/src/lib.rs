@@ -76,8 +76,16 @@
 //!   reported done leaves the engine, its regions and their memory alive for the rest
 //!   of the process rather than destroying them under the NIC.
 //! - **C++ exceptions.** UCCL 0.1.1 throws from some calls (a write on a connection
-//!   whose setup failed); an exception reaching this crate's frames aborts the
-//!   process. Catching them needs a C++ shim, which this crate does not have yet.
+//!   whose setup failed). Every call goes through a C++ shim of ours (default
+//!   feature `exception-shim`) that turns an exception into an error; a build
+//!   without it loads the library but creates no engine.
+//! - **Hosts UCCL would crash on.** The wheel's library references three Python
+//!   functions, supplied inert where the process has no Python ([`host`]); its RDMA
+//!   transport crashes at the first registration on a host with no RDMA device, so
+//!   the backend refuses such a host with [`ErrorKind::NotSupported`] (see
+//!   [`host::transport_ready`]; `UCCL_P2P_TRANSPORT=tcp` needs NCCL instead).
+//! - **CUDA context.** Every thread of ours that calls into UCCL binds
+//!   [`UcclOptions::device`]'s context first.
 //! - **One-sided.** The target does not see requests: [`Capabilities::target_checks`]
 //!   is `false`; the initiating agent checks every descriptor and the NIC checks keys.
 //! - **GPU memory** ([`nixl::MemKind::Vram`], [`nixl::gpu`]) is handed to the engine
