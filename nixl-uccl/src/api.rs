@@ -203,7 +203,18 @@ pub trait EngineApi: Send + Sync + fmt::Debug + 'static {
 
     /// Whether transfer `id` on `c` is done. UCCL says nothing else: not whether it
     /// failed, not whether the peer is alive.
-    fn done(&self, c: ConnHandle, id: u64) -> bool;
+    ///
+    /// # Errors
+    /// The engine failed to answer (an exception it threw).
+    fn done(&self, c: ConnHandle, id: u64) -> Result<bool>;
+
+    /// Make the calling thread ready to call into the engine: the real binding makes
+    /// `device`'s CUDA context current (UCCL's engine expects one on every thread
+    /// that calls it). Every thread this crate starts calls it first.
+    ///
+    /// # Errors
+    /// The GPU driver's.
+    fn bind_thread(&self, device: u32) -> Result<()>;
 
     /// Close a connection (no transfer may still use it).
     ///
@@ -218,6 +229,8 @@ pub trait EngineApi: Send + Sync + fmt::Debug + 'static {
 pub(crate) struct EngineOwner {
     pub(crate) api: Arc<dyn EngineApi>,
     pub(crate) engine: EngineHandle,
+    /// The GPU whose context this engine's threads bind ([`EngineApi::bind_thread`]).
+    pub(crate) device: u32,
     mrs: Mutex<MrTable>,
     /// Inbound connections, to close at teardown (never keyed by address).
     inbound: Mutex<Vec<ConnHandle>>,
@@ -244,15 +257,22 @@ impl EngineOwner {
         Self {
             api: engine.api.clone(),
             engine: engine.engine.take().expect("an engine is owned once"),
+            device: engine.device,
             mrs: Mutex::default(),
             inbound: Mutex::new(Vec::new()),
             poisoned: Default::default(),
         }
     }
 
-    /// Connect to a peer's engine (blocks until it accepted); the connection holds
-    /// this owner.
+    /// Make the calling thread ready to call into this engine (its CUDA context).
+    pub(crate) fn bind_thread(&self) -> Result<()> {
+        self.api.bind_thread(self.device)
+    }
+
+    /// Connect to a peer's engine (blocks until it accepted) from a thread of ours
+    /// (bound first); the connection holds this owner.
     pub(crate) fn connect(self: &Arc<Self>, ip: &str, gpu: &str, port: u16) -> Result<OwnedConn> {
+        self.bind_thread()?;
         self.api
             .connect(self.engine, ip, gpu, port)
             .map(|conn| OwnedConn {
@@ -366,9 +386,12 @@ impl Drop for EngineOwner {
         for (_, (mr, _region)) in t.live.into_iter().chain(t.doomed) {
             self.api.mr_destroy(self.engine, mr);
         }
-        let (api, engine) = (self.api.clone(), self.engine);
+        let (api, engine, device) = (self.api.clone(), self.engine, self.device);
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let destroy = move || {
+            if let Err(e) = api.bind_thread(device) {
+                tracing::warn!(%e, "uccl-destroy: no CUDA context on this thread");
+            }
             // SAFETY: this owner was the engine's last holder: every thread,
             // connection and registration that could call into it held the owner
             // and is gone.
@@ -446,15 +469,19 @@ pub(crate) struct NewEngine {
     api: Arc<dyn EngineApi>,
     /// Taken by the owner.
     engine: Option<EngineHandle>,
+    device: u32,
 }
 
 impl NewEngine {
-    /// Create an engine on `api`.
-    pub(crate) fn create(api: Arc<dyn EngineApi>) -> Result<Self> {
+    /// Create an engine on `api` for `device`, on the calling thread (a thread of
+    /// ours, bound to the device's context first).
+    pub(crate) fn create(api: Arc<dyn EngineApi>, device: u32) -> Result<Self> {
+        api.bind_thread(device)?;
         let engine = api.create()?;
         Ok(Self {
             api,
             engine: Some(engine),
+            device,
         })
     }
 }

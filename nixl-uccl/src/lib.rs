@@ -76,8 +76,16 @@
 //!   reported done leaves the engine, its regions and their memory alive for the rest
 //!   of the process rather than destroying them under the NIC.
 //! - **C++ exceptions.** UCCL 0.1.1 throws from some calls (a write on a connection
-//!   whose setup failed); an exception reaching this crate's frames aborts the
-//!   process. Catching them needs a C++ shim, which this crate does not have yet.
+//!   whose setup failed). Every call goes through a C++ shim of ours (default
+//!   feature `exception-shim`) that turns an exception into an error; a build
+//!   without it loads the library but creates no engine.
+//! - **Hosts UCCL would crash on.** The wheel's library references three Python
+//!   functions, supplied inert where the process has no Python ([`host`]); its RDMA
+//!   transport crashes at the first registration on a host with no RDMA device, so
+//!   the backend refuses such a host with [`ErrorKind::NotSupported`] (see
+//!   [`host::transport_ready`]; `UCCL_P2P_TRANSPORT=tcp` needs NCCL instead).
+//! - **CUDA context.** Every thread of ours that calls into UCCL binds
+//!   [`UcclOptions::device`]'s context first.
 //! - **One-sided.** The target does not see requests: [`Capabilities::target_checks`]
 //!   is `false`; the initiating agent checks every descriptor and the NIC checks keys.
 //! - **GPU memory** ([`nixl::MemKind::Vram`], [`nixl::gpu`]) is handed to the engine
@@ -103,6 +111,8 @@
 
 #[allow(unsafe_code)]
 pub mod api;
+mod catch;
+pub mod host;
 pub mod library;
 #[cfg(feature = "test-double")]
 #[allow(unsafe_code)]
@@ -160,6 +170,10 @@ pub struct UcclOptions {
     /// Most operations outstanding in the engine at once, across all transfers of
     /// this agent (UCCL's queues are finite, and a full one makes its post call spin).
     pub max_outstanding: usize,
+    /// The GPU whose CUDA context every thread that calls into UCCL binds first (UCCL
+    /// expects a current context; without one the driver reports
+    /// `CUDA_ERROR_INVALID_CONTEXT` inside the engine).
+    pub device: u32,
 }
 
 impl Default for UcclOptions {
@@ -173,6 +187,7 @@ impl Default for UcclOptions {
             max_piece: 1 << 30,
             window: 64,
             max_outstanding: 256,
+            device: 0,
         }
     }
 }
@@ -446,10 +461,15 @@ impl UcclBackend {
     /// Load UCCL with `options`.
     ///
     /// # Errors
-    /// As [`UcclBackend::new`].
+    /// As [`UcclBackend::new`]; [`ErrorKind::NotSupported`] when the host lacks what
+    /// UCCL's transport needs (an RDMA device; NCCL for `UCCL_P2P_TRANSPORT=tcp`),
+    /// see [`host::transport_ready`].
     pub fn with_options(options: UcclOptions) -> Result<Self> {
         let (req, src) = options.request();
         let (lib, report) = library::bind(&req, src)?;
+        // What would take the process down later is refused now (and again right
+        // before each engine is created).
+        host::transport_ready(host::Transport::from_env())?;
         Ok(Self::build(lib, Some(report), options))
     }
 
@@ -967,6 +987,9 @@ fn progress_loop(
     api: Arc<dyn EngineApi>,
     opts: UcclOptions,
 ) {
+    if let Err(e) = api.bind_thread(opts.device) {
+        tracing::warn!(%e, "uccl-progress: no CUDA context on this thread");
+    }
     let mut active: Vec<Job> = Vec::new();
     let mut zombies: Vec<Zombie> = Vec::new();
     // Operations in the engine, across all transfers: UCCL's queues are finite and a
@@ -1017,7 +1040,8 @@ fn progress_loop(
         }
         zombies.retain_mut(|z| {
             while let Some(&id) = z.ids.front() {
-                if !api.done(z.conn, id) {
+                // An engine that cannot answer keeps the operation (and its memory).
+                if !api.done(z.conn, id).unwrap_or(false) {
                     return true;
                 }
                 z.ids.pop_front();
@@ -1051,7 +1075,7 @@ fn progress_loop(
     while !zombies.is_empty() && Instant::now() < until {
         zombies.retain_mut(|z| {
             while let Some(&id) = z.ids.front() {
-                if !api.done(z.conn, id) {
+                if !api.done(z.conn, id).unwrap_or(false) {
                     return true;
                 }
                 z.ids.pop_front();
@@ -1119,8 +1143,11 @@ fn step(j: &mut Job, api: &dyn EngineApi, opts: &UcclOptions, outstanding: &mut 
         )));
     }
     while let Some(&id) = j.inflight.front() {
-        if !api.done(j.conn, id) {
-            break;
+        match api.done(j.conn, id) {
+            Ok(true) => {}
+            Ok(false) => break,
+            // The operation stays in flight (a zombie now): never assumed done.
+            Err(e) => return Step::Finished(Err(e)),
         }
         j.inflight.pop_front();
         *outstanding -= 1;
@@ -1199,13 +1226,13 @@ impl UcclBackend {
         // Creating an engine initialises the NIC and GPU and may take a while: on an
         // agent-owned thread that ends right after (not tokio's blocking pool, whose
         // idle threads would outlive the agent).
-        let api = inner.api.clone();
+        let (api, device) = (inner.api.clone(), inner.options.device);
         let (tx, rx) = oneshot::channel::<Result<NewEngine>>();
         ctx.spawn_thread(
             "uccl-create",
             move |_stop| {
                 // Nobody waiting any more (the agent stopped) drops it: destroyed.
-                let _ = tx.send(NewEngine::create(api));
+                let _ = tx.send(NewEngine::create(api, device));
             },
             || {},
         )?;
@@ -1608,6 +1635,9 @@ impl Drop for Inner {
 }
 
 fn accept_loop(owner: &EngineOwner, gate: &AcceptGate, stop: &CancellationToken) {
+    if let Err(e) = owner.bind_thread() {
+        tracing::warn!(%e, "uccl-accept: no CUDA context on this thread");
+    }
     {
         let mut r = gate.registered.lock().unwrap();
         while !*r && !stop.is_cancelled() {

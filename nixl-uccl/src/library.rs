@@ -27,6 +27,8 @@ use nixl::native::{self, BoundObject, LibraryReport, LibrarySource, NativeLibrar
 use nixl::{Error, ErrorKind, Result};
 
 use crate::api::{Accepted, ConnHandle, EngineApi, EngineHandle, FifoItem};
+use crate::catch::{self, guarded, Catch};
+use crate::host;
 
 /// Default soname of UCCL's p2p engine (searched the loader's usual way:
 /// `LD_LIBRARY_PATH`, the cache). The PyPI wheel `uccl` has it under `uccl/lib/`.
@@ -119,10 +121,6 @@ pub const SYMBOLS: &[Symbol] = &[
     },
 ];
 
-/// `operator delete[](void*)`, for the string `uccl_engine_get_metadata` allocates
-/// with `new char[]`; found through the library's own libstdc++.
-const DELETE_ARRAY: &str = "_ZdaPv";
-
 fn mangled(name: &str) -> &'static str {
     SYMBOLS
         .iter()
@@ -144,7 +142,6 @@ type XferFn =
     unsafe extern "C" fn(*mut c_void, u64, *const c_void, usize, FifoItem, *mut u64) -> c_int;
 type StatusFn = unsafe extern "C" fn(*mut c_void, u64) -> bool;
 type MetadataFn = unsafe extern "C" fn(*mut c_void, *mut *mut c_char) -> c_int;
-type DeleteFn = unsafe extern "C" fn(*mut c_void);
 
 /// The bound library.
 pub(crate) struct Uccl {
@@ -162,7 +159,9 @@ pub(crate) struct Uccl {
     xfer_status: StatusFn,
     conn_destroy: EngineFn,
     get_metadata: MetadataFn,
-    delete_array: Option<DeleteFn>,
+    /// The exception boundary every call goes through (`None` in a build without
+    /// the feature `exception-shim`: the library loads, but no engine is created).
+    catch: Option<Catch>,
 }
 
 impl std::fmt::Debug for Uccl {
@@ -195,42 +194,91 @@ fn backend_err(op: &'static str, what: String) -> Error {
     Error::new(ErrorKind::Backend, op, what)
 }
 
+impl Uccl {
+    /// The exception boundary, present whenever an engine exists (creation needs it).
+    fn catch(&self, op: &'static str) -> Result<Catch> {
+        self.catch.ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotSupported,
+                op,
+                "nixl-uccl was built without its feature `exception-shim`",
+            )
+        })
+    }
+
+    /// A call that returns nothing: an exception is logged (there is nobody to tell).
+    fn void_call(&self, op: &'static str, f: *const c_void, h: usize) {
+        let r = self.catch(op).and_then(|c| {
+            // SAFETY: `f` is one of UCCL's `void f(handle)` functions and `h` a live
+            // handle of it (the callers' contracts).
+            unsafe { guarded(op, |e, l| (c.void1)(f, h as *mut c_void, e, l)) }
+        });
+        if let Err(e) = r {
+            tracing::error!(%e, "{op}");
+        }
+    }
+}
+
 impl EngineApi for Uccl {
     fn describe(&self) -> String {
         format!("UCCL p2p engine ({})", self.path)
     }
 
+    fn bind_thread(&self, device: u32) -> Result<()> {
+        nixl::gpu::bind_thread(device)
+    }
+
     fn create(&self) -> Result<EngineHandle> {
+        const OP: &str = "create UCCL engine";
+        let c = self.catch(OP)?;
+        // What would crash UCCL's engine later (no RDMA device) is refused now.
+        host::transport_ready(host::Transport::from_env())?;
         let _g = locked();
-        // SAFETY: plain call with an int and a bool, per the declaration in SYMBOLS;
-        // `num_cpus` is unused by UCCL 0.1 and `in_python` false (no Python signals).
-        let e = unsafe { (self.create)(0, false) };
+        let mut e: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `create` takes an int and a bool (SYMBOLS); `num_cpus` is unused by
+        // UCCL 0.1 and `in_python` false: this process does not run the engine inside
+        // Python (UCCL then never calls the Python functions `host` supplies).
+        unsafe {
+            guarded(OP, |er, l| {
+                (c.create)(self.create as *const c_void, 0, false, &mut e, er, l)
+            })?
+        };
         if e.is_null() {
-            return Err(backend_err(
-                "create UCCL engine",
-                "uccl_engine_create returned NULL".into(),
-            ));
+            return Err(backend_err(OP, "uccl_engine_create returned NULL".into()));
         }
         Ok(EngineHandle(e as usize))
     }
 
     unsafe fn destroy(&self, e: EngineHandle) {
         let _g = locked();
-        // SAFETY: the caller guarantees `e` is live and unused from now on.
-        unsafe { (self.destroy)(e.0 as *mut c_void) }
+        self.void_call("destroy UCCL engine", self.destroy as *const c_void, e.0);
     }
 
     fn metadata(&self, e: EngineHandle) -> Result<String> {
+        const OP: &str = "UCCL metadata";
+        let c = self.catch(OP)?;
         let mut out: *mut c_char = std::ptr::null_mut();
-        let rc = {
+        let mut rc: c_int = -1;
+        {
             let _g = locked();
             // SAFETY: `e` is live (trait contract); `out` is a valid place for the
-            // pointer UCCL allocates.
-            unsafe { (self.get_metadata)(e.0 as *mut c_void, &mut out) }
-        };
+            // pointer UCCL allocates, `rc` for its status.
+            unsafe {
+                guarded(OP, |er, l| {
+                    (c.get_metadata)(
+                        self.get_metadata as *const c_void,
+                        e.0 as *mut c_void,
+                        &mut out,
+                        &mut rc,
+                        er,
+                        l,
+                    )
+                })?
+            };
+        }
         if rc != 0 || out.is_null() {
             return Err(backend_err(
-                "UCCL metadata",
+                OP,
                 format!("uccl_engine_get_metadata returned {rc}"),
             ));
         }
@@ -238,50 +286,71 @@ impl EngineApi for Uccl {
         let s = unsafe { CStr::from_ptr(out) }
             .to_string_lossy()
             .into_owned();
-        if let Some(del) = self.delete_array {
-            // SAFETY: `out` came from `new char[]` in the library, and this is the
-            // `operator delete[]` of the library's own C++ runtime.
-            unsafe { del(out.cast()) }
-        }
+        // SAFETY: `out` came from `new char[]` in the library; the shim's `delete[]`
+        // is the same C++ runtime's (one libstdc++.so.6 in the process).
+        unsafe { (c.delete_array)(out) };
         Ok(s)
     }
 
     fn connect(&self, e: EngineHandle, ip: &str, gpu: &str, port: u16) -> Result<ConnHandle> {
         const OP: &str = "UCCL connect";
+        let c = self.catch(OP)?;
         let ip_c = CString::new(ip).map_err(|_| backend_err(OP, "an address with a NUL".into()))?;
         let gpu_c = CString::new(gpu).map_err(|_| backend_err(OP, "a GPU id with a NUL".into()))?;
         // Not under ENGINE_LOCK: connect blocks on the network and does not touch the
         // global registration map. (UCCL 0.1.1's own passive accept thread updates the
         // endpoint's tables concurrently with some unlocked reads of its own; nothing
         // a caller can serialize.)
+        let mut conn: *mut c_void = std::ptr::null_mut();
         // SAFETY: `e` is live; both strings are NUL-terminated and outlive the call.
-        let c = unsafe {
-            (self.connect)(
-                e.0 as *mut c_void,
-                ip_c.as_ptr(),
-                gpu_c.as_ptr(),
-                c_int::from(port),
-                false,
-            )
+        unsafe {
+            guarded(OP, |er, l| {
+                (c.connect)(
+                    self.connect as *const c_void,
+                    e.0 as *mut c_void,
+                    ip_c.as_ptr(),
+                    gpu_c.as_ptr(),
+                    c_int::from(port),
+                    false,
+                    &mut conn,
+                    er,
+                    l,
+                )
+            })?
         };
-        if c.is_null() {
+        if conn.is_null() {
             return Err(Error::new(
                 ErrorKind::RemoteDisconnected,
                 OP,
                 format!("uccl_engine_connect to {ip}:{port} (GPU {gpu}) failed"),
             ));
         }
-        Ok(ConnHandle(c as usize))
+        Ok(ConnHandle(conn as usize))
     }
 
     fn accept(&self, e: EngineHandle) -> Option<Accepted> {
+        const OP: &str = "UCCL accept";
+        let c = self.catch(OP).ok()?;
         let mut ip = [0 as c_char; 128];
         let mut gpu: c_int = -1;
+        let mut conn: *mut c_void = std::ptr::null_mut();
         // Not under ENGINE_LOCK: it blocks until a peer connects or stop_accept.
         // SAFETY: `e` is live; `ip` has the length passed and `gpu` is a valid int.
-        let c =
-            unsafe { (self.accept)(e.0 as *mut c_void, ip.as_mut_ptr(), ip.len() - 1, &mut gpu) };
-        if c.is_null() {
+        let r = unsafe {
+            guarded(OP, |er, l| {
+                (c.accept)(
+                    self.accept as *const c_void,
+                    e.0 as *mut c_void,
+                    ip.as_mut_ptr(),
+                    ip.len() - 1,
+                    &mut gpu,
+                    &mut conn,
+                    er,
+                    l,
+                )
+            })
+        };
+        if r.is_err() || conn.is_null() {
             return None;
         }
         // SAFETY: the buffer is NUL-terminated: UCCL strncpy's at most len-1 bytes into
@@ -290,27 +359,43 @@ impl EngineApi for Uccl {
             .to_string_lossy()
             .into_owned();
         Some(Accepted {
-            conn: ConnHandle(c as usize),
+            conn: ConnHandle(conn as usize),
             ip,
         })
     }
 
     fn stop_accept(&self, e: EngineHandle) {
-        // SAFETY: `e` is live; stop_accept is meant to run while accept blocks.
-        unsafe { (self.stop_accept)(e.0 as *mut c_void) }
+        // `e` is live; stop_accept is meant to run while accept blocks.
+        self.void_call("UCCL stop accept", self.stop_accept as *const c_void, e.0);
     }
 
     unsafe fn reg(&self, e: EngineHandle, addr: usize, len: usize) -> Result<u64> {
+        const OP: &str = "UCCL register";
+        let c = self.catch(OP)?;
         let mut mr = 0u64;
-        let rc = {
+        let mut rc: c_int = -1;
+        {
             let _g = locked();
             // SAFETY: the caller guarantees the range; `mr` is the reference UCCL
             // writes the id through.
-            unsafe { (self.reg)(e.0 as *mut c_void, addr, len, &mut mr) }
-        };
+            unsafe {
+                guarded(OP, |er, l| {
+                    (c.reg)(
+                        self.reg as *const c_void,
+                        e.0 as *mut c_void,
+                        addr,
+                        len,
+                        &mut mr,
+                        &mut rc,
+                        er,
+                        l,
+                    )
+                })?
+            };
+        }
         if rc != 0 {
             return Err(backend_err(
-                "UCCL register",
+                OP,
                 format!("uccl_engine_reg of {len} bytes at {addr:#x} returned {rc}"),
             ));
         }
@@ -318,36 +403,61 @@ impl EngineApi for Uccl {
     }
 
     fn mr_destroy(&self, e: EngineHandle, mr: u64) {
+        const OP: &str = "UCCL deregister";
         let _g = locked();
-        // SAFETY: `e` is live; an unknown id is ignored by UCCL (it searches its map).
-        unsafe { (self.mr_destroy)(e.0 as *mut c_void, mr) }
+        let r = self.catch(OP).and_then(|c| {
+            // SAFETY: `e` is live; an unknown id is ignored by UCCL (it searches its
+            // map).
+            unsafe {
+                guarded(OP, |er, l| {
+                    (c.mr_destroy)(
+                        self.mr_destroy as *const c_void,
+                        e.0 as *mut c_void,
+                        mr,
+                        er,
+                        l,
+                    )
+                })
+            }
+        });
+        if let Err(e) = r {
+            tracing::error!(%e, "{OP}");
+        }
     }
 
     fn prepare_fifo(&self, e: EngineHandle, mr: u64, addr: usize, len: usize) -> Result<FifoItem> {
+        const OP: &str = "UCCL register";
+        let c = self.catch(OP)?;
         let mut buf = [0 as c_char; crate::api::FIFO_ITEM_LEN];
-        let rc = {
+        let mut rc: c_int = -1;
+        {
             let _g = locked();
             // SAFETY: `e` is live, `mr` one of its regions covering the range; UCCL
             // writes exactly 64 bytes into `buf`.
             unsafe {
-                (self.prepare_fifo)(
-                    e.0 as *mut c_void,
-                    mr,
-                    addr as *const c_void,
-                    len,
-                    buf.as_mut_ptr(),
-                )
-            }
-        };
+                guarded(OP, |er, l| {
+                    (c.prepare_fifo)(
+                        self.prepare_fifo as *const c_void,
+                        e.0 as *mut c_void,
+                        mr,
+                        addr as *const c_void,
+                        len,
+                        buf.as_mut_ptr(),
+                        &mut rc,
+                        er,
+                        l,
+                    )
+                })?
+            };
+        }
         if rc != 0 {
             return Err(backend_err(
-                "UCCL register",
+                OP,
                 format!("uccl_engine_prepare_fifo returned {rc}"),
             ));
         }
         let bytes: Vec<u8> = buf.iter().map(|&c| c as u8).collect();
-        FifoItem::decode(&bytes)
-            .ok_or_else(|| backend_err("UCCL register", "short FifoItem".into()))
+        FifoItem::decode(&bytes).ok_or_else(|| backend_err(OP, "short FifoItem".into()))
     }
 
     unsafe fn write(
@@ -359,7 +469,7 @@ impl EngineApi for Uccl {
         remote: FifoItem,
     ) -> Result<u64> {
         // SAFETY: forwarded contract.
-        unsafe { xfer(self.write, "UCCL write", c, mr, addr, len, remote) }
+        unsafe { self.xfer(self.write, "UCCL write", c, mr, addr, len, remote) }
     }
 
     unsafe fn read(
@@ -371,54 +481,85 @@ impl EngineApi for Uccl {
         remote: FifoItem,
     ) -> Result<u64> {
         // SAFETY: forwarded contract.
-        unsafe { xfer(self.read, "UCCL read", c, mr, addr, len, remote) }
+        unsafe { self.xfer(self.read, "UCCL read", c, mr, addr, len, remote) }
     }
 
-    fn done(&self, c: ConnHandle, id: u64) -> bool {
+    fn done(&self, c: ConnHandle, id: u64) -> Result<bool> {
+        const OP: &str = "UCCL transfer status";
+        let w = self.catch(OP)?;
+        let mut done = false;
         // SAFETY: `c` is live and `id` one of its transfers, not yet seen done.
-        unsafe { (self.xfer_status)(c.0 as *mut c_void, id) }
+        unsafe {
+            guarded(OP, |er, l| {
+                (w.xfer_status)(
+                    self.xfer_status as *const c_void,
+                    c.0 as *mut c_void,
+                    id,
+                    &mut done,
+                    er,
+                    l,
+                )
+            })?
+        };
+        Ok(done)
     }
 
     unsafe fn conn_destroy(&self, c: ConnHandle) {
         let _g = locked();
-        // SAFETY: the caller guarantees `c` is live and unused from now on.
-        unsafe { (self.conn_destroy)(c.0 as *mut c_void) }
+        // The caller guarantees `c` is live and unused from now on.
+        self.void_call(
+            "close UCCL connection",
+            self.conn_destroy as *const c_void,
+            c.0,
+        );
     }
 }
 
-/// One `uccl_engine_write`/`uccl_engine_read` (same signature).
-///
-/// # Safety
-/// As [`EngineApi::write`].
-unsafe fn xfer(
-    f: XferFn,
-    op: &'static str,
-    c: ConnHandle,
-    mr: u64,
-    addr: usize,
-    len: usize,
-    remote: FifoItem,
-) -> Result<u64> {
-    let mut id = 0u64;
-    let rc = {
-        let _g = shared();
-        // SAFETY: the caller guarantees the local range and the handles; `remote` goes
-        // by value as UCCL's FifoItem (same layout, see api::FifoItem).
-        unsafe {
-            f(
-                c.0 as *mut c_void,
-                mr,
-                addr as *const c_void,
-                len,
-                remote,
-                &mut id,
-            )
+impl Uccl {
+    /// One `uccl_engine_write`/`uccl_engine_read` (same signature).
+    ///
+    /// # Safety
+    /// As [`EngineApi::write`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn xfer(
+        &self,
+        f: XferFn,
+        op: &'static str,
+        c: ConnHandle,
+        mr: u64,
+        addr: usize,
+        len: usize,
+        remote: FifoItem,
+    ) -> Result<u64> {
+        let w = self.catch(op)?;
+        let mut id = 0u64;
+        let mut rc: c_int = -1;
+        {
+            let _g = shared();
+            // SAFETY: the caller guarantees the local range and the handles; `remote`
+            // goes by value as UCCL's FifoItem (same layout, see api::FifoItem).
+            unsafe {
+                guarded(op, |er, l| {
+                    (w.xfer)(
+                        f as *const c_void,
+                        c.0 as *mut c_void,
+                        mr,
+                        addr as *const c_void,
+                        len,
+                        &remote,
+                        &mut id,
+                        &mut rc,
+                        er,
+                        l,
+                    )
+                })?
+            };
         }
-    };
-    if rc != 0 {
-        return Err(backend_err(op, format!("{op} returned {rc}")));
+        if rc != 0 {
+            return Err(backend_err(op, format!("{op} returned {rc}")));
+        }
+        Ok(id)
     }
-    Ok(id)
 }
 
 struct Bound {
@@ -478,6 +619,9 @@ pub(crate) fn bind(
             explain_load_failure(requested, source, "no such file"),
         ));
     }
+    // The wheel's library references Python's C API: supplied (inert) where the
+    // process has no Python, before the library is loaded.
+    let python = host::supply_python_symbols()?;
     let preloaded = native::mapped_objects(&["libuccl_p2p"]);
     let requested_was_loaded = native::is_loaded(requested);
     let lib = NativeLibrary::open(requested).map_err(|e| {
@@ -523,10 +667,13 @@ pub(crate) fn bind(
             unsafe { std::mem::transmute::<*const c_void, $ty>(p) }
         }};
     }
-    let delete_array = lib.address(DELETE_ARRAY).map(|p| {
-        // SAFETY: `operator delete[](void*)`, the C++ runtime's, takes one pointer.
-        unsafe { std::mem::transmute::<*const c_void, DeleteFn>(p) }
-    });
+    // Without the exception shim the library still loads (probe, reports), but no
+    // engine is created.
+    let catch = match catch::get() {
+        Ok(c) => Some(c),
+        Err(e) if e.kind() == ErrorKind::NotSupported => None,
+        Err(e) => return Err(e),
+    };
     let path = lib
         .path_of_symbol(&[mangled("create")])
         .unwrap_or_else(|| PathBuf::from(requested));
@@ -545,8 +692,9 @@ pub(crate) fn bind(
         xfer_status: f!("xfer_status", StatusFn),
         conn_destroy: f!("conn_destroy", EngineFn),
         get_metadata: f!("get_metadata", MetadataFn),
-        delete_array,
+        catch,
     };
+    let uccl_has_catch = uccl.catch.is_some();
     let mut objects = vec![BoundObject {
         name: "libuccl_p2p".into(),
         path: Some(path.clone()),
@@ -576,6 +724,16 @@ pub(crate) fn bind(
         notes: vec![
             "bound: scalar uccl_engine_write/read per piece (the std::vector calls are not bound)".into(),
             "notifications: nixl-uccl's own control connection (UCCL's process-global list is not used)".into(),
+            match python {
+                host::PythonSymbols::Python => "Python C API: the process's Python runtime".into(),
+                host::PythonSymbols::Stubs => "Python C API: nixl-uccl's inert definitions (no Python in this process)".into(),
+            },
+            if uccl_has_catch {
+                "C++ exceptions: caught at nixl-uccl's boundary".into()
+            } else {
+                "C++ exceptions: no shim in this build (feature `exception-shim`); engines are refused".into()
+            },
+            format!("transport: {:?} ({}={:?})", host::Transport::from_env(), host::ENV_TRANSPORT, std::env::var(host::ENV_TRANSPORT).unwrap_or_default()),
         ],
     };
     tracing::info!(%report, "UCCL bound");

@@ -19,7 +19,9 @@
 //!   never use: [`notifications_sent`] counts what went into it.
 //!
 //! Misuse that would crash or hang the real library is recorded as a
-//! [violation](violations) instead: a call on a destroyed engine or connection,
+//! [violation](violations) instead: a call on a destroyed engine or connection, an
+//! engine call (create, connect, accept, read, write, status) from a thread that did
+//! not bind its CUDA context first ([`EngineApi::bind_thread`]),
 //! destroying an engine with connections or registrations still open, entering accept
 //! before any registration.
 
@@ -224,13 +226,35 @@ pub fn send_notif_through_engine() {
     with(|w| w.notifications += 1);
 }
 
+thread_local! {
+    /// Whether this thread called [`EngineApi::bind_thread`].
+    static BOUND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Record a violation unless the calling thread bound its CUDA context.
+fn check_bound(w: &mut World, call: &str) {
+    if !BOUND.with(std::cell::Cell::get) {
+        let t = std::thread::current();
+        w.violation(format!(
+            "{call} on thread {:?} with no CUDA context bound (bind_thread not called)",
+            t.name().unwrap_or("?")
+        ));
+    }
+}
+
 impl EngineApi for TestDouble {
     fn describe(&self) -> String {
         "UCCL engine test double (in-process; not UCCL's data path)".into()
     }
 
+    fn bind_thread(&self, _device: u32) -> Result<()> {
+        BOUND.with(|b| b.set(true));
+        Ok(())
+    }
+
     fn create(&self) -> Result<EngineHandle> {
         Ok(EngineHandle(with(|w| {
+            check_bound(w, "create");
             let id = w.id();
             // A port no live engine has (ports are the double's addresses).
             let port = loop {
@@ -292,6 +316,7 @@ impl EngineApi for TestDouble {
         const OP: &str = "UCCL connect";
         let mut g = world();
         let w = g.get_or_insert_with(World::default);
+        check_bound(w, "connect");
         if !w.engines.contains_key(&e.0) {
             w.violation(format!("connect on destroyed engine {}", e.0));
             return Err(fail(OP, "no such engine"));
@@ -340,6 +365,7 @@ impl EngineApi for TestDouble {
         let mut g = world();
         {
             let w = g.get_or_insert_with(World::default);
+            check_bound(w, "accept");
             match w.engines.get(&e.0) {
                 None => {
                     w.violation(format!("accept on destroyed engine {}", e.0));
@@ -468,8 +494,9 @@ impl EngineApi for TestDouble {
         unsafe { self.xfer(c, mr, addr, len, remote, false) }
     }
 
-    fn done(&self, c: ConnHandle, id: u64) -> bool {
-        with(|w| {
+    fn done(&self, c: ConnHandle, id: u64) -> Result<bool> {
+        Ok(with(|w| {
+            check_bound(w, "status");
             if !w.conns.contains_key(&c.0) {
                 w.violation(format!("status on destroyed connection {}", c.0));
                 return false;
@@ -491,7 +518,7 @@ impl EngineApi for TestDouble {
                     false
                 }
             }
-        })
+        }))
     }
 
     unsafe fn conn_destroy(&self, c: ConnHandle) {
@@ -523,6 +550,7 @@ impl TestDouble {
     ) -> Result<u64> {
         const OP: &str = "UCCL transfer";
         with(|w| {
+            check_bound(w, if write { "write" } else { "read" });
             let Some(conn) = w.conns.get(&c.0) else {
                 w.violation(format!("transfer on destroyed connection {}", c.0));
                 return Err(fail(OP, "no such connection"));
