@@ -11,16 +11,18 @@
 //! answer, or the reader task while it receives READ data into memory. Whoever fails or
 //! finishes a request completes it, and nobody touches its memory afterwards.
 //!
-//! Small requests skip the writer task when it is idle: [`Conn::submit`] writes the
-//! whole frame (a WRITE's payload copied into it) from the caller's thread with one
-//! non-blocking write, so a lone 4 KiB transfer costs no task wake-up before it
-//! reaches the socket. What does not fit in the socket buffer goes to the writer,
-//! and while the writer has anything queued or unflushed every request queues
-//! behind it, so the byte stream keeps the order requests were submitted in.
+//! The socket's write half has one owner at a time, a value that moves: the writer
+//! task while it has work, and the connection's idle slot ([`Idle`]) when it has
+//! none (everything flushed, nothing queued). Small requests skip the writer task
+//! while the socket is idle: [`Conn::submit`] writes the whole frame (a WRITE's
+//! payload copied into it) from the caller's thread with one non-blocking write
+//! under the slot's lock, so a lone 4 KiB transfer costs no task wake-up before it
+//! reaches the socket. Whoever queues work for the writer while the socket is idle
+//! takes it out of the slot and queues it first (with what the socket did not take),
+//! and the writer puts it back only when its queue is empty, under the same lock; so
+//! the byte stream keeps the order requests were submitted in.
 
-use std::io::Write;
 use std::net::SocketAddr;
-use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -47,8 +49,13 @@ use crate::wire::{self, RequestHeader};
 /// payloads straight from registered memory.
 const FAST_FRAME_MAX: usize = 64 * 1024;
 
+/// The socket's write half.
+type Sink = BufWriter<OwnedWriteHalf>;
+
 /// What the writer task sends.
 enum Item {
+    /// The socket, taken out of the idle slot by whoever queues work behind it.
+    Own(Sink),
     Job(Job),
     /// The rest of a frame [`Conn::submit`] began writing itself.
     Raw(Vec<u8>),
@@ -153,14 +160,11 @@ impl Gated {
     }
 }
 
-/// Who may write to the socket right now.
-#[derive(Default)]
-struct Fast {
-    /// A duplicate of the connection's socket (non-blocking), while it is up.
-    socket: Option<std::net::TcpStream>,
-    /// The writer task has work queued or bytes unflushed: submissions queue behind it.
-    busy: bool,
-}
+/// The socket while the writer task is idle (flushed, nothing queued): the one place
+/// it rests when no task owns it. Under the lock a submitter may write to it (never
+/// waiting) or take it to hand it to the writer; while the writer owns it (or before
+/// the connection is up) the slot is empty and every request queues.
+type Idle = Mutex<Option<Sink>>;
 
 /// A request handed to the connection's writer.
 pub(crate) struct Job {
@@ -299,7 +303,7 @@ enum State {
 pub(crate) struct Conn {
     peer: String,
     tx: mpsc::UnboundedSender<Item>,
-    fast: Arc<Mutex<Fast>>,
+    idle: Arc<Idle>,
     table: Arc<Mutex<Table>>,
     dead: Arc<AtomicBool>,
     cancel: CancellationToken,
@@ -389,11 +393,11 @@ impl Conn {
     ) -> Arc<Self> {
         let (tx, rx) = mpsc::unbounded_channel();
         let (state_tx, state) = watch::channel(State::Connecting);
-        let fast = Arc::new(Mutex::new(Fast::default()));
+        let idle = Arc::new(Mutex::new(None));
         let conn = Arc::new(Self {
             peer: peer.clone(),
             tx,
-            fast: fast.clone(),
+            idle: idle.clone(),
             table: Arc::new(Mutex::new(Requests::new(&peer))),
             dead: Arc::default(),
             cancel: started.cancel.child_token(),
@@ -415,7 +419,7 @@ impl Conn {
             dead: conn.dead.clone(),
             cancel: conn.cancel.clone(),
             tracker: started.ctx.tracker.clone(),
-            fast,
+            idle,
         };
         started.ctx.tracker.spawn(task.run(rx, state_tx));
         conn
@@ -432,8 +436,8 @@ impl Conn {
 
     /// Queue the gate of a split transfer behind everything queued so far.
     pub(crate) fn submit_gate(&self, gate: Arc<GateSlot>) {
-        let mut fast = self.fast.lock().unwrap();
-        fast.busy = true;
+        let mut idle = self.idle.lock().unwrap();
+        self.hand_over(&mut idle);
         // On failure the connection is closing: the gate finishes the transfer when
         // its last piece completes.
         if let Err(mpsc::error::SendError(Item::Gate(g))) = self.tx.send(Item::Gate(gate)) {
@@ -469,25 +473,35 @@ impl Conn {
             job.done.complete(Err(dead_error(&self.table)));
             return;
         }
-        let mut fast = self.fast.lock().unwrap();
-        let job = match &fast.socket {
-            Some(_) if !fast.busy => match self.write_now(&mut fast, job) {
-                Some(job) => job,
-                None => return,
-            },
-            _ => job,
+        let mut idle = self.idle.lock().unwrap();
+        let job = match self.write_now(&mut idle, job) {
+            Some(job) => job,
+            None => return,
         };
         // Queued under the lock, so that no request is written ahead of it.
-        fast.busy = true;
+        self.hand_over(&mut idle);
         if let Err(mpsc::error::SendError(Item::Job(job))) = self.tx.send(Item::Job(job)) {
             job.done.complete(Err(dead_error(&self.table)));
         }
     }
 
-    /// Write `job`'s whole frame to the idle socket. Gives the job back when it is
-    /// not small enough (or a WRITE being dropped); otherwise it is parked in the
-    /// pending table and whatever the socket did not take goes to the writer.
-    fn write_now(&self, fast: &mut Fast, job: Job) -> Option<Job> {
+    /// The writer task is about to get work: if the socket is idle, it goes to the
+    /// writer first. Called under the slot's lock, before queueing.
+    fn hand_over(&self, idle: &mut Option<Sink>) {
+        if let Some(w) = idle.take() {
+            // On failure the connection is closing; the socket goes with it.
+            let _ = self.tx.send(Item::Own(w));
+        }
+    }
+
+    /// Write `job`'s whole frame to the socket, if it is idle. Gives the job back
+    /// when the socket is busy or the job not small enough (or a WRITE being
+    /// dropped); otherwise it is parked in the pending table and whatever the socket
+    /// did not take goes to the writer, with the socket.
+    fn write_now(&self, idle: &mut Option<Sink>, job: Job) -> Option<Job> {
+        if idle.is_none() {
+            return Some(job);
+        }
         let notif = job.notif.as_deref().unwrap_or_default();
         let (table, payload, read) = match &job.kind {
             JobKind::Notify => (&[][..], 0, None),
@@ -548,10 +562,10 @@ impl Conn {
         if !park(&self.table, id, job.done, read) {
             return None;
         }
-        let socket = fast.socket.as_ref().expect("checked by the caller");
+        let socket = idle.as_ref().expect("checked above").get_ref();
         let mut at = 0;
         while at < frame.len() {
-            match (&*socket).write(&frame[at..]) {
+            match socket.try_write(&frame[at..]) {
                 Ok(0) => break,
                 Ok(n) => at += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -573,7 +587,7 @@ impl Conn {
             }
         }
         if at < frame.len() {
-            fast.busy = true;
+            self.hand_over(idle);
             // On failure the connection is closing and the parked request fails with it.
             let _ = self.tx.send(Item::Raw(frame.split_off(at)));
         }
@@ -646,7 +660,7 @@ struct Task {
     dead: Arc<AtomicBool>,
     cancel: CancellationToken,
     tracker: tokio_util::task::TaskTracker,
-    fast: Arc<Mutex<Fast>>,
+    idle: Arc<Idle>,
 }
 
 impl Task {
@@ -673,14 +687,6 @@ impl Task {
                 return;
             }
         };
-        // Submitters write small frames through a duplicate of the socket while the
-        // writer is idle (without one, everything goes through the writer).
-        match stream.as_fd().try_clone_to_owned() {
-            Ok(fd) => self.fast.lock().unwrap().socket = Some(std::net::TcpStream::from(fd)),
-            Err(e) => {
-                tracing::debug!(peer = %self.peer, error = %e, "tcp: no duplicate socket; every request goes through the writer task")
-            }
-        }
         let _ = state.send(State::Up);
         tracing::debug!(peer = %self.peer, addr = %self.addr, "tcp connected");
         let (rd, wr) = stream.into_split();
@@ -695,8 +701,8 @@ impl Task {
             _ = self.cancel.cancelled() => Error::new(ErrorKind::Canceled, "tcp transfer", format!("connection to {:?} closed", self.peer)),
             e = self.writer(wr, &mut rx) => e,
         };
-        // Closing the duplicate too lets the socket close.
-        self.fast.lock().unwrap().socket = None;
+        // The socket closes with its owner: the writer's future, or the idle slot.
+        self.idle.lock().unwrap().take();
         self.finish(&mut rx, e);
         // The writer's future is gone: a WRITE it was sending can be failed now.
         self.held.fail(&self.table);
@@ -712,7 +718,7 @@ impl Task {
             match item {
                 Item::Job(job) => job.done.complete(Err(dead_error(&self.table))),
                 Item::Gate(gate) => gate.close(),
-                Item::Raw(_) => {}
+                Item::Own(_) | Item::Raw(_) => {}
             }
         }
     }
@@ -810,8 +816,10 @@ impl Task {
     }
 
     /// Send jobs until the queue closes or the socket fails; returns why it stopped.
+    /// It owns the socket while it has work; idle, it leaves the socket in the slot,
+    /// and the socket comes back as the first item queued after.
     async fn writer(&self, wr: OwnedWriteHalf, rx: &mut mpsc::UnboundedReceiver<Item>) -> Error {
-        let mut w = BufWriter::with_capacity(IO_BUF, wr);
+        let mut own = Some(BufWriter::with_capacity(IO_BUF, wr));
         let mut scratch = Vec::new();
         let failed = |e: std::io::Error| {
             Error::new(
@@ -822,13 +830,42 @@ impl Task {
             .with_source(e)
         };
         loop {
+            if let (Some(w), true) = (own.as_mut(), rx.is_empty()) {
+                if let Err(e) = w.flush().await {
+                    return failed(e);
+                }
+                // Idle once everything is on the socket and nothing was queued since;
+                // submitters queue under this lock, so none can slip in between.
+                let mut idle = self.idle.lock().unwrap();
+                if rx.is_empty() {
+                    *idle = own.take();
+                }
+            }
             let Some(item) = rx.recv().await else {
                 return Error::new(ErrorKind::Canceled, "tcp transfer", "connection dropped");
             };
+            if let Item::Own(w) = item {
+                debug_assert!(own.is_none(), "one socket");
+                own = Some(w);
+                continue;
+            }
+            let Some(w) = own.as_mut() else {
+                // Cannot happen: whoever queues work while the slot holds the socket
+                // queues the socket first. Were it to, fail the connection, not hang.
+                return Error::new(
+                    ErrorKind::Backend,
+                    "tcp transfer",
+                    format!(
+                        "peer {:?}: work reached the writer ahead of the socket",
+                        self.peer
+                    ),
+                );
+            };
             let next_id = || self.table.lock().unwrap().issue();
             let sent = match item {
+                Item::Own(_) => unreachable!("taken above"),
                 Item::Raw(bytes) => w.write_all(&bytes).await,
-                Item::Job(job) => self.send(&mut w, &mut scratch, next_id(), job).await,
+                Item::Job(job) => self.send(w, &mut scratch, next_id(), job).await,
                 Item::Gate(gate) => {
                     // The transfer's first piece must be on its way before waiting
                     // for every piece to land.
@@ -843,7 +880,7 @@ impl Task {
                             result: Ok(()),
                             notif: Some(n),
                         } => {
-                            self.send(&mut w, &mut scratch, next_id(), Job::notify(n, done))
+                            self.send(w, &mut scratch, next_id(), Job::notify(n, done))
                                 .await
                         }
                         Gated { done, result, .. } => {
@@ -855,17 +892,6 @@ impl Task {
             };
             if let Err(e) = sent {
                 return failed(e);
-            }
-            if rx.is_empty() {
-                if let Err(e) = w.flush().await {
-                    return failed(e);
-                }
-                // Idle once everything is on the socket and nothing was queued since;
-                // submitters queue under this lock, so none can slip in between.
-                let mut fast = self.fast.lock().unwrap();
-                if rx.is_empty() {
-                    fast.busy = false;
-                }
             }
         }
     }
