@@ -519,8 +519,7 @@ impl Conn {
                 ..
             } => (&table[..], *total, None),
         };
-        let id = self.table.lock().unwrap().issue();
-        let (head, head_len) = job.head(id);
+        let (_, head_len) = job.head(0);
         let len = head_len as u64 + table.len() as u64 + notif.len() as u64 + payload;
         // GPU memory goes the staged way (asynchronous copies on their own stream),
         // never by a blocking device copy on the posting thread.
@@ -538,6 +537,9 @@ impl Conn {
         if gpu || len > FAST_FRAME_MAX as u64 || job.done.is_canceled() {
             return Some(job);
         }
+        // An id only for a request written here: the writer issues its own.
+        let id = self.table.lock().unwrap().issue();
+        let (head, _) = job.head(id);
         let mut frame = Vec::with_capacity(len as usize);
         frame.extend_from_slice(&head[..head_len]);
         frame.extend_from_slice(table);

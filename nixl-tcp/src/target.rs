@@ -88,7 +88,7 @@ impl Registry for Inner {
     }
 }
 
-/// Serve one incoming connection: the protocol is [`protocol::target`]'s; this
+/// Serve one incoming connection: the protocol is [`crate::protocol::target`]'s; this
 /// only moves bytes between the socket, registered memory and the agent.
 async fn serve(
     inner: Arc<Inner>,
