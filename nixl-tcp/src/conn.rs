@@ -37,11 +37,11 @@ use tokio_util::sync::CancellationToken;
 use crate::io::{recv_slices, send_slices, IO_BUF};
 use crate::options::{Started, TcpOptions};
 use crate::protocol::initiator::{
-    Answer, Frame, Handshake, HandshakeAction, Outcome, Requests, Responses, Want,
+    request_head, Answer, Frame, Handshake, HandshakeAction, Outcome, Requests, Responses, Want,
 };
 use crate::runs::local_blocks;
 use crate::same_host::{self, Direct, SameHost, Unsuitable};
-use crate::wire::{self, RequestHeader};
+use crate::wire;
 
 /// Requests whose whole frame (header, descriptor table, notification and a WRITE's
 /// payload) is at most this long are written from the submitting thread when the
@@ -254,23 +254,8 @@ impl Job {
                 *part,
             ),
         };
-        let h = RequestHeader {
-            kind,
-            has_notif: self.notif.is_some(),
-            part: part.is_some(),
-            segments: entries as u32,
-            id,
-            notif_len: self.notif.as_ref().map_or(0, |n| n.len() as u32),
-        };
-        let mut b = [0u8; wire::HEADER_LEN + wire::PART_LEN];
-        b[..wire::HEADER_LEN].copy_from_slice(&h.encode());
-        match part {
-            Some((from, len)) => {
-                b[wire::HEADER_LEN..].copy_from_slice(&wire::encode_part(from, len));
-                (b, wire::HEADER_LEN + wire::PART_LEN)
-            }
-            None => (b, wire::HEADER_LEN),
-        }
+        let notif = self.notif.as_ref().map(|n| n.len() as u32);
+        request_head(kind, entries as u32, part, notif, id)
     }
 
     pub(crate) fn notify(msg: Bytes, done: Completer) -> Self {

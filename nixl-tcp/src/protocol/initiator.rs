@@ -6,6 +6,8 @@
 //!   how the connection came up (or why it failed).
 //! - [`Responses`]: cuts the target's byte stream into [`Frame`]s (ACKs and READ
 //!   data headers), refusing lengths beyond the limits before allocating.
+//! - [`request_head`]: what a request (a WRITE, a READ, a piece of either, a
+//!   notification) begins with; its run table, notification and payload follow.
 //! - [`Requests`]: the requests in flight: ids, the table of requests waiting for
 //!   their answer, answers that arrive before the sender let go of a request, READ
 //!   data, and the connection's death failing everything outstanding. It holds each
@@ -19,7 +21,7 @@ use std::collections::{HashMap, VecDeque};
 
 use nixl::{Error, ErrorKind, Result, SharedSecret};
 
-use crate::wire::{self, Offer, ResponseHeader};
+use crate::wire::{self, Offer, RequestHeader, ResponseHeader};
 
 /// At most this many answers may wait for requests the sender still holds. Only a
 /// WRITE whose payload is being sent can be answered before it is parked, one at a
@@ -294,6 +296,36 @@ impl Handshake {
             }
             Err(why) => self.tcp(Some(why)),
         }
+    }
+}
+
+/// The head of request `id`: its header, then for a piece its range (offset and
+/// length within the whole request). `kind` is a `wire::REQ_*`, `entries` the
+/// number of run-table entries that follow, `notif` the length of the notification
+/// after them, if any. Returns the bytes, and how many of them to send.
+pub(crate) fn request_head(
+    kind: u8,
+    entries: u32,
+    part: Option<(u64, u64)>,
+    notif: Option<u32>,
+    id: u64,
+) -> ([u8; wire::HEADER_LEN + wire::PART_LEN], usize) {
+    let h = RequestHeader {
+        kind,
+        has_notif: notif.is_some(),
+        part: part.is_some(),
+        segments: entries,
+        id,
+        notif_len: notif.unwrap_or(0),
+    };
+    let mut b = [0u8; wire::HEADER_LEN + wire::PART_LEN];
+    b[..wire::HEADER_LEN].copy_from_slice(&h.encode());
+    match part {
+        Some((from, len)) => {
+            b[wire::HEADER_LEN..].copy_from_slice(&wire::encode_part(from, len));
+            (b, wire::HEADER_LEN + wire::PART_LEN)
+        }
+        None => (b, wire::HEADER_LEN),
     }
 }
 

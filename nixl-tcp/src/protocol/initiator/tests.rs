@@ -564,3 +564,125 @@ fn a_foreign_or_refusing_endpoint_fails_the_handshake() {
     assert_eq!(e.kind(), ErrorKind::NotAllowed);
     assert!(e.context().contains("handshake refused (status 5)"), "{e}");
 }
+
+/// Registrations that take every run: the target machine's parsing alone.
+#[derive(Default)]
+struct TakeAll;
+
+impl Registry for TakeAll {
+    type Runs = Option<(u64, u64)>;
+
+    fn check(&self, _: &[u8], runs: &mut Self::Runs) -> std::result::Result<(), Refusal> {
+        *runs = Some((0, u64::MAX));
+        Ok(())
+    }
+
+    fn restrict(runs: &mut Self::Runs, from: u64, len: u64) {
+        *runs = Some((from, len));
+    }
+
+    fn clear(runs: &mut Self::Runs) {
+        *runs = None;
+    }
+}
+
+/// A target past its handshake (no secret, no same-host path).
+fn serving_target() -> Target<TakeAll> {
+    let mut t = Target::<TakeAll>::new(None, 1024, [0; wire::NONCE_LEN]);
+    let feed = |t: &mut Target<TakeAll>, bytes: &[u8]| {
+        let buf = t.need().expect("reading");
+        buf.copy_from_slice(&bytes[..buf.len()]);
+        t.received(&TakeAll);
+    };
+    let hello = wire::hello("initiator");
+    feed(&mut t, &hello[..8]);
+    feed(&mut t, &hello[8..]);
+    feed(&mut t, &[0]);
+    while t.poll().is_some() {}
+    assert!(t.at_boundary());
+    t
+}
+
+/// Feed a whole request to the target and collect what it does.
+fn serve(t: &mut Target<TakeAll>, bytes: &[u8]) -> Vec<target::Action> {
+    let mut at = 0;
+    let mut seen = Vec::new();
+    loop {
+        while let Some(a) = t.poll() {
+            seen.push(a);
+        }
+        match t.need() {
+            Some(buf) if at + buf.len() <= bytes.len() => {
+                let n = buf.len();
+                buf.copy_from_slice(&bytes[at..at + n]);
+                at += n;
+                t.received(&TakeAll);
+            }
+            _ => return seen,
+        }
+    }
+}
+
+fn run_table(entries: u64) -> Vec<u8> {
+    let mut table = Vec::new();
+    for i in 0..entries {
+        wire::SegEntry {
+            key: 1,
+            addr: 0x1000 * (i + 1),
+            len: 512,
+            stride: 512,
+            blocks: 2,
+        }
+        .encode_into(&mut table);
+    }
+    table
+}
+
+#[test]
+fn a_piece_of_a_write_moves_its_range_at_the_target() {
+    let mut t = serving_target();
+    let table = run_table(2);
+    let (head, n) = request_head(wire::REQ_WRITE, 2, Some((1000, 500)), None, 7);
+    assert_eq!(n, wire::HEADER_LEN + wire::PART_LEN);
+    let mut req = head[..n].to_vec();
+    req.extend_from_slice(&table);
+    let seen = serve(&mut t, &req);
+    assert_eq!(seen, vec![target::Action::Receive { len: 500 }]);
+    assert_eq!(t.runs(), &Some((1000, 500)));
+    t.moved();
+    let acked = serve(&mut t, &[]);
+    assert!(matches!(
+        acked.as_slice(),
+        [target::Action::Ack {
+            id: 7,
+            status: wire::ST_OK,
+            ..
+        }]
+    ));
+}
+
+#[test]
+fn a_read_with_a_notification_and_a_notification_alone_reach_the_target() {
+    let mut t = serving_target();
+    let (head, n) = request_head(wire::REQ_READ, 1, None, Some(5), 8);
+    assert_eq!(n, wire::HEADER_LEN);
+    let mut req = head[..n].to_vec();
+    req.extend_from_slice(&run_table(1));
+    req.extend_from_slice(b"hello");
+    let seen = serve(&mut t, &req);
+    assert!(matches!(seen.as_slice(), [target::Action::SendData(_)]));
+    t.moved();
+    let after = serve(&mut t, &[]);
+    assert!(matches!(
+        after.as_slice(),
+        [target::Action::Deliver(n), target::Action::Ack { id: 8, status: wire::ST_OK, .. }] if &n[..] == b"hello"
+    ));
+    let (head, n) = request_head(wire::REQ_NOTIFY, 0, None, Some(3), 9);
+    let mut req = head[..n].to_vec();
+    req.extend_from_slice(b"bye");
+    let seen = serve(&mut t, &req);
+    assert!(matches!(
+        seen.as_slice(),
+        [target::Action::Deliver(n), target::Action::Ack { id: 9, status: wire::ST_OK, .. }] if &n[..] == b"bye"
+    ));
+}
