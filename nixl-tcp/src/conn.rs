@@ -1,22 +1,28 @@
 //! Initiator side: one connection to one peer, many requests in flight.
 //!
+//! The protocol (the handshake, request ids, answers early and late, READ data, a
+//! target that breaks the protocol, the connection's death) is
+//! [`protocol::initiator`](crate::protocol::initiator)'s; this module only moves
+//! bytes, runs the tasks and timers, and completes requests as the protocol says.
+//!
 //! Ownership rule that keeps memory safe: each request's [`Completer`] (which keeps the
 //! request's memory alive) has exactly one owner at a time: the writer task while it
 //! sends a WRITE payload from memory, the pending table while the request waits for its
 //! answer, or the reader task while it receives READ data into memory. Whoever fails or
 //! finishes a request completes it, and nobody touches its memory afterwards.
 //!
-//! Small requests skip the writer task when it is idle: [`Conn::submit`] writes the
-//! whole frame (a WRITE's payload copied into it) from the caller's thread with one
-//! non-blocking write, so a lone 4 KiB transfer costs no task wake-up before it
-//! reaches the socket. What does not fit in the socket buffer goes to the writer,
-//! and while the writer has anything queued or unflushed every request queues
-//! behind it, so the byte stream keeps the order requests were submitted in.
+//! The socket's write half has one owner at a time, a value that moves: the writer
+//! task while it has work, and the connection's idle slot ([`Idle`]) when it has
+//! none (everything flushed, nothing queued). Small requests skip the writer task
+//! while the socket is idle: [`Conn::submit`] writes the whole frame (a WRITE's
+//! payload copied into it) from the caller's thread with one non-blocking write
+//! under the slot's lock, so a lone 4 KiB transfer costs no task wake-up before it
+//! reaches the socket. Whoever queues work for the writer while the socket is idle
+//! takes it out of the slot and queues it first (with what the socket did not take),
+//! and the writer puts it back only when its queue is empty, under the same lock; so
+//! the byte stream keeps the order requests were submitted in.
 
-use std::collections::HashMap;
-use std::io::Write;
 use std::net::SocketAddr;
-use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -30,9 +36,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::io::{recv_slices, send_slices, IO_BUF};
 use crate::options::{Started, TcpOptions};
+use crate::protocol::initiator::{
+    request_head, Answer, Frame, Handshake, HandshakeAction, Outcome, Requests, Responses, Want,
+};
 use crate::runs::local_blocks;
 use crate::same_host::{self, Direct, SameHost, Unsuitable};
-use crate::wire::{self, RequestHeader, ResponseHeader};
+use crate::wire;
 
 /// Requests whose whole frame (header, descriptor table, notification and a WRITE's
 /// payload) is at most this long are written from the submitting thread when the
@@ -40,8 +49,13 @@ use crate::wire::{self, RequestHeader, ResponseHeader};
 /// payloads straight from registered memory.
 const FAST_FRAME_MAX: usize = 64 * 1024;
 
+/// The socket's write half.
+type Sink = BufWriter<OwnedWriteHalf>;
+
 /// What the writer task sends.
 enum Item {
+    /// The socket, taken out of the idle slot by whoever queues work behind it.
+    Own(Sink),
     Job(Job),
     /// The rest of a frame [`Conn::submit`] began writing itself.
     Raw(Vec<u8>),
@@ -146,16 +160,11 @@ impl Gated {
     }
 }
 
-/// Who may write to the socket right now.
-#[derive(Default)]
-struct Fast {
-    /// A duplicate of the connection's socket (non-blocking), while it is up.
-    socket: Option<std::net::TcpStream>,
-    /// The writer task has work queued or bytes unflushed: submissions queue behind it.
-    busy: bool,
-    /// The next request id, shared by both writers.
-    next_id: u64,
-}
+/// The socket while the writer task is idle (flushed, nothing queued): the one place
+/// it rests when no task owns it. Under the lock a submitter may write to it (never
+/// waiting) or take it to hand it to the writer; while the writer owns it (or before
+/// the connection is up) the slot is empty and every request queues.
+type Idle = Mutex<Option<Sink>>;
 
 /// A request handed to the connection's writer.
 pub(crate) struct Job {
@@ -245,23 +254,8 @@ impl Job {
                 *part,
             ),
         };
-        let h = RequestHeader {
-            kind,
-            has_notif: self.notif.is_some(),
-            part: part.is_some(),
-            segments: entries as u32,
-            id,
-            notif_len: self.notif.as_ref().map_or(0, |n| n.len() as u32),
-        };
-        let mut b = [0u8; wire::HEADER_LEN + wire::PART_LEN];
-        b[..wire::HEADER_LEN].copy_from_slice(&h.encode());
-        match part {
-            Some((from, len)) => {
-                b[wire::HEADER_LEN..].copy_from_slice(&wire::encode_part(from, len));
-                (b, wire::HEADER_LEN + wire::PART_LEN)
-            }
-            None => (b, wire::HEADER_LEN),
-        }
+        let notif = self.notif.as_ref().map(|n| n.len() as u32);
+        request_head(kind, entries as u32, part, notif, id)
     }
 
     pub(crate) fn notify(msg: Bytes, done: Completer) -> Self {
@@ -273,19 +267,15 @@ impl Job {
     }
 }
 
+/// A request waiting for its answer, as the protocol's [`Requests`] holds it.
 struct Pending {
     done: Completer,
-    /// For READs: where the data goes, and how much.
-    read: Option<(Arc<Segments>, u64)>,
+    /// For READs: where the data goes.
+    read: Option<Arc<Segments>>,
 }
 
-#[derive(Default)]
-struct Table {
-    dead: Option<Error>,
-    pending: HashMap<u64, Pending>,
-    /// Answers that arrived before the writer handed the request over.
-    early: HashMap<u64, Result<()>>,
-}
+/// The connection's requests: the protocol state, behind the connection's lock.
+type Table = Requests<Pending>;
 
 #[derive(Clone, Debug)]
 enum State {
@@ -298,7 +288,7 @@ enum State {
 pub(crate) struct Conn {
     peer: String,
     tx: mpsc::UnboundedSender<Item>,
-    fast: Arc<Mutex<Fast>>,
+    idle: Arc<Idle>,
     table: Arc<Mutex<Table>>,
     dead: Arc<AtomicBool>,
     cancel: CancellationToken,
@@ -366,34 +356,15 @@ impl std::fmt::Debug for Conn {
 
 /// Fail every pending request and mark the connection dead (first reason wins).
 fn fail(table: &Mutex<Table>, dead: &AtomicBool, e: Error) {
-    let pending = {
-        let mut t = table.lock().unwrap();
-        if t.dead.is_none() {
-            t.dead = Some(e.cloned());
-        }
-        t.early.clear();
-        std::mem::take(&mut t.pending)
-    };
+    let (waiting, e) = table.lock().unwrap().fail(e);
     dead.store(true, Ordering::Release);
-    for (_, p) in pending {
+    for p in waiting {
         p.done.complete(Err(e.cloned()));
     }
 }
 
-fn dead_error(table: &Mutex<Table>, peer: &str) -> Error {
-    table
-        .lock()
-        .unwrap()
-        .dead
-        .as_ref()
-        .map(Error::cloned)
-        .unwrap_or_else(|| {
-            Error::new(
-                ErrorKind::RemoteDisconnected,
-                "tcp transfer",
-                format!("connection to peer {peer:?} is closed"),
-            )
-        })
+fn dead_error(table: &Mutex<Table>) -> Error {
+    table.lock().unwrap().dead_error()
 }
 
 impl Conn {
@@ -407,15 +378,12 @@ impl Conn {
     ) -> Arc<Self> {
         let (tx, rx) = mpsc::unbounded_channel();
         let (state_tx, state) = watch::channel(State::Connecting);
-        let fast = Arc::new(Mutex::new(Fast {
-            next_id: 1,
-            ..Fast::default()
-        }));
+        let idle = Arc::new(Mutex::new(None));
         let conn = Arc::new(Self {
             peer: peer.clone(),
             tx,
-            fast: fast.clone(),
-            table: Arc::default(),
+            idle: idle.clone(),
+            table: Arc::new(Mutex::new(Requests::new(&peer))),
             dead: Arc::default(),
             cancel: started.cancel.child_token(),
             state,
@@ -436,7 +404,7 @@ impl Conn {
             dead: conn.dead.clone(),
             cancel: conn.cancel.clone(),
             tracker: started.ctx.tracker.clone(),
-            fast,
+            idle,
         };
         started.ctx.tracker.spawn(task.run(rx, state_tx));
         conn
@@ -453,8 +421,8 @@ impl Conn {
 
     /// Queue the gate of a split transfer behind everything queued so far.
     pub(crate) fn submit_gate(&self, gate: Arc<GateSlot>) {
-        let mut fast = self.fast.lock().unwrap();
-        fast.busy = true;
+        let mut idle = self.idle.lock().unwrap();
+        self.hand_over(&mut idle);
         // On failure the connection is closing: the gate finishes the transfer when
         // its last piece completes.
         if let Err(mpsc::error::SendError(Item::Gate(g))) = self.tx.send(Item::Gate(gate)) {
@@ -487,28 +455,38 @@ impl Conn {
     /// small, otherwise queued for the writer task.
     pub(crate) fn submit(&self, job: Job) {
         if self.is_dead() {
-            job.done.complete(Err(dead_error(&self.table, &self.peer)));
+            job.done.complete(Err(dead_error(&self.table)));
             return;
         }
-        let mut fast = self.fast.lock().unwrap();
-        let job = match &fast.socket {
-            Some(_) if !fast.busy => match self.write_now(&mut fast, job) {
-                Some(job) => job,
-                None => return,
-            },
-            _ => job,
+        let mut idle = self.idle.lock().unwrap();
+        let job = match self.write_now(&mut idle, job) {
+            Some(job) => job,
+            None => return,
         };
         // Queued under the lock, so that no request is written ahead of it.
-        fast.busy = true;
+        self.hand_over(&mut idle);
         if let Err(mpsc::error::SendError(Item::Job(job))) = self.tx.send(Item::Job(job)) {
-            job.done.complete(Err(dead_error(&self.table, &self.peer)));
+            job.done.complete(Err(dead_error(&self.table)));
         }
     }
 
-    /// Write `job`'s whole frame to the idle socket. Gives the job back when it is
-    /// not small enough (or a WRITE being dropped); otherwise it is parked in the
-    /// pending table and whatever the socket did not take goes to the writer.
-    fn write_now(&self, fast: &mut Fast, job: Job) -> Option<Job> {
+    /// The writer task is about to get work: if the socket is idle, it goes to the
+    /// writer first. Called under the slot's lock, before queueing.
+    fn hand_over(&self, idle: &mut Option<Sink>) {
+        if let Some(w) = idle.take() {
+            // On failure the connection is closing; the socket goes with it.
+            let _ = self.tx.send(Item::Own(w));
+        }
+    }
+
+    /// Write `job`'s whole frame to the socket, if it is idle. Gives the job back
+    /// when the socket is busy or the job not small enough (or a WRITE being
+    /// dropped); otherwise it is parked in the pending table and whatever the socket
+    /// did not take goes to the writer, with the socket.
+    fn write_now(&self, idle: &mut Option<Sink>, job: Job) -> Option<Job> {
+        if idle.is_none() {
+            return Some(job);
+        }
         let notif = job.notif.as_deref().unwrap_or_default();
         let (table, payload, read) = match &job.kind {
             JobKind::Notify => (&[][..], 0, None),
@@ -526,8 +504,7 @@ impl Conn {
                 ..
             } => (&table[..], *total, None),
         };
-        let id = fast.next_id;
-        let (head, head_len) = job.head(id);
+        let (_, head_len) = job.head(0);
         let len = head_len as u64 + table.len() as u64 + notif.len() as u64 + payload;
         // GPU memory goes the staged way (asynchronous copies on their own stream),
         // never by a blocking device copy on the posting thread.
@@ -545,6 +522,9 @@ impl Conn {
         if gpu || len > FAST_FRAME_MAX as u64 || job.done.is_canceled() {
             return Some(job);
         }
+        // An id only for a request written here: the writer issues its own.
+        let id = self.table.lock().unwrap().issue();
+        let (head, _) = job.head(id);
         let mut frame = Vec::with_capacity(len as usize);
         frame.extend_from_slice(&head[..head_len]);
         frame.extend_from_slice(table);
@@ -564,16 +544,15 @@ impl Conn {
                 }
             }
         }
-        fast.next_id += 1;
         // The payload is in `frame`: the request's memory is no longer needed here,
         // and the answer may come as soon as the first byte leaves.
         if !park(&self.table, id, job.done, read) {
             return None;
         }
-        let socket = fast.socket.as_ref().expect("checked by the caller");
+        let socket = idle.as_ref().expect("checked above").get_ref();
         let mut at = 0;
         while at < frame.len() {
-            match (&*socket).write(&frame[at..]) {
+            match socket.try_write(&frame[at..]) {
                 Ok(0) => break,
                 Ok(n) => at += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -595,7 +574,7 @@ impl Conn {
             }
         }
         if at < frame.len() {
-            fast.busy = true;
+            self.hand_over(idle);
             // On failure the connection is closing and the parked request fails with it.
             let _ = self.tx.send(Item::Raw(frame.split_off(at)));
         }
@@ -648,9 +627,9 @@ impl Held {
     }
 
     /// Fail the held request (if any) with the connection's error.
-    fn fail(&self, table: &Mutex<Table>, peer: &str) {
+    fn fail(&self, table: &Mutex<Table>) {
         if let Some(c) = self.take() {
-            c.complete(Err(dead_error(table, peer)));
+            c.complete(Err(dead_error(table)));
         }
     }
 }
@@ -668,7 +647,7 @@ struct Task {
     dead: Arc<AtomicBool>,
     cancel: CancellationToken,
     tracker: tokio_util::task::TaskTracker,
-    fast: Arc<Mutex<Fast>>,
+    idle: Arc<Idle>,
 }
 
 impl Task {
@@ -695,14 +674,6 @@ impl Task {
                 return;
             }
         };
-        // Submitters write small frames through a duplicate of the socket while the
-        // writer is idle (without one, everything goes through the writer).
-        match stream.as_fd().try_clone_to_owned() {
-            Ok(fd) => self.fast.lock().unwrap().socket = Some(std::net::TcpStream::from(fd)),
-            Err(e) => {
-                tracing::debug!(peer = %self.peer, error = %e, "tcp: no duplicate socket; every request goes through the writer task")
-            }
-        }
         let _ = state.send(State::Up);
         tracing::debug!(peer = %self.peer, addr = %self.addr, "tcp connected");
         let (rd, wr) = stream.into_split();
@@ -717,11 +688,11 @@ impl Task {
             _ = self.cancel.cancelled() => Error::new(ErrorKind::Canceled, "tcp transfer", format!("connection to {:?} closed", self.peer)),
             e = self.writer(wr, &mut rx) => e,
         };
-        // Closing the duplicate too lets the socket close.
-        self.fast.lock().unwrap().socket = None;
+        // The socket closes with its owner: the writer's future, or the idle slot.
+        self.idle.lock().unwrap().take();
         self.finish(&mut rx, e);
         // The writer's future is gone: a WRITE it was sending can be failed now.
-        self.held.fail(&self.table, &self.peer);
+        self.held.fail(&self.table);
     }
 
     /// Fail pending and queued work, stop the reader.
@@ -732,9 +703,9 @@ impl Task {
         // Queued work fails with the first reason the connection died for.
         while let Ok(item) = rx.try_recv() {
             match item {
-                Item::Job(job) => job.done.complete(Err(dead_error(&self.table, &self.peer))),
+                Item::Job(job) => job.done.complete(Err(dead_error(&self.table))),
                 Item::Gate(gate) => gate.close(),
-                Item::Raw(_) => {}
+                Item::Own(_) | Item::Raw(_) => {}
             }
         }
     }
@@ -750,161 +721,92 @@ impl Task {
     }
 
     /// Connect, say hello, authenticate, and set up the same-host path where possible.
-    /// Returns the stream, the same-host peer and a description of the data path.
+    /// Returns the stream, the same-host peer and a description of the data path. The
+    /// handshake is [`Handshake`]'s; this only moves its bytes and opens the offer.
     async fn establish(&self) -> Result<(TcpStream, Option<same_host::Peer>, String)> {
         let io = |what: &str, e: std::io::Error| self.connect_error(what, e);
         let mut s = TcpStream::connect(self.addr)
             .await
             .map_err(|e| io("connect", e))?;
         wire::tune(&s, self.options.dead_peer_timeout);
-        s.write_all(&wire::hello(&self.agent))
-            .await
-            .map_err(|e| io("hello", e))?;
-        let mut reply = [0u8; 7];
-        s.read_exact(&mut reply)
-            .await
-            .map_err(|e| io("hello reply", e))?;
-        let refused = |why: String| {
-            Error::new(
-                ErrorKind::NotAllowed,
-                "tcp connect",
-                format!("peer {:?} at {}: {why}", self.peer, self.addr),
-            )
+        let want = match &self.lane {
+            Lane::First(Ok(())) => Want::Yes,
+            Lane::First(Err(why)) => Want::No(why.clone()),
+            Lane::Extra => Want::Extra,
         };
-        if reply[..4] != wire::MAGIC || reply[4..6] != wire::VERSION.to_le_bytes() {
-            return Err(Error::new(
-                ErrorKind::Mismatch,
-                "tcp connect",
-                format!(
-                    "peer {:?} at {} is not a compatible nixl-tcp endpoint",
-                    self.peer, self.addr
-                ),
-            ));
-        }
-        match (reply[6], &self.options.secret) {
-            (wire::ST_OK, None) => {}
-            (wire::ST_OK, Some(_)) => {
-                return Err(refused(
-                    "it does not authenticate, but a shared secret is configured".into(),
-                ))
-            }
-            (wire::ST_AUTH, None) => {
-                return Err(refused(
-                    "it requires a shared secret; none is configured".into(),
-                ))
-            }
-            (wire::ST_AUTH, Some(secret)) => {
-                let mut target_nonce = [0u8; wire::NONCE_LEN];
-                s.read_exact(&mut target_nonce)
-                    .await
-                    .map_err(|e| io("auth", e))?;
-                let ours = wire::nonce();
-                let mac = secret.sign(
-                    wire::CLIENT_CONTEXT,
-                    &[&target_nonce, &ours, self.agent.as_bytes()],
-                );
-                let mut msg = Vec::with_capacity(64);
-                msg.extend_from_slice(&ours);
-                msg.extend_from_slice(&mac);
-                s.write_all(&msg).await.map_err(|e| io("auth", e))?;
-                let mut status = [0u8; 1];
-                s.read_exact(&mut status)
-                    .await
-                    .map_err(|e| io("auth reply", e))?;
-                if status[0] != wire::ST_OK {
-                    return Err(refused("it refused our shared secret".into()));
-                }
-                let mut theirs = [0u8; 32];
-                s.read_exact(&mut theirs)
-                    .await
-                    .map_err(|e| io("auth reply", e))?;
-                if !secret.verify(wire::SERVER_CONTEXT, &[&ours, &target_nonce], &theirs) {
-                    return Err(refused(
-                        "it failed to prove it knows the shared secret".into(),
-                    ));
+        let secret = self.options.secret.clone();
+        let nonce = match secret {
+            Some(_) => wire::nonce(),
+            None => [0; wire::NONCE_LEN],
+        };
+        let mut m = Handshake::new(
+            &self.agent,
+            format!("peer {:?} at {}", self.peer, self.addr),
+            secret,
+            nonce,
+            want,
+            self.options.same_host == SameHost::Require,
+        );
+        let mut opened = None;
+        loop {
+            while let Some(action) = m.poll() {
+                match action {
+                    HandshakeAction::Send { what, bytes } => {
+                        s.write_all(&bytes).await.map_err(|e| io(what, e))?
+                    }
+                    HandshakeAction::Open(offer) => match same_host::Peer::open(&offer) {
+                        Ok(p) => {
+                            opened = Some(p);
+                            m.opened(Ok(()));
+                        }
+                        Err(e) => m.opened(Err(format!(
+                            "the target's shared memory could not be used ({e})"
+                        ))),
+                    },
+                    HandshakeAction::Up(outcome) => {
+                        let path = self.path_of(outcome, opened.as_ref());
+                        return Ok((s, opened, path));
+                    }
+                    HandshakeAction::Fail(e) => return Err(e),
                 }
             }
-            (status, _) => return Err(refused(format!("handshake refused (status {status})"))),
+            let what = m.what();
+            let Some(buf) = m.need() else {
+                unreachable!("the handshake waits only for bytes or for the offer");
+            };
+            s.read_exact(buf).await.map_err(|e| io(what, e))?;
+            m.received();
         }
-        let (peer, path) = self.negotiate_same_host(&mut s).await?;
-        Ok((s, peer, path))
     }
 
-    /// Ask for the same-host path (when the boot ids match) and try the target's offer.
-    /// In [`SameHost::Require`] mode, failing to get it fails the connection.
-    async fn negotiate_same_host(
-        &self,
-        s: &mut TcpStream,
-    ) -> Result<(Option<same_host::Peer>, String)> {
-        let io = |what: &str, e: std::io::Error| self.connect_error(what, e);
-        let want_same_host = match &self.lane {
-            Lane::First(want) => want,
-            Lane::Extra => {
-                s.write_all(&[0])
-                    .await
-                    .map_err(|e| io("same-host request", e))?;
-                return Ok((None, self.options.tcp_path()));
-            }
-        };
-        let want = want_same_host.is_ok();
-        s.write_all(&[u8::from(want)])
-            .await
-            .map_err(|e| io("same-host request", e))?;
-        let why_not = if want {
-            let mut status = [0u8; 1];
-            s.read_exact(&mut status)
-                .await
-                .map_err(|e| io("same-host reply", e))?;
-            if status[0] == 1 {
-                let mut offer = [0u8; wire::OFFER_LEN];
-                s.read_exact(&mut offer)
-                    .await
-                    .map_err(|e| io("same-host offer", e))?;
-                let offer = wire::decode_offer(&offer);
-                match same_host::Peer::open(&offer) {
-                    Ok(p) => {
-                        let path = match p.cma_refused() {
-                            None => "same-host: shared memory for Agent::alloc memory, cross-memory attach for other host memory, TCP for GPU memory and notifications".to_owned(),
-                            Some(why) => format!("same-host: shared memory for Agent::alloc memory, TCP for the rest ({why})"),
-                        };
-                        if let Some(why) = p.cma_refused() {
-                            tracing::info!(peer = %self.peer, reason = %why, "tcp: cross-memory attach off for this peer");
-                        }
-                        return Ok((Some(p), path));
-                    }
-                    Err(e) => format!("the target's shared memory could not be used ({e})"),
+    /// How data moves to this peer, for the way the connection came up.
+    fn path_of(&self, outcome: Outcome, peer: Option<&same_host::Peer>) -> String {
+        match (outcome, peer) {
+            (Outcome::SameHost, Some(p)) => match p.cma_refused() {
+                None => "same-host: shared memory for Agent::alloc memory, cross-memory attach for other host memory, TCP for GPU memory and notifications".to_owned(),
+                Some(why) => {
+                    tracing::info!(peer = %self.peer, reason = %why, "tcp: cross-memory attach off for this peer");
+                    format!("same-host: shared memory for Agent::alloc memory, TCP for the rest ({why})")
                 }
-            } else {
-                "the target does not offer it".to_owned()
-            }
-        } else {
-            want_same_host.clone().err().unwrap_or_default()
-        };
-        if self.options.same_host == SameHost::Require {
-            return Err(Error::new(
-                ErrorKind::NotSupported,
-                "tcp connect",
+            },
+            (Outcome::Tcp(Some(why_not)), _) => {
+                if self.options.same_host == SameHost::Auto {
+                    tracing::info!(peer = %self.peer, reason = %why_not, "tcp: same-host path off for this peer; data goes over TCP");
+                }
                 format!(
-                    "peer {:?} at {}: the same-host path is required, but {why_not}",
-                    self.peer, self.addr
-                ),
-            ));
+                    "{} (same-host path off: {why_not})",
+                    self.options.tcp_path()
+                )
+            }
+            (Outcome::Tcp(None) | Outcome::SameHost, _) => self.options.tcp_path(),
         }
-        if self.options.same_host == SameHost::Auto {
-            tracing::info!(peer = %self.peer, reason = %why_not, "tcp: same-host path off for this peer; data goes over TCP");
-        }
-        Ok((
-            None,
-            format!(
-                "{} (same-host path off: {why_not})",
-                self.options.tcp_path()
-            ),
-        ))
     }
 
     /// Send jobs until the queue closes or the socket fails; returns why it stopped.
+    /// It owns the socket while it has work; idle, it leaves the socket in the slot,
+    /// and the socket comes back as the first item queued after.
     async fn writer(&self, wr: OwnedWriteHalf, rx: &mut mpsc::UnboundedReceiver<Item>) -> Error {
-        let mut w = BufWriter::with_capacity(IO_BUF, wr);
+        let mut own = Some(BufWriter::with_capacity(IO_BUF, wr));
         let mut scratch = Vec::new();
         let failed = |e: std::io::Error| {
             Error::new(
@@ -915,17 +817,42 @@ impl Task {
             .with_source(e)
         };
         loop {
+            if let (Some(w), true) = (own.as_mut(), rx.is_empty()) {
+                if let Err(e) = w.flush().await {
+                    return failed(e);
+                }
+                // Idle once everything is on the socket and nothing was queued since;
+                // submitters queue under this lock, so none can slip in between.
+                let mut idle = self.idle.lock().unwrap();
+                if rx.is_empty() {
+                    *idle = own.take();
+                }
+            }
             let Some(item) = rx.recv().await else {
                 return Error::new(ErrorKind::Canceled, "tcp transfer", "connection dropped");
             };
-            let next_id = || {
-                let mut fast = self.fast.lock().unwrap();
-                fast.next_id += 1;
-                fast.next_id - 1
+            if let Item::Own(w) = item {
+                debug_assert!(own.is_none(), "one socket");
+                own = Some(w);
+                continue;
+            }
+            let Some(w) = own.as_mut() else {
+                // Cannot happen: whoever queues work while the slot holds the socket
+                // queues the socket first. Were it to, fail the connection, not hang.
+                return Error::new(
+                    ErrorKind::Backend,
+                    "tcp transfer",
+                    format!(
+                        "peer {:?}: work reached the writer ahead of the socket",
+                        self.peer
+                    ),
+                );
             };
+            let next_id = || self.table.lock().unwrap().issue();
             let sent = match item {
+                Item::Own(_) => unreachable!("taken above"),
                 Item::Raw(bytes) => w.write_all(&bytes).await,
-                Item::Job(job) => self.send(&mut w, &mut scratch, next_id(), job).await,
+                Item::Job(job) => self.send(w, &mut scratch, next_id(), job).await,
                 Item::Gate(gate) => {
                     // The transfer's first piece must be on its way before waiting
                     // for every piece to land.
@@ -940,7 +867,7 @@ impl Task {
                             result: Ok(()),
                             notif: Some(n),
                         } => {
-                            self.send(&mut w, &mut scratch, next_id(), Job::notify(n, done))
+                            self.send(w, &mut scratch, next_id(), Job::notify(n, done))
                                 .await
                         }
                         Gated { done, result, .. } => {
@@ -952,17 +879,6 @@ impl Task {
             };
             if let Err(e) = sent {
                 return failed(e);
-            }
-            if rx.is_empty() {
-                if let Err(e) = w.flush().await {
-                    return failed(e);
-                }
-                // Idle once everything is on the socket and nothing was queued since;
-                // submitters queue under this lock, so none can slip in between.
-                let mut fast = self.fast.lock().unwrap();
-                if rx.is_empty() {
-                    fast.busy = false;
-                }
             }
         }
     }
@@ -1026,22 +942,13 @@ impl Task {
                 // Payload sent: hand the completer to the table (or finish it, if the
                 // answer already came).
                 let done = self.held.take().expect("held during the payload");
-                let early = {
-                    let mut t = self.table.lock().unwrap();
-                    match t.early.remove(&id) {
-                        Some(r) => Some((r, done)),
-                        None if t.dead.is_some() => {
-                            let e = t.dead.as_ref().map(Error::cloned);
-                            Some((Err(e.expect("checked")), done))
-                        }
-                        None => {
-                            t.pending.insert(id, Pending { done, read: None });
-                            None
-                        }
-                    }
-                };
-                if let Some((r, done)) = early {
-                    done.complete(r);
+                let answered = self
+                    .table
+                    .lock()
+                    .unwrap()
+                    .sent(id, Pending { done, read: None });
+                if let Some((p, r)) = answered {
+                    p.done.complete(r);
                 }
             }
         }
@@ -1083,14 +990,15 @@ fn park(
     done: Completer,
     read: Option<(Arc<Segments>, u64)>,
 ) -> bool {
-    let mut t = table.lock().unwrap();
-    if let Some(e) = t.dead.as_ref().map(Error::cloned) {
-        drop(t);
-        done.complete(Err(e));
-        return false;
+    let (read, len) = read.unzip();
+    let parked = table.lock().unwrap().park(id, Pending { done, read }, len);
+    match parked {
+        Ok(()) => true,
+        Err((p, e)) => {
+            p.done.complete(Err(e));
+            false
+        }
     }
-    t.pending.insert(id, Pending { done, read });
-    true
 }
 
 async fn reader(
@@ -1111,7 +1019,7 @@ async fn reader(
         cancel.cancel();
     }
     // The read loop's future is gone: a READ it was receiving can be failed now.
-    held.fail(&table, &peer);
+    held.fail(&table);
 }
 
 async fn read_loop(rd: OwnedReadHalf, peer: &str, table: &Mutex<Table>, held: &Held) -> Error {
@@ -1129,96 +1037,49 @@ async fn read_loop(rd: OwnedReadHalf, peer: &str, table: &Mutex<Table>, held: &H
         )
         .with_source(e)
     };
-    let protocol = |msg: String| {
-        Error::new(
-            ErrorKind::Backend,
-            "tcp transfer",
-            format!("peer {peer:?} broke the protocol: {msg}"),
-        )
-    };
-    let mut hbuf = [0u8; wire::HEADER_LEN];
+    let mut frames = Responses::default();
     loop {
-        if let Err(e) = r.read_exact(&mut hbuf).await {
+        if let Err(e) = r.read_exact(frames.need()).await {
             return lost(e);
         }
-        let h = ResponseHeader::decode(&hbuf);
-        match h.kind {
-            wire::RESP_ACK => {
-                if h.msg_len > wire::MAX_ERROR_MSG {
-                    return protocol(format!("error message of {} bytes", h.msg_len));
+        let frame = match frames.received() {
+            Ok(Some(f)) => f,
+            Ok(None) => continue,
+            Err(msg) => return table.lock().unwrap().broke(msg),
+        };
+        let data = match frame {
+            Frame::Data { id, len } => Some((id, len)),
+            Frame::Ack { .. } => None,
+        };
+        let answer = table.lock().unwrap().on_frame(frame);
+        match answer {
+            Answer::Complete(p, result) => p.done.complete(result),
+            Answer::Kept => {}
+            Answer::Broke(e, p) => {
+                if let Some(p) = p {
+                    p.done.complete(Err(e.cloned()));
                 }
-                let mut msg = vec![0u8; h.msg_len as usize];
-                if let Err(e) = r.read_exact(&mut msg).await {
-                    return lost(e);
-                }
-                let result = status_result(h.status, peer, &String::from_utf8_lossy(&msg));
-                let mut t = table.lock().unwrap();
-                match t.pending.remove(&h.id) {
-                    Some(p) => {
-                        drop(t);
-                        p.done.complete(result);
-                    }
-                    None => {
-                        t.early.insert(h.id, result);
-                    }
-                }
+                return e;
             }
-            wire::RESP_DATA => {
-                let p = table.lock().unwrap().pending.remove(&h.id);
-                let Some(p) = p else {
-                    return protocol(format!("data for unknown request {}", h.id));
+            Answer::Receive(Pending { done, read }) => {
+                let (Some(segs), Some((id, len))) = (read, data) else {
+                    unreachable!("only READ data is received");
                 };
-                let Pending { done, read } = p;
-                let Some((segs, total)) = read else {
-                    done.complete(Err(protocol(format!(
-                        "data for request {} that is not a READ",
-                        h.id
-                    ))));
-                    return protocol("data for a request that is not a READ".into());
-                };
-                if total != h.data_len {
-                    done.complete(Err(protocol(format!(
-                        "{} bytes of data for a {total}-byte READ",
-                        h.data_len
-                    ))));
-                    return protocol("data length mismatch".into());
-                }
                 held.put(done);
                 if let Err(e) = recv_slices(&mut r, local_blocks(&segs)).await {
                     return lost(e);
                 }
                 let done = held.take().expect("held during the data");
-                // The ACK follows; park the request again.
-                let mut t = table.lock().unwrap();
-                if let Some(e) = t.dead.as_ref().map(Error::cloned) {
-                    drop(t);
-                    done.complete(Err(e));
-                } else {
-                    t.pending.insert(
-                        h.id,
-                        Pending {
-                            done,
-                            read: Some((segs, total)),
-                        },
-                    );
+                // The ACK follows; the request waits for it again.
+                let read = Some(segs);
+                let failed = table
+                    .lock()
+                    .unwrap()
+                    .landed(id, Pending { done, read }, len);
+                if let Some((p, e)) = failed {
+                    p.done.complete(Err(e));
                 }
             }
-            other => return protocol(format!("unknown response kind {other:#x}")),
         }
     }
-}
-
-fn status_result(status: u8, peer: &str, msg: &str) -> Result<()> {
-    let kind = match status {
-        wire::ST_OK => return Ok(()),
-        wire::ST_BAD_KEY => ErrorKind::NotAllowed,
-        wire::ST_OUT_OF_RANGE => ErrorKind::OutOfRange,
-        wire::ST_TOO_LARGE => ErrorKind::InvalidArgument,
-        _ => ErrorKind::Backend,
-    };
-    Err(Error::new(
-        kind,
-        "tcp transfer",
-        format!("peer {peer:?} refused the request: {msg}"),
-    ))
 }

@@ -114,6 +114,7 @@ mod route;
 mod runs;
 mod same_host;
 mod shm;
+mod state;
 mod target;
 mod wire;
 
@@ -135,6 +136,7 @@ use nixl::{
 use conn::{Conn, Job, Lane};
 use options::Started;
 use route::{Route, Socket, Stripe};
+use state::{CopyJob, Inner, PeerEntry};
 
 /// Version of this crate.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -144,44 +146,6 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 #[derive(Debug, Clone)]
 pub struct TcpBackend {
     inner: Arc<Inner>,
-}
-
-#[derive(Debug)]
-pub(crate) struct Inner {
-    pub(crate) options: TcpOptions,
-    pub(crate) started: Attachment<Started>,
-    /// Same-host grants. Declared before `regions`: dropping it revokes every grant
-    /// before the registrations (and the memory they keep alive) go.
-    pub(crate) grants: same_host::Grants,
-    /// Registrations by key, for incoming requests.
-    pub(crate) regions: RwLock<HashMap<u64, RegionRef>>,
-    /// Region id -> (key, same-host grant slot).
-    keys: Mutex<HashMap<u64, (u64, Option<u32>)>>,
-    peers: Mutex<HashMap<String, PeerEntry>>,
-    /// This kernel's boot id, when the same-host path is on.
-    boot: Option<String>,
-    /// The copy thread for large same-host transfers, started at the first one.
-    copier: Mutex<Option<std::sync::mpsc::Sender<CopyJob>>>,
-}
-
-#[derive(Debug)]
-struct PeerEntry {
-    addr: SocketAddr,
-    /// The peer's kernel boot id, from its connection info.
-    boot: Option<String>,
-    /// The first connection: everything but the other pieces of large transfers.
-    conn: Option<Arc<Conn>>,
-    /// Further connections for the pieces of large transfers, opened at the first.
-    extra: Vec<Arc<Conn>>,
-}
-
-impl PeerEntry {
-    /// Close every connection to this peer.
-    fn close(&self, kind: ErrorKind, why: &str) {
-        for c in self.conn.iter().chain(&self.extra) {
-            c.close(kind, why);
-        }
-    }
 }
 
 impl Default for TcpBackend {
@@ -599,9 +563,6 @@ fn decode_blob(blob: &[u8]) -> Option<(u64, Option<u32>)> {
         _ => None,
     }
 }
-
-/// A large same-host transfer for the copy thread.
-type CopyJob = Box<dyn FnOnce() + Send>;
 
 /// A transfer to a peer: the segment table is encoded once, and the route chosen
 /// once, at prepare time.

@@ -17,8 +17,8 @@ use crate::protocol::target::{Action, Refusal, Registry, Target};
 use crate::runs::{blocks, range, LocalRun};
 use crate::same_host::{ConnTable, SameHost};
 use crate::shm;
+use crate::state::Inner;
 use crate::wire::{self, Offer, ResponseHeader, SegEntry};
-use crate::Inner;
 
 pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: &Started) {
     let cancel = started.cancel.clone();
@@ -88,7 +88,7 @@ impl Registry for Inner {
     }
 }
 
-/// Serve one incoming connection: the protocol is [`protocol::target`]'s; this
+/// Serve one incoming connection: the protocol is [`crate::protocol::target`]'s; this
 /// only moves bytes between the socket, registered memory and the agent.
 async fn serve(
     inner: Arc<Inner>,

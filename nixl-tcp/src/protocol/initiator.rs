@@ -1,0 +1,609 @@
+//! The initiator's side of a connection as plain state machines, with no sockets
+//! and no clocks; the I/O (`crate::conn`) only moves bytes and completes requests.
+//!
+//! - [`Handshake`]: the hello, the authentication and the same-host request. It is
+//!   told the bytes it asked for and says what to send, which offer to try, and
+//!   how the connection came up (or why it failed).
+//! - [`Responses`]: cuts the target's byte stream into [`Frame`]s (ACKs and READ
+//!   data headers), refusing lengths beyond the limits before allocating.
+//! - [`request_head`]: what a request (a WRITE, a READ, a piece of either, a
+//!   notification) begins with; its run table, notification and payload follow.
+//! - [`Requests`]: the requests in flight: ids, the table of requests waiting for
+//!   their answer, answers that arrive before the sender let go of a request, READ
+//!   data, and the connection's death failing everything outstanding. It holds each
+//!   request's completion as an opaque `P`, which it hands back with the outcome.
+//!
+//! `Requests` is shared by the tasks and callers of one connection (behind one
+//! lock), so its calls return their action instead of queueing it: whoever made the
+//! call carries the action out, after letting go of the lock.
+
+use std::collections::{HashMap, VecDeque};
+
+use nixl::{Error, ErrorKind, Result, SharedSecret};
+
+use crate::wire::{self, Offer, RequestHeader, ResponseHeader};
+
+/// At most this many answers may wait for requests the sender still holds. Only a
+/// WRITE whose payload is being sent can be answered before it is parked, one at a
+/// time per connection; more means the target answers requests never (or no longer)
+/// in flight.
+const MAX_EARLY: usize = 16;
+
+/// Whether a connection asks for the same-host path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Want {
+    /// Ask for it.
+    Yes,
+    /// Do not ask, for this reason (the first connection to a peer).
+    No(String),
+    /// A further connection for pieces of large transfers: TCP only, nothing to say.
+    Extra,
+}
+
+/// How the connection came up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// The target's same-host offer was opened ([`HandshakeAction::Open`]).
+    SameHost,
+    /// TCP only; for the first connection, why the same-host path is off.
+    Tcp(Option<String>),
+}
+
+/// What the I/O does next during the handshake.
+#[derive(Debug)]
+pub(crate) enum HandshakeAction {
+    /// Write these bytes (`what` names them in an I/O error).
+    Send { what: &'static str, bytes: Vec<u8> },
+    /// Try the target's same-host offer; tell [`Handshake::opened`] how it went.
+    Open(Offer),
+    /// The connection is up.
+    Up(Outcome),
+    /// The handshake failed.
+    Fail(Error),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HsStep {
+    Reply,
+    TargetNonce,
+    AuthStatus,
+    Proof,
+    OfferStatus,
+    Offer,
+    Opening,
+    Over,
+}
+
+/// The initiator's handshake.
+#[derive(Debug)]
+pub(crate) struct Handshake {
+    step: HsStep,
+    buf: [u8; wire::OFFER_LEN + wire::NONCE_LEN],
+    need: usize,
+    agent: String,
+    /// "peer X at ADDR", for messages.
+    who: String,
+    secret: Option<SharedSecret>,
+    ours: [u8; wire::NONCE_LEN],
+    theirs: [u8; wire::NONCE_LEN],
+    want: Want,
+    require: bool,
+    out: VecDeque<HandshakeAction>,
+}
+
+impl Handshake {
+    /// Start: `agent` is this side's name, `who` describes the peer in messages,
+    /// `nonce` is this side's challenge (used only with a secret), `require` makes a
+    /// missing same-host path fail the connection.
+    pub(crate) fn new(
+        agent: &str,
+        who: String,
+        secret: Option<SharedSecret>,
+        nonce: [u8; wire::NONCE_LEN],
+        want: Want,
+        require: bool,
+    ) -> Self {
+        let mut out = VecDeque::new();
+        out.push_back(HandshakeAction::Send {
+            what: "hello",
+            bytes: wire::hello(agent),
+        });
+        Self {
+            step: HsStep::Reply,
+            buf: [0; wire::OFFER_LEN + wire::NONCE_LEN],
+            need: 7,
+            agent: agent.to_owned(),
+            who,
+            secret,
+            ours: nonce,
+            theirs: [0; wire::NONCE_LEN],
+            want,
+            require,
+            out,
+        }
+    }
+
+    /// The next thing to do, until there is none: then read [`Handshake::need`].
+    pub(crate) fn poll(&mut self) -> Option<HandshakeAction> {
+        self.out.pop_front()
+    }
+
+    /// Where the bytes the machine waits for go (read exactly this many), or `None`
+    /// while it waits for [`Handshake::opened`] or is over.
+    pub(crate) fn need(&mut self) -> Option<&mut [u8]> {
+        match self.step {
+            HsStep::Opening | HsStep::Over => None,
+            _ => Some(&mut self.buf[..self.need]),
+        }
+    }
+
+    /// What is being read now, for an I/O error.
+    pub(crate) fn what(&self) -> &'static str {
+        match self.step {
+            HsStep::Reply => "hello reply",
+            HsStep::TargetNonce => "auth",
+            HsStep::AuthStatus | HsStep::Proof => "auth reply",
+            HsStep::OfferStatus => "same-host reply",
+            HsStep::Offer | HsStep::Opening | HsStep::Over => "same-host offer",
+        }
+    }
+
+    fn ask(&mut self, step: HsStep, n: usize) {
+        self.step = step;
+        self.need = n;
+    }
+
+    fn fail(&mut self, e: Error) {
+        self.step = HsStep::Over;
+        self.out.push_back(HandshakeAction::Fail(e));
+    }
+
+    fn refused(&mut self, why: &str) {
+        let e = Error::new(
+            ErrorKind::NotAllowed,
+            "tcp connect",
+            format!("{}: {why}", self.who),
+        );
+        self.fail(e);
+    }
+
+    /// The bytes [`Handshake::need`] asked for arrived.
+    pub(crate) fn received(&mut self) {
+        match self.step {
+            HsStep::Reply => self.on_reply(),
+            HsStep::TargetNonce => {
+                self.theirs.copy_from_slice(&self.buf[..wire::NONCE_LEN]);
+                let secret = self.secret.as_ref().expect("asked only with a secret");
+                let mac = secret.sign(
+                    wire::CLIENT_CONTEXT,
+                    &[&self.theirs, &self.ours, self.agent.as_bytes()],
+                );
+                let mut msg = Vec::with_capacity(64);
+                msg.extend_from_slice(&self.ours);
+                msg.extend_from_slice(&mac);
+                self.out.push_back(HandshakeAction::Send {
+                    what: "auth",
+                    bytes: msg,
+                });
+                self.ask(HsStep::AuthStatus, 1);
+            }
+            HsStep::AuthStatus => {
+                if self.buf[0] != wire::ST_OK {
+                    return self.refused("it refused our shared secret");
+                }
+                self.ask(HsStep::Proof, 32);
+            }
+            HsStep::Proof => {
+                let secret = self.secret.as_ref().expect("asked only with a secret");
+                if !secret.verify(
+                    wire::SERVER_CONTEXT,
+                    &[&self.ours, &self.theirs],
+                    &self.buf[..32],
+                ) {
+                    return self.refused("it failed to prove it knows the shared secret");
+                }
+                self.same_host_request();
+            }
+            HsStep::OfferStatus => {
+                if self.buf[0] == 1 {
+                    self.ask(HsStep::Offer, wire::OFFER_LEN);
+                } else {
+                    self.tcp(Some("the target does not offer it".to_owned()));
+                }
+            }
+            HsStep::Offer => {
+                let mut b = [0u8; wire::OFFER_LEN];
+                b.copy_from_slice(&self.buf[..wire::OFFER_LEN]);
+                self.step = HsStep::Opening;
+                self.out
+                    .push_back(HandshakeAction::Open(wire::decode_offer(&b)));
+            }
+            HsStep::Opening | HsStep::Over => {}
+        }
+    }
+
+    fn on_reply(&mut self) {
+        let reply = &self.buf[..7];
+        if reply[..4] != wire::MAGIC || reply[4..6] != wire::VERSION.to_le_bytes() {
+            let e = Error::new(
+                ErrorKind::Mismatch,
+                "tcp connect",
+                format!("{} is not a compatible nixl-tcp endpoint", self.who),
+            );
+            return self.fail(e);
+        }
+        match (reply[6], self.secret.is_some()) {
+            (wire::ST_OK, false) => self.same_host_request(),
+            (wire::ST_OK, true) => {
+                self.refused("it does not authenticate, but a shared secret is configured")
+            }
+            (wire::ST_AUTH, false) => {
+                self.refused("it requires a shared secret; none is configured")
+            }
+            (wire::ST_AUTH, true) => self.ask(HsStep::TargetNonce, wire::NONCE_LEN),
+            (status, _) => self.refused(&format!("handshake refused (status {status})")),
+        }
+    }
+
+    /// Ask for the same-host path (or say no).
+    fn same_host_request(&mut self) {
+        let yes = self.want == Want::Yes;
+        self.out.push_back(HandshakeAction::Send {
+            what: "same-host request",
+            bytes: vec![u8::from(yes)],
+        });
+        match &self.want {
+            Want::Yes => self.ask(HsStep::OfferStatus, 1),
+            Want::No(why) => {
+                let why = why.clone();
+                self.tcp(Some(why));
+            }
+            Want::Extra => {
+                self.step = HsStep::Over;
+                self.out.push_back(HandshakeAction::Up(Outcome::Tcp(None)));
+            }
+        }
+    }
+
+    /// The same-host path is off for this reason: TCP, unless it is required.
+    fn tcp(&mut self, why_not: Option<String>) {
+        if self.require {
+            let e = Error::new(
+                ErrorKind::NotSupported,
+                "tcp connect",
+                format!(
+                    "{}: the same-host path is required, but {}",
+                    self.who,
+                    why_not.as_deref().unwrap_or_default()
+                ),
+            );
+            return self.fail(e);
+        }
+        self.step = HsStep::Over;
+        self.out
+            .push_back(HandshakeAction::Up(Outcome::Tcp(why_not)));
+    }
+
+    /// How trying the offer of [`HandshakeAction::Open`] went (on failure, why).
+    pub(crate) fn opened(&mut self, r: std::result::Result<(), String>) {
+        if self.step != HsStep::Opening {
+            return;
+        }
+        match r {
+            Ok(()) => {
+                self.step = HsStep::Over;
+                self.out.push_back(HandshakeAction::Up(Outcome::SameHost));
+            }
+            Err(why) => self.tcp(Some(why)),
+        }
+    }
+}
+
+/// The head of request `id`: its header, then for a piece its range (offset and
+/// length within the whole request). `kind` is a `wire::REQ_*`, `entries` the
+/// number of run-table entries that follow, `notif` the length of the notification
+/// after them, if any. Returns the bytes, and how many of them to send.
+pub(crate) fn request_head(
+    kind: u8,
+    entries: u32,
+    part: Option<(u64, u64)>,
+    notif: Option<u32>,
+    id: u64,
+) -> ([u8; wire::HEADER_LEN + wire::PART_LEN], usize) {
+    let h = RequestHeader {
+        kind,
+        has_notif: notif.is_some(),
+        part: part.is_some(),
+        segments: entries,
+        id,
+        notif_len: notif.unwrap_or(0),
+    };
+    let mut b = [0u8; wire::HEADER_LEN + wire::PART_LEN];
+    b[..wire::HEADER_LEN].copy_from_slice(&h.encode());
+    match part {
+        Some((from, len)) => {
+            b[wire::HEADER_LEN..].copy_from_slice(&wire::encode_part(from, len));
+            (b, wire::HEADER_LEN + wire::PART_LEN)
+        }
+        None => (b, wire::HEADER_LEN),
+    }
+}
+
+/// A response from the target, cut from its byte stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Frame {
+    /// The answer to request `id`.
+    Ack { id: u64, status: u8, msg: String },
+    /// `len` bytes of data for READ `id` follow on the stream.
+    Data { id: u64, len: u64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RStep {
+    Header,
+    Msg,
+}
+
+/// Cuts the target's stream into frames. Owned by the reading task.
+#[derive(Debug)]
+pub(crate) struct Responses {
+    step: RStep,
+    head: [u8; wire::HEADER_LEN],
+    msg: Vec<u8>,
+    h: ResponseHeader,
+}
+
+impl Default for Responses {
+    fn default() -> Self {
+        Self {
+            step: RStep::Header,
+            head: [0; wire::HEADER_LEN],
+            msg: Vec::new(),
+            h: ResponseHeader {
+                kind: 0,
+                status: 0,
+                msg_len: 0,
+                id: 0,
+                data_len: 0,
+            },
+        }
+    }
+}
+
+impl Responses {
+    /// Where the next bytes go: read exactly this many, then [`Responses::received`].
+    pub(crate) fn need(&mut self) -> &mut [u8] {
+        match self.step {
+            RStep::Header => &mut self.head,
+            RStep::Msg => &mut self.msg,
+        }
+    }
+
+    /// The bytes [`Responses::need`] asked for arrived: a whole frame, nothing yet,
+    /// or why the stream breaks the protocol (then the connection closes). After a
+    /// [`Frame::Data`], its `len` bytes are the I/O's to read before the next call.
+    pub(crate) fn received(&mut self) -> std::result::Result<Option<Frame>, String> {
+        if self.step == RStep::Msg {
+            self.step = RStep::Header;
+            let msg = String::from_utf8_lossy(&self.msg).into_owned();
+            return Ok(Some(self.ack(msg)));
+        }
+        let h = ResponseHeader::decode(&self.head);
+        self.h = h;
+        match h.kind {
+            wire::RESP_ACK => {
+                if h.msg_len > wire::MAX_ERROR_MSG {
+                    return Err(format!("error message of {} bytes", h.msg_len));
+                }
+                if h.msg_len == 0 {
+                    return Ok(Some(self.ack(String::new())));
+                }
+                self.msg.clear();
+                self.msg.resize(h.msg_len as usize, 0);
+                self.step = RStep::Msg;
+                Ok(None)
+            }
+            wire::RESP_DATA => Ok(Some(Frame::Data {
+                id: h.id,
+                len: h.data_len,
+            })),
+            other => Err(format!("unknown response kind {other:#x}")),
+        }
+    }
+
+    fn ack(&self, msg: String) -> Frame {
+        Frame::Ack {
+            id: self.h.id,
+            status: self.h.status,
+            msg,
+        }
+    }
+}
+
+/// What to do with a [`Frame`] ([`Requests::on_frame`]).
+#[derive(Debug)]
+pub(crate) enum Answer<P> {
+    /// Complete this request with this outcome.
+    Complete(P, Result<()>),
+    /// Nothing now: the answer waits for the sender to let go of its request.
+    Kept,
+    /// Receive the data into this READ's memory, then [`Requests::landed`].
+    Receive(P),
+    /// The target broke the protocol: fail the request given (if any) with the
+    /// error, and close the connection with it.
+    Broke(Error, Option<P>),
+}
+
+#[derive(Debug)]
+struct Waiting<P> {
+    done: P,
+    /// For READs: how many bytes the data brings.
+    read: Option<u64>,
+}
+
+/// The requests of one connection: what waits for an answer, and whether the
+/// connection died (and why).
+#[derive(Debug)]
+pub(crate) struct Requests<P> {
+    peer: String,
+    next_id: u64,
+    dead: Option<Error>,
+    pending: HashMap<u64, Waiting<P>>,
+    /// Answers that arrived before the sender handed its request over.
+    early: HashMap<u64, Result<()>>,
+}
+
+impl<P> Requests<P> {
+    pub(crate) fn new(peer: &str) -> Self {
+        Self {
+            peer: peer.to_owned(),
+            next_id: 1,
+            dead: None,
+            pending: HashMap::new(),
+            early: HashMap::new(),
+        }
+    }
+
+    /// A new request id (ids start at 1 and are never reused).
+    pub(crate) fn issue(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id - 1
+    }
+
+    /// Why the connection died (or that it is closed).
+    pub(crate) fn dead_error(&self) -> Error {
+        self.dead.as_ref().map(Error::cloned).unwrap_or_else(|| {
+            Error::new(
+                ErrorKind::RemoteDisconnected,
+                "tcp transfer",
+                format!("connection to peer {:?} is closed", self.peer),
+            )
+        })
+    }
+
+    /// Wait for request `id`'s answer before sending it (`read`: a READ of this many
+    /// bytes). When the connection is dead the request comes back with the reason.
+    pub(crate) fn park(
+        &mut self,
+        id: u64,
+        done: P,
+        read: Option<u64>,
+    ) -> std::result::Result<(), (P, Error)> {
+        if let Some(e) = &self.dead {
+            return Err((done, e.cloned()));
+        }
+        self.pending.insert(id, Waiting { done, read });
+        Ok(())
+    }
+
+    /// WRITE `id`'s payload is sent: wait for its answer, or finish it when the
+    /// answer came already (or the connection died meanwhile).
+    pub(crate) fn sent(&mut self, id: u64, done: P) -> Option<(P, Result<()>)> {
+        if let Some(r) = self.early.remove(&id) {
+            return Some((done, r));
+        }
+        if let Some(e) = &self.dead {
+            return Some((done, Err(e.cloned())));
+        }
+        self.pending.insert(id, Waiting { done, read: None });
+        None
+    }
+
+    /// READ `id`'s data landed: wait for its ACK (or fail it, when the connection
+    /// died meanwhile).
+    pub(crate) fn landed(&mut self, id: u64, done: P, len: u64) -> Option<(P, Error)> {
+        if let Some(e) = &self.dead {
+            return Some((done, e.cloned()));
+        }
+        self.pending.insert(
+            id,
+            Waiting {
+                done,
+                read: Some(len),
+            },
+        );
+        None
+    }
+
+    /// The connection died: every request waiting fails with the first reason.
+    /// Returns them, and the error to fail them with.
+    pub(crate) fn fail(&mut self, e: Error) -> (Vec<P>, Error) {
+        if self.dead.is_none() {
+            self.dead = Some(e.cloned());
+        }
+        self.early.clear();
+        let waiting = self.pending.drain().map(|(_, w)| w.done).collect();
+        (waiting, e)
+    }
+
+    /// The error for a target that broke the protocol.
+    pub(crate) fn broke(&self, msg: String) -> Error {
+        Error::new(
+            ErrorKind::Backend,
+            "tcp transfer",
+            format!("peer {:?} broke the protocol: {msg}", self.peer),
+        )
+    }
+
+    /// A frame from the target.
+    pub(crate) fn on_frame(&mut self, frame: Frame) -> Answer<P> {
+        match frame {
+            Frame::Ack { id, status, msg } => {
+                let result = status_result(status, &self.peer, &msg);
+                if let Some(w) = self.pending.remove(&id) {
+                    return Answer::Complete(w.done, result);
+                }
+                if id == 0 || id >= self.next_id {
+                    return Answer::Broke(
+                        self.broke(format!("answer to request {id}, never sent")),
+                        None,
+                    );
+                }
+                if self.early.len() >= MAX_EARLY && !self.early.contains_key(&id) {
+                    return Answer::Broke(
+                        self.broke(format!("answer to request {id}, not in flight")),
+                        None,
+                    );
+                }
+                self.early.insert(id, result);
+                Answer::Kept
+            }
+            Frame::Data { id, len } => {
+                let Some(Waiting { done, read }) = self.pending.remove(&id) else {
+                    return Answer::Broke(
+                        self.broke(format!("data for unknown request {id}")),
+                        None,
+                    );
+                };
+                let Some(total) = read else {
+                    let e = self.broke(format!("data for request {id} that is not a READ"));
+                    return Answer::Broke(e, Some(done));
+                };
+                if total != len {
+                    let e = self.broke(format!("{len} bytes of data for a {total}-byte READ"));
+                    return Answer::Broke(e, Some(done));
+                }
+                Answer::Receive(done)
+            }
+        }
+    }
+}
+
+/// The outcome an ACK's status says.
+fn status_result(status: u8, peer: &str, msg: &str) -> Result<()> {
+    let kind = match status {
+        wire::ST_OK => return Ok(()),
+        wire::ST_BAD_KEY => ErrorKind::NotAllowed,
+        wire::ST_OUT_OF_RANGE => ErrorKind::OutOfRange,
+        wire::ST_TOO_LARGE => ErrorKind::InvalidArgument,
+        _ => ErrorKind::Backend,
+    };
+    Err(Error::new(
+        kind,
+        "tcp transfer",
+        format!("peer {peer:?} refused the request: {msg}"),
+    ))
+}
+
+#[cfg(test)]
+mod tests;
