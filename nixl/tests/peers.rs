@@ -111,54 +111,10 @@ impl Backend for Ledger {
     }
 }
 
-/// Forwards to a shared [`Ledger`], so the test keeps a handle on what the agent has.
-#[derive(Debug)]
-struct Shared(Arc<Ledger>);
-
-#[async_trait]
-impl Backend for Shared {
-    fn name(&self) -> &str {
-        self.0.name()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.0.capabilities()
-    }
-    async fn start(&self, ctx: BackendContext) -> Result<()> {
-        self.0.start(ctx).await
-    }
-    fn connection_info(&self) -> Bytes {
-        self.0.connection_info()
-    }
-    fn register(&self, region: &RegionRef) -> Result<Bytes> {
-        self.0.register(region)
-    }
-    fn deregister(&self, region_id: u64) -> Result<()> {
-        self.0.deregister(region_id)
-    }
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
-        self.0.add_peer(peer, conn_info)
-    }
-    async fn connect(&self, peer: &str) -> Result<()> {
-        self.0.connect(peer).await
-    }
-    fn remove_peer(&self, peer: &str) -> Result<()> {
-        self.0.remove_peer(peer)
-    }
-    fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
-        self.0.prepare(plan)
-    }
-    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
-        self.0.notify(peer, msg, done)
-    }
-    async fn shutdown(&self, timeout: Duration) -> Result<()> {
-        self.0.shutdown(timeout).await
-    }
-}
-
 async fn agent(name: &str, backends: &[&Arc<Ledger>]) -> Agent {
     let mut b = Agent::builder(name);
     for l in backends {
-        b = b.backend(Shared(Arc::clone(l)));
+        b = b.backend_arc(Arc::clone(l) as Arc<dyn Backend>);
     }
     b.build().await.unwrap()
 }

@@ -16,11 +16,13 @@ use nixl::{
 
 /// Test double: a backend whose only work is one OS thread that blocks in a channel
 /// receive until its wake sends on the channel (or, when `stubborn`, ignores its stop
-/// until the test releases it).
+/// until the test releases it). With `slow_stop`, its shutdown takes 300 ms and then
+/// sets the flag.
 #[derive(Debug)]
 struct ThreadDouble {
     thread: String,
     stubborn: Option<Arc<AtomicBool>>,
+    slow_stop: Option<Arc<AtomicBool>>,
 }
 
 #[async_trait]
@@ -82,6 +84,10 @@ impl Backend for ThreadDouble {
         done.complete(Ok(()));
     }
     async fn shutdown(&self, _timeout: Duration) -> Result<()> {
+        if let Some(stopped) = &self.slow_stop {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            stopped.store(true, Ordering::SeqCst);
+        }
         Ok(())
     }
 }
@@ -103,6 +109,7 @@ async fn agent(thread: &str) -> Agent {
         .backend(ThreadDouble {
             thread: thread.into(),
             stubborn: None,
+            slow_stop: None,
         })
         .build()
         .await
@@ -184,6 +191,7 @@ async fn stubborn_thread_is_named_not_waited_on() {
         .backend(ThreadDouble {
             thread: T.into(),
             stubborn: Some(release.clone()),
+            slow_stop: None,
         })
         .options(AgentOptions {
             drain_timeout: Duration::from_secs(1),
@@ -204,61 +212,16 @@ async fn stubborn_thread_is_named_not_waited_on() {
     assert!(gone(T));
 }
 
-/// A test double whose shutdown takes a while and says when it has finished.
-#[derive(Debug)]
-struct SlowStop(Arc<AtomicBool>);
-
-#[async_trait]
-impl Backend for SlowStop {
-    fn name(&self) -> &str {
-        "slow-stop"
-    }
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            dram: true,
-            ..Capabilities::default()
-        }
-    }
-    async fn start(&self, _ctx: BackendContext) -> Result<()> {
-        Ok(())
-    }
-    fn connection_info(&self) -> Bytes {
-        Bytes::new()
-    }
-    fn register(&self, _region: &RegionRef) -> Result<Bytes> {
-        Ok(Bytes::new())
-    }
-    fn deregister(&self, _region_id: u64) -> Result<()> {
-        Ok(())
-    }
-    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
-        Ok(())
-    }
-    async fn connect(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn remove_peer(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
-        unreachable!("no transfers in this test")
-    }
-    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
-        done.complete(Ok(()));
-    }
-    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        self.0.store(true, Ordering::SeqCst);
-        Ok(())
-    }
-}
-
 /// A second `shutdown()` while the first runs returns only once the first finished.
 #[tokio::test]
 async fn a_concurrent_shutdown_waits_for_the_first() {
     let stopped = Arc::new(AtomicBool::new(false));
     let a = Agent::builder("slow")
-        .backend(SlowStop(stopped.clone()))
+        .backend(ThreadDouble {
+            thread: "t-slow-stop".into(),
+            stubborn: None,
+            slow_stop: Some(stopped.clone()),
+        })
         .build()
         .await
         .unwrap();
