@@ -79,6 +79,40 @@ impl Drop for InflightGuard {
     }
 }
 
+/// Memory a posted transfer uses: counted in flight from post to completion, so it is
+/// neither deregistered nor freed meanwhile (a registration implements it).
+pub(crate) trait InFlight: Send + Sync {
+    fn enter(&self);
+    fn leave(&self);
+}
+
+/// What a posted transfer keeps alive and counted until its backend reports: its
+/// memory, and its place in the agent's count.
+pub(crate) struct Keepalive {
+    memory: Vec<Arc<dyn InFlight>>,
+    _counted: InflightGuard,
+}
+
+impl Keepalive {
+    pub(crate) fn new(memory: Vec<Arc<dyn InFlight>>, counter: &Arc<InflightCounter>) -> Self {
+        for m in &memory {
+            m.enter();
+        }
+        Self {
+            memory,
+            _counted: counter.enter(),
+        }
+    }
+}
+
+impl Drop for Keepalive {
+    fn drop(&mut self) {
+        for m in &self.memory {
+            m.leave();
+        }
+    }
+}
+
 /// Told the outcome of a transfer before anyone can observe it (telemetry).
 pub(crate) trait Observer: Send + Sync {
     fn finished(&self, result: &Result<()>);
@@ -97,14 +131,14 @@ pub(crate) struct CompletionState {
     canceled: AtomicBool,
     /// What the transfer keeps alive (its memory, its place in the agent's count),
     /// released before completion is observable.
-    keepalive: Mutex<Option<Box<dyn Send>>>,
+    keepalive: Mutex<Option<Keepalive>>,
     /// Told the outcome first (the post's telemetry record).
     observer: Option<Arc<dyn Observer>>,
 }
 
 impl CompletionState {
     pub(crate) fn new(
-        keepalive: Option<Box<dyn Send>>,
+        keepalive: Option<Keepalive>,
         observer: Option<Arc<dyn Observer>>,
     ) -> Arc<Self> {
         Arc::new(Self {

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 
+use crate::completion::InFlight;
 use crate::descriptor::{Desc, Ranged};
 use crate::error::{err, ErrorKind, Result};
 use crate::memory::{MemKind, MemSegment, Memory};
@@ -18,6 +19,16 @@ pub(crate) struct RegionInner {
     pub(crate) registered: AtomicBool,
     /// (backend index, public blob) for each backend that registered this region.
     pub(crate) backends: Mutex<Vec<(usize, Bytes)>>,
+}
+
+impl InFlight for RegionInner {
+    fn enter(&self) {
+        self.inflight.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn leave(&self) {
+        self.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl RegionInner {

@@ -11,38 +11,12 @@ use bytes::Bytes;
 
 use crate::backend::PreparedTransfer;
 use crate::completion::{
-    Completer, CompletionState, InflightCounter, InflightGuard, Observer, Op, Status,
+    Completer, CompletionState, InFlight, InflightCounter, Keepalive, Observer, Op, Status,
 };
 use crate::error::{err, ErrorKind, Result};
 use crate::notification::check_notification;
 use crate::region::RegionInner;
 use crate::telemetry::{Probe, RequestTelemetry, TransferTelemetry};
-
-/// Keeps a posted transfer's memory alive and counted until its backend reports.
-struct Keepalive {
-    regions: Vec<Arc<RegionInner>>,
-    _counted: InflightGuard,
-}
-
-impl Keepalive {
-    fn new(regions: Vec<Arc<RegionInner>>, counter: &Arc<InflightCounter>) -> Self {
-        for r in &regions {
-            r.inflight.fetch_add(1, Ordering::AcqRel);
-        }
-        Self {
-            regions,
-            _counted: counter.enter(),
-        }
-    }
-}
-
-impl Drop for Keepalive {
-    fn drop(&mut self) {
-        for r in &self.regions {
-            r.inflight.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
-}
 
 /// A posted transfer (or standalone notification): await it for the outcome.
 ///
@@ -232,9 +206,10 @@ impl XferRequest {
             owner.notification_sent();
         }
         let probe = self.telemetry.as_ref().map(|t| Arc::new(Probe::start(t)));
-        let keepalive = Keepalive::new(self.regions.clone(), &owner.inflight());
+        let memory = self.regions.iter().map(|r| r.clone() as Arc<dyn InFlight>);
+        let keepalive = Keepalive::new(memory.collect(), &owner.inflight());
         let state = CompletionState::new(
-            Some(Box::new(keepalive)),
+            Some(keepalive),
             probe.clone().map(|p| p as Arc<dyn Observer>),
         );
         *last = Some((state.clone(), probe.clone()));
