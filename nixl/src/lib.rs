@@ -39,6 +39,7 @@ mod completion;
 mod descriptor;
 mod error;
 pub mod exchange;
+mod gate;
 pub mod gpu;
 pub mod interop;
 mod memory;

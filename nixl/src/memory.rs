@@ -214,7 +214,8 @@ impl Memory {
     /// Start copying `n` bytes at `offset` of this memory into the start of `buf`
     /// (`dir` [`ToHost`](crate::gpu::Direction::ToHost)) or the other way round:
     /// device memory asynchronously, host memory at once. `hold` keeps this memory
-    /// alive until the copy has finished.
+    /// alive until the copy has finished; `ended` runs once nothing touches the memory
+    /// any more (see [`crate::gpu::start_copy`]), on error too.
     pub(crate) fn stage(
         &self,
         offset: usize,
@@ -222,30 +223,40 @@ impl Memory {
         mut buf: crate::gpu::PinnedBuf,
         n: usize,
         hold: Box<dyn Any + Send + Sync>,
+        ended: Box<dyn FnOnce() + Send>,
     ) -> Result<crate::gpu::GpuCopy> {
         const OP: &str = "stage registered memory";
         if n > buf.len() {
+            ended();
             return err(
                 ErrorKind::OutOfRange,
                 OP,
                 format!("{n} bytes do not fit a {}-byte pinned buffer", buf.len()),
             );
         }
-        let at = self.range(offset, n, OP)?;
+        let at = match self.range(offset, n, OP) {
+            Ok(at) => at,
+            Err(e) => {
+                ended();
+                return Err(e);
+            }
+        };
         match (self.kind, dir) {
             (MemKind::Dram, crate::gpu::Direction::ToHost) => {
-                self.copy_out(offset, &mut buf[..n])?;
-                Ok(crate::gpu::GpuCopy::finished(buf, hold))
+                let copied = self.copy_out(offset, &mut buf[..n]);
+                ended();
+                copied.map(|()| crate::gpu::GpuCopy::finished(buf, hold))
             }
             (MemKind::Dram, crate::gpu::Direction::ToDevice) => {
-                self.copy_in(offset, &buf[..n])?;
-                Ok(crate::gpu::GpuCopy::finished(buf, hold))
+                let copied = self.copy_in(offset, &buf[..n]);
+                ended();
+                copied.map(|()| crate::gpu::GpuCopy::finished(buf, hold))
             }
             // SAFETY: live device memory of `device` (our invariant), range checked,
             // kept alive by `hold` (a reference to this memory's registration); `n`
             // fits `buf`.
             (MemKind::Vram { device }, dir) => unsafe {
-                crate::gpu::start_copy(device, dir, at, buf, n, hold)
+                crate::gpu::start_copy(device, dir, at, buf, n, hold, ended)
             },
         }
     }

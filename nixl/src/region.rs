@@ -9,6 +9,7 @@ use bytes::Bytes;
 use crate::completion::InFlight;
 use crate::descriptor::{Desc, Ranged};
 use crate::error::{err, ErrorKind, Result};
+use crate::gate::{Access, Gate};
 use crate::memory::{MemKind, MemSegment, Memory};
 
 pub(crate) struct RegionInner {
@@ -19,6 +20,8 @@ pub(crate) struct RegionInner {
     pub(crate) registered: AtomicBool,
     /// (backend index, public blob) for each backend that registered this region.
     pub(crate) backends: Mutex<Vec<(usize, Bytes)>>,
+    /// Every backend access through a [`RegionSlice`] passes it; deregistration closes it.
+    pub(crate) gate: Gate,
 }
 
 impl InFlight for RegionInner {
@@ -32,6 +35,18 @@ impl InFlight for RegionInner {
 }
 
 impl RegionInner {
+    /// Enter the gate for one access, or refuse: the registration was withdrawn.
+    fn access(&self, op: &'static str) -> Result<Access<'_>> {
+        match self.gate.enter() {
+            Some(a) => Ok(a),
+            None => err(
+                ErrorKind::NotFound,
+                op,
+                format!("registration {} was deregistered", self.id),
+            ),
+        }
+    }
+
     pub(crate) fn registered_with(&self, backend: usize) -> bool {
         self.backends
             .lock()
@@ -323,8 +338,7 @@ impl RegionSlice {
     /// [`RegionSlice::io_range`] as an I/O error, for the socket calls.
     #[cfg(unix)]
     fn socket_range(&self, at: usize, n: usize, op: &'static str) -> std::io::Result<usize> {
-        self.io_range(at, n, op)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+        self.io_range(at, n, op).map_err(io_invalid)
     }
 
     /// Copy `dst.len()` bytes starting `at` bytes into the slice out into `dst`.
@@ -332,7 +346,9 @@ impl RegionSlice {
     /// # Errors
     /// [`ErrorKind::OutOfRange`]; for GPU memory, errors of the device copy.
     pub fn read_into(&self, at: usize, dst: &mut [u8]) -> Result<()> {
-        let off = self.range(at, dst.len(), "read registered memory")?;
+        const OP: &str = "read registered memory";
+        let off = self.range(at, dst.len(), OP)?;
+        let _access = self.region.inner.access(OP)?;
         self.region.inner.mem.copy_out(off, dst)
     }
 
@@ -341,7 +357,9 @@ impl RegionSlice {
     /// # Errors
     /// As [`RegionSlice::read_into`].
     pub fn write_from(&self, at: usize, src: &[u8]) -> Result<()> {
-        let off = self.range(at, src.len(), "write registered memory")?;
+        const OP: &str = "write registered memory";
+        let off = self.range(at, src.len(), OP)?;
+        let _access = self.region.inner.access(OP)?;
         self.region.inner.mem.copy_in(off, src)
     }
 
@@ -387,11 +405,23 @@ impl RegionSlice {
         buf: crate::gpu::PinnedBuf,
         n: usize,
     ) -> Result<crate::gpu::GpuCopy> {
-        let off = self.range(at, n, "stage registered memory")?;
+        const OP: &str = "stage registered memory";
+        let off = self.range(at, n, OP)?;
+        // Counted in flight inside the gate: a deregistration that closed the gate
+        // sees the count and refuses while the device copy runs.
+        let _access = self.region.inner.access(OP)?;
+        let counted = self.region.inner.clone();
+        counted.inflight.fetch_add(1, Ordering::AcqRel);
+        // Uncounted when the device is done with the memory, not when the copy's
+        // future is next polled: a peer that stalls mid-request does not hold the
+        // registration in flight.
+        let ended = Box::new(move || {
+            counted.inflight.fetch_sub(1, Ordering::AcqRel);
+        });
         self.region
             .inner
             .mem
-            .stage(off, dir, buf, n, Box::new(StagingUse::new(self.clone())))
+            .stage(off, dir, buf, n, Box::new(self.clone()), ended)
     }
 
     /// Copy all of `src` into this slice (`memmove`: the two may overlap).
@@ -409,6 +439,7 @@ impl RegionSlice {
             );
         }
         let (d, s) = (self.range(0, self.len, OP)?, src.range(0, src.len, OP)?);
+        let _access = (self.region.inner.access(OP)?, src.region.inner.access(OP)?);
         self.region
             .inner
             .mem
@@ -429,7 +460,9 @@ impl RegionSlice {
         n: usize,
         fd: std::os::fd::BorrowedFd<'_>,
     ) -> std::io::Result<usize> {
-        let off = self.socket_range(at, n, "receive into registered memory")?;
+        const OP: &str = "receive into registered memory";
+        let off = self.socket_range(at, n, OP)?;
+        let _access = self.region.inner.access(OP).map_err(io_invalid)?;
         self.region.inner.mem.recv_at(off, n, fd)
     }
 
@@ -445,27 +478,17 @@ impl RegionSlice {
         n: usize,
         fd: std::os::fd::BorrowedFd<'_>,
     ) -> std::io::Result<usize> {
-        let off = self.socket_range(at, n, "send from registered memory")?;
+        const OP: &str = "send from registered memory";
+        let off = self.socket_range(at, n, OP)?;
+        let _access = self.region.inner.access(OP).map_err(io_invalid)?;
         self.region.inner.mem.send_at(off, n, fd)
     }
 }
 
-/// A staging copy's hold on its registration: it keeps the memory alive and counts as
-/// in flight, so the registration cannot be deregistered (and the application told
-/// its memory is free) while a copy whose transfer already ended still runs.
-struct StagingUse(RegionSlice);
-
-impl StagingUse {
-    fn new(s: RegionSlice) -> Self {
-        s.region.inner.inflight.fetch_add(1, Ordering::AcqRel);
-        Self(s)
-    }
-}
-
-impl Drop for StagingUse {
-    fn drop(&mut self) {
-        self.0.region.inner.inflight.fetch_sub(1, Ordering::AcqRel);
-    }
+/// A refusal as an I/O error, for the socket calls.
+#[cfg(unix)]
+fn io_invalid(e: crate::Error) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidInput, e)
 }
 
 impl fmt::Debug for RegionSlice {

@@ -570,3 +570,137 @@ proptest! {
         });
     }
 }
+
+/// Deregistration cuts off the requests the target is serving from that memory.
+mod deregistration {
+    use super::*;
+
+    /// Register `mem` filled with 0x11 and start a WRITE of all of it whose payload
+    /// comes in two parts; deregister between them. Nothing of the second part may
+    /// reach the memory, and the target cuts the connection.
+    async fn slow_write_cut_by_deregister(mem: nixl::Memory) {
+        let (b, addr) = target(TcpOptions::default()).await;
+        let len = mem.len();
+        let r = b.register(mem).unwrap();
+        r.write_at(0, &vec![0x11; len]).unwrap();
+        let key = key_of(&b.metadata().unwrap(), r.id());
+        let mut c = Raw::connect(addr).await;
+        c.send_raw(WRITE, 1, 0, false).await;
+        let mut table = Vec::new();
+        for x in [key, r.addr(), len as u64, 0, 1] {
+            table.extend_from_slice(&x.to_le_bytes());
+        }
+        c.s.write_all(&table).await.unwrap();
+        // One staging chunk of GPU memory (they move whole).
+        let first = 4 << 20;
+        c.s.write_all(&vec![0xEE; first]).await.unwrap();
+        bounded("the first part lands", async {
+            loop {
+                let mut b = [0u8; 1];
+                r.read_at(first - 1, &mut b).unwrap();
+                if b[0] == 0xEE {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+        .await;
+        // Refused while a staging copy of the first part still runs (GPU memory).
+        bounded("deregister", async {
+            loop {
+                match b.deregister(&r) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == ErrorKind::NotAllowed => {
+                        tokio::time::sleep(Duration::from_millis(1)).await
+                    }
+                    Err(e) => panic!("deregister: {e}"),
+                }
+            }
+        })
+        .await;
+        let at_deregistration = r.to_vec().unwrap();
+        // The rest of the payload (the target may already have cut the connection).
+        let _ = c.s.write_all(&vec![0xEE; len - first]).await;
+        let mut reply = [0u8; 24];
+        let answered = bounded("the target answers or closes", c.s.read(&mut reply)).await;
+        assert!(
+            r.to_vec().unwrap() == at_deregistration,
+            "bytes were written into the memory after deregister returned"
+        );
+        assert!(
+            at_deregistration.contains(&0x11),
+            "the whole payload landed before the cut"
+        );
+        assert!(
+            matches!(answered, Ok(0) | Err(_)),
+            "the target answered a request into withdrawn memory instead of cutting it: {answered:?}"
+        );
+        // The target still serves others.
+        let other = b.register(pattern(9, 4096)).unwrap();
+        let okey = key_of(&b.metadata().unwrap(), other.id());
+        let mut c = Raw::connect(addr).await;
+        let (status, _) = c
+            .request(WRITE, &[(okey, other.addr(), 16)], None, &[7; 16])
+            .await;
+        assert_eq!(status, ST_OK);
+        assert!(b.shutdown().await.is_clean());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_write_after_deregister_leaves_host_memory_untouched() {
+        slow_write_cut_by_deregister(pattern(1, 12 << 20).into()).await;
+    }
+
+    /// GPU memory (the CUDA driver test double) goes through staging copies: none
+    /// starts after deregistration.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_write_after_deregister_leaves_device_memory_untouched() {
+        const CASE: &str = "a_slow_write_after_deregister_leaves_device_memory_untouched";
+        match nixl_testkit::fake_cuda::library() {
+            Ok(lib) => std::env::set_var(nixl::gpu::ENV_LIB, lib),
+            Err(e) => return nixl_testkit::skip(CASE, format!("no CUDA driver double: {e}")),
+        }
+        slow_write_cut_by_deregister(nixl::Memory::vram(0, 12 << 20).unwrap()).await;
+    }
+
+    /// A READ being sent stops sending from the memory at deregistration: bytes
+    /// written into it afterwards never reach the peer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_stops_sending_at_deregister() {
+        let (b, addr) = target(TcpOptions::default()).await;
+        let len = 32 << 20;
+        let r = b.register(vec![0x11; len]).unwrap();
+        let key = key_of(&b.metadata().unwrap(), r.id());
+        let mut c = Raw::connect(addr).await;
+        c.send_raw(READ, 1, 0, false).await;
+        let mut table = Vec::new();
+        for x in [key, r.addr(), len as u64, 0, 1] {
+            table.extend_from_slice(&x.to_le_bytes());
+        }
+        c.s.write_all(&table).await.unwrap();
+        let mut head = [0u8; 24];
+        c.s.read_exact(&mut head).await.unwrap();
+        assert_eq!(head[0], 0x81, "DATA first");
+        let mut got = vec![0u8; 1 << 20];
+        c.s.read_exact(&mut got).await.unwrap();
+        b.deregister(&r).unwrap();
+        r.write_at(0, &vec![0xBB; len]).unwrap();
+        let mut late = 0usize;
+        let mut total = got.len();
+        while total < len + 24 {
+            match bounded("read until the cut", c.s.read(&mut got)).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    late += got[..n].iter().filter(|&&x| x == 0xBB).count();
+                    total += n;
+                }
+            }
+        }
+        assert_eq!(
+            late, 0,
+            "bytes read from the memory after deregister reached the peer"
+        );
+        assert!(total < len + 24, "the whole READ was sent: {total} bytes");
+        assert!(b.shutdown().await.is_clean());
+    }
+}

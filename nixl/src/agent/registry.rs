@@ -135,6 +135,7 @@ impl Agent {
             inflight: Default::default(),
             registered: AtomicBool::new(true),
             backends: Mutex::new(Vec::new()),
+            gate: Default::default(),
         });
         {
             let mut regions = self.shared.regions.write().unwrap();
@@ -194,6 +195,12 @@ impl Agent {
     /// them, then retry. [`ErrorKind::NotFound`] if it is not registered with this agent.
     /// A backend's error when it failed to release the memory (the agent has forgotten
     /// the registration all the same).
+    ///
+    /// When it returns `Ok`, no backend touches the memory any more: a peer's request
+    /// that was already being served (a WRITE arriving slowly into it, a READ being
+    /// sent from it) is cut off and fails on that peer's side, so memory handed in by
+    /// address ([`Memory::from_raw_parts`](crate::Memory::from_raw_parts)) may be
+    /// freed at once.
     pub fn deregister(&self, registration: &Registration) -> Result<()> {
         const OP: &str = "deregister memory";
         let region = &registration.inner;
@@ -215,8 +222,12 @@ impl Agent {
                 ),
             );
         }
+        // Closed before the count is read: a backend copy that started before (a
+        // staging copy counts in flight) is seen, and none starts after.
+        region.gate.close();
         let n = region.inflight.load(Ordering::Acquire);
         if n > 0 {
+            region.gate.reopen();
             return err(
                 ErrorKind::NotAllowed,
                 OP,

@@ -122,6 +122,10 @@ impl fmt::Debug for GpuCopy {
 
 /// Start copying `n` bytes between device memory at `dev` on `device` and the start
 /// of `buf`; `memory` keeps the device memory alive until the copy has finished.
+/// `ended` runs once the device is done with the memory, before the copy's outcome
+/// is observable and while `memory` is still held, on the driver's callback thread:
+/// it must neither call the driver nor free anything. If the copy cannot start it
+/// runs before this returns.
 ///
 /// # Safety
 /// `dev..dev+n` is device memory of `device`, kept alive by `memory`; `n <= buf.len()`.
@@ -132,13 +136,25 @@ pub(crate) unsafe fn start_copy(
     buf: PinnedBuf,
     n: usize,
     memory: Box<dyn Any + Send + Sync>,
+    ended: Box<dyn FnOnce() + Send>,
 ) -> Result<GpuCopy> {
     debug_assert!(n <= buf.len());
-    let gpu = driver()?;
+    let gpu = match driver() {
+        Ok(g) => g,
+        Err(e) => {
+            ended();
+            return Err(e);
+        }
+    };
     let state = Arc::new(Mutex::new(CopyState::default()));
     let host = buf.ptr();
     let signal = state.clone();
+    let ended = Arc::new(Mutex::new(Some(ended)));
+    let end = ended.clone();
     let done = Box::new(move |status: i32| {
+        if let Some(f) = end.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            f();
+        }
         let (waker, orphan) = {
             let mut st = signal.lock().unwrap_or_else(PoisonError::into_inner);
             st.status = Some(status);
@@ -156,7 +172,14 @@ pub(crate) unsafe fn start_copy(
     // `buf`'s page-locked block. Both stay alive until `done` ran: the GpuCopy
     // returned holds them, and if dropped first hands them to the callback, which
     // sends them to the reaper only after the copy finished.
-    unsafe { gpu.copy_async(device, dir, dev, host, n, done)? };
+    let started = unsafe { gpu.copy_async(device, dir, dev, host, n, done) };
+    if let Err(e) = started {
+        // The callback will not run (or has run, and taken it already).
+        if let Some(f) = ended.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            f();
+        }
+        return Err(e);
+    }
     Ok(GpuCopy {
         state,
         hold: Some(CopyHold {

@@ -56,6 +56,7 @@ mod stand_in {
                 inflight: AtomicUsize::new(0),
                 registered: AtomicBool::new(true),
                 backends: Mutex::new(Vec::new()),
+                gate: Default::default(),
             }),
         }
     }
