@@ -185,7 +185,12 @@ async fn side_channel_serves_a_peer_past_idle_sockets_and_a_slowloris() {
         ..SideChannelOptions::default()
     };
     let addr = b.listen("127.0.0.1:0".parse().unwrap(), &options).await.unwrap();
-    let mut idle = idle_sockets(addr).await;
+    // A listener that stops accepting holds the idle sockets' connects back (and the
+    // fetch's after them): give them a while, then fetch regardless.
+    let mut connecting = tokio::spawn(idle_sockets(addr));
+    let connected = tokio::time::timeout(Duration::from_secs(3), &mut connecting)
+        .await
+        .ok();
     // A fetch frame's header, forever a byte at a time.
     let slow = slowloris(addr, vec![0xff; 64]);
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -194,6 +199,10 @@ async fn side_channel_serves_a_peer_past_idle_sockets_and_a_slowloris() {
     let peer = bounded("fetch", a.fetch_metadata(addr, &options))
         .await
         .unwrap();
+    let mut idle = match connected {
+        Some(done) => done.unwrap(),
+        None => bounded("idle sockets", connecting).await.unwrap(),
+    };
     assert_eq!(peer, "b");
     assert_eq!(a.peers(), vec!["b".to_string()]);
     let max = options.max_connections;
