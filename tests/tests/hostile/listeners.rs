@@ -323,3 +323,44 @@ async fn nixl_tcp_refuses_a_stride_zero_read_over_the_byte_cap() {
     assert_eq!(f, r.to_vec().unwrap()[..16]);
     let _ = b.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_tcp_cuts_a_reader_that_stops_reading() {
+    let (b, addr) = tcp_target(TcpOptions {
+        dead_peer_timeout: Duration::from_secs(1),
+        ..TcpOptions::default()
+    })
+    .await;
+    const BIG: u64 = 64 << 20;
+    let r = b.register(vec![0u8; BIG as usize]).unwrap();
+    let key = key_of(&b.metadata().unwrap(), r.id());
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&nixl_tcp_hello("mallory")).await.unwrap();
+    let mut reply = [0u8; 7];
+    s.read_exact(&mut reply).await.unwrap();
+    s.write_all(&[0]).await.unwrap();
+    // A READ of 64 MiB (far more than socket buffers hold), never read.
+    let mut f = [0u8; 24].to_vec();
+    f[0] = 2;
+    f[4..8].copy_from_slice(&1u32.to_le_bytes());
+    f[8..16].copy_from_slice(&1u64.to_le_bytes());
+    for x in [key, r.addr(), BIG, BIG, 1] {
+        f.extend_from_slice(&x.to_le_bytes());
+    }
+    s.write_all(&f).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Cut: what remains readable ends in an error or end of file. Still served, the
+    // whole READ and its ACK arrive and then the connection waits for more.
+    assert!(
+        closed_within(&mut s, Duration::from_secs(10)).await,
+        "the target cut a peer that stopped reading"
+    );
+    // Others are still served.
+    let a = tcp_initiator().await;
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    bounded("notify", a.notify("target", "still here").unwrap())
+        .await
+        .unwrap();
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
+}
