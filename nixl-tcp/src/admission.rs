@@ -40,7 +40,9 @@ impl Admission {
         let mut s = self.state.lock().unwrap();
         while s.handshaking.len() >= self.max_handshakes {
             if let Some((_, oldest)) = s.handshaking.pop_front() {
-                tracing::debug!("tcp: closing the oldest connection still in its handshake to admit a new one");
+                tracing::debug!(
+                    "tcp: closing the oldest connection still in its handshake to admit a new one"
+                );
                 oldest.cancel();
             }
         }

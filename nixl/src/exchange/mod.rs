@@ -120,7 +120,10 @@ where
 /// it.
 struct Live {
     max: usize,
-    conns: std::sync::Mutex<(u64, std::collections::VecDeque<(u64, tokio_util::sync::CancellationToken)>)>,
+    conns: std::sync::Mutex<(
+        u64,
+        std::collections::VecDeque<(u64, tokio_util::sync::CancellationToken)>,
+    )>,
 }
 
 impl Live {
@@ -156,6 +159,11 @@ struct Place {
 
 impl Drop for Place {
     fn drop(&mut self) {
-        self.live.conns.lock().unwrap().1.retain(|(id, _)| *id != self.id);
+        self.live
+            .conns
+            .lock()
+            .unwrap()
+            .1
+            .retain(|(id, _)| *id != self.id);
     }
 }

@@ -383,20 +383,17 @@ async fn serve(
     // idle timeout.
     let mut wait = options.timeout;
     loop {
-        let frame =
-            match tokio::time::timeout(wait, read_frame(&mut s, options.max_frame))
-                .await
-            {
-                Err(_) => return Err("idle timeout".into()),
-                Ok(Err(FrameError::Closed)) => return Ok(()),
-                Ok(Err(e)) => {
-                    if let FrameError::Malformed(m) = &e {
-                        let _ = send(&mut s, options, Kind::Error, m.as_bytes()).await;
-                    }
-                    return Err(e.to_string());
+        let frame = match tokio::time::timeout(wait, read_frame(&mut s, options.max_frame)).await {
+            Err(_) => return Err("idle timeout".into()),
+            Ok(Err(FrameError::Closed)) => return Ok(()),
+            Ok(Err(e)) => {
+                if let FrameError::Malformed(m) = &e {
+                    let _ = send(&mut s, options, Kind::Error, m.as_bytes()).await;
                 }
-                Ok(Ok(f)) => f,
-            };
+                return Err(e.to_string());
+            }
+            Ok(Ok(f)) => f,
+        };
         wait = options.idle_timeout;
         let Some(agent) = agent.upgrade() else {
             let _ = send(&mut s, options, Kind::Error, b"the agent is gone").await;

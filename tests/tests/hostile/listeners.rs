@@ -184,7 +184,10 @@ async fn side_channel_serves_a_peer_past_idle_sockets_and_a_slowloris() {
         timeout: Duration::from_secs(5),
         ..SideChannelOptions::default()
     };
-    let addr = b.listen("127.0.0.1:0".parse().unwrap(), &options).await.unwrap();
+    let addr = b
+        .listen("127.0.0.1:0".parse().unwrap(), &options)
+        .await
+        .unwrap();
     // A listener that stops accepting holds the idle sockets' connects back (and the
     // fetch's after them): give them a while, then fetch regardless.
     let mut connecting = tokio::spawn(idle_sockets(addr));
@@ -314,7 +317,11 @@ async fn nixl_tcp_refuses_a_stride_zero_read_over_the_byte_cap() {
     s.write_all(&[0]).await.unwrap();
     // One 4 KiB block, read 2^40 times: 4 PiB from a 4 KiB registration.
     let (kind, status) = read_run(&mut s, 1, [key, r.addr(), 4096, 0, 1 << 40]).await;
-    assert_eq!((kind, status), (0x80, 3), "an ACK saying too large, no DATA");
+    assert_eq!(
+        (kind, status),
+        (0x80, 3),
+        "an ACK saying too large, no DATA"
+    );
     // The connection still serves a READ under the cap.
     let mut f = vec![0u8; 16];
     let (kind, status) = read_run(&mut s, 2, [key, r.addr(), 16, 0, 1]).await;
