@@ -55,6 +55,14 @@ impl Admission {
             established: false,
         }
     }
+
+    /// Close the oldest connection still in its handshake, if any: accepting failed
+    /// (out of file descriptors, most likely), and idle sockets must not keep a
+    /// legitimate peer from being accepted once one comes free.
+    pub(crate) fn shed_oldest(&self) -> bool {
+        let oldest = self.state.lock().unwrap().handshaking.pop_front();
+        oldest.map(|(_, t)| t.cancel()).is_some()
+    }
 }
 
 /// One connection's place in [`Admission`]; dropping it frees the place.
@@ -116,10 +124,16 @@ mod tests {
         assert!(!tokens[1].is_cancelled());
         assert!(!tokens[2].is_cancelled(), "room was made by t1 leaving");
         // The established set is full: the next one is refused.
-        let mut t4 = a.admit(CancellationToken::new());
+        let t4_token = CancellationToken::new();
+        let mut t4 = a.admit(t4_token.clone());
         assert!(tokens[2].is_cancelled());
         assert!(!t4.establish());
         drop(t1);
         assert!(t4.establish(), "a place came free");
+        // Shedding closes the oldest still in its handshake, never an established one.
+        assert!(a.shed_oldest());
+        assert!(tokens[3].is_cancelled());
+        assert!(!a.shed_oldest());
+        assert!(!t4_token.is_cancelled());
     }
 }

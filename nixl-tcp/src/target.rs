@@ -53,8 +53,10 @@ pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: 
                     });
                 }
                 Err(e) => {
-                    // Out of descriptors and similar: back off instead of spinning.
+                    // Out of descriptors and similar: free one held by a connection
+                    // still in its handshake, and back off instead of spinning.
                     tracing::warn!(error = %e, "tcp: accept failed");
+                    admission.shed_oldest();
                     tokio::select! {
                         _ = cancel.cancelled() => break,
                         _ = tokio::time::sleep(Duration::from_millis(50)) => {}

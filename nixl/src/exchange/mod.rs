@@ -88,7 +88,10 @@ where
                 r = listener.accept() => match r {
                     Ok(x) => x,
                     Err(e) => {
+                        // Out of descriptors, most likely: free the oldest
+                        // connection's, so idle clients cannot keep others out.
                         tracing::warn!(error = %e, "{what}: accept failed");
+                        live.shed_oldest();
                         tokio::select! {
                             _ = cancel.cancelled() => break,
                             _ = tokio::time::sleep(Duration::from_millis(50)) => continue,
@@ -147,6 +150,13 @@ impl Live {
         Place {
             live: self.clone(),
             id,
+        }
+    }
+
+    /// Close the oldest connection served, if any.
+    fn shed_oldest(&self) {
+        if let Some((_, oldest)) = self.conns.lock().unwrap().1.pop_front() {
+            oldest.cancel();
         }
     }
 }
