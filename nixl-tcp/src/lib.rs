@@ -60,6 +60,14 @@
 //! agents that know the secret can reach registered memory at all. Traffic is still
 //! not encrypted: run it on a trusted network.
 //!
+//! The listener bounds what peers that are not (yet) trusted can take: a handshake
+//! must end within [`TcpOptions::handshake_timeout`]; at most
+//! [`TcpOptions::max_incoming_handshakes`] connections wait in theirs (a newcomer
+//! closes the oldest) and [`TcpOptions::max_incoming_connections`] are served past
+//! it; a peer that stops reading is cut after [`TcpOptions::dead_peer_timeout`]
+//! without progress (`TCP_USER_TIMEOUT`); buffers grow only as bytes arrive; and one
+//! request moves at most [`TcpOptions::max_request_bytes`].
+//!
 //! ## The same-host path
 //! When initiator and target run on one kernel, data moves without the socket; the
 //! TCP connection carries the handshake, notifications and whatever cannot go direct.
@@ -106,6 +114,7 @@
 //! module; the rest of the crate denies `unsafe`.
 #![deny(unsafe_code)]
 
+mod admission;
 mod conn;
 mod io;
 mod options;

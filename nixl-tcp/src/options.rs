@@ -25,6 +25,22 @@ pub struct TcpOptions {
     pub dead_peer_timeout: Duration,
     /// Longest notification accepted.
     pub max_notification: usize,
+    /// An incoming connection that has not finished its handshake (hello, shared
+    /// secret, same-host request) within this long is closed (default 10 s).
+    pub handshake_timeout: Duration,
+    /// Most incoming connections in their handshake at once (default 256). When
+    /// another arrives, the oldest of them is closed to admit it, so idle or slow
+    /// sockets never lock a legitimate peer out.
+    pub max_incoming_handshakes: usize,
+    /// Most incoming connections past their handshake at once (default 4096); one
+    /// more is closed when its handshake ends. With a shared secret only peers that
+    /// know it get this far.
+    pub max_incoming_connections: usize,
+    /// Most bytes one READ or WRITE request may move at this target, over all its
+    /// runs (default 64 GiB). Larger requests are refused (`InvalidArgument` at the
+    /// initiator); a stride-0 run would otherwise let a tiny request stream up to
+    /// 2^64 bytes.
+    pub max_request_bytes: u64,
     /// When set, both ends of every connection prove they know this secret
     /// (HMAC-SHA256 challenge-response) before any request is read: a client without
     /// it reaches no registered memory, whatever keys it has. Set the same secret on
@@ -63,6 +79,10 @@ impl Default for TcpOptions {
             connect_timeout: Duration::from_secs(5),
             dead_peer_timeout: Duration::from_secs(10),
             max_notification: 1 << 20,
+            handshake_timeout: Duration::from_secs(10),
+            max_incoming_handshakes: 256,
+            max_incoming_connections: 4096,
+            max_request_bytes: crate::protocol::target::DEFAULT_MAX_REQUEST,
             secret: None,
             same_host: SameHost::Auto,
             inline_copy_max: 4 << 20,

@@ -11,6 +11,7 @@ use nixl::NotificationSink;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::admission::{Admission, Ticket};
 use crate::io::{recv_slices, send_slices, IO_BUF};
 use crate::options::Started;
 use crate::protocol::target::{Action, Refusal, Registry, Target};
@@ -20,10 +21,14 @@ use crate::shm;
 use crate::state::Inner;
 use crate::wire::{self, Offer, ResponseHeader, SegEntry};
 
+/// Accept connections until cancelled, each served by a task of its own within the
+/// limits of [`Admission`] and [`TcpOptions::handshake_timeout`](crate::TcpOptions).
 pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: &Started) {
     let cancel = started.cancel.clone();
     let tracker = started.ctx.tracker.clone();
     let sink = started.ctx.notifications.clone();
+    let o = &inner.options;
+    let admission = Admission::new(o.max_incoming_handshakes, o.max_incoming_connections);
     started.ctx.tracker.spawn(async move {
         loop {
             let accepted = tokio::select! {
@@ -33,11 +38,13 @@ pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: 
             match accepted {
                 Ok((stream, from)) => {
                     let conn_cancel = cancel.child_token();
+                    let ticket = admission.admit(conn_cancel.clone());
                     let (inner, sink) = (inner.clone(), sink.clone());
+                    let deadline = tokio::time::Instant::now() + inner.options.handshake_timeout;
                     tracker.spawn(async move {
                         tokio::select! {
                             _ = conn_cancel.cancelled() => {}
-                            r = serve(inner, stream, sink) => {
+                            r = serve(inner, stream, sink, ticket, deadline) => {
                                 if let Err(e) = r {
                                     tracing::debug!(%from, error = %e, "tcp: closed incoming connection");
                                 }
@@ -46,8 +53,10 @@ pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: 
                     });
                 }
                 Err(e) => {
-                    // Out of descriptors and similar: back off instead of spinning.
+                    // Out of descriptors and similar: free one held by a connection
+                    // still in its handshake, and back off instead of spinning.
                     tracing::warn!(error = %e, "tcp: accept failed");
+                    admission.shed_oldest();
                     tokio::select! {
                         _ = cancel.cancelled() => break,
                         _ = tokio::time::sleep(Duration::from_millis(50)) => {}
@@ -89,11 +98,14 @@ impl Registry for Inner {
 }
 
 /// Serve one incoming connection: the protocol is [`crate::protocol::target`]'s; this
-/// only moves bytes between the socket, registered memory and the agent.
+/// only moves bytes between the socket, registered memory and the agent. The
+/// handshake must end by `deadline`; then `ticket` moves to the established set.
 async fn serve(
     inner: Arc<Inner>,
     stream: TcpStream,
     sink: NotificationSink,
+    mut ticket: Ticket,
+    deadline: tokio::time::Instant,
 ) -> std::io::Result<()> {
     wire::tune(&stream, inner.options.dead_peer_timeout);
     let (rd, wr) = stream.into_split();
@@ -103,7 +115,8 @@ async fn serve(
         inner.options.secret.clone(),
         inner.options.max_notification,
         wire::nonce(),
-    );
+    )
+    .with_max_request(inner.options.max_request_bytes);
     let mut _grants = None;
     let mut scratch = Vec::new();
     loop {
@@ -146,10 +159,23 @@ async fn serve(
                 Action::Close(why) => return Err(proto(why)),
             }
         }
+        let handshaking = m.handshaking();
+        if !handshaking && !ticket.establish() {
+            return Err(proto(
+                "too many incoming connections (TcpOptions::max_incoming_connections)",
+            ));
+        }
         let Some(buf) = m.need() else {
             return Err(proto("the protocol stalled"));
         };
-        match r.read_exact(buf).await {
+        let read = if handshaking {
+            tokio::time::timeout_at(deadline, r.read_exact(buf))
+                .await
+                .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
+        } else {
+            r.read_exact(buf).await
+        };
+        match read {
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && m.at_boundary() => {
                 return Ok(())

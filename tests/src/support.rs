@@ -163,6 +163,7 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
 
 /// `TcpOptions` from `NIXL_TCP_LISTEN`, `NIXL_TCP_DEAD_PEER_MS`,
 /// `NIXL_TCP_CONNECT_MS` (for test processes started in network namespaces),
+/// `NIXL_TCP_HANDSHAKE_MS` (the target's handshake timeout),
 /// `NIXL_TCP_SAME_HOST` (`auto`, `off` or `require`; `scripts/test` runs the suite
 /// under each) and `NIXL_TCP_CONNECTIONS` / `NIXL_TCP_STRIPE_MIN` (connections per
 /// peer, and the size from which transfers are split across them; `scripts/test`
@@ -195,6 +196,9 @@ pub fn tcp_options_from_env() -> nixl_tcp::TcpOptions {
     }
     if let Some(d) = ms("NIXL_TCP_CONNECT_MS") {
         o.connect_timeout = d;
+    }
+    if let Some(d) = ms("NIXL_TCP_HANDSHAKE_MS") {
+        o.handshake_timeout = d;
     }
     let number = |name: &str| {
         std::env::var(name).ok().map(|v| {

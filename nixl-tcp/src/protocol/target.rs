@@ -5,7 +5,9 @@
 //! The machine reads the hello, the authentication and the same-host request, then
 //! one request after another: header, a piece's range, the run table and the
 //! notification, each of the length the previous part announced (bounded before
-//! anything is allocated). A request is checked whole against the registrations
+//! anything is allocated, and read in chunks of at most [`GROW`] bytes, so memory
+//! grows only as bytes arrive: a header alone allocates nothing large). A request
+//! moving more than the target's byte cap in all is refused. A request is checked whole against the registrations
 //! ([`Registry::check`]) before any byte of registered memory is touched; its
 //! payload itself moves between socket and memory in the I/O task
 //! ([`Action::Receive`], [`Action::Skip`], [`Action::SendData`]), which then calls
@@ -18,6 +20,15 @@ use bytes::Bytes;
 use nixl::SharedSecret;
 
 use crate::wire::{self, Offer, RequestHeader, ResponseHeader, SegEntry};
+
+/// The most a run table or notification buffer grows ahead of the bytes that
+/// arrived: a header may announce up to [`wire::MAX_ENTRIES`] runs (40 MiB), but
+/// only a peer that sends them gets them allocated.
+pub(crate) const GROW: usize = 64 << 10;
+
+/// Default cap on the bytes one READ or WRITE request moves at the target, over all
+/// its runs (`TcpOptions::max_request_bytes`).
+pub(crate) const DEFAULT_MAX_REQUEST: u64 = 64 << 30;
 
 /// Why a request was refused (its ACK's status and message).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,11 +107,16 @@ enum After {
 #[derive(Debug)]
 pub(crate) struct Target<R: Registry> {
     step: Step,
-    /// The bytes asked for: `need` of `small`, the table or the notification.
+    /// The bytes asked for: `need` of `small`, or `need` bytes of the table or the
+    /// notification, which grow [`GROW`] bytes at a time as they arrive.
     small: [u8; wire::NONCE_LEN + 32],
     need: usize,
+    /// How many bytes of the table or notification arrived.
+    have: usize,
     table: Vec<u8>,
     notif: Vec<u8>,
+    /// Most bytes one request moves in all.
+    max_request: u64,
     secret: Option<SharedSecret>,
     nonce: [u8; wire::NONCE_LEN],
     max_notification: usize,
@@ -137,8 +153,10 @@ impl<R: Registry> Target<R> {
             step: Step::Hello,
             small: [0; wire::NONCE_LEN + 32],
             need: 8,
+            have: 0,
             table: Vec::new(),
             notif: Vec::new(),
+            max_request: DEFAULT_MAX_REQUEST,
             secret,
             nonce,
             max_notification,
@@ -150,6 +168,21 @@ impl<R: Registry> Target<R> {
             after: None,
             out: VecDeque::new(),
         }
+    }
+
+    /// Refuse READ and WRITE requests that move more than `bytes` in all.
+    pub(crate) fn with_max_request(mut self, bytes: u64) -> Self {
+        self.max_request = bytes;
+        self
+    }
+
+    /// Whether the handshake is still under way (hello, authentication, same-host
+    /// request and offer).
+    pub(crate) fn handshaking(&self) -> bool {
+        matches!(
+            self.step,
+            Step::Hello | Step::Name { .. } | Step::Auth | Step::Want | Step::Offering
+        )
     }
 
     /// The peer's agent name (empty before its hello).
@@ -172,8 +205,8 @@ impl<R: Registry> Target<R> {
     pub(crate) fn need(&mut self) -> Option<&mut [u8]> {
         match self.step {
             Step::Offering | Step::Moving | Step::Closed => None,
-            Step::Table | Step::Name { .. } => Some(&mut self.table[..]),
-            Step::Notif => Some(&mut self.notif[..]),
+            Step::Table | Step::Name { .. } => Some(grow(&mut self.table, self.have, self.need)),
+            Step::Notif => Some(grow(&mut self.notif, self.have, self.need)),
             _ => Some(&mut self.small[..self.need]),
         }
     }
@@ -191,10 +224,22 @@ impl<R: Registry> Target<R> {
     fn ask(&mut self, step: Step, n: usize) {
         self.step = step;
         self.need = n;
+        self.have = 0;
     }
 
     /// The bytes [`Target::need`] asked for arrived.
     pub(crate) fn received(&mut self, registry: &R) {
+        // The table and the notification arrive a chunk at a time.
+        match self.step {
+            Step::Table | Step::Name { .. } => self.have = self.table.len(),
+            Step::Notif => self.have = self.notif.len(),
+            _ => {}
+        }
+        if matches!(self.step, Step::Table | Step::Name { .. } | Step::Notif)
+            && self.have < self.need
+        {
+            return;
+        }
         match self.step {
             Step::Hello => self.on_hello(),
             Step::Name { version_ok } => self.on_name(version_ok),
@@ -241,7 +286,7 @@ impl<R: Registry> Target<R> {
             return self.close(format!("peer name of {name_len} bytes"));
         }
         // The name may be longer than `small`: read it into the table buffer.
-        self.table.resize(name_len, 0);
+        self.table.clear();
         self.ask(Step::Name { version_ok }, name_len);
     }
 
@@ -340,8 +385,8 @@ impl<R: Registry> Target<R> {
         }
         match h.kind {
             wire::REQ_NOTIFY => {
-                self.notif = vec![0; h.notif_len as usize];
-                self.step = Step::Notif;
+                self.notif = Vec::new();
+                self.ask(Step::Notif, h.notif_len as usize);
             }
             wire::REQ_WRITE | wire::REQ_READ => {
                 if h.segments > wire::MAX_ENTRIES {
@@ -360,12 +405,12 @@ impl<R: Registry> Target<R> {
 
     /// Read the run table next (nothing to read for none).
     fn table_next(&mut self, registry: &R) {
-        self.table
-            .resize(self.head.segments as usize * wire::SEG_LEN, 0);
-        if self.table.is_empty() {
+        self.table.clear();
+        let len = self.head.segments as usize * wire::SEG_LEN;
+        if len == 0 {
             return self.notif_next(registry);
         }
-        self.step = Step::Table;
+        self.ask(Step::Table, len);
     }
 
     /// Read the notification next, if the request carries one; else serve it.
@@ -373,12 +418,12 @@ impl<R: Registry> Target<R> {
         if !self.head.has_notif {
             return self.evaluate(registry);
         }
-        self.notif = vec![0; self.head.notif_len as usize];
-        if self.notif.is_empty() {
+        self.notif = Vec::new();
+        if self.head.notif_len == 0 {
             self.note = Some(Bytes::new());
             return self.evaluate(registry);
         }
-        self.step = Step::Notif;
+        self.ask(Step::Notif, self.head.notif_len as usize);
     }
 
     /// The request is read (but for a WRITE's payload): check it whole, then move its
@@ -397,6 +442,16 @@ impl<R: Registry> Target<R> {
             return self.close(format!(
                 "piece {from}+{len} outside a request of {total} bytes"
             ));
+        }
+        if total > self.max_request {
+            let refusal = Refusal {
+                status: wire::ST_TOO_LARGE,
+                msg: format!(
+                    "a request of {total} bytes is over this target's limit of {} bytes per request (TcpOptions::max_request_bytes)",
+                    self.max_request
+                ),
+            };
+            return self.refuse(refusal, len);
         }
         let checked = registry.check(&self.table, &mut self.runs);
         if checked.is_ok() && self.part.is_some() {
@@ -421,19 +476,23 @@ impl<R: Registry> Target<R> {
                 self.step = Step::Moving;
                 self.out.push_back(Action::SendData(d.encode()));
             }
-            Err(refusal) => {
-                tracing::debug!(peer = %self.peer, status = refusal.status, msg = %refusal.msg, "tcp: refused request");
-                if write {
-                    // Skip the payload without touching memory.
-                    self.after = Some(After::Refused(refusal));
-                    self.step = Step::Moving;
-                    self.out.push_back(Action::Skip(len));
-                } else {
-                    R::clear(&mut self.runs);
-                    self.ack(refusal.status, refusal.msg);
-                    self.ask(Step::Header, wire::HEADER_LEN);
-                }
-            }
+            Err(refusal) => self.refuse(refusal, len),
+        }
+    }
+
+    /// Refuse the request read: a WRITE's payload is skipped first, so the
+    /// connection stays usable.
+    fn refuse(&mut self, refusal: Refusal, len: u64) {
+        tracing::debug!(peer = %self.peer, status = refusal.status, msg = %refusal.msg, "tcp: refused request");
+        R::clear(&mut self.runs);
+        if self.head.kind == wire::REQ_WRITE {
+            // Skip the payload without touching memory.
+            self.after = Some(After::Refused(refusal));
+            self.step = Step::Moving;
+            self.out.push_back(Action::Skip(len));
+        } else {
+            self.ack(refusal.status, refusal.msg);
+            self.ask(Step::Header, wire::HEADER_LEN);
         }
     }
 
@@ -455,6 +514,14 @@ impl<R: Registry> Target<R> {
         }
         self.ask(Step::Header, wire::HEADER_LEN);
     }
+}
+
+/// Grow `buf`, of which `have` bytes arrived, by at most [`GROW`] bytes towards
+/// `want`, and return the part the next read fills.
+fn grow(buf: &mut Vec<u8>, have: usize, want: usize) -> &mut [u8] {
+    let end = want.min(have + GROW);
+    buf.resize(end, 0);
+    &mut buf[have..end]
 }
 
 #[cfg(test)]

@@ -35,9 +35,11 @@ pub const FULL_LABEL: &str = "full";
 
 /// Bind `addr` and serve every connection with `serve` until the agent shuts down
 /// or is dropped: the accept loop and each connection are tasks on the agent's
-/// tracker, cancelled with its token; at most `max_connections` are served at once
-/// (more wait to be accepted). `what` names the listener in logs. Returns the bound
-/// address. Shared by the side channel and NIXL's listener protocol.
+/// tracker, cancelled with its token; at most `max_connections` are served at once:
+/// one more closes the oldest, so idle or slow clients cannot lock others out (each
+/// `serve` bounds its own handshake, reads and writes in time). `what` names the
+/// listener in logs. Returns the bound address. Shared by the side channel and NIXL's
+/// listener protocol.
 pub(crate) async fn serve_connections<O, F, Fut>(
     agent: &crate::agent::Agent,
     addr: std::net::SocketAddr,
@@ -74,20 +76,22 @@ where
     let weak = agent.downgrade();
     let options = Arc::new(options);
     let serve = Arc::new(serve);
-    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections.max(1)));
+    let live = Arc::new(Live {
+        max: max_connections.max(1),
+        conns: std::sync::Mutex::default(),
+    });
     let name = agent.name().to_owned();
     agent.tracker().spawn(async move {
         loop {
-            let permit = tokio::select! {
-                _ = cancel.cancelled() => break,
-                p = slots.clone().acquire_owned() => p.expect("semaphore never closes"),
-            };
             let (stream, from) = tokio::select! {
                 _ = cancel.cancelled() => break,
                 r = listener.accept() => match r {
                     Ok(x) => x,
                     Err(e) => {
+                        // Out of descriptors, most likely: free the oldest
+                        // connection's, so idle clients cannot keep others out.
                         tracing::warn!(error = %e, "{what}: accept failed");
+                        live.shed_oldest();
                         tokio::select! {
                             _ = cancel.cancelled() => break,
                             _ = tokio::time::sleep(Duration::from_millis(50)) => continue,
@@ -96,9 +100,10 @@ where
                 },
             };
             let token = cancel.child_token();
+            let place = live.admit(token.clone(), what);
             let conn = serve(weak.clone(), stream, options.clone());
             tracker.spawn(async move {
-                let _permit = permit;
+                let _place = place;
                 tokio::select! {
                     _ = token.cancelled() => {}
                     r = conn => {
@@ -112,4 +117,63 @@ where
         tracing::debug!(agent = %name, %bound, "{what} listener stopped");
     });
     Ok(bound)
+}
+
+/// The connections a listener serves, oldest first, each with the token that closes
+/// it.
+struct Live {
+    max: usize,
+    conns: std::sync::Mutex<(
+        u64,
+        std::collections::VecDeque<(u64, tokio_util::sync::CancellationToken)>,
+    )>,
+}
+
+impl Live {
+    /// Count a new connection, closing the oldest when `max` are served already.
+    fn admit(
+        self: &std::sync::Arc<Self>,
+        close: tokio_util::sync::CancellationToken,
+        what: &str,
+    ) -> Place {
+        let mut g = self.conns.lock().unwrap();
+        let (next, conns) = &mut *g;
+        while conns.len() >= self.max {
+            if let Some((_, oldest)) = conns.pop_front() {
+                tracing::debug!("{what}: {} connections; closing the oldest", self.max);
+                oldest.cancel();
+            }
+        }
+        let id = *next;
+        *next += 1;
+        conns.push_back((id, close));
+        Place {
+            live: self.clone(),
+            id,
+        }
+    }
+
+    /// Close the oldest connection served, if any.
+    fn shed_oldest(&self) {
+        if let Some((_, oldest)) = self.conns.lock().unwrap().1.pop_front() {
+            oldest.cancel();
+        }
+    }
+}
+
+/// A connection's place in [`Live`], freed on drop.
+struct Place {
+    live: std::sync::Arc<Live>,
+    id: u64,
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.live
+            .conns
+            .lock()
+            .unwrap()
+            .1
+            .retain(|(id, _)| *id != self.id);
+    }
 }

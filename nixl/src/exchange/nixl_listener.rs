@@ -47,7 +47,8 @@ pub struct NixlListenerOptions {
     pub idle_timeout: Duration,
     /// Largest frame accepted, in bytes.
     pub max_frame: usize,
-    /// Most connections a listener serves at once; more wait to be accepted.
+    /// Most connections a listener serves at once (default 1024); one more closes the
+    /// oldest, so idle or slow clients never lock others out.
     pub max_connections: usize,
 }
 

@@ -83,14 +83,16 @@ impl fmt::Debug for SharedSecret {
 pub struct SideChannelOptions {
     /// Require (server) and prove (client) knowledge of this secret.
     pub secret: Option<SharedSecret>,
-    /// Bound for a client operation (connect, handshake, request), and for a server's
-    /// handshake with a new connection.
+    /// Bound for a client operation (connect, handshake, request); for a server, the
+    /// bound on a new connection's handshake and first request, and on every reply
+    /// (a client that does not read its reply within it is cut).
     pub timeout: Duration,
-    /// A server closes connections idle for this long.
+    /// A server closes connections idle for this long (after the first request).
     pub idle_timeout: Duration,
     /// Largest frame payload accepted.
     pub max_frame: usize,
-    /// Most connections a listener serves at once; more wait to be accepted.
+    /// Most connections a listener serves at once (default 1024); one more closes the
+    /// oldest, so idle or slow clients never lock others out.
     pub max_connections: usize,
 }
 
@@ -356,9 +358,7 @@ async fn serve(
     let mut hello = Vec::with_capacity(1 + NONCE_LEN);
     hello.push(u8::from(options.secret.is_some()));
     hello.extend_from_slice(&server_nonce);
-    write_frame(&mut s, Kind::Hello, &hello)
-        .await
-        .map_err(|e| e.to_string())?;
+    send(&mut s, options, Kind::Hello, &hello).await?;
     if let Some(secret) = &options.secret {
         let frame = tokio::time::timeout(options.timeout, read_frame(&mut s, 4096))
             .await
@@ -372,32 +372,31 @@ async fn serve(
             _ => false,
         };
         if !ok {
-            let _ = write_frame(&mut s, Kind::Error, b"authentication failed").await;
+            let _ = send(&mut s, options, Kind::Error, b"authentication failed").await;
             return Err("authentication failed".into());
         }
         let client_nonce = &frame.1[..NONCE_LEN];
         let mac = secret.sign(SERVER_CONTEXT, &[client_nonce, &server_nonce]);
-        write_frame(&mut s, Kind::AuthOk, &mac)
-            .await
-            .map_err(|e| e.to_string())?;
+        send(&mut s, options, Kind::AuthOk, &mac).await?;
     }
+    // The first request comes within the handshake's bound; later ones within the
+    // idle timeout.
+    let mut wait = options.timeout;
     loop {
-        let frame =
-            match tokio::time::timeout(options.idle_timeout, read_frame(&mut s, options.max_frame))
-                .await
-            {
-                Err(_) => return Err("idle timeout".into()),
-                Ok(Err(FrameError::Closed)) => return Ok(()),
-                Ok(Err(e)) => {
-                    if let FrameError::Malformed(m) = &e {
-                        let _ = write_frame(&mut s, Kind::Error, m.as_bytes()).await;
-                    }
-                    return Err(e.to_string());
+        let frame = match tokio::time::timeout(wait, read_frame(&mut s, options.max_frame)).await {
+            Err(_) => return Err("idle timeout".into()),
+            Ok(Err(FrameError::Closed)) => return Ok(()),
+            Ok(Err(e)) => {
+                if let FrameError::Malformed(m) = &e {
+                    let _ = send(&mut s, options, Kind::Error, m.as_bytes()).await;
                 }
-                Ok(Ok(f)) => f,
-            };
+                return Err(e.to_string());
+            }
+            Ok(Ok(f)) => f,
+        };
+        wait = options.idle_timeout;
         let Some(agent) = agent.upgrade() else {
-            let _ = write_frame(&mut s, Kind::Error, b"the agent is gone").await;
+            let _ = send(&mut s, options, Kind::Error, b"the agent is gone").await;
             return Err("agent gone".into());
         };
         let reply = match frame {
@@ -425,25 +424,37 @@ async fn serve(
                 }
             }
             (k, _) => {
-                let _ = write_frame(&mut s, Kind::Error, b"unexpected frame").await;
+                let _ = send(&mut s, options, Kind::Error, b"unexpected frame").await;
                 return Err(format!("unexpected {k:?} frame"));
             }
         };
         drop(agent);
         match reply {
-            Ok((k, p)) => write_frame(&mut s, k, &p)
-                .await
-                .map_err(|e| e.to_string())?,
+            Ok((k, p)) => send(&mut s, options, k, &p).await?,
             Err(e) => {
                 let msg = if e.kind() == ErrorKind::NotFound {
                     e.context().to_owned()
                 } else {
                     e.to_string()
                 };
-                write_frame(&mut s, Kind::Error, msg.as_bytes())
-                    .await
-                    .map_err(|e| e.to_string())?
+                send(&mut s, options, Kind::Error, msg.as_bytes()).await?
             }
         }
+    }
+}
+
+/// Write one frame within `options.timeout`: a client that stops reading is cut.
+async fn send(
+    s: &mut TcpStream,
+    options: &SideChannelOptions,
+    kind: Kind,
+    payload: &[u8],
+) -> std::result::Result<(), String> {
+    match tokio::time::timeout(options.timeout, write_frame(s, kind, payload)).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err(format!(
+            "the client did not read the reply within {:?}",
+            options.timeout
+        )),
     }
 }

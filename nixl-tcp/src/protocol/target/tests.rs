@@ -614,3 +614,123 @@ fn random_bytes_never_panic() {
         s.feed(&bytes);
     }
 }
+
+#[test]
+fn a_header_alone_allocates_little() {
+    // A header announcing the most runs (40 MiB of table) and the longest
+    // notification: only what arrives is allocated, a chunk at a time.
+    let mut s = Sim::serving();
+    let h = RequestHeader {
+        kind: wire::REQ_WRITE,
+        has_notif: false,
+        part: false,
+        segments: wire::MAX_ENTRIES,
+        id: 1,
+        notif_len: 0,
+    };
+    s.feed(&h.encode());
+    assert_eq!(s.m.need().map(|b| b.len()), Some(GROW));
+    assert!(s.m.table.capacity() <= GROW, "{}", s.m.table.capacity());
+    let mut s = Sim::serving();
+    s.m.max_notification = 1 << 30;
+    let h = RequestHeader {
+        kind: wire::REQ_NOTIFY,
+        has_notif: true,
+        part: false,
+        segments: 0,
+        id: 2,
+        notif_len: 1 << 30,
+    };
+    s.feed(&h.encode());
+    assert_eq!(s.m.need().map(|b| b.len()), Some(GROW));
+    assert!(s.m.notif.capacity() <= GROW, "{}", s.m.notif.capacity());
+}
+
+#[test]
+fn tables_and_notifications_longer_than_a_chunk_arrive_whole() {
+    let mut s = Sim::serving();
+    s.m.max_notification = 3 * GROW;
+    // Runs of one byte each, more than a chunk of table.
+    let n = GROW / wire::SEG_LEN + 7;
+    let runs: Vec<SegEntry> = (0..n as u64).map(|i| run(KEY, BASE + i % LEN, 1)).collect();
+    let note: Vec<u8> = (0..2 * GROW + 5).map(|i| i as u8).collect();
+    let f = frame(wire::REQ_READ, 8, &runs, Some(&note), None, &[]);
+    // Fed a few bytes at a time, then whole.
+    for piece in f.chunks(1000) {
+        s.feed(piece);
+    }
+    assert_eq!(
+        s.take(),
+        vec![
+            Seen::Sent(n as u64, n),
+            Seen::Deliver(note.clone()),
+            Seen::Ack(8, wire::ST_OK),
+        ]
+    );
+    s.request(wire::REQ_READ, 9, &runs, Some(&note), &[]);
+    assert_eq!(
+        s.take(),
+        vec![
+            Seen::Sent(n as u64, n),
+            Seen::Deliver(note),
+            Seen::Ack(9, wire::ST_OK),
+        ]
+    );
+}
+
+#[test]
+fn requests_over_the_byte_cap_are_refused_and_the_connection_stays_usable() {
+    // Stride 0: one block of a small registration, asked for 2^40 times.
+    let endless = SegEntry {
+        key: KEY,
+        addr: BASE,
+        len: LEN,
+        stride: 0,
+        blocks: 1 << 40,
+    };
+    let mut s = Sim::serving();
+    s.request(wire::REQ_READ, 1, &[endless], Some(b"n"), &[]);
+    assert_eq!(
+        s.take(),
+        vec![Seen::Ack(1, wire::ST_TOO_LARGE)],
+        "no data, no notification"
+    );
+    assert!(s.m.at_boundary());
+    // A lower cap; a WRITE over it has its payload skipped, memory untouched.
+    s.m.max_request = 64;
+    let over = SegEntry {
+        key: KEY,
+        addr: BASE,
+        len: 16,
+        stride: 0,
+        blocks: 5,
+    };
+    s.request(wire::REQ_WRITE, 2, &[over], None, &[1; 80]);
+    assert_eq!(
+        s.take(),
+        vec![Seen::Skipped(80), Seen::Ack(2, wire::ST_TOO_LARGE)]
+    );
+    // A piece of a request over the cap is refused too.
+    let f = frame(wire::REQ_READ, 3, &[over], None, Some((0, 16)), &[]);
+    s.feed(&f);
+    assert_eq!(s.take(), vec![Seen::Ack(3, wire::ST_TOO_LARGE)]);
+    // At the cap, served.
+    let at = SegEntry { blocks: 4, ..over };
+    s.request(wire::REQ_READ, 4, &[at], None, &[]);
+    assert_eq!(s.take(), vec![Seen::Sent(64, 1), Seen::Ack(4, wire::ST_OK)]);
+    s.request(wire::REQ_WRITE, 5, &[at], None, &[2; 64]);
+    assert_eq!(
+        s.take(),
+        vec![Seen::Received(vec![2; 64]), Seen::Ack(5, wire::ST_OK)]
+    );
+}
+
+#[test]
+fn handshaking_ends_when_requests_begin() {
+    let mut s = Sim::new(None);
+    assert!(s.m.handshaking());
+    s.feed(&wire::hello("init"));
+    assert!(s.m.handshaking(), "the same-host request is part of it");
+    s.feed(&[0]);
+    assert!(!s.m.handshaking());
+}

@@ -1,0 +1,373 @@
+//! Listeners under hostile connections: nixl-tcp's target and the side channel keep
+//! serving a legitimate peer while 2,000 idle sockets and a slowloris are connected,
+//! close a connection whose handshake does not end in time, and refuse a stride-0
+//! READ that asks for more than the per-request byte cap.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use nixl::metadata::AgentMetadata;
+use nixl::{Agent, SideChannelOptions};
+use nixl_conformance::support::{bounded, one, pattern, remote, skip, tcp_agent};
+use nixl_tcp::{SameHost, TcpBackend, TcpOptions};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::task::JoinHandle;
+
+const IDLE: usize = 2000;
+
+/// Raise the soft open-files limit to the hard one; `false` (after a SKIP line) when
+/// even the hard limit leaves too few for `IDLE` sockets on both ends.
+fn enough_files(case: &str) -> bool {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut l = getrlimit(Resource::Nofile);
+    let want = (2 * IDLE + 512) as u64;
+    if l.current.is_some_and(|c| c < want) {
+        l.current = l.maximum;
+        let _ = setrlimit(Resource::Nofile, l);
+    }
+    let now = getrlimit(Resource::Nofile).current;
+    if now.is_some_and(|c| c < want) {
+        skip(
+            case,
+            &format!("the open-files limit ({now:?}) is below the {want} this test needs"),
+        );
+        return false;
+    }
+    true
+}
+
+/// `IDLE` connections that never send a byte.
+async fn idle_sockets(addr: SocketAddr) -> Vec<TcpStream> {
+    let mut v = Vec::with_capacity(IDLE);
+    for _ in 0..IDLE {
+        v.push(TcpStream::connect(addr).await.unwrap());
+    }
+    v
+}
+
+/// Connections that send `bytes` one byte every 200 ms, as long as they stay open.
+fn slowloris(addr: SocketAddr, bytes: Vec<u8>) -> Vec<JoinHandle<()>> {
+    (0..8)
+        .map(|_| {
+            let bytes = bytes.clone();
+            tokio::spawn(async move {
+                let Ok(mut s) = TcpStream::connect(addr).await else {
+                    return;
+                };
+                for b in bytes.iter().cycle() {
+                    if s.write_all(&[*b]).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            })
+        })
+        .collect()
+}
+
+/// How many of `socks` the server closed: reading what it sent reaches end of file
+/// or an error within a short wait.
+async fn closed(socks: &mut [TcpStream]) -> usize {
+    let checks = socks
+        .iter_mut()
+        .map(|s| closed_within(s, Duration::from_millis(100)));
+    futures_util::future::join_all(checks)
+        .await
+        .into_iter()
+        .filter(|&c| c)
+        .count()
+}
+
+fn nixl_tcp_hello(name: &str) -> Vec<u8> {
+    let mut h = b"NXTC".to_vec();
+    h.extend_from_slice(&4u16.to_le_bytes());
+    h.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    h.extend_from_slice(name.as_bytes());
+    h
+}
+
+async fn tcp_target(options: TcpOptions) -> (Agent, SocketAddr) {
+    let b = TcpBackend::with_options(options);
+    let agent = Agent::builder("target")
+        .backend(b.clone())
+        .build()
+        .await
+        .unwrap();
+    (agent, b.local_addr().unwrap())
+}
+
+/// An initiator whose data crosses TCP (not the same-host path).
+async fn tcp_initiator() -> Agent {
+    let b = TcpBackend::with_options(TcpOptions {
+        same_host: SameHost::Off,
+        ..TcpOptions::default()
+    });
+    Agent::builder("initiator")
+        .backend(b)
+        .build()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_tcp_serves_a_peer_past_idle_sockets_and_a_slowloris() {
+    if !enough_files("nixl_tcp_serves_a_peer_past_idle_sockets_and_a_slowloris") {
+        return;
+    }
+    let (b, addr) = tcp_target(TcpOptions {
+        same_host: SameHost::Off,
+        ..TcpOptions::default()
+    })
+    .await;
+    let dst = b.register(vec![0u8; 4096]).unwrap();
+    let mut idle = idle_sockets(addr).await;
+    let slow = slowloris(addr, nixl_tcp_hello(&"s".repeat(200)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let a = tcp_initiator().await;
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let mut notes = b.notifications().unwrap();
+    let rd = remote(&a, "target", dst.id());
+    let src = a.register(pattern(7, 4096)).unwrap();
+    bounded(
+        "write",
+        a.write(
+            &one(src.whole()),
+            "target",
+            &one(rd.desc(0, 4096)),
+            Some(Bytes::from_static(b"wrote")),
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(dst.to_vec().unwrap(), src.to_vec().unwrap());
+    let n = bounded("notification", notes.recv()).await.unwrap();
+    assert_eq!((n.peer.as_str(), &n.msg[..]), ("initiator", &b"wrote"[..]));
+    let back = a.register(vec![0u8; 4096]).unwrap();
+    bounded(
+        "read",
+        a.read(&one(back.whole()), "target", &one(rd.desc(0, 4096)), None),
+    )
+    .await
+    .unwrap();
+    assert_eq!(back.to_vec().unwrap(), src.to_vec().unwrap());
+    bounded("notify", a.notify("target", "hi").unwrap())
+        .await
+        .unwrap();
+    let n = bounded("notification", notes.recv()).await.unwrap();
+    assert_eq!(&n.msg[..], b"hi");
+
+    // The target did not keep the idle sockets: all but the newest of those in
+    // their handshake were closed to admit newer connections.
+    let max = TcpOptions::default().max_incoming_handshakes;
+    let shut = closed(&mut idle).await;
+    assert!(
+        shut >= IDLE - max,
+        "{shut} of {IDLE} idle sockets closed; at most {max} may wait in their handshake"
+    );
+    for s in slow {
+        s.abort();
+    }
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn side_channel_serves_a_peer_past_idle_sockets_and_a_slowloris() {
+    if !enough_files("side_channel_serves_a_peer_past_idle_sockets_and_a_slowloris") {
+        return;
+    }
+    let b = tcp_agent("b").await;
+    let options = SideChannelOptions {
+        timeout: Duration::from_secs(5),
+        ..SideChannelOptions::default()
+    };
+    let addr = b
+        .listen("127.0.0.1:0".parse().unwrap(), &options)
+        .await
+        .unwrap();
+    // A listener that stops accepting holds the idle sockets' connects back (and the
+    // fetch's after them): give them a while, then fetch regardless.
+    let mut connecting = tokio::spawn(idle_sockets(addr));
+    let connected = tokio::time::timeout(Duration::from_secs(3), &mut connecting)
+        .await
+        .ok();
+    // A fetch frame's header, forever a byte at a time.
+    let slow = slowloris(addr, vec![0xff; 64]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let a = tcp_agent("a").await;
+    let peer = bounded("fetch", a.fetch_metadata(addr, &options))
+        .await
+        .unwrap();
+    let mut idle = match connected {
+        Some(done) => done.unwrap(),
+        None => bounded("idle sockets", connecting).await.unwrap(),
+    };
+    assert_eq!(peer, "b");
+    assert_eq!(a.peers(), vec!["b".to_string()]);
+    let max = options.max_connections;
+    let shut = closed(&mut idle).await;
+    assert!(
+        shut >= IDLE - max,
+        "{shut} of {IDLE} idle sockets closed; at most {max} may be served"
+    );
+    for s in slow {
+        s.abort();
+    }
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
+}
+
+/// Whether the server closes `s` within `within`, skipping what it sends.
+async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+    let mut b = [0u8; 256];
+    tokio::time::timeout(within, async {
+        loop {
+            match s.read(&mut b).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_tcp_closes_a_handshake_that_does_not_end_in_time() {
+    let (b, addr) = tcp_target(TcpOptions {
+        handshake_timeout: Duration::from_millis(300),
+        ..TcpOptions::default()
+    })
+    .await;
+    // Silent.
+    let mut silent = TcpStream::connect(addr).await.unwrap();
+    // A hello a byte at a time: each read is quick, the handshake is not.
+    let hello = nixl_tcp_hello("slow");
+    let mut slow = TcpStream::connect(addr).await.unwrap();
+    let dribble = async {
+        for b in &hello {
+            if slow.write_all(&[*b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        closed_within(&mut slow, Duration::from_secs(5)).await
+    };
+    let (silent_closed, slow_closed) =
+        tokio::join!(closed_within(&mut silent, Duration::from_secs(5)), dribble);
+    assert!(silent_closed, "a silent connection is closed");
+    assert!(slow_closed, "a slow handshake is closed");
+    // A handshake in time is served.
+    let mut ok = TcpStream::connect(addr).await.unwrap();
+    ok.write_all(&nixl_tcp_hello("quick")).await.unwrap();
+    let mut reply = [0u8; 7];
+    ok.read_exact(&mut reply).await.unwrap();
+    ok.write_all(&[0]).await.unwrap();
+    assert!(
+        !closed_within(&mut ok, Duration::from_millis(600)).await,
+        "an established connection outlives the handshake timeout"
+    );
+    let _ = b.shutdown().await;
+}
+
+fn key_of(md: &[u8], region: u64) -> u64 {
+    let md = AgentMetadata::decode(md).unwrap();
+    let r = md.regions.iter().find(|r| r.id == region).unwrap();
+    u64::from_le_bytes(r.blobs[0].blob[..8].try_into().unwrap())
+}
+
+/// Send a READ of one run (key, address, length, stride, blocks) over `s`; returns
+/// the kind and status of the first response.
+async fn read_run(s: &mut TcpStream, id: u64, run: [u64; 5]) -> (u8, u8) {
+    let mut f = [0u8; 24].to_vec();
+    f[0] = 2; // READ
+    f[4..8].copy_from_slice(&1u32.to_le_bytes());
+    f[8..16].copy_from_slice(&id.to_le_bytes());
+    for x in run {
+        f.extend_from_slice(&x.to_le_bytes());
+    }
+    s.write_all(&f).await.unwrap();
+    let mut h = [0u8; 24];
+    bounded("response", s.read_exact(&mut h)).await.unwrap();
+    if h[0] == 0x80 {
+        // An ACK's message follows it.
+        let mut msg = vec![0u8; u32::from_le_bytes(h[4..8].try_into().unwrap()) as usize];
+        s.read_exact(&mut msg).await.unwrap();
+    }
+    (h[0], h[1])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_tcp_refuses_a_stride_zero_read_over_the_byte_cap() {
+    let (b, addr) = tcp_target(TcpOptions {
+        max_request_bytes: 1 << 20,
+        ..TcpOptions::default()
+    })
+    .await;
+    let r = b.register(pattern(3, 4096)).unwrap();
+    let key = key_of(&b.metadata().unwrap(), r.id());
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&nixl_tcp_hello("mallory")).await.unwrap();
+    let mut reply = [0u8; 7];
+    s.read_exact(&mut reply).await.unwrap();
+    s.write_all(&[0]).await.unwrap();
+    // One 4 KiB block, read 2^40 times: 4 PiB from a 4 KiB registration.
+    let (kind, status) = read_run(&mut s, 1, [key, r.addr(), 4096, 0, 1 << 40]).await;
+    assert_eq!(
+        (kind, status),
+        (0x80, 3),
+        "an ACK saying too large, no DATA"
+    );
+    // The connection still serves a READ under the cap.
+    let mut f = vec![0u8; 16];
+    let (kind, status) = read_run(&mut s, 2, [key, r.addr(), 16, 0, 1]).await;
+    assert_eq!((kind, status), (0x81, 0), "DATA");
+    s.read_exact(&mut f).await.unwrap();
+    assert_eq!(f, r.to_vec().unwrap()[..16]);
+    let _ = b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_tcp_cuts_a_reader_that_stops_reading() {
+    let (b, addr) = tcp_target(TcpOptions {
+        dead_peer_timeout: Duration::from_secs(1),
+        ..TcpOptions::default()
+    })
+    .await;
+    const BIG: u64 = 64 << 20;
+    let r = b.register(vec![0u8; BIG as usize]).unwrap();
+    let key = key_of(&b.metadata().unwrap(), r.id());
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&nixl_tcp_hello("mallory")).await.unwrap();
+    let mut reply = [0u8; 7];
+    s.read_exact(&mut reply).await.unwrap();
+    s.write_all(&[0]).await.unwrap();
+    // A READ of 64 MiB (far more than socket buffers hold), never read.
+    let mut f = [0u8; 24].to_vec();
+    f[0] = 2;
+    f[4..8].copy_from_slice(&1u32.to_le_bytes());
+    f[8..16].copy_from_slice(&1u64.to_le_bytes());
+    for x in [key, r.addr(), BIG, BIG, 1] {
+        f.extend_from_slice(&x.to_le_bytes());
+    }
+    s.write_all(&f).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Cut: what remains readable ends in an error or end of file. Still served, the
+    // whole READ and its ACK arrive and then the connection waits for more.
+    assert!(
+        closed_within(&mut s, Duration::from_secs(10)).await,
+        "the target cut a peer that stopped reading"
+    );
+    // Others are still served.
+    let a = tcp_initiator().await;
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    bounded("notify", a.notify("target", "still here").unwrap())
+        .await
+        .unwrap();
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
+}
