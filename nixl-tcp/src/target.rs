@@ -138,7 +138,14 @@ async fn serve(
                         });
                     }
                 }
-                Action::Deliver(n) => sink.deliver(m.peer(), n),
+                // Waits while this peer has its bound of notifications unread, so
+                // a flooding peer's own connection stops being read (back-pressure
+                // on that peer alone). The ACK follows delivery; one the agent
+                // stopped before delivering closes the connection unacknowledged.
+                Action::Deliver(n) => sink
+                    .deliver_async(m.peer(), n)
+                    .await
+                    .map_err(std::io::Error::other)?,
                 Action::Receive { .. } => {
                     recv_slices(&mut r, blocks(&m.runs().runs)).await?;
                     m.moved();

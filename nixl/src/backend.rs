@@ -1,20 +1,21 @@
 //! The object-safe [`Backend`] trait and what the agent hands to backends.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::completion::{Completer, Op};
-#[cfg(doc)]
-use crate::error::ErrorKind;
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{MemKind, Memory};
-use crate::notification::Notification;
+use crate::notification::{Notification, PeerQueues};
+#[cfg(doc)]
+use crate::notification::{NotificationLimits, NotificationStats};
 use crate::region::{RegionRef, RegionSlice};
 use crate::thread::ThreadSpawner;
 
@@ -81,25 +82,127 @@ impl Capabilities {
     }
 }
 
-/// Where incoming notifications go. Backends call [`NotificationSink::deliver`] once the
-/// data of the transfer that carried the notification is visible in local memory.
+/// Where incoming notifications go. Backends deliver each notification once the data
+/// of the transfer that carried it is visible in local memory.
+///
+/// Each peer may have a bounded number of notifications queued at the agent, unread
+/// ([`NotificationLimits`]). A backend that delivers from a task uses
+/// [`NotificationSink::deliver_async`], which waits for room in that peer's queue; the
+/// backend then stops reading that peer's connection, so the flooding peer is held
+/// back and no other. [`NotificationSink::deliver`], for threads that cannot wait,
+/// drops a notification that finds its peer's queue full, and counts and logs it.
 #[derive(Clone, Debug)]
 pub struct NotificationSink {
     pub(crate) tx: mpsc::UnboundedSender<Notification>,
-    /// Counts deliveries, with metrics on.
+    pub(crate) queues: Arc<PeerQueues>,
+    /// The agent's root token: waiting for room ends when the agent stops.
+    pub(crate) cancel: CancellationToken,
+    /// Counts notifications queued, with metrics on.
     pub(crate) received: Option<metrics::Counter>,
+    /// Counts notifications dropped for want of room, with metrics on.
+    pub(crate) dropped: Option<metrics::Counter>,
 }
 
 impl NotificationSink {
-    /// Deliver a notification from `peer`. Dropped silently once the agent is gone.
+    /// Deliver a notification from `peer` without waiting. When `peer` already has its
+    /// bound of notifications queued ([`NotificationLimits`]), the notification is
+    /// dropped: it is counted ([`NotificationStats::dropped`], the
+    /// `nixl_notifications_dropped_total` metric) and a warning naming the peer is
+    /// logged (at most one a second). Prefer [`NotificationSink::deliver_async`]
+    /// wherever the caller can wait. Also dropped (uncounted) once the agent is gone.
     pub fn deliver(&self, peer: &str, msg: Bytes) {
-        if let Some(c) = &self.received {
-            c.increment(1);
+        if self.queues.admit(peer, msg.len()) {
+            self.send(peer, msg);
+        } else {
+            if let Some(c) = &self.dropped {
+                c.increment(1);
+            }
+            self.queues.dropped(peer, msg.len());
         }
-        let _ = self.tx.send(Notification {
+    }
+
+    /// Deliver a notification from `peer`, first waiting until `peer` has room in its
+    /// queue ([`NotificationLimits`]); other peers' deliveries do not wait for it.
+    /// Room comes as the application reads `peer`'s notifications.
+    ///
+    /// # Errors
+    /// [`ErrorKind::ShutDown`] when the agent stopped or went away while this waited:
+    /// the notification was not delivered (a backend should not acknowledge it).
+    ///
+    /// # Cancel safety
+    /// Dropping the future before it returns drops the notification, undelivered.
+    pub async fn deliver_async(&self, peer: &str, msg: Bytes) -> Result<()> {
+        let len = msg.len();
+        if self.queues.admit(peer, len) {
+            self.send(peer, msg);
+            return Ok(());
+        }
+        let waiting = Waiting {
+            queues: &self.queues,
+            peer,
+            space: Some(self.queues.wait(peer)),
+        };
+        let space = waiting.space.as_deref().expect("set until dropped");
+        loop {
+            let notified = space.notified();
+            tokio::pin!(notified);
+            // Listen before looking, so room made in between is not missed.
+            notified.as_mut().enable();
+            if self.queues.admit(peer, len) {
+                self.send(peer, msg);
+                return Ok(());
+            }
+            tokio::select! {
+                () = &mut notified => {}
+                () = self.tx.closed() => break,
+                () = self.cancel.cancelled() => break,
+            }
+        }
+        Err(Error::new(
+            ErrorKind::ShutDown,
+            "deliver notification",
+            format!("the agent stopped while a notification from {peer:?} waited for room"),
+        ))
+    }
+
+    /// Deliver the agent's own notification (a same-agent transfer's): counted in the
+    /// queue, never held back or dropped, since the application posted it itself.
+    pub(crate) fn deliver_own(&self, peer: &str, msg: Bytes) {
+        self.queues.admit_own(peer, msg.len());
+        self.send(peer, msg);
+    }
+
+    /// Queue a notification already counted against `peer`.
+    fn send(&self, peer: &str, msg: Bytes) {
+        let len = msg.len();
+        let sent = self.tx.send(Notification {
             peer: peer.to_owned(),
             msg,
         });
+        match sent {
+            Ok(()) => {
+                if let Some(c) = &self.received {
+                    c.increment(1);
+                }
+            }
+            // The agent is gone: nobody will read it.
+            Err(_) => self.queues.release(peer, len),
+        }
+    }
+}
+
+/// A delivery waiting for room in its peer's queue; stops waiting when dropped.
+struct Waiting<'a> {
+    queues: &'a PeerQueues,
+    peer: &'a str,
+    space: Option<Arc<Notify>>,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if let Some(space) = self.space.take() {
+            self.queues.unwait(self.peer, space);
+        }
     }
 }
 

@@ -5,6 +5,10 @@
 //!
 //! - An [`Agent`] owns backends, memory [`Registration`]s, known peers, a
 //!   [`Notifications`] stream and every background task it starts.
+//! - Notifications queue per peer up to a bound ([`NotificationLimits`]: 4096 and
+//!   64 MiB unread by default); a peer at its bound is held back where the backend
+//!   can wait (nixl-tcp stops reading that peer's connection), otherwise its excess is
+//!   dropped, counted and logged ([`Agent::notification_stats`]).
 //! - Peers exchange [`metadata`] (versioned, checksummed, size-limited bytes); NIXL's
 //!   own format ([`interop`]) is read and written too, so an agent works with NIXL
 //!   agents over a backend that speaks NIXL's dialect ([`NixlDialect`]).
@@ -65,7 +69,9 @@ pub use descriptor::{Desc, DescList, Strided};
 pub use error::{Error, ErrorKind, Result};
 pub use exchange::{NixlListenerOptions, SharedSecret, SideChannelOptions};
 pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, HUGE_PAGE_SIZE, PAGE_SIZE};
-pub use notification::{Notification, Notifications};
+pub use notification::{
+    Notification, NotificationLimits, NotificationStats, Notifications, QueuedNotifications,
+};
 pub use region::{RegionRef, RegionSlice, Registration, RemoteRegionInfo};
 pub use telemetry::{TelemetryOptions, TransferTelemetry};
 pub use thread::{ThreadSpawner, ThreadWake};

@@ -26,7 +26,8 @@
 //! | `nixl_transfer_duration_seconds` | histogram | agent, op, backend | post to completion, successful transfers |
 //! | `nixl_transfer_post_seconds` | histogram | agent, op, backend | time spent in the post call |
 //! | `nixl_notifications_sent_total` | counter | agent | notifications posted (with a transfer or standalone) |
-//! | `nixl_notifications_received_total` | counter | agent | notifications delivered to this agent |
+//! | `nixl_notifications_received_total` | counter | agent | notifications queued for the application |
+//! | `nixl_notifications_dropped_total` | counter | agent | notifications dropped because their peer's queue was full ([`NotificationLimits`](crate::NotificationLimits)) |
 //! | `nixl_registered_bytes` | gauge | agent, kind | bytes registered, by memory kind (`dram`, `vram`) |
 //! | `nixl_registrations` | gauge | agent, kind | live registrations, by memory kind |
 //! | `nixl_peers` | gauge | agent | peers whose metadata is loaded |
@@ -158,6 +159,7 @@ pub(crate) struct AgentMetrics {
     ops: Mutex<HashMap<OpKey, Arc<OpMetrics>>>,
     pub(crate) notifications_sent: Counter,
     pub(crate) notifications_received: Counter,
+    pub(crate) notifications_dropped: Counter,
     registered_bytes: [Gauge; 2],
     registrations: [Gauge; 2],
     pub(crate) peers: Gauge,
@@ -176,6 +178,7 @@ impl AgentMetrics {
             ops: Mutex::new(HashMap::new()),
             notifications_sent: counter!("nixl_notifications_sent_total", [a()].iter()),
             notifications_received: counter!("nixl_notifications_received_total", [a()].iter()),
+            notifications_dropped: counter!("nixl_notifications_dropped_total", [a()].iter()),
             registered_bytes: by_kind("nixl_registered_bytes"),
             registrations: by_kind("nixl_registrations"),
             peers: gauge!("nixl_peers", [a()].iter()),

@@ -1,6 +1,9 @@
-//! The hostile-peer suite: peers that break the rules (idle or slow sockets,
-//! oversized or endless requests, bogus answers) against real agents, proving the
-//! limits hold and legitimate peers are still served.
+//! The hostile-peer suite: peers that break the rules on purpose (idle or slow
+//! sockets, oversized or endless requests, notification floods) against real agents,
+//! one module per area, each proving its limit holds and legitimate peers are still
+//! served.
 
 #[path = "hostile/listeners.rs"]
 mod hostile_listeners;
+#[path = "hostile/notifications.rs"]
+mod hostile_notifications;

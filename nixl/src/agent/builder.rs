@@ -13,6 +13,7 @@ use super::{random_u64, Agent, Regions, Shared};
 use crate::backend::{Backend, BackendContext, NotificationSink};
 use crate::completion::InflightCounter;
 use crate::error::{err, ErrorKind, Result};
+use crate::notification::{NotificationLimits, PeerQueues};
 use crate::telemetry::{AgentMetrics, TelemetryOptions};
 use crate::thread::{ThreadSet, ThreadSpawner};
 
@@ -72,6 +73,7 @@ pub struct AgentBuilder {
     options: AgentOptions,
     telemetry: TelemetryOptions,
     huge_pages: bool,
+    notification_limits: NotificationLimits,
 }
 
 impl AgentBuilder {
@@ -82,7 +84,16 @@ impl AgentBuilder {
             options: AgentOptions::default(),
             telemetry: TelemetryOptions::default(),
             huge_pages: true,
+            notification_limits: NotificationLimits::default(),
         }
+    }
+
+    /// How many notifications, and bytes of them, each peer may have queued unread
+    /// (default 4096 and 64 MiB); see [`NotificationLimits`].
+    #[must_use]
+    pub fn notification_limits(mut self, limits: NotificationLimits) -> Self {
+        self.notification_limits = limits;
+        self
     }
 
     /// Record per-transfer telemetry and metrics (all off by default); see
@@ -126,9 +137,10 @@ impl AgentBuilder {
     /// Start the backends and make the agent. Needs a tokio runtime.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`] for an empty or over-long name or two backends with
-    /// one name; any error a backend's start returns (the agent made so far is then
-    /// dropped, which stops what the earlier backends started).
+    /// [`ErrorKind::InvalidArgument`] for an empty or over-long name, two backends with
+    /// one name or a notification limit of zero; any error a backend's start returns
+    /// (the agent made so far is then dropped, which stops what the earlier backends
+    /// started).
     pub async fn build(self) -> Result<Agent> {
         const OP: &str = "build agent";
         if self.name.is_empty() || self.name.len() > 256 {
@@ -147,6 +159,16 @@ impl AgentBuilder {
                 );
             }
         }
+        let limits = self.notification_limits;
+        if limits.messages == 0 || limits.bytes == 0 {
+            return err(
+                ErrorKind::InvalidArgument,
+                OP,
+                format!(
+                    "notification limits must be at least 1 message and 1 byte, not {limits:?}"
+                ),
+            );
+        }
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
         let (tx, rx) = mpsc::unbounded_channel();
@@ -154,9 +176,13 @@ impl AgentBuilder {
             .telemetry
             .metrics
             .then(|| Arc::new(AgentMetrics::new(&self.name, &self.telemetry)));
+        let queues = Arc::new(PeerQueues::new(&self.name, limits));
         let sink = NotificationSink {
             tx,
+            queues: queues.clone(),
+            cancel: cancel.clone(),
             received: metrics.as_ref().map(|m| m.notifications_received.clone()),
+            dropped: metrics.as_ref().map(|m| m.notifications_dropped.clone()),
         };
         let shared = Arc::new(Shared {
             name: self.name,
@@ -177,6 +203,7 @@ impl AgentBuilder {
             threads: Arc::new(ThreadSet::default()),
             inflight: Arc::new(InflightCounter::default()),
             notifications: Arc::new(Mutex::new(Some(rx))),
+            queues,
             sink,
             labels: Mutex::new(HashMap::new()),
             shutdown_hooks: Mutex::new(Vec::new()),

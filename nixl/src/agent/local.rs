@@ -35,7 +35,7 @@ impl PreparedTransfer for LocalCopy {
         }
         // The data is in place: now the notification.
         if let Some(n) = notif {
-            self.sink.deliver(&self.agent, n);
+            self.sink.deliver_own(&self.agent, n);
         }
         done.complete(Ok(()));
     }

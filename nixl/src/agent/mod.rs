@@ -32,7 +32,7 @@ use crate::backend::{Backend, Capabilities, NotificationSink};
 use crate::completion::{Completer, CompletionState, InflightCounter};
 use crate::descriptor::RangeIndex;
 use crate::error::{err, Error, ErrorKind, Result};
-use crate::notification::{check_notification, Notifications, Slot};
+use crate::notification::{check_notification, NotificationStats, Notifications, PeerQueues, Slot};
 use crate::region::{RegionInner, RemoteRegion};
 use crate::telemetry::{AgentMetrics, TelemetryOptions};
 use crate::thread::ThreadSet;
@@ -133,6 +133,8 @@ struct Shared {
     threads: Arc<ThreadSet>,
     inflight: Arc<InflightCounter>,
     notifications: Slot,
+    /// Per-peer accounting of the notifications in `notifications`.
+    queues: Arc<PeerQueues>,
     /// Where the agent's own (same-agent) notifications go.
     sink: NotificationSink,
     /// Labelled partial metadata served by the exchanges.
@@ -351,13 +353,24 @@ impl Agent {
     pub fn notifications(&self) -> Result<Notifications> {
         let rx = self.shared.notifications.lock().unwrap().take();
         match rx {
-            Some(rx) => Ok(Notifications::new(rx, self.shared.notifications.clone())),
+            Some(rx) => Ok(Notifications::new(
+                rx,
+                self.shared.notifications.clone(),
+                self.shared.queues.clone(),
+            )),
             None => err(
                 ErrorKind::NotAllowed,
                 "take notifications",
                 "another Notifications handle is alive",
             ),
         }
+    }
+
+    /// What each peer has queued in the notification stream, unread, and how many
+    /// notifications were dropped because their peer's queue was full; see
+    /// [`NotificationLimits`](crate::NotificationLimits).
+    pub fn notification_stats(&self) -> NotificationStats {
+        self.shared.queues.stats()
     }
 
     /// Whether the agent accepts new work (false once shutdown started).
