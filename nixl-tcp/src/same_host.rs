@@ -635,3 +635,45 @@ impl Peer {
         Ok(m)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The offer's pid is believed only when that process holds the other end of the
+    /// connection the offer came on.
+    #[test]
+    fn the_offering_process_must_hold_the_other_end() {
+        for at in ["127.0.0.1:0", "[::1]:0"] {
+            let Ok(listener) = std::net::TcpListener::bind(at) else {
+                continue; // no IPv6 loopback here
+            };
+            let ours = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (theirs, _) = listener.accept().unwrap();
+            let (l, r) = (ours.local_addr().unwrap(), ours.peer_addr().unwrap());
+            let me = std::process::id();
+            holds_connection(me, l, r).unwrap();
+            assert!(!connection_closed(l, r));
+            // Another process (our parent, the test runner) does not hold it.
+            let parent = std::os::unix::process::parent_id();
+            let e = holds_connection(parent, l, r).unwrap_err();
+            assert!(
+                e.to_string().contains("does not hold")
+                    || e.kind() == std::io::ErrorKind::PermissionDenied,
+                "{e}"
+            );
+            // Addresses no socket of this namespace has.
+            let nowhere: SocketAddr = "127.0.0.1:1".parse().unwrap();
+            let e = holds_connection(me, l, nowhere).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::Unsupported, "{e}");
+            // The target closing its end shows on ours.
+            drop(theirs);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !connection_closed(l, r) {
+                assert!(Instant::now() < deadline, "the close never showed");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert!(holds_connection(me, l, r).is_err());
+        }
+    }
+}
