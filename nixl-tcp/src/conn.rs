@@ -754,15 +754,41 @@ impl Task {
                     HandshakeAction::Send { what, bytes } => {
                         s.write_all(&bytes).await.map_err(|e| io(what, e))?
                     }
-                    HandshakeAction::Open(offer) => match same_host::Peer::open(&offer) {
-                        Ok(p) => {
-                            opened = Some(p);
-                            m.opened(Ok(()));
+                    HandshakeAction::Open(offer) => {
+                        let (l, r) = (
+                            s.local_addr().map_err(|e| io("same-host setup", e))?,
+                            s.peer_addr().map_err(|e| io("same-host setup", e))?,
+                        );
+                        match same_host::Peer::open(&offer, l, r) {
+                            Ok(p) => {
+                                opened = Some(p);
+                                m.opened(Ok(()));
+                            }
+                            Err(e) => {
+                                // The target going away closes its table before its
+                                // sockets: a vanished descriptor is told apart from a
+                                // path that does not work by the connection closing.
+                                let mut waits = if e.kind() == std::io::ErrorKind::NotFound {
+                                    20
+                                } else {
+                                    0
+                                };
+                                loop {
+                                    if same_host::connection_closed(l, r) {
+                                        return Err(io("same-host setup", e));
+                                    }
+                                    if waits == 0 {
+                                        break;
+                                    }
+                                    waits -= 1;
+                                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                                }
+                                m.opened(Err(format!(
+                                    "the target's shared memory could not be used ({e})"
+                                )));
+                            }
                         }
-                        Err(e) => m.opened(Err(format!(
-                            "the target's shared memory could not be used ({e})"
-                        ))),
-                    },
+                    }
                     HandshakeAction::Up(outcome) => {
                         let path = self.path_of(outcome, opened.as_ref());
                         return Ok((s, opened, path));

@@ -96,7 +96,15 @@
 //! Deregistration clears the slot and waits until no initiator is inside it: once
 //! [`nixl::Agent::deregister`] returns, no peer touches that memory again (a peer
 //! stopped mid-copy, in a debugger say, is waited for 10 s; then the memory is kept
-//! alive until its connection ends and deregistration reports it).
+//! alive until it lets go and deregistration reports it). An initiator holds a shared
+//! `flock` on the table while it has it mapped, so one that died inside a copy is
+//! seen gone at once and never waited for; shutdown waits asynchronously (at most half
+//! its bound) and a connection's end not at all.
+//!
+//! *Hostile peers.* Every memfd is sealed at its size, so a target cannot truncate one
+//! under the initiator's mapping (SIGBUS). The initiator opens `/proc/<pid>/fd/<fd>`
+//! only for a process of its own user that holds the other end of its TCP connection,
+//! and only a nixl-tcp memfd, checked again once open (name, shrink seal, length).
 //!
 //! *Security boundary.* The kernel allows both mechanisms only between processes where
 //! one may inspect the other: same user (or `CAP_SYS_PTRACE`), and for cross-memory
@@ -546,9 +554,10 @@ impl Backend for TcpBackend {
         }
     }
 
-    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
-        // Same-host peers stop touching our memory first (waits for copies running).
-        self.inner.grants.revoke_everything();
+    async fn shutdown(&self, timeout: Duration) -> Result<()> {
+        // Same-host peers stop touching our memory first: waits for copies running in
+        // live peers, for half the bound at most, leaving the rest for the rest.
+        self.inner.grants.revoke_everything(timeout / 2).await;
         self.inner.copier.lock().unwrap().take();
         if let Some(s) = self.inner.started.try_get() {
             s.cancel.cancel();

@@ -2,8 +2,10 @@
 //! (the crate docs describe the design; the primitives are in `shm`).
 
 use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nixl::{
     Error, ErrorKind, Op, RegionRef, RegionSlice, Result, SegmentRun, Segments, TargetRegion,
@@ -38,8 +40,10 @@ impl std::str::FromStr for SameHost {
     }
 }
 
-/// Longest wait for initiators to leave a revoked grant. An access is one copy or one
-/// system call, so this is only reached by a peer stopped mid-copy (a debugger).
+/// Longest wait for a live initiator to leave a revoked grant. An access is one copy
+/// or one system call, so this is only reached by a peer stopped mid-copy (a
+/// debugger). An initiator that died inside a copy is not waited for at all: its
+/// table's lock ([`Table::peer_holds`]) tells.
 pub(crate) const REVOKE_BOUND: Duration = Duration::from_secs(10);
 
 /// Target side: what this agent grants, and the tables of its same-host connections.
@@ -56,6 +60,8 @@ struct GrantState {
     granted: HashMap<u32, Grant>,
     free: Vec<u32>,
     next: u32,
+    /// Tables of live connections, and of ended ones whose initiator may still be
+    /// inside a grant (closed; dropped once [`ConnTable::settled`]).
     tables: Vec<Arc<ConnTable>>,
 }
 
@@ -63,8 +69,74 @@ struct GrantState {
 #[derive(Debug)]
 pub(crate) struct ConnTable {
     pub(crate) table: Table,
-    /// Registrations a peer did not leave in time: kept alive until the connection ends.
+    /// Registrations a peer did not leave in time: kept alive until the table goes.
     held: Mutex<Vec<RegionRef>>,
+    /// Its initiator is gone: no count up in the table will come down, and none
+    /// needs to (nothing touches the memory any more).
+    gone: AtomicBool,
+}
+
+impl ConnTable {
+    /// Whether the initiator is gone (probed only while a count is up, so that an
+    /// initiator still setting up, with no access yet, is never taken for gone).
+    fn gone(&self) -> bool {
+        if self.gone.load(Ordering::Acquire) {
+            return true;
+        }
+        let gone = !self.table.peer_holds();
+        if gone {
+            self.gone.store(true, Ordering::Release);
+        }
+        gone
+    }
+
+    /// No access to `slot` is in progress, or none can be: the initiator is gone.
+    fn quiet(&self, slot: u32) -> bool {
+        self.table.idle(slot) || self.gone()
+    }
+
+    /// Closed and nothing in it in progress (or its initiator gone): it can go.
+    fn settled(&self) -> bool {
+        self.table.is_closed() && (self.table.all_idle() || self.gone())
+    }
+
+    /// Grant `g` in `slot` unless the table is closed or its initiator gone; waits
+    /// (briefly: an initiator that looked at the free slot leaves at once) for the
+    /// slot to be idle.
+    fn grant(&self, slot: u32, g: Grant) {
+        if self.table.is_closed() || self.gone.load(Ordering::Acquire) {
+            return;
+        }
+        if wait_until(Instant::now() + REVOKE_BOUND, || self.quiet(slot))
+            && !self.gone.load(Ordering::Acquire)
+            && !self.table.grant(slot, g)
+        {
+            tracing::warn!(slot, "tcp: a same-host grant slot stayed busy; this registration goes over TCP for that peer");
+        }
+    }
+}
+
+/// Wait on this thread until `done`, or `deadline`; whether `done` became true.
+/// Spins, then yields, then sleeps 50 µs at a time: the waits it serves end within a
+/// copy's time, or at once when the peer is found gone.
+fn wait_until(deadline: Instant, mut done: impl FnMut() -> bool) -> bool {
+    let mut spins = 0u32;
+    loop {
+        if done() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        spins += 1;
+        if spins < 64 {
+            std::hint::spin_loop();
+        } else if spins < 1024 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
 }
 
 impl Grants {
@@ -121,32 +193,45 @@ impl Grants {
             }
         };
         for t in &st.tables {
-            t.table.grant(slot, g, REVOKE_BOUND);
+            t.grant(slot, g);
         }
         st.granted.insert(slot, g);
         Some(slot)
     }
 
     /// Withdraw a registration from every same-host connection; returns once no peer
-    /// touches it. A peer still inside at the bound keeps `region` alive until its
-    /// connection ends (and the deregistration reports it).
+    /// touches it. Waits on the caller's thread (the backend's `deregister` is
+    /// synchronous) for copies in progress in live peers, each one `memcpy` or system
+    /// call; not for a peer that died inside a copy (found at once). A live peer still
+    /// inside at [`REVOKE_BOUND`] (stopped in a debugger) keeps `region` alive until
+    /// its table goes (its connection ended and its copy too, or it died), and the
+    /// deregistration reports it.
     pub(crate) fn revoke(&self, slot: u32, region: &RegionRef) -> Result<()> {
-        let mut st = self.state.lock().unwrap();
-        if st.granted.remove(&slot).is_none() {
-            return Ok(());
-        }
-        let mut stuck = 0;
-        for t in &st.tables {
-            if !t.table.revoke(slot, REVOKE_BOUND) {
-                stuck += 1;
-                t.held.lock().unwrap().push(region.clone());
+        let tables = {
+            let mut st = self.state.lock().unwrap();
+            if st.granted.remove(&slot).is_none() {
+                return Ok(());
             }
+            prune(&mut st);
+            st.tables.clone()
+        };
+        for t in &tables {
+            t.table.withdraw(slot);
+        }
+        // The state lock is not held while waiting: connections come and go, other
+        // registrations come and go meanwhile (none reuses this slot: it is not free).
+        wait_until(Instant::now() + REVOKE_BOUND, || {
+            tables.iter().all(|t| t.quiet(slot))
+        });
+        let mut stuck = 0;
+        for t in tables.iter().filter(|t| !t.quiet(slot)) {
+            stuck += 1;
+            t.held.lock().unwrap().push(region.clone());
         }
         // A slot a stuck peer still counts in is never reused while that table lives.
         if stuck == 0 {
-            st.free.push(slot);
+            self.state.lock().unwrap().free.push(slot);
         }
-        drop(st);
         if stuck > 0 {
             return Err(Error::new(
                 ErrorKind::TimedOut,
@@ -162,43 +247,74 @@ impl Grants {
         let t = Arc::new(ConnTable {
             table: Table::create(nonce)?,
             held: Mutex::default(),
+            gone: AtomicBool::new(false),
         });
         let mut st = self.state.lock().unwrap();
+        prune(&mut st);
         for (&slot, &g) in &st.granted {
-            t.table.grant(slot, g, REVOKE_BOUND);
+            // A fresh table: every slot idle, nothing to wait for.
+            t.table.grant(slot, g);
         }
         st.tables.push(t.clone());
         Ok(t)
     }
 
-    /// The connection of `t` ended: its peer can no longer be inside a grant... unless
-    /// it is still alive and copying, so first revoke everything in it.
+    /// The connection of `t` ended. Its grants are withdrawn at once, without waiting
+    /// (this runs on the connection's task): an initiator that died with a copy in
+    /// progress is found gone and the table dropped now; a live one still copying
+    /// keeps the table listed, so deregistration and shutdown still wait for it, and
+    /// the table is dropped once it settles.
     pub(crate) fn detach(&self, t: &Arc<ConnTable>) {
+        t.table.withdraw_all();
         let mut st = self.state.lock().unwrap();
-        st.tables.retain(|x| !Arc::ptr_eq(x, t));
-        drop(st);
-        if !t.table.revoke_all(REVOKE_BOUND) {
-            tracing::warn!("tcp: a same-host peer kept copying after its connection ended");
-        }
+        prune(&mut st);
     }
 
-    /// Revoke every grant in every table (shutdown, drop): no peer touches this agent's
-    /// memory afterwards.
-    pub(crate) fn revoke_everything(&self) {
+    /// Revoke every grant in every table (shutdown): no peer touches this agent's
+    /// memory afterwards. Waits asynchronously, up to `bound` (and at most
+    /// [`REVOKE_BOUND`]), only for live peers with a copy in progress.
+    pub(crate) async fn revoke_everything(&self, bound: Duration) {
         let tables = std::mem::take(&mut self.state.lock().unwrap().tables);
-        for t in tables {
-            if !t.table.revoke_all(REVOKE_BOUND) {
+        for t in &tables {
+            t.table.withdraw_all();
+        }
+        let deadline = Instant::now() + bound.min(REVOKE_BOUND);
+        let mut pause = Duration::from_micros(100);
+        while !tables.iter().all(|t| t.settled()) {
+            if Instant::now() >= deadline {
                 tracing::warn!("tcp: a same-host peer kept copying past the revoke bound");
+                return;
             }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(10));
         }
     }
+}
+
+/// Drop the tables of ended connections that settled.
+fn prune(st: &mut GrantState) {
+    st.tables.retain(|t| !t.settled());
 }
 
 impl Drop for Grants {
     fn drop(&mut self) {
-        self.revoke_everything();
+        // Normally after `revoke_everything` (shutdown), with nothing left to wait for.
+        // Otherwise waits on this thread, as `revoke` does, for live peers' copies.
+        let tables = std::mem::take(&mut self.state.get_mut().unwrap().tables);
+        for t in &tables {
+            t.table.withdraw_all();
+        }
+        if !wait_until(Instant::now() + REVOKE_BOUND, || {
+            tables.iter().all(|t| t.settled())
+        }) {
+            tracing::warn!("tcp: a same-host peer kept copying past the revoke bound");
+        }
     }
 }
+
+/// A peer's memfd as mapped for one grant: its key, and the mapping (`None`: the
+/// memfd was refused, and the grant's transfers go over TCP).
+type Mapped = (u64, Option<Arc<Mapping>>);
 
 /// Initiator side: a connected same-host peer.
 #[derive(Debug)]
@@ -207,8 +323,8 @@ pub(crate) struct Peer {
     table: Table,
     /// Why cross-memory attach is off, if it is.
     cma_refused: Option<String>,
-    /// The peer's memfds we mapped, by slot: (key, mapping).
-    maps: Mutex<HashMap<u32, (u64, Arc<Mapping>)>>,
+    /// The peer's memfds we mapped, by slot.
+    maps: Mutex<HashMap<u32, Mapped>>,
 }
 
 /// The target side of a prepared transfer: for each target registration
@@ -237,9 +353,94 @@ impl Direct {
 #[derive(Debug)]
 pub(crate) struct Unsuitable(pub(crate) &'static str);
 
+/// The forms `/proc/net/tcp{,6}` print `a` in: `%08X:%04X` (IPv4) or
+/// `%08X%08X%08X%08X:%04X` (IPv6), each 32-bit word in host byte order. An IPv4
+/// address also in its IPv4-mapped IPv6 form (a dual-stack listener's sockets).
+fn proc_net_forms(a: SocketAddr) -> Vec<String> {
+    let words = |b: &[u8]| -> String {
+        b.chunks(4)
+            .map(|w| format!("{:08X}", u32::from_ne_bytes(w.try_into().expect("4 bytes"))))
+            .collect()
+    };
+    let port = a.port();
+    let v4 = match a.ip() {
+        IpAddr::V4(ip) => Some(ip),
+        IpAddr::V6(ip) => ip.to_ipv4_mapped(),
+    };
+    let mut forms = Vec::with_capacity(2);
+    if let Some(ip) = v4 {
+        forms.push(format!("{}:{port:04X}", words(&ip.octets())));
+        forms.push(format!(
+            "{}:{port:04X}",
+            words(&ip.to_ipv6_mapped().octets())
+        ));
+    } else if let IpAddr::V6(ip) = a.ip() {
+        forms.push(format!("{}:{port:04X}", words(&ip.octets())));
+    }
+    forms
+}
+
+/// State and inode of the TCP socket from `from` to `to` in this network namespace
+/// (`/proc/net/tcp{,6}`), if there is one.
+fn proc_socket(from: SocketAddr, to: SocketAddr) -> Option<(String, String)> {
+    let (local, remote) = (proc_net_forms(from), proc_net_forms(to));
+    ["/proc/self/net/tcp", "/proc/self/net/tcp6"]
+        .into_iter()
+        .filter_map(|file| std::fs::read_to_string(file).ok())
+        .find_map(|text| {
+            text.lines().skip(1).find_map(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let (l, r, st, ino) = (f.get(1)?, f.get(2)?, f.get(3)?, f.get(9)?);
+                (local.iter().any(|x| x == l) && remote.iter().any(|x| x == r))
+                    .then(|| (st.to_string(), ino.to_string()))
+            })
+        })
+}
+
+/// Whether our connection from `local` to `remote` is known to be closing (the peer
+/// closed its end: its setup failing then says nothing about the same-host path).
+pub(crate) fn connection_closed(local: SocketAddr, remote: SocketAddr) -> bool {
+    /// `TCP_ESTABLISHED`, as `/proc/net/tcp` prints it.
+    const ESTABLISHED: &str = "01";
+    proc_socket(local, remote).is_some_and(|(st, _)| st != ESTABLISHED)
+}
+
+/// Check that process `pid` holds the socket at the other end of our TCP connection
+/// from `local` to `remote`: the socket whose local address is `remote` and whose
+/// peer is `local` in this network namespace's `/proc/net/tcp{,6}`, among the
+/// process's descriptors. So the pid the offer names is the target we talk to, not a
+/// process the network picked. Fails where it cannot tell (another network
+/// namespace, a proxy in between): then the connection uses TCP.
+fn holds_connection(pid: u32, local: SocketAddr, remote: SocketAddr) -> std::io::Result<()> {
+    let inode = match proc_socket(remote, local) {
+        Some((_, ino)) if ino != "0" => format!("socket:[{ino}]"),
+        _ => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                format!("the other end of the connection ({remote}) is not an open socket of this network namespace"),
+            ))
+        }
+    };
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        if std::fs::read_link(entry?.path()).is_ok_and(|l| l.as_os_str() == inode.as_str()) {
+            return Ok(());
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        format!("process {pid} named by the offer does not hold the other end of the connection"),
+    ))
+}
+
 impl Peer {
-    /// Map the target's table and probe cross-memory attach.
-    pub(crate) fn open(offer: &Offer) -> std::io::Result<Self> {
+    /// Check that the offering process is the one at the other end of our connection
+    /// (`local` to `remote`), map its table and probe cross-memory attach.
+    pub(crate) fn open(
+        offer: &Offer,
+        local: SocketAddr,
+        remote: SocketAddr,
+    ) -> std::io::Result<Self> {
+        holds_connection(offer.pid, local, remote)?;
         let table = Table::open(offer.pid, offer.table_fd, &offer.nonce)?;
         let cma_refused = match shm::cma_peek::<{ shm::NONCE_LEN }>(offer.pid, offer.table_addr) {
             Ok(n) if n == offer.nonce => None,
@@ -325,7 +526,12 @@ impl Peer {
         for (&(slot, ..), (_, g)) in direct.targets.iter().zip(&held) {
             maps.push(match g.memfd {
                 Some(fd) => match self.mapping(slot, g, fd) {
-                    Ok(m) => Some(m),
+                    Ok(Some(m)) => Some(m),
+                    Ok(None) => {
+                        return Err(Unsuitable(
+                            "the target's shared memory is not a sealed nixl-tcp memfd",
+                        ))
+                    }
                     Err(e) => return Ok(Err(e)),
                 },
                 None => None,
@@ -400,30 +606,74 @@ impl Peer {
     }
 
     /// The peer's memfd for `slot` (called while the slot's access is held, so the
-    /// descriptor is the granted one and still open).
-    fn mapping(&self, slot: u32, g: &Grant, fd: i32) -> Result<Arc<Mapping>> {
+    /// descriptor is the granted one and still open). `Ok(None)`: the descriptor is
+    /// not one this crate may map (not a nixl-tcp memfd, not sealed, too short, not
+    /// our user's), remembered for the grant so that it is logged once.
+    fn mapping(&self, slot: u32, g: &Grant, fd: i32) -> Result<Option<Arc<Mapping>>> {
         let mut maps = self.maps.lock().unwrap();
         if let Some((key, m)) = maps.get(&slot) {
-            if *key == g.key && m.len() as u64 >= g.len {
+            if *key == g.key && m.as_ref().is_none_or(|m| m.len() as u64 >= g.len) {
                 return Ok(m.clone());
             }
         }
-        let m = shm::map_peer(self.pid, fd, g.len as usize)
-            .map(Arc::new)
-            .map_err(|e| {
-                let kind = if e.kind() == std::io::ErrorKind::NotFound {
-                    ErrorKind::RemoteDisconnected
-                } else {
-                    ErrorKind::Backend
-                };
-                Error::new(
-                    kind,
+        let m = match shm::map_peer(self.pid, fd, g.len as usize) {
+            Ok(m) => Some(Arc::new(m)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::new(
+                    ErrorKind::RemoteDisconnected,
                     "tcp same-host transfer",
                     "cannot map the peer's shared memory",
                 )
-                .with_source(e)
-            })?;
+                .with_source(e))
+            }
+            Err(e) => {
+                tracing::info!(pid = self.pid, fd, error = %e, "tcp: refusing the peer's shared memory; its transfers go over TCP");
+                None
+            }
+        };
         maps.insert(slot, (g.key, m.clone()));
         Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The offer's pid is believed only when that process holds the other end of the
+    /// connection the offer came on.
+    #[test]
+    fn the_offering_process_must_hold_the_other_end() {
+        for at in ["127.0.0.1:0", "[::1]:0"] {
+            let Ok(listener) = std::net::TcpListener::bind(at) else {
+                continue; // no IPv6 loopback here
+            };
+            let ours = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (theirs, _) = listener.accept().unwrap();
+            let (l, r) = (ours.local_addr().unwrap(), ours.peer_addr().unwrap());
+            let me = std::process::id();
+            holds_connection(me, l, r).unwrap();
+            assert!(!connection_closed(l, r));
+            // Another process (our parent, the test runner) does not hold it.
+            let parent = std::os::unix::process::parent_id();
+            let e = holds_connection(parent, l, r).unwrap_err();
+            assert!(
+                e.to_string().contains("does not hold")
+                    || e.kind() == std::io::ErrorKind::PermissionDenied,
+                "{e}"
+            );
+            // Addresses no socket of this namespace has.
+            let nowhere: SocketAddr = "127.0.0.1:1".parse().unwrap();
+            let e = holds_connection(me, l, nowhere).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::Unsupported, "{e}");
+            // The target closing its end shows on ours.
+            drop(theirs);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !connection_closed(l, r) {
+                assert!(Instant::now() < deadline, "the close never showed");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert!(holds_connection(me, l, r).is_err());
+        }
     }
 }

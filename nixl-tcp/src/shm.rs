@@ -14,7 +14,6 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
 
 use nixl::{MemKind, RegionSlice};
 
@@ -93,7 +92,16 @@ impl Drop for Mapping {
     }
 }
 
-/// An anonymous shared-memory file (`memfd_create`) of at least `len` bytes, mapped.
+/// Prefix of every memfd name this crate creates, as `/proc/<pid>/fd/<fd>` shows it
+/// (`/memfd:<name> (deleted)`); an initiator maps nothing else.
+const MEMFD_LINK_PREFIX: &str = "/memfd:nixl-tcp";
+
+/// Seals on every memfd this crate creates: its size is fixed (a peer that shrank it
+/// would make the other side's mapping fault with SIGBUS), and so are the seals.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// An anonymous shared-memory file (`memfd_create`) of at least `len` bytes, mapped,
+/// its size sealed ([`SEALS`]).
 #[derive(Debug)]
 pub(crate) struct Memfd {
     map: Mapping,
@@ -101,20 +109,28 @@ pub(crate) struct Memfd {
 }
 
 impl Memfd {
+    /// `name` must start with `nixl-tcp` (peers map only such memfds).
     pub(crate) fn new(name: &std::ffi::CStr, len: usize) -> io::Result<Self> {
+        debug_assert!(name.to_bytes().starts_with(b"nixl-tcp"));
         let page = page_size();
         let len = len
             .checked_add(page - 1)
             .map(|l| l / page * page)
             .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: plain system call with a NUL-terminated name.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let raw = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: `raw` is a new descriptor nobody else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         File::from(fd.try_clone()?).set_len(len as u64)?;
+        // SAFETY: fcntl on a descriptor we own, with an integer argument.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
         let map = Mapping::map(fd.as_fd(), len)?;
         Ok(Self { map, fd })
     }
@@ -163,24 +179,88 @@ fn page_size() -> usize {
     usize::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
 }
 
-/// Open another process's descriptor through `/proc` (allowed by the kernel only where
-/// this process may inspect the other: same user, or privileges; no ptrace attach).
-fn open_peer_fd(pid: u32, fd: i32) -> io::Result<File> {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(format!("/proc/{pid}/fd/{fd}"))
+/// The seals on `fd` (`F_GET_SEALS`); an error for a file that is not a memfd.
+fn seals(fd: BorrowedFd<'_>) -> io::Result<libc::c_int> {
+    // SAFETY: fcntl on a live descriptor, no argument.
+    let s = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if s < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(s)
+    }
 }
 
-/// Map `len` bytes of the peer's memfd `fd`.
-pub(crate) fn map_peer(pid: u32, fd: i32, len: usize) -> io::Result<Mapping> {
-    let f = open_peer_fd(pid, fd)?;
-    if f.metadata()?.len() < len as u64 {
+fn refused(why: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, why)
+}
+
+/// Whether `link` (a `/proc/<pid>/fd/<fd>` target) names a memfd of this crate.
+fn is_our_memfd(link: &std::path::Path) -> bool {
+    link.to_str()
+        .is_some_and(|l| l.starts_with(MEMFD_LINK_PREFIX))
+}
+
+/// Open another process's memfd through `/proc`, for reads and writes, after checking
+/// what the network named: process `pid` runs as our user and its descriptor `fd` is
+/// a memfd of this crate; once open, that the file is such a memfd, sealed against
+/// shrinking ([`SEALS`]), and at least `len` bytes long. So a mapping of `len` bytes
+/// of it can never fault (SIGBUS) however the other process treats the file, and no
+/// other file of that process (or of another user) is ever opened. The kernel allows
+/// the open only where this process may inspect the other (same user, or privileges).
+pub(crate) fn open_peer_memfd(pid: u32, fd: i32, len: usize) -> io::Result<File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    if pid == 0 || fd < 0 {
+        return Err(refused(format!("no such descriptor: pid {pid}, fd {fd}")));
+    }
+    let me = std::fs::metadata("/proc/self")?.uid();
+    let owner = std::fs::metadata(format!("/proc/{pid}"))?.uid();
+    if owner != me {
         return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            "the peer's shared memory is shorter than its grant",
+            io::ErrorKind::PermissionDenied,
+            format!("process {pid} runs as user {owner}, not as this process's {me}"),
         ));
     }
+    let path = format!("/proc/{pid}/fd/{fd}");
+    let link = std::fs::read_link(&path)?;
+    if !is_our_memfd(&link) {
+        return Err(refused(format!(
+            "descriptor {fd} of process {pid} is {link:?}, not a nixl-tcp memfd"
+        )));
+    }
+    // No controlling terminal, no blocking open, whatever the descriptor became since.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK)
+        .open(&path)?;
+    // What was opened, not what the link said a moment before.
+    let opened = std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd()))?;
+    if !is_our_memfd(&opened) {
+        return Err(refused(format!(
+            "descriptor {fd} of process {pid} became {opened:?}, not a nixl-tcp memfd"
+        )));
+    }
+    let sealed = seals(f.as_fd()).map_err(|e| {
+        refused(format!(
+            "descriptor {fd} of process {pid} has no seals ({e})"
+        ))
+    })?;
+    if sealed & libc::F_SEAL_SHRINK == 0 {
+        return Err(refused(format!(
+            "the memfd of process {pid} is not sealed against shrinking; mapping it could fault"
+        )));
+    }
+    if f.metadata()?.len() < len as u64 {
+        return Err(refused(
+            "the peer's shared memory is shorter than its grant".to_owned(),
+        ));
+    }
+    Ok(f)
+}
+
+/// Map `len` bytes of the peer's memfd `fd` (checked by [`open_peer_memfd`]).
+pub(crate) fn map_peer(pid: u32, fd: i32, len: usize) -> io::Result<Mapping> {
+    let f = open_peer_memfd(pid, fd, len)?;
     Mapping::map(f.as_fd(), len)
 }
 
@@ -209,14 +289,21 @@ pub(crate) struct Grant {
 ///
 /// Slot: `state` (bit 63: valid; low bits: accesses in progress), key, addr, len,
 /// memfd + 1 (0: none). An initiator increments `state` before touching the
-/// registration and decrements it after; the target revokes a grant by clearing the
-/// valid bit and waiting for the count to drain, so after a revoke returns no
-/// initiator is touching the memory, and none will.
+/// registration and decrements it after; the target withdraws a grant by clearing the
+/// valid bit and then waits (its caller does) for the count to drain, so once it has
+/// drained no initiator is touching the memory, and none will.
+///
+/// An initiator holds a shared `flock` on the table for as long as it has it mapped
+/// (through its own open of the file, so the lock is its own), and the kernel drops
+/// that lock when the process dies. A count that is up while nobody holds the lock
+/// can therefore never come down: its initiator is gone ([`Table::peer_holds`]).
 #[derive(Debug)]
 pub(crate) struct Table {
     map: Mapping,
     /// The target's own memfd (its side only).
     fd: Option<OwnedFd>,
+    /// The initiator's open of the target's memfd, locked shared (its side only).
+    _lock: Option<File>,
 }
 
 impl Table {
@@ -224,7 +311,11 @@ impl Table {
     pub(crate) fn create(nonce: &[u8; NONCE_LEN]) -> io::Result<Self> {
         let memfd = Memfd::new(c"nixl-tcp-grants", TABLE_LEN)?;
         let Memfd { map, fd } = memfd;
-        let t = Self { map, fd: Some(fd) };
+        let t = Self {
+            map,
+            fd: Some(fd),
+            _lock: None,
+        };
         let (a, b) = nonce.split_at(8);
         t.map.word(0).store(
             u64::from_le_bytes(a.try_into().expect("8")),
@@ -237,10 +328,21 @@ impl Table {
         Ok(t)
     }
 
-    /// Map the target's table (initiator side) and check it carries `nonce`.
+    /// Map the target's table (initiator side), lock it shared for as long as it is
+    /// mapped, and check it carries `nonce`.
     pub(crate) fn open(pid: u32, fd: i32, nonce: &[u8; NONCE_LEN]) -> io::Result<Self> {
-        let map = map_peer(pid, fd, TABLE_LEN)?;
-        let t = Self { map, fd: None };
+        let f = open_peer_memfd(pid, fd, TABLE_LEN)?;
+        // Before any access: a count of ours is only ever up while the lock is held.
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let map = Mapping::map(f.as_fd(), TABLE_LEN)?;
+        let t = Self {
+            map,
+            fd: None,
+            _lock: Some(f),
+        };
         if t.nonce() != *nonce {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -276,12 +378,12 @@ impl Table {
     }
 
     /// Publish `g` in `slot` (target side). The slot must be free (never granted, or
-    /// revoked); waits up to `bound` for initiators that looked at it while it was free.
-    pub(crate) fn grant(&self, slot: u32, g: Grant, bound: Duration) -> bool {
+    /// withdrawn) and [`idle`](Self::idle); false (nothing published) if it is not.
+    pub(crate) fn grant(&self, slot: u32, g: Grant) -> bool {
         let Some([state, key, addr, len, memfd]) = self.words(slot) else {
             return false;
         };
-        if !drain(state, bound) {
+        if state.load(Ordering::Acquire) != 0 {
             return false;
         }
         key.store(g.key, Ordering::Relaxed);
@@ -292,14 +394,18 @@ impl Table {
         true
     }
 
-    /// Withdraw `slot` (target side): no new access starts, and this waits up to
-    /// `bound` for accesses in progress. False if some were still running at the bound.
-    pub(crate) fn revoke(&self, slot: u32, bound: Duration) -> bool {
-        let Some([state, ..]) = self.words(slot) else {
-            return true;
-        };
-        state.fetch_and(!VALID, Ordering::AcqRel);
-        drain(state, bound)
+    /// Withdraw `slot` (target side): no new access starts. Accesses in progress end
+    /// when [`idle`](Self::idle) says so.
+    pub(crate) fn withdraw(&self, slot: u32) {
+        if let Some([state, ..]) = self.words(slot) {
+            state.fetch_and(!VALID, Ordering::AcqRel);
+        }
+    }
+
+    /// No access to `slot` is in progress (out of range: none can be).
+    pub(crate) fn idle(&self, slot: u32) -> bool {
+        self.words(slot)
+            .is_none_or(|[state, ..]| state.load(Ordering::Acquire) & COUNT == 0)
     }
 
     /// Start an access to `slot` (initiator side): `None` when the slot is out of
@@ -332,38 +438,36 @@ impl Table {
         self.map.word(16).load(Ordering::Acquire) != 0
     }
 
-    /// Close the table and revoke every grant in it (target side).
-    pub(crate) fn revoke_all(&self, bound: Duration) -> bool {
+    /// Close the table and withdraw every grant in it (target side), without waiting.
+    pub(crate) fn withdraw_all(&self) {
         self.close();
-        let mut drained = true;
         for slot in 0..SLOTS {
-            let [state, ..] = self.words(slot).expect("in range");
-            if state.load(Ordering::Acquire) & VALID != 0 {
-                drained &= self.revoke(slot, bound);
-            }
+            self.withdraw(slot);
         }
-        drained
     }
-}
 
-/// Wait until no access is in progress on a slot.
-fn drain(state: &AtomicU64, bound: Duration) -> bool {
-    let deadline = Instant::now() + bound;
-    let mut spins = 0u32;
-    while state.load(Ordering::Acquire) & COUNT != 0 {
-        if Instant::now() >= deadline {
-            return false;
-        }
-        spins += 1;
-        if spins < 64 {
-            std::hint::spin_loop();
-        } else if spins < 1024 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
+    /// No access to any slot is in progress.
+    pub(crate) fn all_idle(&self) -> bool {
+        (0..SLOTS).all(|slot| self.idle(slot))
     }
-    true
+
+    /// Whether an initiator holds the table (target side): false once every process
+    /// that mapped it has dropped it or died, so that no count still up in it can come
+    /// down. A probe the kernel refuses for another reason counts as held.
+    pub(crate) fn peer_holds(&self) -> bool {
+        let Some(fd) = &self.fd else {
+            return true;
+        };
+        // SAFETY: flock on the table's descriptor, which `self` owns; a lock taken
+        // here is released at once, and only ever by this open of the file.
+        unsafe {
+            if libc::flock(fd.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) < 0 {
+                return true;
+            }
+            libc::flock(fd.as_raw_fd(), libc::LOCK_UN);
+        }
+        false
+    }
 }
 
 /// An access in progress to one granted slot; ends on drop.
@@ -497,11 +601,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn grants_revoke_after_accesses_drain() {
+    fn grants_withdraw_after_accesses_drain() {
         let nonce = [7u8; NONCE_LEN];
         let target = Table::create(&nonce).unwrap();
         let me = std::process::id();
+        assert!(!target.peer_holds(), "nobody opened it yet");
         let peer = Table::open(me, target.raw_fd().unwrap(), &nonce).unwrap();
+        assert!(target.peer_holds(), "the initiator's lock");
         assert!(Table::open(me, target.raw_fd().unwrap(), &[8u8; NONCE_LEN]).is_err());
         assert!(peer.acquire(3).is_none(), "nothing granted yet");
         assert!(peer.acquire(SLOTS).is_none(), "out of range");
@@ -511,22 +617,127 @@ mod tests {
             len: 64,
             memfd: Some(5),
         };
-        assert!(target.grant(3, g, Duration::from_secs(1)));
+        assert!(target.grant(3, g));
         let (access, seen) = peer.acquire(3).unwrap();
         assert_eq!(seen, g);
-        // An access in progress holds the revoke up to its bound.
-        assert!(!target.revoke(3, Duration::from_millis(20)));
-        assert!(peer.acquire(3).is_none(), "revoked: no new access");
+        // An access in progress keeps the slot busy after the withdrawal.
+        target.withdraw(3);
+        assert!(!target.idle(3));
+        assert!(!target.grant(3, g), "not while an access is in progress");
+        assert!(peer.acquire(3).is_none(), "withdrawn: no new access");
         drop(access);
-        assert!(target.revoke(3, Duration::from_millis(20)));
-        // Reusable after the revoke.
+        assert!(target.idle(3));
+        // Reusable after the withdrawal.
         let g2 = Grant { memfd: None, ..g };
-        assert!(target.grant(3, g2, Duration::from_secs(1)));
+        assert!(target.grant(3, g2));
         assert_eq!(peer.acquire(3).unwrap().1, g2);
         assert!(!peer.is_closed());
-        assert!(target.revoke_all(Duration::from_secs(1)));
+        target.withdraw_all();
+        assert!(target.all_idle());
         assert!(peer.acquire(3).is_none());
         assert!(peer.is_closed());
+    }
+
+    /// A count left up by an initiator that went away without ending its access (as
+    /// one killed inside a copy does) is told apart by the table's lock.
+    #[test]
+    fn an_initiator_gone_inside_an_access_is_seen_gone() {
+        let nonce = [3u8; NONCE_LEN];
+        let target = Table::create(&nonce).unwrap();
+        let peer = Table::open(std::process::id(), target.raw_fd().unwrap(), &nonce).unwrap();
+        let g = Grant {
+            key: 1,
+            addr: 0x1000,
+            len: 8,
+            memfd: None,
+        };
+        assert!(target.grant(0, g));
+        let (access, _) = peer.acquire(0).unwrap();
+        std::mem::forget(access);
+        target.withdraw(0);
+        assert!(!target.idle(0));
+        assert!(target.peer_holds(), "alive: its copy may still be running");
+        drop(peer);
+        assert!(!target.idle(0), "the count stays up");
+        assert!(!target.peer_holds(), "but nobody holds the table any more");
+    }
+
+    fn ftruncate(fd: RawFd, len: i64) -> io::Result<()> {
+        // SAFETY: plain system call on a descriptor the caller owns.
+        if unsafe { libc::ftruncate(fd, len) } < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Every memfd this crate makes (grant table, `alloc` memory) has its size sealed:
+    /// shrinking it, which would make a peer's mapping fault, fails.
+    #[test]
+    fn our_memfds_cannot_be_truncated() {
+        let m = Memfd::new(c"nixl-tcp", 3 * page_size()).unwrap();
+        let t = Table::create(&[1u8; NONCE_LEN]).unwrap();
+        for fd in [m.raw_fd(), t.raw_fd().unwrap()] {
+            // SAFETY: borrowed for the call only; the owner outlives it.
+            let seals = seals(unsafe { BorrowedFd::borrow_raw(fd) }).unwrap();
+            assert_eq!(seals & SEALS, SEALS, "sealed: {seals:#x}");
+            let e = ftruncate(fd, 0).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+            assert!(ftruncate(fd, 1 << 40).is_err(), "nor grown");
+        }
+        // Still whole, and usable.
+        m.mapping()
+            .word(2 * page_size())
+            .store(5, Ordering::Release);
+        assert_eq!(
+            map_peer(std::process::id(), m.raw_fd(), 3 * page_size())
+                .unwrap()
+                .word(2 * page_size())
+                .load(Ordering::Acquire),
+            5
+        );
+    }
+
+    /// A memfd made by hand, with our name prefix but without the seals.
+    fn unsealed(len: u64) -> OwnedFd {
+        // SAFETY: plain system call with a NUL-terminated name.
+        let raw = unsafe { libc::memfd_create(c"nixl-tcp-forged".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0, "{}", io::Error::last_os_error());
+        // SAFETY: a new descriptor nobody else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        File::from(fd.try_clone().unwrap()).set_len(len).unwrap();
+        fd
+    }
+
+    /// What a hostile target could offer is refused before anything is mapped: a
+    /// memfd it could truncate under our mapping (the SIGBUS), a sealed memfd that is
+    /// not ours, any other file.
+    #[test]
+    fn the_initiator_maps_only_sealed_nixl_memfds() {
+        let me = std::process::id();
+        let len = TABLE_LEN as u64;
+        let bad = unsealed(len);
+        let e = map_peer(me, bad.as_raw_fd(), 4096).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        assert!(e.to_string().contains("not sealed"), "{e}");
+        let e = Table::open(me, bad.as_raw_fd(), &[0; NONCE_LEN]).unwrap_err();
+        assert!(e.to_string().contains("not sealed"), "{e}");
+        // Had it been mapped, this truncation would fault the next access.
+        ftruncate(bad.as_raw_fd(), 0).unwrap();
+
+        // SAFETY: as above.
+        let raw = unsafe { libc::memfd_create(c"other".as_ptr(), libc::MFD_CLOEXEC) };
+        // SAFETY: a new descriptor nobody else owns.
+        let other = unsafe { OwnedFd::from_raw_fd(raw) };
+        File::from(other.try_clone().unwrap()).set_len(len).unwrap();
+        let e = map_peer(me, other.as_raw_fd(), 4096).unwrap_err();
+        assert!(e.to_string().contains("not a nixl-tcp memfd"), "{e}");
+
+        let file = File::open("/proc/self/status").unwrap();
+        let e = map_peer(me, file.as_raw_fd(), 1).unwrap_err();
+        assert!(e.to_string().contains("not a nixl-tcp memfd"), "{e}");
+        assert!(map_peer(me, 1 << 20, 1).is_err(), "no such descriptor");
+        assert!(map_peer(0, 3, 1).is_err());
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! The hostile-peer suite: peers that break the rules on purpose (idle or slow
-//! sockets, oversized or endless requests, notification floods) against real agents,
-//! one module per area, each proving its limit holds and legitimate peers are still
-//! served.
+//! sockets, oversized or endless requests, notification floods, an initiator killed
+//! inside a same-host copy) against real agents, one module per area, each proving
+//! its limit holds and legitimate peers are still served.
 
 #[path = "hostile/listeners.rs"]
 mod hostile_listeners;
 #[path = "hostile/notifications.rs"]
 mod hostile_notifications;
+#[path = "hostile/same_host.rs"]
+mod hostile_same_host;

@@ -1,10 +1,11 @@
 //! An initiator that writes to a peer in a loop, for network-fault tests.
 //!
 //! Reads the target's metadata (hex) as the first line of stdin, then posts 4 MiB
-//! WRITEs back to back, printing `OK <ms>` or `ERR <kind> <ms>` for each, until stdin
-//! says `stop` (or closes); then shuts down and prints `STOPPED`. After the first
-//! transfer it prints `PATH <data path>` (how the backend reaches the target). TCP
-//! options come from the `NIXL_TCP_*` variables (see `tcp_options_from_env`).
+//! WRITEs (`NIXL_FAULT_WRITE_LEN` bytes, when set) back to back, printing `OK <ms>`
+//! or `ERR <kind> <ms>` for each, until stdin says `stop` (or closes); then shuts
+//! down and prints `STOPPED`. After the first transfer it prints `PATH <data path>`
+//! (how the backend reaches the target). TCP options come from the `NIXL_TCP_*`
+//! variables (see `tcp_options_from_env`).
 #![forbid(unsafe_code)]
 
 use std::io::{BufRead, Write};
@@ -32,13 +33,16 @@ async fn main() {
         .await
         .expect("agent");
     let peer = agent.load_metadata(&md).expect("metadata");
-    const LEN: u64 = 4 << 20;
+    let len: u64 = std::env::var("NIXL_FAULT_WRITE_LEN")
+        .ok()
+        .map(|v| v.parse().expect("NIXL_FAULT_WRITE_LEN: a byte count"))
+        .unwrap_or(4 << 20);
     let src = agent
-        .register(vec![0x3Cu8; LEN as usize])
+        .register(vec![0x3Cu8; len as usize])
         .expect("register");
     let remote = agent.remote_regions(&peer).unwrap()[0].clone();
     let local = DescList::from_descs(MemKind::Dram, [src.whole()]);
-    let target = DescList::from_descs(MemKind::Dram, [remote.desc(0, LEN)]);
+    let target = DescList::from_descs(MemKind::Dram, [remote.desc(0, len)]);
     let mut out = std::io::stdout();
     let mut first = true;
     loop {
