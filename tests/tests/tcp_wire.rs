@@ -631,6 +631,13 @@ mod deregistration {
             at_deregistration.contains(&0x11),
             "the whole payload landed before the cut"
         );
+        figure(
+            &format!("hostile: slow WRITE cut by deregister ({})", r.kind()),
+            format!(
+                "{} MiB sent after deregister returned, 0 bytes of it landed; connection cut",
+                (len - first) >> 20
+            ),
+        );
         assert!(
             matches!(answered, Ok(0) | Err(_)),
             "the target answered a request into withdrawn memory instead of cutting it: {answered:?}"
@@ -701,6 +708,10 @@ mod deregistration {
             "bytes read from the memory after deregister reached the peer"
         );
         assert!(total < len + 24, "the whole READ was sent: {total} bytes");
+        figure(
+            "hostile: READ being sent when deregistered",
+            format!("{} MiB of {} MiB sent (what the socket held at deregistration), 0 bytes of memory written afterwards reached the peer", total >> 20, len >> 20),
+        );
         assert!(b.shutdown().await.is_clean());
     }
 }

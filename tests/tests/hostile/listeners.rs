@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use nixl::metadata::AgentMetadata;
 use nixl::{Agent, SideChannelOptions};
-use nixl_conformance::support::{bounded, one, pattern, remote, skip, tcp_agent};
+use nixl_conformance::support::{bounded, figure, one, pattern, remote, skip, tcp_agent};
 use nixl_tcp::{SameHost, TcpBackend, TcpOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -167,6 +167,10 @@ async fn nixl_tcp_serves_a_peer_past_idle_sockets_and_a_slowloris() {
         shut >= IDLE - max,
         "{shut} of {IDLE} idle sockets closed; at most {max} may wait in their handshake"
     );
+    figure(
+        "hostile: nixl-tcp listener, idle sockets and a slowloris",
+        format!("{IDLE} idle sockets: {shut} closed by the target (at most {max} wait in a handshake); a peer's WRITE, READ and notifications served meanwhile"),
+    );
     for s in slow {
         s.abort();
     }
@@ -213,6 +217,10 @@ async fn side_channel_serves_a_peer_past_idle_sockets_and_a_slowloris() {
     assert!(
         shut >= IDLE - max,
         "{shut} of {IDLE} idle sockets closed; at most {max} may be served"
+    );
+    figure(
+        "hostile: side-channel listener, idle sockets and a slowloris",
+        format!("{IDLE} idle sockets: {shut} closed (at most {max} served); a peer's metadata fetch served meanwhile"),
     );
     for s in slow {
         s.abort();

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use nixl::{Agent, AgentOptions, Bytes, NotificationLimits};
-use nixl_conformance::support::{bounded, checksum, one, remote, tcp_options_from_env};
+use nixl_conformance::support::{bounded, checksum, figure, one, remote, tcp_options_from_env};
 
 const MIB: usize = 1 << 20;
 /// The receiver's per-peer bound: four of the flooder's notifications.
@@ -135,6 +135,14 @@ async fn a_flooding_peer_is_held_back_and_loses_nothing() {
     let stats = receiver.notification_stats();
     assert!(stats.peers.is_empty(), "{stats:?}");
     assert_eq!(stats.dropped, 0);
+    figure(
+        "hostile: notification flood over nixl-tcp (receiver not reading)",
+        format!(
+            "{FLOOD} × 1 MiB sent, at most {} MiB queued (bound {} MiB), 0 dropped, all delivered in order once read; another peer's WRITE and notifications served meanwhile",
+            most / MIB,
+            BOUND / MIB
+        ),
+    );
     for a in [flooder, legit, receiver] {
         let report = bounded("shutdown", a.shutdown()).await;
         assert!(report.is_clean(), "{report:?}");

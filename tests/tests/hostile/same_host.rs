@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nixl::{Agent, AgentOptions};
-use nixl_conformance::support::{hex, skip};
+use nixl_conformance::support::{figure, hex, skip};
 use nixl_tcp::{SameHost, TcpBackend, TcpOptions};
 
 /// Kills the child however the test ends.
@@ -127,5 +127,20 @@ async fn killed_inside_a_copy(deregister_first: bool) {
         "shutdown took {took:?}, past its bound of {BOUND:?}"
     );
     assert!(report.is_clean(), "{report:?}");
+    figure(
+        &format!(
+            "hostile: same-host initiator SIGKILLed inside a copy ({})",
+            if deregister_first {
+                "deregistered, then shut down"
+            } else {
+                "shut down registered"
+            }
+        ),
+        format!(
+            "target shutdown {} ms (bound {} s), clean",
+            took.as_millis(),
+            BOUND.as_secs()
+        ),
+    );
     drop(mem);
 }
