@@ -398,7 +398,10 @@ impl Conn {
             lane,
             same_host: conn.same_host.clone(),
             path: conn.path.clone(),
-            options: options.clone(),
+            options: TcpOptions {
+                secret: started.secret.clone(),
+                ..options.clone()
+            },
             agent: started.ctx.agent_name.clone(),
             table: conn.table.clone(),
             dead: conn.dead.clone(),

@@ -219,7 +219,13 @@ impl TcpBackend {
         })?;
         let addr = self.inner.options.advertise.unwrap_or(bound);
         let cancel = ctx.cancel.child_token();
-        let started = Started { ctx, addr, cancel };
+        let secret = self.inner.options.secret.clone().or(ctx.secret.clone());
+        let started = Started {
+            ctx,
+            secret,
+            addr,
+            cancel,
+        };
         target::spawn_listener(self.inner.clone(), listener, &started);
         tracing::debug!(%bound, advertised = %addr, "tcp backend listening");
         Ok(started)

@@ -44,7 +44,8 @@ pub struct TcpOptions {
     /// When set, both ends of every connection prove they know this secret
     /// (HMAC-SHA256 challenge-response) before any request is read: a client without
     /// it reaches no registered memory, whatever keys it has. Set the same secret on
-    /// every agent of a deployment.
+    /// every agent of a deployment. `None`: the agent's
+    /// ([`nixl::AgentBuilder::secret`]), if it has one.
     pub secret: Option<nixl::SharedSecret>,
     /// The same-host path (default [`SameHost::Auto`]).
     pub same_host: SameHost,
@@ -127,6 +128,8 @@ impl TcpOptions {
 #[derive(Debug)]
 pub(crate) struct Started {
     pub(crate) ctx: BackendContext,
+    /// [`TcpOptions::secret`], or else the agent's.
+    pub(crate) secret: Option<nixl::SharedSecret>,
     pub(crate) addr: SocketAddr,
     pub(crate) cancel: CancellationToken,
 }

@@ -27,6 +27,7 @@ pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: 
     let cancel = started.cancel.clone();
     let tracker = started.ctx.tracker.clone();
     let sink = started.ctx.notifications.clone();
+    let secret = started.secret.clone();
     let o = &inner.options;
     let admission = Admission::new(o.max_incoming_handshakes, o.max_incoming_connections);
     started.ctx.tracker.spawn(async move {
@@ -39,12 +40,12 @@ pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: 
                 Ok((stream, from)) => {
                     let conn_cancel = cancel.child_token();
                     let ticket = admission.admit(conn_cancel.clone());
-                    let (inner, sink) = (inner.clone(), sink.clone());
+                    let (inner, sink, secret) = (inner.clone(), sink.clone(), secret.clone());
                     let deadline = tokio::time::Instant::now() + inner.options.handshake_timeout;
                     tracker.spawn(async move {
                         tokio::select! {
                             _ = conn_cancel.cancelled() => {}
-                            r = serve(inner, stream, sink, ticket, deadline) => {
+                            r = serve(inner, stream, sink, secret, ticket, deadline) => {
                                 if let Err(e) = r {
                                     tracing::debug!(%from, error = %e, "tcp: closed incoming connection");
                                 }
@@ -99,11 +100,13 @@ impl Registry for Inner {
 
 /// Serve one incoming connection: the protocol is [`crate::protocol::target`]'s; this
 /// only moves bytes between the socket, registered memory and the agent. The
-/// handshake must end by `deadline`; then `ticket` moves to the established set.
+/// handshake (authenticated with `secret`, if any) must end by `deadline`; then
+/// `ticket` moves to the established set.
 async fn serve(
     inner: Arc<Inner>,
     stream: TcpStream,
     sink: NotificationSink,
+    secret: Option<nixl::SharedSecret>,
     mut ticket: Ticket,
     deadline: tokio::time::Instant,
 ) -> std::io::Result<()> {
@@ -111,12 +114,8 @@ async fn serve(
     let (rd, wr) = stream.into_split();
     let mut r = BufReader::with_capacity(IO_BUF, rd);
     let mut w = BufWriter::with_capacity(IO_BUF, wr);
-    let mut m = Target::<Inner>::new(
-        inner.options.secret.clone(),
-        inner.options.max_notification,
-        wire::nonce(),
-    )
-    .with_max_request(inner.options.max_request_bytes);
+    let mut m = Target::<Inner>::new(secret, inner.options.max_notification, wire::nonce())
+        .with_max_request(inner.options.max_request_bytes);
     let mut _grants = None;
     let mut scratch = Vec::new();
     loop {

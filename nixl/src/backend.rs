@@ -211,6 +211,10 @@ impl Drop for Waiting<'_> {
 pub struct BackendContext {
     /// The agent's name (backends announce it to peers).
     pub agent_name: String,
+    /// The agent's shared secret ([`AgentBuilder::secret`](crate::AgentBuilder::secret)):
+    /// a backend that authenticates its connections uses it unless its own options
+    /// name one.
+    pub secret: Option<crate::secret::SharedSecret>,
     /// Cancelled when the agent shuts down or is dropped; every task the backend starts
     /// must end soon after.
     pub cancel: CancellationToken,

@@ -51,6 +51,7 @@ pub mod metadata;
 pub mod native;
 mod notification;
 mod region;
+mod secret;
 pub mod telemetry;
 mod thread;
 mod transfer;

@@ -715,3 +715,66 @@ mod deregistration {
         assert!(b.shutdown().await.is_clean());
     }
 }
+
+/// One agent-level secret (`AgentBuilder::secret`) authenticates nixl-tcp's
+/// connections and the side channel alike: an agent without it reaches neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_secret_gates_the_backend_and_the_side_channel() {
+    let secret = SharedSecret::new("deployment-secret").unwrap();
+    let agent = |name: &'static str, secret: Option<SharedSecret>| async move {
+        let b = Agent::builder(name).backend(TcpBackend::with_options(TcpOptions {
+            same_host: nixl_tcp::SameHost::Off,
+            ..TcpOptions::default()
+        }));
+        match secret {
+            Some(s) => b.secret(s),
+            None => b,
+        }
+        .build()
+        .await
+        .unwrap()
+    };
+    let t = agent("target", Some(secret.clone())).await;
+    let mem = t.register(vec![0u8; 4096]).unwrap();
+    let sc = nixl::SideChannelOptions::default();
+    let at = t.listen("127.0.0.1:0".parse().unwrap(), &sc).await.unwrap();
+
+    // Without the secret: the side channel and the backend both refuse.
+    let outsider = agent("outsider", None).await;
+    let e = bounded("fetch", outsider.fetch_metadata(at, &sc))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotAllowed, "side channel: {e}");
+    outsider.load_metadata(&t.metadata().unwrap()).unwrap();
+    let src = outsider.register(vec![7u8; 4096]).unwrap();
+    let rd = remote(&outsider, "target", mem.id());
+    let e = bounded(
+        "write",
+        outsider.write(&one(src.whole()), "target", &one(rd.desc(0, 4096)), None),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotAllowed, "nixl-tcp: {e}");
+    assert_eq!(mem.to_vec().unwrap(), vec![0u8; 4096]);
+
+    // With it: both work, with no secret in either's own options.
+    let insider = agent("insider", Some(secret)).await;
+    assert_eq!(
+        bounded("fetch", insider.fetch_metadata(at, &sc))
+            .await
+            .unwrap(),
+        "target"
+    );
+    let src = insider.register(vec![9u8; 4096]).unwrap();
+    let rd = remote(&insider, "target", mem.id());
+    bounded(
+        "write",
+        insider.write(&one(src.whole()), "target", &one(rd.desc(0, 4096)), None),
+    )
+    .await
+    .unwrap();
+    assert_eq!(mem.to_vec().unwrap(), vec![9u8; 4096]);
+    for a in [outsider, insider, t] {
+        assert!(bounded("shutdown", a.shutdown()).await.is_clean());
+    }
+}

@@ -14,6 +14,7 @@ use crate::backend::{Backend, BackendContext, NotificationSink};
 use crate::completion::InflightCounter;
 use crate::error::{err, ErrorKind, Result};
 use crate::notification::{NotificationLimits, PeerQueues};
+use crate::secret::SharedSecret;
 use crate::telemetry::{AgentMetrics, TelemetryOptions};
 use crate::thread::{ThreadSet, ThreadSpawner};
 
@@ -74,6 +75,7 @@ pub struct AgentBuilder {
     telemetry: TelemetryOptions,
     huge_pages: bool,
     notification_limits: NotificationLimits,
+    secret: Option<SharedSecret>,
 }
 
 impl AgentBuilder {
@@ -85,7 +87,19 @@ impl AgentBuilder {
             telemetry: TelemetryOptions::default(),
             huge_pages: true,
             notification_limits: NotificationLimits::default(),
+            secret: None,
         }
+    }
+
+    /// Authenticate every channel with this shared secret: each backend that
+    /// authenticates its connections (nixl-tcp) and the side channel use it unless
+    /// their own options name one. Peers without it reach nothing. Unset (the
+    /// default), connections are not authenticated, as in NIXL; see the README's
+    /// security section for what that allows.
+    #[must_use]
+    pub fn secret(mut self, secret: SharedSecret) -> Self {
+        self.secret = Some(secret);
+        self
     }
 
     /// How many notifications, and bytes of them, each peer may have queued unread
@@ -187,6 +201,7 @@ impl AgentBuilder {
         let shared = Arc::new(Shared {
             name: self.name,
             instance: random_u64(),
+            secret: self.secret,
             options: self.options,
             caps: self.backends.iter().map(|b| b.capabilities()).collect(),
             backends: self.backends,
@@ -216,6 +231,7 @@ impl AgentBuilder {
             let cancel = agent.shared.cancel.child_token();
             let ctx = BackendContext {
                 agent_name: agent.shared.name.clone(),
+                secret: agent.shared.secret.clone(),
                 threads: ThreadSpawner {
                     set: agent.shared.threads.clone(),
                     cancel: cancel.clone(),

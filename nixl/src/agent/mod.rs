@@ -112,6 +112,8 @@ impl Peer {
 struct Shared {
     name: String,
     instance: u64,
+    /// Authenticates every channel, where set (`AgentBuilder::secret`).
+    secret: Option<crate::secret::SharedSecret>,
     options: AgentOptions,
     backends: Vec<Arc<dyn Backend>>,
     caps: Vec<Capabilities>,
@@ -231,6 +233,11 @@ impl Agent {
     /// The agent's name.
     pub fn name(&self) -> &str {
         &self.shared.name
+    }
+
+    /// The secret every channel authenticates with, if set.
+    pub(crate) fn secret(&self) -> Option<crate::secret::SharedSecret> {
+        self.shared.secret.clone()
     }
 
     /// Random id of this agent instance (published in metadata; a restarted agent of

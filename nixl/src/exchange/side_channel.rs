@@ -6,13 +6,9 @@
 //! secret never crosses the wire). A client with a secret also refuses a server that
 //! does not authenticate.
 
-use std::fmt;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
 use tokio::net::TcpStream;
 
 use super::frame::{read_frame, write_frame, FrameError, Kind, MAC_LEN, NONCE_LEN};
@@ -21,67 +17,17 @@ use crate::agent::Agent;
 use crate::agent::WeakAgent;
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::region::Registration;
-
-type HmacSha256 = Hmac<Sha256>;
+pub use crate::secret::SharedSecret;
 
 /// HMAC contexts of the side-channel handshake (each side signs both nonces).
 const CLIENT_CONTEXT: &str = "nixl side channel v1 client";
 const SERVER_CONTEXT: &str = "nixl side channel v1 server";
 
-/// A shared secret for the side channel. Its `Debug` output never shows the bytes.
-#[derive(Clone)]
-pub struct SharedSecret(Arc<[u8]>);
-
-impl SharedSecret {
-    /// A secret from bytes (use at least 16 random bytes).
-    ///
-    /// # Errors
-    /// [`ErrorKind::InvalidArgument`] for an empty secret.
-    pub fn new(bytes: impl AsRef<[u8]>) -> Result<Self> {
-        let b = bytes.as_ref();
-        if b.is_empty() {
-            return err(
-                ErrorKind::InvalidArgument,
-                "make shared secret",
-                "the secret is empty",
-            );
-        }
-        Ok(Self(b.into()))
-    }
-
-    /// HMAC-SHA256 of `parts` (each length-prefixed) under this secret, for backends
-    /// that authenticate their own connections with it. `context` separates uses.
-    pub fn sign(&self, context: &str, parts: &[&[u8]]) -> [u8; 32] {
-        self.keyed(context, parts).finalize().into_bytes().into()
-    }
-
-    /// Check a [`SharedSecret::sign`] MAC in constant time.
-    pub fn verify(&self, context: &str, parts: &[&[u8]], mac: &[u8]) -> bool {
-        self.keyed(context, parts).verify_slice(mac).is_ok()
-    }
-
-    fn keyed(&self, context: &str, parts: &[&[u8]]) -> HmacSha256 {
-        let mut m = HmacSha256::new_from_slice(&self.0).expect("HMAC takes keys of any length");
-        m.update(&(context.len() as u64).to_le_bytes());
-        m.update(context.as_bytes());
-        for p in parts {
-            m.update(&(p.len() as u64).to_le_bytes());
-            m.update(p);
-        }
-        m
-    }
-}
-
-impl fmt::Debug for SharedSecret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("SharedSecret(..)")
-    }
-}
-
 /// Options for both ends of the side channel.
 #[derive(Clone, Debug)]
 pub struct SideChannelOptions {
-    /// Require (server) and prove (client) knowledge of this secret.
+    /// Require (server) and prove (client) knowledge of this secret; when `None`,
+    /// the agent's ([`AgentBuilder::secret`](crate::AgentBuilder::secret)), if set.
     pub secret: Option<SharedSecret>,
     /// Bound for a client operation (connect, handshake, request); for a server, the
     /// bound on a new connection's handshake and first request, and on every reply
@@ -127,6 +73,7 @@ impl Agent {
         addr: SocketAddr,
         options: &SideChannelOptions,
     ) -> Result<SocketAddr> {
+        let options = &*self.with_agent_secret(options);
         let bound = super::serve_connections(
             self,
             addr,
@@ -197,6 +144,7 @@ impl Agent {
         options: &SideChannelOptions,
     ) -> Result<String> {
         const OP: &str = "fetch metadata";
+        let options = &*self.with_agent_secret(options);
         let md = request(addr, options, OP, Kind::Fetch, label.as_bytes()).await?;
         self.load_metadata(&md)
     }
@@ -211,6 +159,7 @@ impl Agent {
         options: &SideChannelOptions,
     ) -> Result<()> {
         let md = self.metadata()?;
+        let options = &*self.with_agent_secret(options);
         request(addr, options, "send metadata", Kind::Send, &md)
             .await
             .map(drop)
@@ -227,13 +176,30 @@ impl Agent {
     ) -> Result<()> {
         request(
             addr,
-            options,
+            &self.with_agent_secret(options),
             "invalidate metadata",
             Kind::Invalidate,
             self.name().as_bytes(),
         )
         .await
         .map(drop)
+    }
+}
+
+impl Agent {
+    /// `options`, with the agent's secret ([`AgentBuilder::secret`](crate::AgentBuilder::secret))
+    /// where they name none.
+    fn with_agent_secret<'a>(
+        &self,
+        options: &'a SideChannelOptions,
+    ) -> std::borrow::Cow<'a, SideChannelOptions> {
+        match (&options.secret, self.secret()) {
+            (None, Some(s)) => std::borrow::Cow::Owned(SideChannelOptions {
+                secret: Some(s),
+                ..options.clone()
+            }),
+            _ => std::borrow::Cow::Borrowed(options),
+        }
     }
 }
 
