@@ -697,6 +697,14 @@ impl Inner {
         };
         let mut stream = TcpStream::connect(&info.control).await.map_err(gone)?;
         let _ = stream.set_nodelay(true);
+        let who = format!("{peer:?} at {}", info.control);
+        nixl::control::authenticate_client(
+            &mut stream,
+            st.ctx.secret.as_ref(),
+            &who,
+            self.options.connect_timeout,
+        )
+        .await?;
         stream
             .write_all(&Frame::Hello(st.ctx.agent_name.clone()).encode())
             .await
@@ -888,8 +896,11 @@ async fn control_writer(
 }
 
 /// Target side: one inbound control connection.
+#[allow(clippy::too_many_arguments)] // one connection's whole setup
 async fn serve_control(
-    stream: TcpStream,
+    mut stream: TcpStream,
+    from: std::net::SocketAddr,
+    secret: Option<nixl::SharedSecret>,
     me: String,
     sink: nixl::NotificationSink,
     mut registered: watch::Receiver<bool>,
@@ -897,6 +908,22 @@ async fn serve_control(
     connect_timeout: Duration,
 ) {
     let _ = stream.set_nodelay(true);
+    // The agent's secret first, where set: nothing is answered or kept for a peer
+    // that does not prove it.
+    let peer = format!("UCCL control connection from {from}");
+    match nixl::control::authenticate_server(&mut stream, secret.as_ref(), &peer, connect_timeout)
+        .await
+    {
+        Ok(nixl::control::Authenticated::Yes) => {}
+        Ok(nixl::control::Authenticated::Missing) => {
+            tracing::info!(%from, "UCCL control: refused a connection that did not prove the shared secret");
+            return;
+        }
+        Err(e) => {
+            tracing::info!(%from, error = %e, "UCCL control: authentication failed");
+            return;
+        }
+    }
     let (mut rd, mut wr) = stream.into_split();
     // Before the hello, only a hello-sized frame is read.
     let name = match tokio::time::timeout(liveness, wire::read_frame_max(&mut rd, 1024)).await {
@@ -1313,8 +1340,10 @@ impl UcclBackend {
         ctx.spawn(async move {
             loop {
                 match listener.accept().await {
-                    Ok((s, _)) => spawn_ctx.spawn(serve_control(
+                    Ok((s, from)) => spawn_ctx.spawn(serve_control(
                         s,
+                        from,
+                        spawn_ctx.secret.clone(),
                         me.clone(),
                         sink.clone(),
                         registered.clone(),

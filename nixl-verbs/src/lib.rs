@@ -438,6 +438,7 @@ impl VerbsBackend {
         let cancel = ctx.cancel.child_token();
         // The accept loop.
         let (me, c, tracker) = (self.clone(), cancel.clone(), ctx.tracker.clone());
+        let secret = ctx.secret.clone();
         ctx.tracker.spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -446,9 +447,9 @@ impl VerbsBackend {
                 };
                 match accepted {
                     Ok((s, from)) => {
-                        let (me, cc) = (me.clone(), c.child_token());
+                        let (me, cc, secret) = (me.clone(), c.child_token(), secret.clone());
                         tracker.spawn(async move {
-                            if let Err(e) = me.serve(s, cc).await {
+                            if let Err(e) = me.serve(s, from, secret, cc).await {
                                 tracing::debug!(%from, error = %e, "verbs: control connection ended");
                             }
                         });
@@ -640,6 +641,10 @@ impl VerbsBackend {
             .await
             .map_err(|e| io("connect", e))?;
         tune(&s, o.dead_peer_timeout);
+        let secret = self.started(OP)?.ctx.secret.clone();
+        let peer = format!("peer {:?} at {}", link.peer, info.control);
+        nixl::control::authenticate_client(&mut s, secret.as_ref(), &peer, o.connect_timeout)
+            .await?;
         let caps = dev.caps(o);
         let mut qps = Vec::new();
         let mut halves = Vec::new();
@@ -727,15 +732,36 @@ impl VerbsBackend {
         Ok((s, lanes, max_notif))
     }
 
-    /// Serve one incoming control connection: make queue pairs for the peer's, then
-    /// keep them until the connection ends.
-    async fn serve(self, mut s: TcpStream, cancel: CancellationToken) -> Result<()> {
+    /// Serve one incoming control connection: authenticate it (with the agent's
+    /// secret), make queue pairs for the peer's, then keep them until the connection
+    /// ends.
+    async fn serve(
+        self,
+        mut s: TcpStream,
+        from: std::net::SocketAddr,
+        secret: Option<nixl::SharedSecret>,
+        cancel: CancellationToken,
+    ) -> Result<()> {
         const OP: &str = "verbs accept";
         let o = &self.inner.options;
         tune(&s, o.dead_peer_timeout);
         let io = |what: &str, e: std::io::Error| {
             Error::new(ErrorKind::RemoteDisconnected, OP, what.to_owned()).with_source(e)
         };
+        let peer = format!("control connection from {from}");
+        let authenticated =
+            nixl::control::authenticate_server(&mut s, secret.as_ref(), &peer, o.connect_timeout)
+                .await?;
+        if authenticated == nixl::control::Authenticated::Missing {
+            // Nothing is made for a peer that did not prove the secret.
+            let why = "this agent requires its shared secret (AgentBuilder::secret); the connection did not prove it";
+            let _ = write_frame(&mut s, &Reply::Refused(why.into()).encode()).await;
+            return Err(Error::new(
+                ErrorKind::NotAllowed,
+                OP,
+                format!("{peer}: {why}"),
+            ));
+        }
         let frame = tokio::time::timeout(o.connect_timeout, read_frame(&mut s))
             .await
             .map_err(|_| Error::new(ErrorKind::TimedOut, OP, "no hello in time"))?

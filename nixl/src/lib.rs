@@ -40,6 +40,7 @@ mod agent;
 mod aligned;
 mod backend;
 mod completion;
+pub mod control;
 mod descriptor;
 mod error;
 pub mod exchange;

@@ -65,3 +65,63 @@ mod gpu_stand_in {
         vram_peer_gone_mid_transfer,
     );
 }
+
+/// The agent's secret (`AgentBuilder::secret`) authenticates nixl-uccl's control
+/// connection: a peer without it (or with another) gets no answer to its hello and
+/// moves nothing; with it, transfers work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_secret_authenticates_the_control_connection() {
+    use nixl::{Agent, SharedSecret};
+    use nixl_conformance::support::{bounded, one, remote};
+    let agent = |name: &'static str, secret: Option<&'static str>| async move {
+        let b = Agent::builder(name).backend(nixl_uccl::UcclBackend::with_api(
+            nixl_uccl::test_double::TestDouble::api(),
+            nixl_uccl::UcclOptions::default(),
+        ));
+        match secret {
+            Some(s) => b.secret(SharedSecret::new(s).unwrap()),
+            None => b,
+        }
+        .build()
+        .await
+        .unwrap()
+    };
+    let t = agent("target", Some("deployment-secret")).await;
+    let mem = t.register(vec![0u8; 4096]).unwrap();
+    let md = t.metadata().unwrap();
+    for (name, secret) in [("none", None), ("wrong", Some("another-secret"))] {
+        let a = agent(name, secret).await;
+        let src = a.register(vec![7u8; 4096]).unwrap();
+        a.load_metadata(&md).unwrap();
+        let rd = remote(&a, "target", mem.id());
+        let r = bounded(
+            "write",
+            a.write(&one(src.whole()), "target", &one(rd.desc(0, 4096)), None),
+        )
+        .await;
+        assert!(
+            r.is_err(),
+            "{name}: an unauthenticated peer's write succeeded"
+        );
+        let _ = bounded("shutdown", a.shutdown()).await;
+    }
+    assert_eq!(
+        mem.to_vec().unwrap(),
+        vec![0u8; 4096],
+        "nothing reached the memory"
+    );
+    let a = agent("insider", Some("deployment-secret")).await;
+    let src = a.register(vec![9u8; 4096]).unwrap();
+    a.load_metadata(&md).unwrap();
+    let rd = remote(&a, "target", mem.id());
+    bounded(
+        "write",
+        a.write(&one(src.whole()), "target", &one(rd.desc(0, 4096)), None),
+    )
+    .await
+    .unwrap();
+    assert_eq!(mem.to_vec().unwrap(), vec![9u8; 4096]);
+    for x in [a, t] {
+        assert!(bounded("shutdown", x.shutdown()).await.is_clean());
+    }
+}

@@ -99,3 +99,63 @@ mod gpu_stand_in {
         vram_peer_gone_mid_transfer,
     );
 }
+
+/// The agent's secret (`AgentBuilder::secret`) authenticates nixl-verbs' control
+/// connection before any queue pair is made: a peer without it (or with another)
+/// is refused and reaches no memory; with it, transfers work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_secret_authenticates_the_control_connection() {
+    use nixl::{Agent, SharedSecret};
+    use nixl_conformance::support::{bounded, one, remote};
+    let agent = |name: &'static str, secret: Option<&'static str>| async move {
+        let b = Agent::builder(name).backend_arc(Arc::new(
+            VerbsBackend::with_test_double(VerbsOptions::default()).unwrap(),
+        ));
+        match secret {
+            Some(s) => b.secret(SharedSecret::new(s).unwrap()),
+            None => b,
+        }
+        .build()
+        .await
+        .unwrap()
+    };
+    let t = agent("target", Some("deployment-secret")).await;
+    let mem = t.register(vec![0u8; 4096]).unwrap();
+    let md = t.metadata().unwrap();
+    for (name, secret) in [("none", None), ("wrong", Some("another-secret"))] {
+        let a = agent(name, secret).await;
+        let src = a.register(vec![7u8; 4096]).unwrap();
+        a.load_metadata(&md).unwrap();
+        let rd = remote(&a, "target", mem.id());
+        let e = bounded(
+            "write",
+            a.write(&one(src.whole()), "target", &one(rd.desc(0, 4096)), None),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            e.kind() == nixl::ErrorKind::NotAllowed || e.to_string().contains("shared secret"),
+            "{name}: {e}"
+        );
+        assert!(bounded("shutdown", a.shutdown()).await.is_clean());
+    }
+    assert_eq!(
+        mem.to_vec().unwrap(),
+        vec![0u8; 4096],
+        "nothing reached the memory"
+    );
+    let a = agent("insider", Some("deployment-secret")).await;
+    let src = a.register(vec![9u8; 4096]).unwrap();
+    a.load_metadata(&md).unwrap();
+    let rd = remote(&a, "target", mem.id());
+    bounded(
+        "write",
+        a.write(&one(src.whole()), "target", &one(rd.desc(0, 4096)), None),
+    )
+    .await
+    .unwrap();
+    assert_eq!(mem.to_vec().unwrap(), vec![9u8; 4096]);
+    for x in [a, t] {
+        assert!(bounded("shutdown", x.shutdown()).await.is_clean());
+    }
+}
