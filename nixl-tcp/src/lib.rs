@@ -122,7 +122,6 @@
 //! module; the rest of the crate denies `unsafe`.
 #![deny(unsafe_code)]
 
-mod admission;
 mod conn;
 mod io;
 mod options;

@@ -7,11 +7,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use nixl::control::{Admission, Ticket};
 use nixl::NotificationSink;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::admission::{Admission, Ticket};
 use crate::io::{recv_slices, send_slices, IO_BUF};
 use crate::options::Started;
 use crate::protocol::target::{Action, Refusal, Registry, Target};

@@ -158,6 +158,12 @@ pub struct UcclOptions {
     pub control_ip: Option<IpAddr>,
     /// Bound on connecting to a peer (control handshake, then the engine's connect).
     pub connect_timeout: Duration,
+    /// Incoming control connections that may wait in their handshake (default 256);
+    /// one more closes the oldest of them, so idle sockets never lock a peer out.
+    pub max_incoming_handshakes: usize,
+    /// Incoming control connections served at once past the handshake (default
+    /// 1024); one more is closed.
+    pub max_incoming_connections: usize,
     /// A peer silent this long on the control connection is dead (pinged at a third
     /// of it).
     pub liveness_timeout: Duration,
@@ -182,6 +188,8 @@ impl Default for UcclOptions {
             library: None,
             control_ip: None,
             connect_timeout: Duration::from_secs(10),
+            max_incoming_handshakes: 256,
+            max_incoming_connections: 1024,
             liveness_timeout: Duration::from_secs(5),
             stall_timeout: Duration::from_secs(60),
             max_piece: 1 << 30,
@@ -901,6 +909,7 @@ async fn serve_control(
     mut stream: TcpStream,
     from: std::net::SocketAddr,
     secret: Option<nixl::SharedSecret>,
+    admission: Arc<nixl::control::Admission>,
     me: String,
     sink: nixl::NotificationSink,
     mut registered: watch::Receiver<bool>,
@@ -911,9 +920,13 @@ async fn serve_control(
     // The agent's secret first, where set: nothing is answered or kept for a peer
     // that does not prove it.
     let peer = format!("UCCL control connection from {from}");
-    match nixl::control::authenticate_server(&mut stream, secret.as_ref(), &peer, connect_timeout)
-        .await
-    {
+    let evict = tokio_util::sync::CancellationToken::new();
+    let mut ticket = admission.admit(evict.clone());
+    let auth = tokio::select! {
+        _ = evict.cancelled() => return,
+        r = nixl::control::authenticate_server(&mut stream, secret.as_ref(), &peer, connect_timeout) => r,
+    };
+    match auth {
         Ok(nixl::control::Authenticated::Yes) => {}
         Ok(nixl::control::Authenticated::Missing) => {
             tracing::info!(%from, "UCCL control: refused a connection that did not prove the shared secret");
@@ -926,13 +939,24 @@ async fn serve_control(
     }
     let (mut rd, mut wr) = stream.into_split();
     // Before the hello, only a hello-sized frame is read.
-    let name = match tokio::time::timeout(liveness, wire::read_frame_max(&mut rd, 1024)).await {
+    let hello = tokio::select! {
+        _ = evict.cancelled() => {
+            tracing::debug!(%from, "UCCL control: closed in its handshake to admit a newer connection");
+            return;
+        }
+        r = tokio::time::timeout(liveness, wire::read_frame_max(&mut rd, 1024)) => r,
+    };
+    let name = match hello {
         Ok(Ok(Some(Frame::Hello(n)))) => n,
         other => {
             tracing::debug!(?other, "UCCL control: no hello");
             return;
         }
     };
+    if !ticket.establish() {
+        tracing::info!(%from, "UCCL control: too many peers connected (UcclOptions::max_incoming_connections)");
+        return;
+    }
     if wr.write_all(&Frame::HelloAck(me).encode()).await.is_err() {
         return;
     }
@@ -1337,6 +1361,10 @@ impl UcclBackend {
         );
         let registered = inner.registered.subscribe();
         let spawn_ctx = ctx.clone();
+        let admission = nixl::control::Admission::new(
+            inner.options.max_incoming_handshakes,
+            inner.options.max_incoming_connections,
+        );
         ctx.spawn(async move {
             loop {
                 match listener.accept().await {
@@ -1344,6 +1372,7 @@ impl UcclBackend {
                         s,
                         from,
                         spawn_ctx.secret.clone(),
+                        admission.clone(),
                         me.clone(),
                         sink.clone(),
                         registered.clone(),
@@ -1351,7 +1380,10 @@ impl UcclBackend {
                         connect_timeout,
                     )),
                     Err(e) => {
+                        // Out of descriptors, most likely: free one held by a
+                        // connection still in its handshake.
                         tracing::warn!(%e, "UCCL control listener");
+                        admission.shed_oldest();
                         tokio::time::sleep(Duration::from_millis(10)).await;
                     }
                 }

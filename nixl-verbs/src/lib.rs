@@ -186,6 +186,12 @@ pub struct VerbsOptions {
     pub advertise: Option<SocketAddr>,
     /// Limit for connecting and for the handshake.
     pub connect_timeout: Duration,
+    /// Incoming control connections that may wait in their handshake (default 256);
+    /// one more closes the oldest of them, so idle sockets never lock a peer out.
+    pub max_incoming_handshakes: usize,
+    /// Incoming control connections (peers, each with its queue pairs) served at
+    /// once past the handshake (default 1024); one more is refused.
+    pub max_incoming_connections: usize,
     /// Bound on noticing a silent peer host through the control connection (TCP
     /// keepalive and `TCP_USER_TIMEOUT`).
     pub dead_peer_timeout: Duration,
@@ -212,6 +218,8 @@ impl Default for VerbsOptions {
             control_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: None,
             connect_timeout: Duration::from_secs(5),
+            max_incoming_handshakes: 256,
+            max_incoming_connections: 1024,
             dead_peer_timeout: Duration::from_secs(10),
             reliability: Reliability::default(),
             spin: Duration::from_micros(20),
@@ -439,6 +447,8 @@ impl VerbsBackend {
         // The accept loop.
         let (me, c, tracker) = (self.clone(), cancel.clone(), ctx.tracker.clone());
         let secret = ctx.secret.clone();
+        let admission =
+            nixl::control::Admission::new(o.max_incoming_handshakes, o.max_incoming_connections);
         ctx.tracker.spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -448,14 +458,19 @@ impl VerbsBackend {
                 match accepted {
                     Ok((s, from)) => {
                         let (me, cc, secret) = (me.clone(), c.child_token(), secret.clone());
+                        let evict = CancellationToken::new();
+                        let ticket = admission.admit(evict.clone());
                         tracker.spawn(async move {
-                            if let Err(e) = me.serve(s, from, secret, cc).await {
+                            if let Err(e) = me.serve(s, from, secret, (ticket, evict), cc).await {
                                 tracing::debug!(%from, error = %e, "verbs: control connection ended");
                             }
                         });
                     }
                     Err(e) => {
+                        // Out of descriptors, most likely: free one held by a
+                        // connection still in its handshake.
                         tracing::warn!(error = %e, "verbs: accept failed");
+                        admission.shed_oldest();
                         tokio::select! {
                             _ = c.cancelled() => break,
                             _ = tokio::time::sleep(Duration::from_millis(50)) => {}
@@ -740,6 +755,7 @@ impl VerbsBackend {
         mut s: TcpStream,
         from: std::net::SocketAddr,
         secret: Option<nixl::SharedSecret>,
+        (mut ticket, evict): (nixl::control::Ticket, CancellationToken),
         cancel: CancellationToken,
     ) -> Result<()> {
         const OP: &str = "verbs accept";
@@ -748,10 +764,18 @@ impl VerbsBackend {
         let io = |what: &str, e: std::io::Error| {
             Error::new(ErrorKind::RemoteDisconnected, OP, what.to_owned()).with_source(e)
         };
+        let evicted = || {
+            Error::new(
+                ErrorKind::NotAllowed,
+                OP,
+                "closed in its handshake to admit a newer connection (VerbsOptions::max_incoming_handshakes)",
+            )
+        };
         let peer = format!("control connection from {from}");
-        let authenticated =
-            nixl::control::authenticate_server(&mut s, secret.as_ref(), &peer, o.connect_timeout)
-                .await?;
+        let authenticated = tokio::select! {
+            _ = evict.cancelled() => return Err(evicted()),
+            r = nixl::control::authenticate_server(&mut s, secret.as_ref(), &peer, o.connect_timeout) => r?,
+        };
         if authenticated == nixl::control::Authenticated::Missing {
             // Nothing is made for a peer that did not prove the secret.
             let why = "this agent requires its shared secret (AgentBuilder::secret); the connection did not prove it";
@@ -762,11 +786,23 @@ impl VerbsBackend {
                 format!("{peer}: {why}"),
             ));
         }
-        let frame = tokio::time::timeout(o.connect_timeout, read_frame(&mut s))
-            .await
-            .map_err(|_| Error::new(ErrorKind::TimedOut, OP, "no hello in time"))?
-            .map_err(|e| io("hello", e))?;
+        let frame = tokio::select! {
+            _ = evict.cancelled() => return Err(evicted()),
+            r = tokio::time::timeout(o.connect_timeout, read_frame(&mut s)) => r,
+        }
+        .map_err(|_| Error::new(ErrorKind::TimedOut, OP, "no hello in time"))?
+        .map_err(|e| io("hello", e))?;
         let hello = Hello::decode(&frame)?;
+        if !ticket.establish() {
+            // Refused before any queue pair is made for it.
+            let why = "too many peers connected (VerbsOptions::max_incoming_connections)";
+            let _ = write_frame(&mut s, &Reply::Refused(why.into()).encode()).await;
+            return Err(Error::new(
+                ErrorKind::NotAllowed,
+                OP,
+                format!("{peer}: {why}"),
+            ));
+        }
         let made = self.accept_qps(&hello);
         if let Err(e) = &made {
             if matches!(e.kind(), ErrorKind::ShutDown | ErrorKind::Canceled) {

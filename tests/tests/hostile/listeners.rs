@@ -379,3 +379,57 @@ async fn nixl_tcp_cuts_a_reader_that_stops_reading() {
     let _ = a.shutdown().await;
     let _ = b.shutdown().await;
 }
+
+/// nixl-verbs' control listener (on its verbs test double) under the same load: a
+/// peer still connects and transfers, and the idle sockets do not stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verbs_serves_a_peer_past_idle_sockets_and_a_slowloris() {
+    use nixl_verbs::{VerbsBackend, VerbsOptions};
+    if !enough_files("verbs_serves_a_peer_past_idle_sockets_and_a_slowloris") {
+        return;
+    }
+    let verbs = || VerbsBackend::with_test_double(VerbsOptions::default()).unwrap();
+    let tb = verbs();
+    let b = Agent::builder("target")
+        .backend(tb.clone())
+        .build()
+        .await
+        .unwrap();
+    let addr = tb.control_addr().unwrap();
+    let dst = b.register(vec![0u8; 4096]).unwrap();
+    let mut idle = idle_sockets(addr).await;
+    // A hello's length prefix and magic, a byte at a time.
+    let slow = slowloris(addr, b"\x40\x00\x00\x00NXVH".to_vec());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let a = Agent::builder("initiator")
+        .backend(verbs())
+        .build()
+        .await
+        .unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let src = a.register(pattern(7, 4096)).unwrap();
+    let rd = remote(&a, "target", dst.id());
+    bounded(
+        "write",
+        a.write(&one(src.whole()), "target", &one(rd.desc(0, 4096)), None),
+    )
+    .await
+    .unwrap();
+    assert_eq!(dst.to_vec().unwrap(), src.to_vec().unwrap());
+    let max = VerbsOptions::default().max_incoming_handshakes;
+    let shut = closed(&mut idle).await;
+    assert!(
+        shut >= IDLE - max,
+        "{shut} of {IDLE} idle sockets closed; at most {max} may wait in their handshake"
+    );
+    figure(
+        "hostile: nixl-verbs control listener (test double), idle sockets and a slowloris",
+        format!("{IDLE} idle sockets: {shut} closed (at most {max} wait in a handshake); a peer connected and its WRITE landed meanwhile"),
+    );
+    for s in slow {
+        s.abort();
+    }
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
+}

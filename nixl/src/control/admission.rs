@@ -1,4 +1,4 @@
-//! Which incoming connections the target keeps: a bounded set still in their
+//! Which incoming connections a listener keeps: a bounded set still in their
 //! handshake, where a newcomer closes the oldest when the set is full (so idle or
 //! slow sockets cannot lock a legitimate peer out: each is closed by the time
 //! enough newer ones arrived, or by the handshake timeout), and a bounded set of
@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 /// The listener's connection limits and the connections they count.
 #[derive(Debug)]
-pub(crate) struct Admission {
+pub struct Admission {
     max_handshakes: usize,
     max_established: usize,
     state: Mutex<Counts>,
@@ -26,7 +26,9 @@ struct Counts {
 }
 
 impl Admission {
-    pub(crate) fn new(max_handshakes: usize, max_established: usize) -> Arc<Self> {
+    /// At most `max_handshakes` connections in their handshake (at least 1) and
+    /// `max_established` past it.
+    pub fn new(max_handshakes: usize, max_established: usize) -> Arc<Self> {
         Arc::new(Self {
             max_handshakes: max_handshakes.max(1),
             max_established,
@@ -36,12 +38,12 @@ impl Admission {
 
     /// Count a new connection as in its handshake; `close` ends it. When the
     /// handshaking set is full, the oldest in it is closed to make room.
-    pub(crate) fn admit(self: &Arc<Self>, close: CancellationToken) -> Ticket {
+    pub fn admit(self: &Arc<Self>, close: CancellationToken) -> Ticket {
         let mut s = self.state.lock().unwrap();
         while s.handshaking.len() >= self.max_handshakes {
             if let Some((_, oldest)) = s.handshaking.pop_front() {
                 tracing::debug!(
-                    "tcp: closing the oldest connection still in its handshake to admit a new one"
+                    "closing the oldest connection still in its handshake to admit a new one"
                 );
                 oldest.cancel();
             }
@@ -59,7 +61,7 @@ impl Admission {
     /// Close the oldest connection still in its handshake, if any: accepting failed
     /// (out of file descriptors, most likely), and idle sockets must not keep a
     /// legitimate peer from being accepted once one comes free.
-    pub(crate) fn shed_oldest(&self) -> bool {
+    pub fn shed_oldest(&self) -> bool {
         let oldest = self.state.lock().unwrap().handshaking.pop_front();
         oldest.map(|(_, t)| t.cancel()).is_some()
     }
@@ -67,7 +69,7 @@ impl Admission {
 
 /// One connection's place in [`Admission`]; dropping it frees the place.
 #[derive(Debug)]
-pub(crate) struct Ticket {
+pub struct Ticket {
     admission: Arc<Admission>,
     id: u64,
     established: bool,
@@ -77,7 +79,7 @@ impl Ticket {
     /// The handshake is over: move to the established set. `false` when that set is
     /// full (then the connection is to be closed; it still counts as handshaking
     /// until dropped).
-    pub(crate) fn establish(&mut self) -> bool {
+    pub fn establish(&mut self) -> bool {
         if self.established {
             return true;
         }
