@@ -28,7 +28,13 @@ async fn fetch_send_invalidate_then_transfer() {
     let b = agent("b").await;
     let dst = b.register(vec![0u8; 4096]).unwrap();
     let extra = b.register(vec![0u8; 128]).unwrap();
-    let addr = b.listen(loopback(), &opts(None)).await.unwrap();
+    // Without a secret, only a server that accepts peer updates forgets a known peer
+    // for a client (see tests/tests/hostile/identity.rs for the refusals).
+    let served = SideChannelOptions {
+        accept_peer_updates: true,
+        ..opts(None)
+    };
+    let addr = b.listen(loopback(), &served).await.unwrap();
     assert_eq!(
         bounded("fetch", a.fetch_metadata(addr, &opts(None)))
             .await

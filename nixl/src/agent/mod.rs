@@ -19,6 +19,8 @@ mod request;
 mod segments;
 mod shutdown;
 
+pub(crate) use peers::Trust;
+
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

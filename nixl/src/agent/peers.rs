@@ -29,6 +29,59 @@ enum Load {
     Replace { restarted: bool },
 }
 
+/// How far metadata being loaded is believed: whether it may move a known peer to
+/// other connection info (or make the agent forget one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Trust {
+    /// The application's word ([`Agent::load_metadata`], its own fetches, etcd keys
+    /// it watches), an authenticated side-channel client, or any client of a side
+    /// channel whose application accepts peer updates: may replace anything (a
+    /// peer that restarted elsewhere).
+    Full,
+    /// An unauthenticated side-channel client: may introduce a peer not known yet and
+    /// re-send a known peer's metadata (new registrations, a new instance) with the
+    /// same connection info, never move a known peer to other connection info.
+    Unverified,
+    /// NIXL's listener, under NIXL's own rules (see [`Agent::load_nixl_untrusted`]).
+    NixlListener,
+}
+
+/// What would move a known peer (of kind `old_nixl`, with backends `old`) if its
+/// backends became `new`: connection info added, changed or removed for any backend,
+/// or the peer turning from a NIXL agent into a peer of this crate or back. `None`
+/// when every backend keeps its connection info.
+fn moved(
+    old_nixl: bool,
+    old: &[(String, Option<Bytes>)],
+    nixl: bool,
+    new: &[(String, Option<Bytes>)],
+) -> Option<String> {
+    if old_nixl != nixl {
+        return Some(if old_nixl {
+            "a NIXL agent would become a peer of this crate".into()
+        } else {
+            "a peer of this crate would become a NIXL agent".into()
+        });
+    }
+    let conn = |list: &[(String, Option<Bytes>)], name: &str| {
+        list.iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, c)| c.clone())
+    };
+    for name in old.iter().chain(new).map(|(n, _)| n.as_str()) {
+        match (conn(old, name), conn(new, name)) {
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => {}
+            (Some(_), Some(_)) => return Some(format!("backend {name}: other connection info")),
+            (None, Some(_)) => {
+                return Some(format!("backend {name}: connection info where it had none"))
+            }
+            (Some(_), None) => return Some(format!("backend {name}: its connection info removed")),
+        }
+    }
+    None
+}
+
 /// The generation rule, as a pure function of what is known and what arrived.
 fn plan_load(
     known_instance: Option<u64>,
@@ -69,19 +122,54 @@ impl Agent {
     /// (sections of memory types other than DRAM and VRAM, and of backends this
     /// agent cannot speak, are skipped); overlapping descriptors are refused.
     ///
+    /// This is the application's word: it may move a known peer to other connection
+    /// info (a peer that restarted elsewhere). A side-channel client that did not
+    /// authenticate may not (see
+    /// [`SideChannelOptions::accept_peer_updates`](crate::SideChannelOptions::accept_peer_updates)).
+    ///
     /// # Errors
     /// [`ErrorKind::Corrupt`]/[`ErrorKind::NotSupported`] for bad bytes;
     /// [`ErrorKind::InvalidArgument`] for this agent's own metadata;
     /// [`ErrorKind::UnknownPeer`] for partial metadata of a peer never loaded (without
     /// connection info); [`ErrorKind::Mismatch`] for partial metadata of another instance.
     pub fn load_metadata(&self, bytes: &[u8]) -> Result<String> {
+        self.load_metadata_from(bytes, None, Trust::Full)
+    }
+
+    /// Load metadata as [`Agent::load_metadata`] does, from a source `trust` says how
+    /// far to believe. With `expect`, metadata naming another agent than `expect` is
+    /// refused ([`ErrorKind::Mismatch`]) before anything is loaded: what was asked
+    /// for by name (an etcd key, a fetch naming its peer) must be that peer's.
+    pub(crate) fn load_metadata_from(
+        &self,
+        bytes: &[u8],
+        expect: Option<&str>,
+        trust: Trust,
+    ) -> Result<String> {
         const OP: &str = "load metadata";
         self.shared.check_running(OP)?;
+        let check = |name: &str| match expect {
+            Some(e) if e != name => err(
+                ErrorKind::Mismatch,
+                OP,
+                format!("asked for {e:?}'s metadata, got {name:?}'s; nothing was loaded"),
+            ),
+            _ => Ok(()),
+        };
         if interop::is_nixl_format(bytes) {
-            let md = self.translate_nixl(NixlMetadata::decode(bytes)?)?;
-            return self.load_decoded(md, true, false);
+            let md = NixlMetadata::decode(bytes)?;
+            check(&md.name)?;
+            let md = self.translate_nixl(md)?;
+            return self.load_decoded(md, true, trust);
         }
-        self.load_decoded(AgentMetadata::decode(bytes)?, false, false)
+        let md = AgentMetadata::decode(bytes)?;
+        check(&md.name)?;
+        self.load_decoded(md, false, trust)
+    }
+
+    /// Whether `peer` is known (loaded and not forgotten).
+    pub(crate) fn knows_peer(&self, peer: &str) -> bool {
+        self.shared.peers.read().unwrap().contains_key(peer)
     }
 
     /// Load NIXL-format metadata from an unauthenticated source (a NIXL listener's
@@ -98,7 +186,7 @@ impl Agent {
             );
         }
         let md = self.translate_nixl(NixlMetadata::decode(bytes)?)?;
-        self.load_decoded(md, true, true)
+        self.load_decoded(md, true, Trust::NixlListener)
     }
 
     /// Translate a NIXL agent's metadata into this crate's form. The instance is
@@ -205,8 +293,8 @@ impl Agent {
         })
     }
 
-    /// Load decoded metadata; `strict` under NIXL's own rules (see
-    /// [`Agent::load_nixl_untrusted`]); `nixl` for a NIXL agent's (from [`Agent::translate_nixl`]),
+    /// Load decoded metadata, as far as `trust` allows (see [`Trust`]); `nixl` for a
+    /// NIXL agent's (from [`Agent::translate_nixl`]),
     /// whose generation rule is settled here, under the lock: without connection info
     /// it extends the known peer; with the same connection info as known it extends
     /// too; new connection info (or an unknown peer) replaces.
@@ -215,7 +303,7 @@ impl Agent {
     /// lock (loads are serialised among themselves only), then swapped in: transfers
     /// to other peers go on meanwhile. A backend that refuses the new connection info
     /// leaves the old state whole, in the agent and in the backends told before it.
-    fn load_decoded(&self, mut md: AgentMetadata, nixl: bool, strict: bool) -> Result<String> {
+    fn load_decoded(&self, mut md: AgentMetadata, nixl: bool, trust: Trust) -> Result<String> {
         const OP: &str = "load metadata";
         if md.name == self.shared.name {
             return err(ErrorKind::InvalidArgument, OP, "this is the agent's own metadata; use the agent's own name as peer for local transfers");
@@ -223,7 +311,7 @@ impl Agent {
         let _loading = self.shared.loading.lock().unwrap();
         let old = self.shared.peers.read().unwrap().get(&md.name).cloned();
         let has_conn = md.backends.iter().any(|b| b.conn_info.is_some());
-        if strict {
+        if trust == Trust::NixlListener {
             // NIXL's rule, for metadata from anyone who reaches a NIXL listener: it
             // neither takes over a peer of this crate nor moves a NIXL agent to new
             // connection info (the old one must be forgotten first).
@@ -284,6 +372,21 @@ impl Agent {
                     }
                 }
                 None => backends.push((bm.name.clone(), conn)),
+            }
+        }
+        if trust == Trust::Unverified {
+            if let Some(why) = old
+                .as_deref()
+                .and_then(|p| moved(p.nixl, &p.backends, nixl, &backends))
+            {
+                return err(
+                    ErrorKind::NotAllowed,
+                    OP,
+                    format!(
+                        "peer {:?} is known, and this metadata would move it ({why}); an unauthenticated sender may not move a known peer",
+                        md.name
+                    ),
+                );
             }
         }
         for rm in &md.regions {
@@ -563,6 +666,43 @@ mod tests {
             plan_load(Some(7), 8, false, true),
             Ok(Load::Replace { restarted: true })
         );
+    }
+
+    #[test]
+    fn moving_means_connection_info_changes() {
+        let b = |v: &[(&str, Option<&'static [u8]>)]| -> Vec<(String, Option<Bytes>)> {
+            v.iter()
+                .map(|(n, c)| (n.to_string(), c.map(Bytes::from_static)))
+                .collect()
+        };
+        let known = b(&[("tcp", Some(b"a:1")), ("ucx", None)]);
+        // The same connection info, in any order, with or without backends that
+        // have none: not a move.
+        assert_eq!(moved(false, &known, false, &known), None);
+        assert_eq!(
+            moved(false, &known, false, &b(&[("tcp", Some(b"a:1"))])),
+            None
+        );
+        assert_eq!(
+            moved(
+                false,
+                &known,
+                false,
+                &b(&[("ucx", None), ("tcp", Some(b"a:1"))])
+            ),
+            None
+        );
+        // Changed, added, removed, or another kind of peer: a move.
+        for new in [
+            b(&[("tcp", Some(b"evil:1"))]),
+            b(&[("tcp", Some(b"a:1")), ("ucx", Some(b"evil"))]),
+            b(&[("tcp", None)]),
+            b(&[]),
+        ] {
+            assert!(moved(false, &known, false, &new).is_some(), "{new:?}");
+        }
+        assert!(moved(false, &known, true, &known).is_some());
+        assert!(moved(true, &known, false, &known).is_some());
     }
 
     #[test]

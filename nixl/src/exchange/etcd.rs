@@ -32,8 +32,8 @@ use tokio_util::task::TaskTracker;
 
 use super::side_channel::check_label;
 use super::FULL_LABEL;
-use crate::agent::Agent;
 use crate::agent::WeakAgent;
+use crate::agent::{Agent, Trust};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::region::Registration;
 
@@ -473,10 +473,14 @@ impl EtcdExchange {
 
     /// Load `peer`'s full metadata, waiting (up to `timeout`) for it to appear; then
     /// watch the peer: when its keys are deleted or expire it is forgotten, and when it
-    /// publishes again it is reloaded.
+    /// publishes again it is reloaded (a restarted peer, wherever it now is: whoever
+    /// may write the peer's keys in etcd is trusted with them). Metadata under the
+    /// peer's keys that names another agent is refused, fetched or watched, and
+    /// nothing is loaded from it.
     ///
     /// # Errors
-    /// [`ErrorKind::TimedOut`] when it did not appear in time; etcd and load errors.
+    /// [`ErrorKind::TimedOut`] when it did not appear in time; [`ErrorKind::Mismatch`]
+    /// when the metadata under `peer`'s key names another agent; etcd and load errors.
     pub async fn fetch(&self, peer: &str, timeout: Duration) -> Result<()> {
         self.fetch_label(peer, self.inner.full(), timeout).await
     }
@@ -505,7 +509,8 @@ impl EtcdExchange {
             }
         };
         let agent = self.inner.agent()?;
-        agent.load_metadata(&value)?;
+        // The key names the peer: metadata there naming another agent is refused.
+        agent.load_metadata_from(&value, Some(peer), Trust::Full)?;
         if label == self.inner.full() {
             let watcher = self.inner.clone();
             let peer = peer.to_owned();
@@ -707,7 +712,9 @@ impl Inner {
                         // NIXL announces an agent with an empty key.
                         EventType::Put if kv.value().is_empty() => {}
                         EventType::Put => {
-                            if let Err(e) = agent.load_metadata(kv.value()) {
+                            if let Err(e) =
+                                agent.load_metadata_from(kv.value(), Some(&peer), Trust::Full)
+                            {
                                 tracing::warn!(%peer, error = %e, "etcd: could not reload peer metadata");
                             }
                         }

@@ -33,8 +33,9 @@ pub const NIXL_DEFAULT_PORT: u16 = 8888;
 /// can introduce a NIXL agent or make the agent forget one. The listener follows
 /// NIXL's own loader rules to limit that: it loads NIXL's format only, never over a
 /// peer of this crate, never new connection info for a NIXL agent it knows (NIXL's
-/// reload rule), and `INVL` forgets NIXL agents only. Bind it to an interface only
-/// trusted peers reach (use the side channel with a
+/// reload rule), and `INVL` forgets NIXL agents only. As in NIXL, `INVL` then `LOAD`
+/// moves a known NIXL agent to other connection info in two steps (NIXL agents
+/// restart that way). Bind it to an interface only trusted peers reach (use the side channel with a
 /// [`SharedSecret`](crate::SharedSecret) between agents of this crate). Connections stay
 /// open for more frames, as NIXL keeps them; a frame over
 /// [`NixlListenerOptions::max_frame`], a malformed one or a connection idle for

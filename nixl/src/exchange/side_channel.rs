@@ -5,6 +5,9 @@
 //! or served (HMAC-SHA256 challenge-response over fresh nonces from both sides; the
 //! secret never crosses the wire). A client with a secret also refuses a server that
 //! does not authenticate.
+//!
+//! What a client may do to the peers the serving agent knows depends on whether it is
+//! trusted: see [`SideChannelOptions::accept_peer_updates`].
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -13,8 +16,8 @@ use tokio::net::TcpStream;
 
 use super::frame::{read_frame, write_frame, FrameError, Kind, MAC_LEN, NONCE_LEN};
 use super::FULL_LABEL;
-use crate::agent::Agent;
 use crate::agent::WeakAgent;
+use crate::agent::{Agent, Trust};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::region::Registration;
 pub use crate::secret::SharedSecret;
@@ -40,6 +43,27 @@ pub struct SideChannelOptions {
     /// Most connections a listener serves at once (default 1024); one more closes the
     /// oldest, so idle or slow clients never lock others out.
     pub max_connections: usize,
+    /// Server: let clients that did not authenticate move a known peer to other
+    /// connection info (a restarted agent's [`Agent::send_metadata`]) or make this
+    /// agent forget a known peer ([`Agent::invalidate_at`]). Default `false`.
+    ///
+    /// Without it and without [`SideChannelOptions::secret`], a client may introduce
+    /// a peer this agent does not know yet, and re-send a known peer's metadata
+    /// (new registrations, a new instance) as long as every backend's connection
+    /// info stays the same; a send that would change, add or remove a known peer's
+    /// connection info, and an invalidate of a known peer, are refused: the client
+    /// gets [`ErrorKind::NotAllowed`], the refusal is logged with the peer's name and
+    /// the client's address, and nothing changes. Nothing in metadata proves who sent
+    /// it (a new instance id can be forged), so a restart elsewhere is recognised
+    /// where the application vouches for it: its own [`Agent::load_metadata`],
+    /// [`Agent::fetch_metadata`] or [`Agent::fetch_peer_metadata`] (and etcd, whose
+    /// keys it watches) replace a known peer whatever it was.
+    ///
+    /// With a secret, every client that proved it is trusted as with this option:
+    /// the secret authenticates membership, not identity, so any holder may move or
+    /// forget any peer. Set this only where everyone who reaches the port is trusted
+    /// (as NIXL's listener trusts everyone).
+    pub accept_peer_updates: bool,
 }
 
 impl Default for SideChannelOptions {
@@ -50,6 +74,7 @@ impl Default for SideChannelOptions {
             idle_timeout: Duration::from_secs(60),
             max_frame: crate::metadata::Limits::default().max_total,
             max_connections: 1024,
+            accept_peer_updates: false,
         }
     }
 }
@@ -120,7 +145,26 @@ impl Agent {
         addr: SocketAddr,
         options: &SideChannelOptions,
     ) -> Result<String> {
-        self.fetch_label(addr, "", options).await
+        self.fetch_label(addr, "", None, options).await
+    }
+
+    /// Fetch the full metadata of `peer`, served at `addr`, and load it: as
+    /// [`Agent::fetch_metadata`], except that metadata naming another agent is
+    /// refused and nothing is loaded (a server at `addr` cannot pass itself off as,
+    /// or replace, another peer).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Mismatch`] when the metadata served names another agent; as
+    /// [`Agent::fetch_metadata`].
+    pub async fn fetch_peer_metadata(
+        &self,
+        addr: SocketAddr,
+        peer: &str,
+        options: &SideChannelOptions,
+    ) -> Result<()> {
+        self.fetch_label(addr, "", Some(peer), options)
+            .await
+            .map(drop)
     }
 
     /// Fetch partial metadata published under `label` at `addr` and load it.
@@ -134,25 +178,32 @@ impl Agent {
         options: &SideChannelOptions,
     ) -> Result<String> {
         check_label(label, "fetch partial metadata")?;
-        self.fetch_label(addr, label, options).await
+        self.fetch_label(addr, label, None, options).await
     }
 
+    /// The application asked for what `addr` serves: it may replace a known peer.
     async fn fetch_label(
         &self,
         addr: SocketAddr,
         label: &str,
+        expect: Option<&str>,
         options: &SideChannelOptions,
     ) -> Result<String> {
         const OP: &str = "fetch metadata";
         let options = &*self.with_agent_secret(options);
         let md = request(addr, options, OP, Kind::Fetch, label.as_bytes()).await?;
-        self.load_metadata(&md)
+        self.load_metadata_from(&md, expect, Trust::Full)
     }
 
     /// Send this agent's full metadata to the agent serving at `addr`, which loads it.
+    /// A server that knows this agent with other connection info (this agent
+    /// restarted elsewhere) loads it only from a trusted client (see
+    /// [`SideChannelOptions::accept_peer_updates`]).
     ///
     /// # Errors
-    /// As [`Agent::fetch_metadata`]; the remote's load error as [`ErrorKind::Backend`].
+    /// As [`Agent::fetch_metadata`]; [`ErrorKind::NotAllowed`] when the server refuses
+    /// to move the peer it knows by this name; the remote's other load errors as
+    /// [`ErrorKind::Backend`].
     pub async fn send_metadata(
         &self,
         addr: SocketAddr,
@@ -165,10 +216,12 @@ impl Agent {
             .map(drop)
     }
 
-    /// Tell the agent serving at `addr` to forget this agent.
+    /// Tell the agent serving at `addr` to forget this agent. A server forgets a
+    /// known peer only for a trusted client (see
+    /// [`SideChannelOptions::accept_peer_updates`]).
     ///
     /// # Errors
-    /// As [`Agent::send_metadata`].
+    /// As [`Agent::send_metadata`]; [`ErrorKind::NotAllowed`] when the server refuses.
     pub async fn invalidate_at(
         &self,
         addr: SocketAddr,
@@ -300,6 +353,8 @@ async fn request_inner(
             let msg = String::from_utf8_lossy(&reply).into_owned();
             let kind = if msg.starts_with("not found") {
                 ErrorKind::NotFound
+            } else if msg.starts_with(NOT_ALLOWED) {
+                ErrorKind::NotAllowed
             } else {
                 ErrorKind::Backend
             };
@@ -313,6 +368,10 @@ async fn request_inner(
     }
 }
 
+/// How a server's error answer starts when it refused a request it understood (the
+/// client reports [`ErrorKind::NotAllowed`]).
+const NOT_ALLOWED: &str = "not allowed: ";
+
 /// Serve one connection. Errors are the reason it was closed.
 async fn serve(
     agent: WeakAgent,
@@ -320,6 +379,16 @@ async fn serve(
     options: &SideChannelOptions,
 ) -> std::result::Result<(), String> {
     let _ = s.set_nodelay(true);
+    let from = s
+        .peer_addr()
+        .map_or_else(|_| "an unknown address".to_owned(), |a| a.to_string());
+    // Reached past the handshake, a client with a secret proved it.
+    let trusted = options.secret.is_some() || options.accept_peer_updates;
+    let trust = if trusted {
+        Trust::Full
+    } else {
+        Trust::Unverified
+    };
     let server_nonce = nonce();
     let mut hello = Vec::with_capacity(1 + NONCE_LEN);
     hello.push(u8::from(options.secret.is_some()));
@@ -380,13 +449,30 @@ async fn serve(
                     ),
                 }
             }
-            (Kind::Send, md) => agent.load_metadata(&md).map(|_| (Kind::Ok, Vec::new())),
+            (Kind::Send, md) => match agent.load_metadata_from(&md, None, trust) {
+                Ok(_) => Ok((Kind::Ok, Vec::new())),
+                Err(e) => {
+                    if !trusted && e.kind() == ErrorKind::NotAllowed {
+                        tracing::warn!(%from, error = %e, "side channel: refused metadata from an unauthenticated client");
+                    }
+                    Err(e)
+                }
+            },
             (Kind::Invalidate, name) => {
-                let name = String::from_utf8_lossy(&name).into_owned();
-                match agent.forget_peer(&name) {
-                    Ok(()) => Ok((Kind::Ok, Vec::new())),
-                    Err(e) if e.kind() == ErrorKind::UnknownPeer => Ok((Kind::Ok, Vec::new())),
-                    Err(e) => Err(e),
+                let peer = String::from_utf8_lossy(&name).into_owned();
+                if !trusted && agent.knows_peer(&peer) {
+                    tracing::warn!(%peer, %from, "side channel: refused to forget a known peer for an unauthenticated client");
+                    err(
+                        ErrorKind::NotAllowed,
+                        "invalidate metadata",
+                        format!("an unauthenticated client may not make this agent forget the known peer {peer:?}"),
+                    )
+                } else {
+                    match agent.forget_peer(&peer) {
+                        Ok(()) => Ok((Kind::Ok, Vec::new())),
+                        Err(e) if e.kind() == ErrorKind::UnknownPeer => Ok((Kind::Ok, Vec::new())),
+                        Err(e) => Err(e),
+                    }
                 }
             }
             (k, _) => {
@@ -398,10 +484,10 @@ async fn serve(
         match reply {
             Ok((k, p)) => send(&mut s, options, k, &p).await?,
             Err(e) => {
-                let msg = if e.kind() == ErrorKind::NotFound {
-                    e.context().to_owned()
-                } else {
-                    e.to_string()
+                let msg = match e.kind() {
+                    ErrorKind::NotFound => e.context().to_owned(),
+                    ErrorKind::NotAllowed => format!("{NOT_ALLOWED}{e}"),
+                    _ => e.to_string(),
                 };
                 send(&mut s, options, Kind::Error, msg.as_bytes()).await?
             }
