@@ -94,7 +94,10 @@
 
 mod driver;
 mod ffi;
+#[cfg(test)]
+mod hostile_tests;
 mod library;
+mod reorder;
 mod wire;
 
 use std::path::PathBuf;
