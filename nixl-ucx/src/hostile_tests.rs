@@ -105,6 +105,15 @@ async fn hostile_sender_is_bounded_and_a_good_one_served() {
         .or_else(|_| evil.ep_create(&addr, false))
         .unwrap();
 
+    // The good peer's first notification, received before the flood: its stream's
+    // state is then the oldest, the first the flood below replaces.
+    good.notify("target", "good-0").unwrap().await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(10), notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((n.peer.as_str(), &n.msg[..]), ("good", &b"good-0"[..]));
+
     // 1. A HELLO giving the bystander's address as the sender's.
     let by = Bytes::copy_from_slice(bystander.address());
     let mut f = vec![send(&mut evil, ep, Kind::Hello, "evil", 1, 0, by)];
@@ -119,7 +128,6 @@ async fn hostile_sender_is_bounded_and_a_good_one_served() {
         f.push(send(&mut evil, ep, Kind::Notif, "evil", 2, seq, m));
     }
     settle(&mut evil, std::mem::take(&mut f));
-    let mut sent = Vec::new();
     // 4. A fresh sender name and stream per message, each waiting for its 0.
     for i in 0..1500u64 {
         let m = Bytes::from_static(b"held");
@@ -132,20 +140,48 @@ async fn hostile_sender_is_bounded_and_a_good_one_served() {
             1,
             m,
         ));
-        // 5. Meanwhile a good peer's notifications.
-        if i % 15 == 0 {
-            sent.push(good.notify("target", format!("good-{}", i / 15)).unwrap());
+    }
+    // Then one the target delivers at once: once it arrives, so has the flood (one
+    // endpoint, in order).
+    f.push(send(
+        &mut evil,
+        ep,
+        Kind::Notif,
+        "evil-sync",
+        0,
+        0,
+        Bytes::new(),
+    ));
+    settle(&mut evil, f);
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(20), notes.recv())
+            .await
+            .expect("the flood is taken in")
+            .expect("notifications open");
+        assert!(
+            n.msg.len() <= MAX_NOTIFICATION,
+            "{} bytes from {}",
+            n.msg.len(),
+            n.peer
+        );
+        if n.peer == "evil-sync" {
+            break;
         }
     }
-    settle(&mut evil, f);
-    for t in sent {
-        t.await.unwrap();
+    // 5. The good peer goes on. Its stream was replaced by the flood, so its next
+    // message (1) starts a stream that waits for a 0 that never comes: the gap
+    // timeout, not a full window, lets them through.
+    for i in 1..=100 {
+        good.notify("target", format!("good-{i}"))
+            .unwrap()
+            .await
+            .unwrap();
     }
 
     // The good peer's 100 arrive, in order; nothing over the limit reaches the agent.
-    let mut next_good = 0;
+    let mut next_good = 1;
     let deadline = Instant::now() + Duration::from_secs(20);
-    while next_good < 100 {
+    while next_good <= 100 {
         let left = deadline.saturating_duration_since(Instant::now());
         let n = tokio::time::timeout(left, notes.recv())
             .await
