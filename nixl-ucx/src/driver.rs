@@ -19,8 +19,8 @@
 //! progress for a while, it sends a PING, which the peer answers with a PONG from its
 //! progress loop; no answer within the bound fails the connection (see [`Liveness`]).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,7 @@ use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::ffi::{EpId, FlightId, HoldsMemory, RkeyId, RmaSeg, Ucx, UcxError, WakeFd};
+use crate::reorder::{self, Reorder};
 use crate::wire::{self, Kind};
 
 /// What a flight keeps until UCX is done with it.
@@ -153,6 +154,9 @@ pub(crate) struct PeerConn {
     /// Why the connection is dead, once it is.
     pub(crate) failed: Option<String>,
     hello_sent: bool,
+    /// The peer said HELLO to us from the address in its metadata (so it gets a BYE
+    /// at our shutdown even if we never sent to it).
+    heard_hello: bool,
     next_seq: u64,
     /// Remote keys unpacked on this connection, by the peer's region id.
     rkeys: HashMap<u64, (Bytes, RkeyId)>,
@@ -198,17 +202,49 @@ enum AmEvent {
     Nixl { sender: String, msg: Bytes },
 }
 
+/// Longest sender name accepted in a notification (ours or NIXL's).
+const MAX_NAME: usize = 4096;
+
+/// Longest worker address accepted in a HELLO or BYE (UCX's are a few hundred bytes
+/// to a few KiB).
+const MAX_ADDRESS: usize = 64 << 10;
+
+/// Most HELLO senders remembered that are not (yet) known peers.
+const MAX_INBOUND: usize = 64;
+
+/// What the receive path refused, for tests and logs.
 #[derive(Debug, Default)]
-struct Reorder {
-    next: u64,
-    held: BTreeMap<u64, Bytes>,
+pub(crate) struct Refused {
+    /// Notifications over the limit (ours or NIXL's), dropped unread.
+    pub(crate) oversized: AtomicU64,
+    /// Messages dropped as malformed (header, name, address, NIXL framing).
+    pub(crate) malformed: AtomicU64,
+    /// Messages offered by rendezvous, declined.
+    pub(crate) rendezvous: AtomicU64,
 }
 
-/// Most notifications held back waiting for an earlier one, per sender stream.
-const MAX_HELD: usize = 1 << 16;
+/// Logs a refusal at most once a second, saying how many went unlogged.
+#[derive(Debug, Default)]
+struct Throttle {
+    last: Option<Instant>,
+    quiet: u64,
+}
 
-/// Longest sender name accepted in a NIXL notification.
-const NIXL_MAX_NAME: usize = 4096;
+impl Throttle {
+    /// `Some(n)` when this refusal is to be logged (`n` went unlogged before it).
+    fn ready(&mut self) -> Option<u64> {
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
+        {
+            self.quiet += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.quiet))
+    }
+}
 
 /// Connection state and the UCX owner; always behind [`Shared::core`].
 #[derive(Debug)]
@@ -219,8 +255,13 @@ pub(crate) struct Core {
     /// Flights of connections that were replaced or forgotten.
     orphans: Vec<(InFlight, String)>,
     events: Arc<Mutex<Vec<AmEvent>>>,
-    reorder: HashMap<(String, u64), Reorder>,
-    /// Peers that said HELLO to us: name -> their worker address.
+    /// Our notifications put back in posting order (bounded, see [`crate::reorder`]).
+    pub(crate) reorder: Reorder,
+    /// What the message handlers refused.
+    pub(crate) refused: Arc<Refused>,
+    /// HELLO senders not known as peers when they said it (at most [`MAX_INBOUND`]):
+    /// name -> their worker address. Only ever compared with a peer's address from
+    /// its metadata, never dialled.
     inbound: HashMap<String, Vec<u8>>,
     /// PINGs in flight (outside their connection's queue: nothing waits for them).
     pings: Vec<FlightId>,
@@ -378,29 +419,62 @@ impl Core {
         liveness: Option<Liveness>,
     ) -> std::result::Result<Self, UcxError> {
         let events: Arc<Mutex<Vec<AmEvent>>> = Arc::default();
+        let refused: Arc<Refused> = Arc::default();
         let ev = events.clone();
         let closing = Arc::new(AtomicBool::new(false));
         let closing2 = closing.clone();
+        let (count, mut log) = (refused.clone(), Throttle::default());
+        // Data arrives eagerly, already in UCX's buffers: it is looked at before it is
+        // copied, and copied only when within its limit. Rendezvous (which would
+        // fetch a payload of the sender's choosing) is declined unread: we never send
+        // by rendezvous (see `RNDV_THRESH` in lib.rs).
         ucx.set_am_handler(
             wire::AM_ID,
             Box::new(move |m| {
+                let mut refuse = |c: &AtomicU64, why: &str, name: &str| {
+                    c.fetch_add(1, Ordering::Relaxed);
+                    if let Some(quiet) = log.ready() {
+                        tracing::warn!(
+                            from = name,
+                            header = m.header.len(),
+                            data = m.data.map(<[u8]>::len),
+                            unlogged = quiet,
+                            "ucx: dropping an active message: {why}"
+                        );
+                    }
+                    None
+                };
                 let Some(header) = wire::decode_header(m.header) else {
-                    tracing::warn!(
-                        len = m.header.len(),
-                        "ucx: dropping an active message with a malformed header"
-                    );
-                    return None;
+                    return refuse(&count.malformed, "malformed header", "");
                 };
-                if header.kind == Kind::Ping {
-                    // Answered here, on the reply endpoint, while the driver runs.
-                    return (!closing2.load(Ordering::Acquire)).then(|| {
-                        wire::encode_header(Kind::Pong, header.stream, header.seq, "")
-                    });
+                if header.name.len() > MAX_NAME {
+                    return refuse(&count.malformed, "sender name too long", "");
                 }
-                let Some(data) = m.data else {
-                    tracing::warn!(from = %header.name, "ucx: dropping a rendezvous active message (never requested)");
-                    return None;
+                let limit = match header.kind {
+                    Kind::Ping => {
+                        // Answered here, on the reply endpoint, while the driver runs.
+                        return (!closing2.load(Ordering::Acquire)).then(|| {
+                            wire::encode_header(Kind::Pong, header.stream, header.seq, "")
+                        });
+                    }
+                    Kind::Notif => max_notification,
+                    Kind::Hello | Kind::Bye => MAX_ADDRESS,
+                    Kind::Pong => 0,
                 };
+                let Some(data) = m.data else {
+                    return refuse(
+                        &count.rendezvous,
+                        "offered by rendezvous (never requested)",
+                        &header.name,
+                    );
+                };
+                if data.len() > limit {
+                    let (c, why) = match header.kind {
+                        Kind::Notif => (&count.oversized, "notification over the limit"),
+                        _ => (&count.malformed, "data too long for its kind"),
+                    };
+                    return refuse(c, why, &header.name);
+                }
                 ev.lock().unwrap().push(AmEvent::Ours {
                     header,
                     data: Bytes::copy_from_slice(data),
@@ -409,29 +483,45 @@ impl Core {
             }),
         )?;
         let ev = events.clone();
+        let (count, mut log) = (refused.clone(), Throttle::default());
         // The serdes framing around the message: prefix, two tags, lengths, bars.
-        let max_nixl = max_notification.saturating_add(64 + NIXL_MAX_NAME);
+        let max_nixl = max_notification.saturating_add(64 + MAX_NAME);
         ucx.set_am_handler(
             wire::NIXL_NOTIF_AM_ID,
             Box::new(move |m| {
+                let mut refuse = |c: &AtomicU64, why: &dyn std::fmt::Display| {
+                    c.fetch_add(1, Ordering::Relaxed);
+                    if let Some(quiet) = log.ready() {
+                        tracing::warn!(
+                            data = m.data.map(<[u8]>::len),
+                            unlogged = quiet,
+                            "ucx: dropping a NIXL notification: {why}"
+                        );
+                    }
+                    None
+                };
                 let Some(data) = m.data else {
-                    tracing::warn!("ucx: dropping a NIXL notification offered by rendezvous (never requested)");
-                    return None;
+                    return refuse(
+                        &count.rendezvous,
+                        &"offered by rendezvous (never requested)",
+                    );
                 };
                 if data.len() > max_nixl {
-                    tracing::warn!(len = data.len(), "ucx: dropping a NIXL notification over the notification limit");
-                    return None;
+                    return refuse(&count.oversized, &"over the notification limit");
                 }
-                match nixl::interop::decode_notification(data, NIXL_MAX_NAME) {
-                    Ok((sender, msg)) => ev.lock().unwrap().push(AmEvent::Nixl {
-                        sender,
-                        msg: Bytes::copy_from_slice(msg),
-                    }),
-                    Err(e) => {
-                        tracing::warn!(len = data.len(), error = %e, "ucx: dropping a malformed NIXL notification")
+                match nixl::interop::decode_notification(data, MAX_NAME) {
+                    Ok((_, msg)) if msg.len() > max_notification => {
+                        refuse(&count.oversized, &"over the notification limit")
                     }
+                    Ok((sender, msg)) => {
+                        ev.lock().unwrap().push(AmEvent::Nixl {
+                            sender,
+                            msg: Bytes::copy_from_slice(msg),
+                        });
+                        None
+                    }
+                    Err(e) => refuse(&count.malformed, &format_args!("malformed ({e})")),
                 }
-                None
             }),
         )?;
         Ok(Self {
@@ -440,7 +530,8 @@ impl Core {
             peers: HashMap::new(),
             orphans: Vec::new(),
             events,
-            reorder: HashMap::new(),
+            reorder: Reorder::new(reorder::Limits::DEFAULT),
+            refused,
             inbound: HashMap::new(),
             pings: Vec::new(),
             closing,
@@ -506,6 +597,7 @@ impl Core {
                 nixl,
                 failed: None,
                 hello_sent: false,
+                heard_hello: self.inbound.remove(peer).is_some_and(|a| a == address),
                 next_seq: 0,
                 rkeys: HashMap::new(),
                 queue: VecDeque::new(),
@@ -741,10 +833,24 @@ impl Core {
             }
         }
         self.handle_events();
+        if let Some(sink) = &self.sink {
+            self.reorder
+                .expire(self.now, &mut |n, d| sink.deliver(n, d));
+        }
         self.check_failures();
         self.reap();
         self.ucx.reap_closed();
         n
+    }
+
+    /// The longest the driver may sleep when idle: until a held notification's gap
+    /// times out (see [`crate::reorder`]), else long.
+    pub(crate) fn idle_wait(&self) -> Duration {
+        self.reorder
+            .deadline()
+            .map_or(Duration::from_secs(3600), |d| {
+                d.saturating_duration_since(Instant::now()) + TICK
+            })
     }
 
     /// Run every queued command; returns how many.
@@ -781,7 +887,17 @@ impl Core {
                 Kind::Notif => self.deliver(h.name, h.stream, h.seq, ev_data),
                 Kind::Hello => {
                     tracing::debug!(peer = %h.name, "ucx: peer connected");
-                    self.inbound.insert(h.name, ev_data.to_vec());
+                    match self.peers.get_mut(h.name.as_str()) {
+                        Some(p) if p.address == ev_data[..] => p.heard_hello = true,
+                        // A peer not (yet) loaded: remembered, up to a bound, in case
+                        // its metadata comes later with this address.
+                        _ if self.inbound.len() < MAX_INBOUND
+                            || self.inbound.contains_key(&h.name) =>
+                        {
+                            self.inbound.insert(h.name, ev_data.to_vec());
+                        }
+                        _ => {}
+                    }
                 }
                 // Answered by the message handler.
                 Kind::Ping => {}
@@ -798,13 +914,15 @@ impl Core {
                 }
                 Kind::Bye => {
                     tracing::debug!(peer = %h.name, "ucx: peer said goodbye");
-                    self.reorder.retain(|(n, _), _| *n != h.name);
-                    if self
-                        .inbound
-                        .get(&h.name)
-                        .is_some_and(|a| **a == ev_data[..])
-                    {
+                    let known = self.peers.get(h.name.as_str()).map(|p| &p.address[..]);
+                    let heard = self.inbound.get(&h.name).map(|a| &a[..]);
+                    if known == Some(&ev_data[..]) || heard == Some(&ev_data[..]) {
+                        // Only a goodbye from the address we know the sender by ends
+                        // its streams early; others' streams age out (bounded).
                         self.inbound.remove(&h.name);
+                        if let Some(sink) = &self.sink {
+                            self.reorder.forget(&h.name, &mut |n, d| sink.deliver(n, d));
+                        }
                     }
                     if let Some(p) = self.peers.get_mut(h.name.as_str()) {
                         if p.address == ev_data[..] && p.failed.is_none() && !p.nixl {
@@ -818,20 +936,10 @@ impl Core {
 
     fn deliver(&mut self, name: String, stream: u64, seq: u64, data: Bytes) {
         let Some(sink) = &self.sink else { return };
-        let r = self.reorder.entry((name.clone(), stream)).or_default();
-        if seq <= r.next || r.held.len() >= MAX_HELD {
-            if seq > r.next {
-                tracing::warn!(peer = %name, "ucx: too many notifications held back; delivering out of order");
-            }
-            sink.deliver(&name, data);
-            r.next = r.next.max(seq + 1);
-            while let Some(d) = r.held.remove(&r.next) {
-                sink.deliver(&name, d);
-                r.next += 1;
-            }
-        } else {
-            r.held.insert(seq, data);
-        }
+        self.reorder
+            .accept(&name, stream, seq, data, self.now, &mut |n, d| {
+                sink.deliver(n, d)
+            });
     }
 
     /// Send a PING on `peer`'s connection: on its data endpoint, or (`second`) on
@@ -1022,36 +1130,49 @@ impl Core {
         }
     }
 
-    /// Shutdown, part one: refuse queued work and say goodbye to every peer that talked
-    /// to us or that we talked to. Returns the flights to wait for (bounded).
+    /// Log (once, at teardown) what the receive path refused or gave up.
+    fn log_refused(&self) {
+        let r = &self.refused;
+        let (oversized, malformed, rendezvous) = (
+            r.oversized.load(Ordering::Relaxed),
+            r.malformed.load(Ordering::Relaxed),
+            r.rendezvous.load(Ordering::Relaxed),
+        );
+        let s = self.reorder.stats();
+        if oversized + malformed + rendezvous + s.gaps_skipped + s.evicted + s.protocol_errors > 0 {
+            tracing::info!(
+                oversized,
+                malformed,
+                rendezvous,
+                gaps_skipped = s.gaps_skipped,
+                streams_evicted = s.evicted,
+                protocol_errors = s.protocol_errors,
+                streams = self.reorder.streams(),
+                held_bytes = self.reorder.held_bytes(),
+                "ucx: the receive path refused or reordered notifications out of bounds"
+            );
+        }
+    }
+
+    /// Shutdown, part one: refuse queued work and say goodbye to every known peer (loaded
+    /// from metadata) that we talked to or that said HELLO to us from its known
+    /// address, on its existing endpoint. No endpoint is made here: an address that
+    /// came only in someone's HELLO is never dialled. Returns the flights to wait for
+    /// (bounded by the caller).
     fn say_goodbye(&mut self) -> Vec<FlightId> {
         self.closing.store(true, Ordering::Release);
         while let Ok(cmd) = self.rx.try_recv() {
             fail_cmd(cmd, ErrorKind::ShutDown, "the ucx backend is shutting down");
         }
-        let mut targets: Vec<(String, Vec<u8>)> = self
+        let targets: Vec<EpId> = self
             .peers
-            .iter()
-            .filter(|(_, p)| p.hello_sent && !p.nixl && p.failed.is_none() && p.ep.is_ok())
-            .map(|(n, p)| (n.to_string(), p.address.clone()))
+            .values()
+            .filter(|p| (p.hello_sent || p.heard_hello) && !p.nixl && p.failed.is_none())
+            .filter_map(|p| p.ep.clone().ok())
             .collect();
-        for (n, a) in &self.inbound {
-            if !targets.iter().any(|(tn, ta)| tn == n && ta == a) {
-                targets.push((n.clone(), a.clone()));
-            }
-        }
         let mut flights = Vec::new();
         let me = Bytes::copy_from_slice(self.ucx.address());
-        for (name, addr) in targets {
-            let ep = match self.peers.get(name.as_str()) {
-                Some(p) if p.address == addr && p.failed.is_none() => p.ep.clone().ok(),
-                _ => self
-                    .ucx
-                    .ep_create(&addr, true)
-                    .or_else(|_| self.ucx.ep_create(&addr, false))
-                    .ok(),
-            };
-            let Some(ep) = ep else { continue };
+        for ep in targets {
             let h = wire::encode_header(Kind::Bye, 0, 0, &self.agent);
             flights.push(
                 self.ucx
@@ -1071,6 +1192,7 @@ pub(crate) fn teardown(shared: &Shared) {
     let mut parked = shared.parked.lock().unwrap();
     let core = shared.core.lock().unwrap().take();
     if let Some(mut core) = core {
+        core.log_refused();
         let flights = core.say_goodbye();
         let deadline = Instant::now() + shared.bye_bound;
         let mut left = flights;
@@ -1168,11 +1290,11 @@ pub(crate) async fn run_task(shared: Arc<Shared>, cancel: CancellationToken) {
         if cancel.is_cancelled() {
             break;
         }
-        let (activity, busy) = {
+        let (activity, busy, idle) = {
             let mut g = shared.core.lock().unwrap();
             let Some(core) = g.as_mut() else { break };
             let a = core.step();
-            (a, core.busy())
+            (a, core.busy(), core.idle_wait())
         };
         if pace.hot(activity, busy) {
             // Let other tasks (the ones awaiting our completions) run.
@@ -1203,7 +1325,7 @@ pub(crate) async fn run_task(shared: Arc<Shared>, cancel: CancellationToken) {
                 }
             }
             _ = notify.notified() => {}
-            _ = tokio::time::sleep(pace.tick(busy, Duration::from_secs(3600))) => {}
+            _ = tokio::time::sleep(pace.tick(busy, idle)) => {}
         }
     }
     drop(afd);
@@ -1221,11 +1343,11 @@ pub(crate) fn run_thread(shared: Arc<Shared>, stop: CancellationToken) {
     };
     let mut pace = Pace::new(shared.spin);
     while !stop.is_cancelled() {
-        let (activity, busy) = {
+        let (activity, busy, idle) = {
             let mut g = shared.core.lock().unwrap();
             let Some(core) = g.as_mut() else { break };
             let a = core.step();
-            (a, core.busy())
+            (a, core.busy(), core.idle_wait())
         };
         if pace.hot(activity, busy) {
             std::hint::spin_loop();
@@ -1244,7 +1366,7 @@ pub(crate) fn run_thread(shared: Arc<Shared>, stop: CancellationToken) {
         }
         drop(g);
         // The stop flag comes with a wake, so the idle wait can be long.
-        fd.wait_with(efd, pace.tick(busy, Duration::from_secs(3600)));
+        fd.wait_with(efd, pace.tick(busy, idle));
         sleeping.store(false, Ordering::SeqCst);
         fd.drain();
     }

@@ -57,7 +57,14 @@
 //!   make no progress, the driver probes the peer (a PING its progress loop answers,
 //!   on the connection, then on a separate endpoint); a peer that does not answer
 //!   fails its transfers within [`UcxOptions::liveness_timeout`] (5 s by default).
-//! - **Teardown.** [`nixl::Backend::shutdown`] says goodbye to peers, fails what is
+//! - **Hostile senders.** Anyone who reaches the worker can send active messages, and
+//!   nothing in them is authenticated. Notifications over
+//!   [`UcxOptions::max_notification`] are dropped before they are copied, rendezvous
+//!   offers are declined unread, and the reorder buffer is bounded per stream, per
+//!   sender and in all, with a gap timeout (the limits are in the `reorder` module and
+//!   the README's security section); refusals are counted and logged.
+//! - **Teardown.** [`nixl::Backend::shutdown`] says goodbye to known peers (loaded
+//!   from metadata; an address heard only in a HELLO is never dialled), fails what is
 //!   left and closes every endpoint; UCX's memory mappings, worker and context stay
 //!   until the agent has deregistered every region, and [`nixl::Backend::destroy`]
 //!   then destroys the worker and (once no allocation holds it) the context.
@@ -94,7 +101,10 @@
 
 mod driver;
 mod ffi;
+#[cfg(test)]
+mod hostile_tests;
 mod library;
+mod reorder;
 mod wire;
 
 use std::path::PathBuf;

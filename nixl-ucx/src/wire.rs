@@ -147,6 +147,33 @@ mod tests {
     }
 
     #[test]
+    fn header_decode_refuses_what_a_hostile_sender_can_send() {
+        let h = encode_header(Kind::Notif, u64::MAX, u64::MAX, "ab");
+        // Extremes of the numbers decode (the receiver judges them).
+        let d = decode_header(&h).unwrap();
+        assert_eq!((d.stream, d.seq), (u64::MAX, u64::MAX));
+        // A name length past the end, every truncation, bad UTF-8, bad magic/version.
+        let mut long = h.clone();
+        long[20..22].copy_from_slice(&u16::MAX.to_le_bytes());
+        assert_eq!(decode_header(&long), None);
+        for n in 0..h.len() {
+            assert_eq!(decode_header(&h[..n]), None, "{n} bytes");
+        }
+        let mut utf = h.clone();
+        utf[HEADER_FIXED] = 0xff;
+        assert_eq!(decode_header(&utf), None);
+        for i in [0, 1, 2] {
+            let mut bad = h.clone();
+            bad[i] ^= 0x80;
+            assert_eq!(decode_header(&bad), None, "byte {i}");
+        }
+        // The longest name a header can carry is cut at u16::MAX bytes.
+        let name = "n".repeat(70_000);
+        let d = decode_header(&encode_header(Kind::Hello, 1, 2, &name)).unwrap();
+        assert_eq!(d.name.len(), u16::MAX as usize);
+    }
+
+    #[test]
     fn blob_round_trip_and_garbage() {
         let b = encode_blob(0x1000, 4096, &[1, 2, 3]);
         assert_eq!(
