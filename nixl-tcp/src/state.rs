@@ -54,3 +54,13 @@ impl PeerEntry {
         }
     }
 }
+
+impl Inner {
+    /// Whether the backend is shutting down (its listener and connections are being
+    /// cancelled, and its registrations dropped).
+    pub(crate) fn stopping(&self) -> bool {
+        self.started
+            .try_get()
+            .is_some_and(|s| s.cancel.is_cancelled())
+    }
+}

@@ -125,6 +125,13 @@ async fn serve(
                     w.write_all(&bytes).await?;
                     w.flush().await?;
                 }
+                Action::Ack { id, status, .. }
+                    if status == wire::ST_BAD_KEY && inner.stopping() =>
+                {
+                    // The registrations went with the shutdown, not because the
+                    // request named a bad key: the peer sees the connection end.
+                    return Err(proto(format!("request {id} arrived while shutting down")));
+                }
                 Action::Ack { id, status, msg } => ack(&mut w, id, status, &msg).await?,
                 Action::Offer => {
                     let offered = offer(&inner);
