@@ -199,13 +199,53 @@ enum AmEvent {
 }
 
 #[derive(Debug, Default)]
-struct Reorder {
+pub(crate) struct Reorder {
     next: u64,
     held: BTreeMap<u64, Bytes>,
 }
 
 /// Most notifications held back waiting for an earlier one, per sender stream.
 const MAX_HELD: usize = 1 << 16;
+
+impl Reorder {
+    /// Notification `seq` of this stream arrived: hand it, and every held one it
+    /// makes next, to `deliver` in order; or hold it until the ones before it arrive,
+    /// unless `max_held` are held already. Returns false when it went out of order
+    /// for that; then the held ones it overtook go right after it, in order (they
+    /// would never be next again). The counter saturates: the peer picks `seq`, up
+    /// to `u64::MAX`.
+    pub(crate) fn take(
+        &mut self,
+        seq: u64,
+        data: Bytes,
+        max_held: usize,
+        mut deliver: impl FnMut(Bytes),
+    ) -> bool {
+        if seq > self.next && self.held.len() < max_held {
+            self.held.insert(seq, data);
+            return true;
+        }
+        let in_order = seq <= self.next;
+        deliver(data);
+        self.next = self.next.max(seq.saturating_add(1));
+        while let Some(held) = self.held.first_entry() {
+            let s = *held.key();
+            if s > self.next {
+                break;
+            }
+            deliver(held.remove());
+            if s == self.next {
+                self.next = self.next.saturating_add(1);
+            }
+        }
+        in_order
+    }
+
+    /// The next sequence number expected, and how many are held back.
+    pub(crate) fn state(&self) -> (u64, impl Iterator<Item = u64> + '_) {
+        (self.next, self.held.keys().copied())
+    }
+}
 
 /// Longest sender name accepted in a NIXL notification.
 const NIXL_MAX_NAME: usize = 4096;
@@ -819,18 +859,8 @@ impl Core {
     fn deliver(&mut self, name: String, stream: u64, seq: u64, data: Bytes) {
         let Some(sink) = &self.sink else { return };
         let r = self.reorder.entry((name.clone(), stream)).or_default();
-        if seq <= r.next || r.held.len() >= MAX_HELD {
-            if seq > r.next {
-                tracing::warn!(peer = %name, "ucx: too many notifications held back; delivering out of order");
-            }
-            sink.deliver(&name, data);
-            r.next = r.next.max(seq + 1);
-            while let Some(d) = r.held.remove(&r.next) {
-                sink.deliver(&name, d);
-                r.next += 1;
-            }
-        } else {
-            r.held.insert(seq, data);
+        if !r.take(seq, data, MAX_HELD, |d| sink.deliver(&name, d)) {
+            tracing::warn!(peer = %name, "ucx: too many notifications held back; delivering out of order");
         }
     }
 
@@ -1256,4 +1286,37 @@ fn random_u64() -> u64 {
     let mut b = [0u8; 8];
     getrandom::getrandom(&mut b).expect("the OS random source works");
     u64::from_le_bytes(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn take(r: &mut Reorder, seq: u64, max_held: usize) -> (bool, Vec<u64>) {
+        let mut out = Vec::new();
+        let data = Bytes::copy_from_slice(&seq.to_le_bytes());
+        let in_order = r.take(seq, data, max_held, |d| {
+            out.push(u64::from_le_bytes(d[..].try_into().unwrap()));
+        });
+        (in_order, out)
+    }
+
+    #[test]
+    fn notifications_are_reordered_and_a_full_hold_back_strands_none() {
+        let mut r = Reorder::default();
+        assert_eq!(take(&mut r, 1, 2), (true, vec![]));
+        assert_eq!(take(&mut r, 0, 2), (true, vec![0, 1]));
+        // Two held; the third overtakes them, and they follow it instead of
+        // staying held for good.
+        assert_eq!(take(&mut r, 4, 2), (true, vec![]));
+        assert_eq!(take(&mut r, 5, 2), (true, vec![]));
+        assert_eq!(take(&mut r, 9, 2), (false, vec![9, 4, 5]));
+        assert_eq!(r.state().1.count(), 0);
+        assert_eq!(take(&mut r, 10, 2), (true, vec![10]));
+        // The sender picks the numbers: the top one does not overflow.
+        assert_eq!(take(&mut r, 12, 2), (true, vec![]));
+        assert_eq!(take(&mut r, 13, 2), (true, vec![]));
+        assert_eq!(take(&mut r, u64::MAX, 2), (false, vec![u64::MAX, 12, 13]));
+        assert_eq!(take(&mut r, 3, 2), (true, vec![3]));
+    }
 }
