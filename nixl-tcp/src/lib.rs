@@ -116,6 +116,8 @@
 
 mod admission;
 mod conn;
+#[doc(hidden)]
+pub mod fuzzing;
 mod io;
 mod options;
 mod protocol;

@@ -94,6 +94,8 @@
 
 mod driver;
 mod ffi;
+#[doc(hidden)]
+pub mod fuzzing;
 mod library;
 mod wire;
 

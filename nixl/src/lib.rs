@@ -43,6 +43,8 @@ mod completion;
 mod descriptor;
 mod error;
 pub mod exchange;
+#[doc(hidden)]
+pub mod fuzzing;
 mod gate;
 pub mod gpu;
 pub mod interop;
