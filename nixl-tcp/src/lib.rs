@@ -123,6 +123,8 @@
 #![deny(unsafe_code)]
 
 mod conn;
+#[doc(hidden)]
+pub mod fuzzing;
 mod io;
 mod options;
 mod protocol;

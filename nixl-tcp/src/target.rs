@@ -76,7 +76,7 @@ fn proto(msg: impl Into<String>) -> std::io::Error {
 /// The runs a request was checked into, and room to cut a piece from them.
 #[derive(Default)]
 pub(crate) struct Checked {
-    runs: Vec<LocalRun>,
+    pub(crate) runs: Vec<LocalRun>,
     piece: Vec<LocalRun>,
 }
 
@@ -238,7 +238,7 @@ impl Drop for Detach {
 /// Check every run of a request; fill `segs` only if all pass (each keeps its
 /// registration alive until the request is served). A run is checked by its first
 /// and last block: blocks ascend, so every block between lies inside too.
-fn check(inner: &Inner, table: &[u8], segs: &mut Vec<LocalRun>) -> Result<(), Refusal> {
+pub(crate) fn check(inner: &Inner, table: &[u8], segs: &mut Vec<LocalRun>) -> Result<(), Refusal> {
     segs.clear();
     let regions = inner.regions.read().unwrap();
     for (i, e) in SegEntry::decode_all(table).enumerate() {

@@ -112,6 +112,8 @@
 #[allow(unsafe_code)]
 pub mod api;
 mod catch;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod host;
 pub mod library;
 #[cfg(feature = "test-double")]

@@ -101,6 +101,8 @@
 
 mod driver;
 mod ffi;
+#[doc(hidden)]
+pub mod fuzzing;
 #[cfg(test)]
 mod hostile_tests;
 mod library;

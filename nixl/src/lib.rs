@@ -44,6 +44,8 @@ pub mod control;
 mod descriptor;
 mod error;
 pub mod exchange;
+#[doc(hidden)]
+pub mod fuzzing;
 mod gate;
 pub mod gpu;
 pub mod interop;

@@ -351,6 +351,56 @@ async fn serve(
     }
 }
 
+/// The listener's frame reader and command parser on `data` as a connection's
+/// bytes, frame after frame until one is refused or the bytes end (for fuzzing,
+/// through [`crate::fuzzing`]). Panics when an invariant breaks: a frame over the
+/// limit, bytes lost or invented between frames, a parse that re-encodes to
+/// different commands, a `LOAD` that is not the frame's last command.
+pub(crate) fn fuzz_frames(data: &[u8]) {
+    const MAX: usize = 64 << 10;
+    let mut r = data;
+    loop {
+        let before = r.len();
+        let Ok(frame) = crate::fuzzing::ready(read_frame(&mut r, MAX)) else {
+            return;
+        };
+        assert!(frame.len() <= MAX, "a frame of {} bytes", frame.len());
+        assert_eq!(
+            before - r.len(),
+            8 + frame.len(),
+            "bytes lost between frames"
+        );
+        let Ok(cmds) = parse(&frame) else {
+            return;
+        };
+        assert!(
+            cmds.len() <= frame.len() / (MARK.len() + 4),
+            "more commands than room"
+        );
+        let mut again = Vec::with_capacity(frame.len());
+        for (i, c) in cmds.iter().enumerate() {
+            again.extend_from_slice(MARK);
+            match c {
+                Command::Load(md) => {
+                    assert_eq!(i + 1, cmds.len(), "LOAD takes the rest of the frame");
+                    again.extend_from_slice(b"LOAD");
+                    again.extend_from_slice(md);
+                }
+                Command::Send => again.extend_from_slice(b"SEND"),
+                Command::Invalidate(name) => {
+                    again.extend_from_slice(b"INVL");
+                    again.extend_from_slice(name.as_bytes());
+                }
+            }
+        }
+        assert_eq!(
+            parse(&again).as_ref(),
+            Ok(&cmds),
+            "commands re-encode as they parsed"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
