@@ -1,13 +1,13 @@
 //! Entry points for fuzzing (`fuzz/`) and the stable fuzz smoke test: each takes
 //! arbitrary bytes as what a hostile peer sends, drives the real protocol state
-//! machines ([`crate::protocol`]) with them, and panics when an invariant breaks. Not
+//! machines (`crate::protocol`) with them, and panics when an invariant breaks. Not
 //! a public API: hidden, and free to change with the protocol.
 //!
-//! - [`initiator_responses`]: the initiator's handshake, then its response parser and
+//! - `initiator_responses`: the initiator's handshake, then its response parser and
 //!   request table, as a target (or anything listening at its address) answers.
-//! - [`PlantedTarget::requests`]: the target after a valid hello (or, for inputs whose
+//! - `PlantedTarget::requests`: the target after a valid hello (or, for inputs whose
 //!   first byte has its top bit set, from the hello on), with one registration under
-//!   a known key ([`PLANTED_KEY`], at [`PLANTED_BASE`] as far as requests can tell),
+//!   a known key (`PLANTED_KEY`, at `PLANTED_BASE` as far as requests can tell),
 //!   so requests pass the key check and the accepted path runs: the real checks,
 //!   piece cutting, payload moves, notifications and ACKs. Every outcome is compared
 //!   with a model of the protocol computed from the input alone, and every byte moved
@@ -40,7 +40,7 @@ const MAX_REQUEST: u64 = 64 << 10;
 /// The target's notification cap in the harness.
 const MAX_NOTIFICATION: usize = 1024;
 
-/// A nixl-tcp target with one registration planted under [`PLANTED_KEY`]: an agent
+/// A nixl-tcp target with one registration planted under `PLANTED_KEY`: an agent
 /// (its listener is never connected to) whose registration the harness re-keys.
 #[derive(Debug)]
 pub struct PlantedTarget {
@@ -50,8 +50,8 @@ pub struct PlantedTarget {
     backend: TcpBackend,
 }
 
-/// [`Registry`] over the backend's real registrations, with addresses of
-/// [`PLANTED_KEY`] entries moved from [`PLANTED_BASE`] to the registration's
+/// `Registry` over the backend's real registrations, with addresses of
+/// `PLANTED_KEY` entries moved from `PLANTED_BASE` to the registration's
 /// address first; the check and the piece cutting are the target's own.
 struct Planted<'a> {
     inner: &'a Inner,
@@ -464,7 +464,7 @@ impl Model {
 }
 
 /// Whether every block of `e` lies inside the planted registration (as
-/// [`PLANTED_BASE`] places it), none empty.
+/// `PLANTED_BASE` places it), none empty.
 fn fits(e: &SegEntry) -> bool {
     let size = PLANTED_LEN as u64;
     let off = e.addr.wrapping_sub(PLANTED_BASE);
@@ -690,7 +690,7 @@ fn request(
     v
 }
 
-/// Seeds for [`PlantedTarget::requests`], from the protocol's own encoders: each
+/// Seeds for `PlantedTarget::requests`, from the protocol's own encoders: each
 /// kind of request, whole and in pieces, accepted and refused each way, and the
 /// handshake with and without the same-host offer.
 pub fn target_seeds() -> Vec<(&'static str, Vec<u8>)> {
@@ -749,7 +749,7 @@ pub fn target_seeds() -> Vec<(&'static str, Vec<u8>)> {
     ]
 }
 
-/// Seeds for [`initiator_responses`], from the protocol's own encoders: the
+/// Seeds for `initiator_responses`, from the protocol's own encoders: the
 /// handshake each way (authenticated with the harness's secret, the same-host offer
 /// taken or not) and answers to the requests in flight.
 pub fn initiator_seeds() -> Vec<(&'static str, Vec<u8>)> {

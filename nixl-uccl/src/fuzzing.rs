@@ -8,7 +8,7 @@ use crate::wire::{self, ConnInfo, Frame};
 /// The UCCL wire format on `data`: as a peer's connection info (from metadata), as
 /// one control frame's body, and as a control connection's bytes, read as the
 /// listener reads them (the first frame, before the peer said who it is, under a
-/// 1 KiB limit; then up to [`wire::MAX_FRAME`]).
+/// 1 KiB limit; then up to `wire::MAX_FRAME`).
 ///
 /// # Panics
 /// When whatever decodes does not re-encode to the bytes it came from, or a frame
@@ -48,7 +48,7 @@ pub fn wire_format(data: &[u8]) {
     }
 }
 
-/// Seeds for [`wire_format`]: connection info, each control frame, and a control
+/// Seeds for `wire_format`: connection info, each control frame, and a control
 /// connection's opening.
 pub fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let info = ConnInfo {

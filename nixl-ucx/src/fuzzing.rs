@@ -10,8 +10,8 @@ use bytes::Bytes;
 use crate::wire;
 
 /// Everything the driver does with an incoming active message's bytes before any
-/// state: this backend's header ([`wire::decode_header`]) and NIXL's notification
-/// payload; and with a peer's registration blob ([`wire::decode_blob`]).
+/// state: this backend's header (`wire::decode_header`) and NIXL's notification
+/// payload; and with a peer's registration blob (`wire::decode_blob`).
 ///
 /// # Panics
 /// When whatever decodes does not re-encode to the bytes it came from.
@@ -30,7 +30,7 @@ pub fn am_header(data: &[u8]) {
 }
 
 /// Notifications as a hostile sender numbers them, through the receiver's reorder
-/// stage ([`crate::reorder::Reorder`], with small limits: 8 held per stream, 64 bytes
+/// stage (`crate::reorder::Reorder`, with small limits: 8 held per stream, 64 bytes
 /// per stream, 256 in all, 2 streams per sender, 8 in all): `data` is a list of
 /// 9-byte records, a stream byte (its low two bits pick one of four senders) and a
 /// sequence number (u64 little-endian, so any value up to `u64::MAX`). A record
@@ -128,7 +128,7 @@ pub fn notification_order(data: &[u8]) {
     }
 }
 
-/// Seeds for [`am_header`]: a header of each kind, a registration blob and a NIXL
+/// Seeds for `am_header`: a header of each kind, a registration blob and a NIXL
 /// notification, from the encoders.
 pub fn am_seeds() -> Vec<(&'static str, Vec<u8>)> {
     use wire::Kind;
@@ -153,7 +153,7 @@ pub fn am_seeds() -> Vec<(&'static str, Vec<u8>)> {
     v
 }
 
-/// Seeds for [`notification_order`]: in order, reversed, interleaved streams,
+/// Seeds for `notification_order`: in order, reversed, interleaved streams,
 /// duplicates, a full hold-back and numbers at the top of the range.
 pub fn order_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let recs = |r: &[(u8, u64)]| {

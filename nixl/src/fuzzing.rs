@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
-/// NIXL's listener protocol ([`crate::NixlListenerOptions`]) on `data` as one
+/// NIXL's listener protocol (`crate::NixlListenerOptions`) on `data` as one
 /// connection's bytes: frames (length-checked before allocation) and their
 /// commands.
 ///
@@ -28,7 +28,7 @@ pub fn ready<F: Future>(f: F) -> F::Output {
     }
 }
 
-/// Seeds for [`nixl_listener_frames`]: each command as NIXL frames it, and several
+/// Seeds for `nixl_listener_frames`: each command as NIXL frames it, and several
 /// in one frame as NIXL's reader accepts them.
 pub fn nixl_listener_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let frame = |body: &[u8]| [&(body.len() as u64).to_le_bytes()[..], body].concat();
