@@ -67,17 +67,25 @@ async fn main() {
         let ms = t0.elapsed().as_millis();
         if std::mem::take(&mut first) {
             let path = backend.data_path(&peer).unwrap_or_else(|| "unknown".into());
-            writeln!(out, "PATH {path}").unwrap();
+            say(writeln!(out, "PATH {path}"));
         }
         match r {
-            Ok(()) => writeln!(out, "OK {ms}").unwrap(),
+            Ok(()) => say(writeln!(out, "OK {ms}")),
             Err(e) => {
-                writeln!(out, "ERR {:?} {ms} {e}", e.kind()).unwrap();
+                say(writeln!(out, "ERR {:?} {ms} {e}", e.kind()));
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
-        out.flush().unwrap();
+        say(out.flush());
     }
     let report = agent.shutdown().await;
-    writeln!(out, "STOPPED clean={}", report.is_clean()).unwrap();
+    say(writeln!(out, "STOPPED clean={}", report.is_clean()));
+}
+
+/// A line to the parent; once the parent stopped listening (it killed or left this
+/// child), there is nobody to tell: exit quietly instead of panicking.
+fn say(written: std::io::Result<()>) {
+    if written.is_err() {
+        std::process::exit(0);
+    }
 }
