@@ -12,7 +12,14 @@
  *   inside a stream callback (forbidden by CUDA), aborts the process with a message;
  * - cuMemGetHandleForAddressRange wants host-page-aligned ranges inside one
  *   allocation and returns a descriptor of /dev/null;
- * - freed memory is never handed out again and faults on access.
+ * - freed memory is never handed out again and faults on access;
+ * - inter-process handles (cuIpcGetMemHandle, cuIpcOpenMemHandle_v2,
+ *   cuIpcCloseMemHandle) really share memory between processes: device memory is a
+ *   shared memfd mapping, a handle names the exporting process, its descriptor and the
+ *   allocation's id, and opening one maps the same pages. As CUDA requires, a handle
+ *   cannot be opened in the process that made it, and freeing memory another process
+ *   still has open (undefined in CUDA) aborts the exporter with a message;
+ * - cuMemcpyDtoDAsync_v2 runs in stream order like the other asynchronous copies.
  *
  * Every other symbol of the driver API is a generated stub returning
  * CUDA_ERROR_NOT_SUPPORTED (801), so that a binding which resolves them all loads.
@@ -68,12 +75,48 @@ static void fatal(const char *what) {
     } while (0)
 
 enum kind { DEVICE = 1, PINNED = 2 };
+/* The page after a device allocation's bytes, shared by every process that maps it. */
+#define IMPORTERS 64
+struct shared_tail {
+    uint64_t id;              /* the allocation's id, as its handles carry it */
+    int importers[IMPORTERS]; /* pids that have it open through a handle (0: free) */
+};
+
+/* Whether process `pid` is alive (a zombie or a dead process has dropped its
+ * mappings, as the real driver drops a dead process's). */
+static int alive(int pid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *close_paren = strrchr(buf, ')');
+    if (!close_paren || close_paren[1] != ' ') return 1;
+    char state = close_paren[2];
+    return state != 'Z' && state != 'X';
+}
+
+/* A live process other than this one has the allocation open. */
+static int open_elsewhere(struct shared_tail *t) {
+    for (int i = 0; i < IMPORTERS; i++) {
+        int pid = __atomic_load_n(&t->importers[i], __ATOMIC_ACQUIRE);
+        if (pid && alive(pid)) return pid;
+    }
+    return 0;
+}
 struct alloc {
     uintptr_t base;
     size_t len;
     enum kind kind;
+    int fd;                     /* device memory: its memfd (exported: -1 when imported) */
+    uint64_t id;
+    int imported;               /* opened from another process's handle */
+    struct shared_tail *tail;   /* device memory */
     struct alloc *next;
 };
+static uint64_t next_id = 1;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static struct alloc *allocs;
 
@@ -94,20 +137,39 @@ static int checked(uintptr_t p, size_t n, enum kind kind) {
 
 /* Allocations are mappings of their own, never reused: a freed one stays reserved
  * and inaccessible (PROT_NONE), so a late access faults instead of silently
- * reading or writing a newer allocation at the same address. */
+ * reading or writing a newer allocation at the same address. Device memory is a
+ * shared memfd mapping (plus one tail page the processes that map it share), so that
+ * inter-process handles can map the same pages elsewhere. */
 static CUresult add(uintptr_t *out, size_t len, size_t align, enum kind kind) {
     size_t rounded = (len + align - 1) / align * align;
     if (!rounded) rounded = align;
+    size_t mapped = rounded + (kind == DEVICE ? 4096 : 0);
     /* Over-map to align the start, as the real allocators do. */
-    void *m = mmap(NULL, rounded + align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+    void *m = mmap(NULL, mapped + align, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                    -1, 0);
     if (m == MAP_FAILED) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
     void *p = (void *)(((uintptr_t)m + align - 1) / align * align);
-    struct alloc *a = malloc(sizeof *a);
+    int fd = -1;
+    if (kind == DEVICE) {
+        fd = memfd_create("fake-cuda-device", MFD_CLOEXEC);
+        if (fd < 0 || ftruncate(fd, mapped) < 0 ||
+            mmap(p, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+            if (fd >= 0) close(fd);
+            munmap(m, mapped + align);
+            return 2;
+        }
+    }
+    struct alloc *a = calloc(1, sizeof *a);
     a->base = (uintptr_t)p;
     a->len = rounded;
     a->kind = kind;
+    a->fd = fd;
     pthread_mutex_lock(&mu);
+    a->id = ((uint64_t)getpid() << 32) | next_id++;
+    if (kind == DEVICE) {
+        a->tail = (struct shared_tail *)((char *)p + rounded);
+        a->tail->id = a->id;
+    }
     a->next = allocs;
     allocs = a;
     pthread_mutex_unlock(&mu);
@@ -115,15 +177,25 @@ static CUresult add(uintptr_t *out, size_t len, size_t align, enum kind kind) {
     return OK;
 }
 
+/* Unlink and quarantine `gone` (callers hold `mu`, and free it after unlocking). */
+static void quarantine(struct alloc *gone) {
+    size_t mapped = gone->len + (gone->tail ? 4096 : 0);
+    if (gone->fd >= 0) close(gone->fd);
+    /* Drop the shared pages from this process, keep the range reserved. */
+    mmap((void *)gone->base, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+}
+
 static CUresult release(uintptr_t p, enum kind kind) {
     pthread_mutex_lock(&mu);
     for (struct alloc **a = &allocs; *a; a = &(*a)->next) {
         if ((*a)->base == p && (*a)->kind == kind) {
             struct alloc *gone = *a;
+            if (gone->imported) fatal("cuMemFree of memory opened through an IPC handle");
+            if (gone->tail && open_elsewhere(gone->tail))
+                fatal("device memory freed while another process still has it open through "
+                      "an IPC handle (undefined in CUDA: the importer must close it first)");
             *a = gone->next;
-            /* Quarantine: inaccessible and never handed out again. */
-            madvise((void *)gone->base, gone->len, MADV_DONTNEED);
-            mprotect((void *)gone->base, gone->len, PROT_NONE);
+            quarantine(gone);
             pthread_mutex_unlock(&mu);
             free(gone);
             return OK;
@@ -348,6 +420,121 @@ CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t n, in
     if (fd < 0) return 999;
     *(int *)handle = fd;
     return OK;
+}
+
+/* The base and length of the allocation holding `p`. */
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    NEED_CTX();
+    pthread_mutex_lock(&mu);
+    for (struct alloc *a = allocs; a; a = a->next) {
+        if (a->kind == DEVICE && p >= a->base && p < a->base + a->len) {
+            if (base) *base = a->base;
+            if (size) *size = a->len;
+            pthread_mutex_unlock(&mu);
+            return OK;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return 400; /* CUDA_ERROR_INVALID_HANDLE, as for memory the driver did not allocate */
+}
+
+/* An inter-process handle: 64 opaque bytes, here the exporter's pid, its memfd's
+ * descriptor number, the allocation's id and length. */
+typedef struct { char reserved[64]; } CUipcMemHandle;
+struct fake_handle {
+    uint32_t magic, pid;
+    int32_t fd, pad;
+    uint64_t id, len;
+};
+#define HANDLE_MAGIC 0x50494b46u /* "FKIP" */
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
+    NEED_CTX();
+    pthread_mutex_lock(&mu);
+    for (struct alloc *a = allocs; a; a = a->next) {
+        /* Only the start of an allocation of this process's own has a handle. */
+        if (a->kind == DEVICE && a->base == p && !a->imported) {
+            struct fake_handle f = {HANDLE_MAGIC, (uint32_t)getpid(), a->fd, 0, a->id, a->len};
+            memset(h, 0, sizeof *h);
+            memcpy(h, &f, sizeof f);
+            pthread_mutex_unlock(&mu);
+            return OK;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return INVALID_VALUE;
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *out, CUipcMemHandle h, unsigned flags) {
+    NEED_CTX();
+    if (flags > 1) return INVALID_VALUE;
+    struct fake_handle f;
+    memcpy(&f, &h, sizeof f);
+    if (f.magic != HANDLE_MAGIC) return INVALID_VALUE;
+    /* CUDA refuses a handle in the process that made it. */
+    if (f.pid == (uint32_t)getpid()) return INVALID_CONTEXT;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%u/fd/%d", f.pid, f.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return INVALID_VALUE; /* the exporter or its memory is gone */
+    size_t mapped = f.len + 4096;
+    void *p = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return INVALID_VALUE;
+    struct shared_tail *tail = (struct shared_tail *)((char *)p + f.len);
+    if (tail->id != f.id) { /* the descriptor now names other memory: a stale handle */
+        munmap(p, mapped);
+        return INVALID_VALUE;
+    }
+    int slot = -1;
+    for (int i = 0; i < IMPORTERS && slot < 0; i++) {
+        int zero = 0;
+        if (__atomic_compare_exchange_n(&tail->importers[i], &zero, (int)getpid(), 0,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            slot = i;
+    }
+    if (slot < 0) fatal("more importers of one allocation than this double tracks");
+    struct alloc *a = calloc(1, sizeof *a);
+    a->base = (uintptr_t)p;
+    a->len = f.len;
+    a->kind = DEVICE;
+    a->fd = -1;
+    a->id = f.id;
+    a->imported = 1;
+    a->tail = tail;
+    pthread_mutex_lock(&mu);
+    a->next = allocs;
+    allocs = a;
+    pthread_mutex_unlock(&mu);
+    *out = (uintptr_t)p;
+    return OK;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+    NEED_CTX();
+    pthread_mutex_lock(&mu);
+    for (struct alloc **a = &allocs; *a; a = &(*a)->next) {
+        if ((*a)->base == p && (*a)->imported) {
+            struct alloc *gone = *a;
+            *a = gone->next;
+            int me = (int)getpid(), found = 0;
+            for (int i = 0; i < IMPORTERS && !found; i++) {
+                int pid = me;
+                found = __atomic_compare_exchange_n(&gone->tail->importers[i], &pid, 0, 0,
+                                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+            }
+            quarantine(gone);
+            pthread_mutex_unlock(&mu);
+            free(gone);
+            return OK;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return INVALID_VALUE;
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return copy_async(dst, DEVICE, src, DEVICE, n, s);
 }
 
 CUresult cuGetErrorName(CUresult r, const char **s) { (void)r; *s = "CUDA_ERROR_FAKE"; return OK; }
