@@ -10,7 +10,10 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
 
-use super::driver::{cu_name, Direction, GpuDriver, GpuInfo, DEFAULT_SONAME, ENV_LIB, MIN_DRIVER};
+use super::driver::{
+    cu_name, Direction, GpuDriver, GpuInfo, IpcExport, DEFAULT_SONAME, ENV_LIB, IPC_HANDLE_LEN,
+    MIN_DRIVER,
+};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::native::NativeLibrary;
 
@@ -103,6 +106,25 @@ struct Calls {
         sys::CUmemRangeHandleType,
         std::ffi::c_ulonglong,
     ) -> std::ffi::c_uint,
+    cuMemGetAddressRange_v2: unsafe extern "C" fn(
+        *mut sys::CUdeviceptr,
+        *mut usize,
+        sys::CUdeviceptr,
+    ) -> std::ffi::c_uint,
+    cuIpcGetMemHandle:
+        unsafe extern "C" fn(*mut sys::CUipcMemHandle, sys::CUdeviceptr) -> std::ffi::c_uint,
+    cuIpcOpenMemHandle_v2: unsafe extern "C" fn(
+        *mut sys::CUdeviceptr,
+        sys::CUipcMemHandle,
+        std::ffi::c_uint,
+    ) -> std::ffi::c_uint,
+    cuIpcCloseMemHandle: unsafe extern "C" fn(sys::CUdeviceptr) -> std::ffi::c_uint,
+    cuMemcpyDtoDAsync_v2: unsafe extern "C" fn(
+        sys::CUdeviceptr,
+        sys::CUdeviceptr,
+        usize,
+        sys::CUstream,
+    ) -> std::ffi::c_uint,
 }
 
 impl Calls {
@@ -155,6 +177,27 @@ impl Calls {
                     c_ulonglong
                 )
             ),
+            cuMemGetAddressRange_v2: narrow!(
+                lib,
+                cuMemGetAddressRange_v2,
+                (*mut CUdeviceptr, *mut usize, CUdeviceptr)
+            ),
+            cuIpcGetMemHandle: narrow!(
+                lib,
+                cuIpcGetMemHandle,
+                (*mut sys::CUipcMemHandle, CUdeviceptr)
+            ),
+            cuIpcOpenMemHandle_v2: narrow!(
+                lib,
+                cuIpcOpenMemHandle_v2,
+                (*mut CUdeviceptr, sys::CUipcMemHandle, c_uint)
+            ),
+            cuIpcCloseMemHandle: narrow!(lib, cuIpcCloseMemHandle, (CUdeviceptr)),
+            cuMemcpyDtoDAsync_v2: narrow!(
+                lib,
+                cuMemcpyDtoDAsync_v2,
+                (CUdeviceptr, CUdeviceptr, usize, CUstream)
+            ),
         }
     }
 }
@@ -170,8 +213,16 @@ pub(super) struct Cuda {
     devices: u32,
     /// Each device's primary context, retained once and kept for the process.
     contexts: Mutex<HashMap<u32, PrimaryCtx>>,
-    /// The staging copies' streams, created on first use and kept for the process.
-    streams: Mutex<HashMap<(u32, Direction), Stream>>,
+    /// The asynchronous copies' streams, created on first use and kept for the
+    /// process: staging one way, staging the other, device to device.
+    streams: Mutex<HashMap<(u32, Lane), Stream>>,
+}
+
+/// What a stream carries: staging copies one way, or device-to-device copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Lane {
+    Staging(Direction),
+    Device,
 }
 
 /// A CUDA stream handle.
@@ -343,11 +394,11 @@ impl Cuda {
         Ok(PrimaryCtx(ctx))
     }
 
-    /// The stream of `device`'s staging copies going `dir` (the device's context must
-    /// be current). Non-blocking: it does not wait for work on the default stream.
-    fn stream(&self, device: u32, dir: Direction) -> Result<Stream> {
+    /// The stream of `device`'s copies of one lane (the device's context must be
+    /// current). Non-blocking: it does not wait for work on the default stream.
+    fn stream(&self, device: u32, lane: Lane) -> Result<Stream> {
         let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(s) = streams.get(&(device, dir)) {
+        if let Some(s) = streams.get(&(device, lane)) {
             return Ok(*s);
         }
         let mut s: sys::CUstream = std::ptr::null_mut();
@@ -358,7 +409,7 @@ impl Cuda {
                 sys::CUstream_flags::CU_STREAM_NON_BLOCKING as std::ffi::c_uint,
             )
         })?;
-        streams.insert((device, dir), Stream(s));
+        streams.insert((device, lane), Stream(s));
         Ok(Stream(s))
     }
 
@@ -406,6 +457,28 @@ impl Cuda {
         }
     }
 
+    /// Call `done` once the work queued on `stream` so far has finished (a stream
+    /// callback). If that cannot be arranged, wait for the queued work here, so the
+    /// memory the caller holds may go when this returns, and fail.
+    fn then(&self, stream: sys::CUstream, done: Box<dyn FnOnce(i32) + Send>) -> Result<()> {
+        let data: *mut Box<dyn FnOnce(i32) + Send> = Box::into_raw(Box::new(done));
+        // SAFETY: `copy_done` has the callback's signature and takes back `data`,
+        // which the driver passes to it exactly once.
+        let added = cu("start a GPU copy", unsafe {
+            (self.calls.cuStreamAddCallback)(stream, copy_done_callback(), data.cast(), 0)
+        });
+        if let Err(e) = added {
+            // SAFETY: the callback was not added, so `data` is still ours; the stream
+            // is live (never destroyed).
+            unsafe {
+                drop(Box::from_raw(data));
+                let _ = (self.calls.cuStreamSynchronize)(stream);
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// The process's CUDA driver, for freeing (it lives as long as the process).
     fn get() -> Option<Arc<Self>> {
         CUDA.get().and_then(|c| c.as_ref().ok()).cloned()
@@ -430,6 +503,29 @@ impl Drop for CudaAlloc {
         });
         if let Err(e) = freed {
             tracing::warn!(error = %e, "freeing GPU memory failed");
+        }
+    }
+}
+
+/// Another process's allocation opened with `cuIpcOpenMemHandle`, closed on drop (its
+/// context bound first).
+struct CudaIpc {
+    device: u32,
+    ptr: u64,
+}
+
+impl Drop for CudaIpc {
+    fn drop(&mut self) {
+        let Some(cuda) = Cuda::get() else { return };
+        let closed = cuda.on(self.device, || {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and no copy
+            // uses it any more (its last holder lets go after the copies finished).
+            cu("close another process's GPU memory", unsafe {
+                (cuda.calls.cuIpcCloseMemHandle)(self.ptr)
+            })
+        });
+        if let Err(e) = closed {
+            tracing::warn!(error = %e, "closing an inter-process GPU mapping failed");
         }
     }
 }
@@ -582,7 +678,7 @@ impl GpuDriver for Cuda {
     ) -> Result<()> {
         const OP: &str = "start a GPU copy";
         self.on(device, || {
-            let Stream(stream) = self.stream(device, dir)?;
+            let Stream(stream) = self.stream(device, Lane::Staging(dir))?;
             // SAFETY: the caller's contract: device memory at `dev`, page-locked host
             // memory at `host`, `len` bytes each, alive until `done` runs.
             cu(OP, unsafe {
@@ -595,24 +691,7 @@ impl GpuDriver for Cuda {
                     }
                 }
             })?;
-            let data: *mut Box<dyn FnOnce(i32) + Send> = Box::into_raw(Box::new(done));
-            // SAFETY: `copy_done` has the callback's signature and takes back `data`,
-            // which the driver passes to it exactly once.
-            let added = cu(OP, unsafe {
-                (self.calls.cuStreamAddCallback)(stream, copy_done_callback(), data.cast(), 0)
-            });
-            if let Err(e) = added {
-                // Nothing will report the queued copy: wait for it here, so the memory
-                // the caller holds may go when this returns.
-                // SAFETY: the callback was not added, so `data` is still ours; the
-                // stream is live (never destroyed).
-                unsafe {
-                    drop(Box::from_raw(data));
-                    let _ = (self.calls.cuStreamSynchronize)(stream);
-                }
-                return Err(e);
-            }
-            Ok(())
+            self.then(stream, done)
         })
     }
 
@@ -668,6 +747,109 @@ impl GpuDriver for Cuda {
                 cu(OP, (self.calls.cuMemcpy)(dst, src, len))?;
                 cu(OP, (self.calls.cuStreamSynchronize)(std::ptr::null_mut()))
             }
+        })
+    }
+
+    fn ipc_export(&self, device: u32, addr: u64) -> Result<IpcExport> {
+        const OP: &str = "export GPU memory to another process";
+        let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: zero bytes are a valid CUipcMemHandle (64 plain bytes).
+        let mut handle: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        let (r1, r2) = self.on(device, || {
+            // SAFETY: out-parameters of the declared types; the driver only reads
+            // `addr` (it checks it is device memory it allocated).
+            let r1 = unsafe { (self.calls.cuMemGetAddressRange_v2)(&mut base, &mut len, addr) };
+            if r1 != 0 {
+                return Ok((r1, 0));
+            }
+            // SAFETY: as above; `base` starts an allocation of this process.
+            Ok((r1, unsafe {
+                (self.calls.cuIpcGetMemHandle)(&mut handle, base)
+            }))
+        })?;
+        if r1 != 0 || r2 != 0 {
+            return err(
+                ErrorKind::NotSupported,
+                OP,
+                format!(
+                    "{addr:#x} on GPU {device}: {} (inter-process handles need memory from cuMemAlloc/cudaMalloc; memory from cuMemCreate or a stream-ordered pool has none)",
+                    if r1 != 0 {
+                        format!("cuMemGetAddressRange: {}", cu_name(r1))
+                    } else {
+                        format!("cuIpcGetMemHandle: {}", cu_name(r2))
+                    }
+                ),
+            );
+        }
+        let mut out = [0u8; IPC_HANDLE_LEN];
+        for (o, b) in out.iter_mut().zip(handle.reserved.iter()) {
+            *o = *b as u8;
+        }
+        Ok(IpcExport {
+            handle: out,
+            base,
+            len: len as u64,
+        })
+    }
+
+    fn ipc_open(
+        &self,
+        device: u32,
+        handle: &[u8; IPC_HANDLE_LEN],
+    ) -> Result<(u64, Box<dyn Any + Send + Sync>)> {
+        const OP: &str = "open another process's GPU memory";
+        // SAFETY: zero bytes are a valid CUipcMemHandle (64 plain bytes).
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        for (o, b) in h.reserved.iter_mut().zip(handle) {
+            *o = *b as std::ffi::c_char;
+        }
+        let mut ptr: sys::CUdeviceptr = 0;
+        let r = self.on(device, || {
+            // SAFETY: an out-parameter of the declared type and a handle by value; the
+            // driver checks the handle. Lazy peer access: the exporter's GPU may be
+            // another one of this host.
+            Ok(unsafe {
+                (self.calls.cuIpcOpenMemHandle_v2)(
+                    &mut ptr,
+                    h,
+                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+                )
+            })
+        })?;
+        if r != 0 {
+            return err(
+                ErrorKind::NotSupported,
+                OP,
+                format!("cuIpcOpenMemHandle on GPU {device}: {}", cu_name(r)),
+            );
+        }
+        Ok((ptr, Box::new(CudaIpc { device, ptr })))
+    }
+
+    unsafe fn copy_device_async(
+        &self,
+        device: u32,
+        copies: &[(u64, u64, usize)],
+        done: Box<dyn FnOnce(i32) + Send>,
+    ) -> Result<()> {
+        const OP: &str = "start a GPU copy";
+        self.on(device, || {
+            let Stream(stream) = self.stream(device, Lane::Device)?;
+            for &(dst, src, len) in copies {
+                // SAFETY: the caller's contract: both ranges are live device memory
+                // until `done` runs. With unified addressing the driver finds each
+                // pointer's device (peer copies included).
+                let r = unsafe { (self.calls.cuMemcpyDtoDAsync_v2)(dst, src, len, stream) };
+                if r != 0 {
+                    // Those queued already must finish before the memory may go.
+                    // SAFETY: a live stream of this context.
+                    unsafe {
+                        let _ = (self.calls.cuStreamSynchronize)(stream);
+                    }
+                    return cu(OP, r);
+                }
+            }
+            self.then(stream, done)
         })
     }
 }

@@ -103,6 +103,60 @@ pub(crate) trait GpuDriver: Send + Sync + fmt::Debug {
         src: u64,
         len: usize,
     ) -> Result<()>;
+
+    /// The allocation holding `addr` on `device` (its base and length) and an
+    /// inter-process handle naming it.
+    fn ipc_export(&self, device: u32, addr: u64) -> Result<IpcExport>;
+
+    /// Open another process's handle in `device`'s context: the allocation's address
+    /// in this process, and the owner that closes it when dropped (never from a
+    /// driver callback).
+    fn ipc_open(
+        &self,
+        device: u32,
+        handle: &[u8; IPC_HANDLE_LEN],
+    ) -> Result<(u64, Box<dyn Any + Send + Sync>)>;
+
+    /// Start the device-to-device copies `copies` (destination, source, length) in
+    /// order on `device`'s stream for such copies, and call `done` exactly once after
+    /// the last finished, with the driver's status (0: success), from a driver thread
+    /// where it must not call CUDA. On `Err` no copy is in flight any more and `done`
+    /// is not called.
+    ///
+    /// # Safety
+    /// Every range is device memory (of this process, or opened through a handle)
+    /// that stays alive, and that nobody else writes, until `done` has been called.
+    unsafe fn copy_device_async(
+        &self,
+        device: u32,
+        copies: &[(u64, u64, usize)],
+        done: Box<dyn FnOnce(i32) + Send>,
+    ) -> Result<()>;
+}
+
+/// Bytes of an inter-process memory handle (`CUipcMemHandle`).
+pub const IPC_HANDLE_LEN: usize = 64;
+
+/// A GPU allocation exported for other processes on this host: the handle names the
+/// whole allocation, which starts at `base` and is `len` bytes long.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct IpcExport {
+    /// The driver's handle (opaque bytes).
+    pub handle: [u8; IPC_HANDLE_LEN],
+    /// Start of the allocation in the exporting process.
+    pub base: u64,
+    /// Its length.
+    pub len: u64,
+}
+
+impl fmt::Debug for IpcExport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The handle is a capability: never in logs.
+        f.debug_struct("IpcExport")
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Which way an asynchronous copy goes.

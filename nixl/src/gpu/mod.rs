@@ -69,7 +69,8 @@
 //! `driver` (the operations the crate asks of a driver), `cuda` (the CUDA binding),
 //! `stand_in` (the host stand-in), `access` (which one this process uses), `pinned`
 //! (the page-locked pool), `copy` and `reaper` (asynchronous staging copies and what
-//! outlives their futures), `dma_buf` (export for NICs). Each imports only those
+//! outlives their futures), `dma_buf` (export for NICs), `ipc` (memory shared with
+//! other processes of the host, and batched device-to-device copies). Each imports only those
 //! before it in this list.
 
 mod access;
@@ -77,6 +78,7 @@ mod copy;
 mod cuda;
 mod dma_buf;
 mod driver;
+mod ipc;
 mod pinned;
 pub(crate) mod reaper;
 #[cfg(feature = "gpu-test-double")]
@@ -93,4 +95,5 @@ pub use copy::GpuCopy;
 pub use dma_buf::{dma_buf, DmaBuf};
 pub(crate) use driver::Direction;
 pub use driver::{GpuInfo, DEFAULT_SONAME, ENV_LIB, MIN_DRIVER};
+pub use ipc::{copy_device_batch, ipc_export, ipc_open, IpcExport, IpcMapping, IPC_HANDLE_LEN};
 pub use pinned::{PinnedBuf, PINNED_POOL_BYTES};

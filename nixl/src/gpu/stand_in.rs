@@ -6,7 +6,7 @@
 use std::any::Any;
 use std::sync::PoisonError;
 
-use super::driver::{Direction, GpuDriver, GpuInfo};
+use super::driver::{Direction, GpuDriver, GpuInfo, IpcExport, IPC_HANDLE_LEN};
 use crate::error::{err, Error, ErrorKind, Result};
 
 /// Held for writing, it pauses the host stand-in's asynchronous copies (tests).
@@ -14,6 +14,12 @@ use crate::error::{err, Error, ErrorKind, Result};
 pub(crate) static STAND_IN_COPIES: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 /// Host memory posing as device memory: copies are `memcpy`. Tests only.
+/// Device-to-device batches of the stand-in run in submission order, as on one
+/// stream: (next turn to hand out, turn now running), and its wake-up.
+#[cfg(feature = "gpu-test-double")]
+static STAND_IN_ORDER: (std::sync::Mutex<(u64, u64)>, std::sync::Condvar) =
+    (std::sync::Mutex::new((0, 0)), std::sync::Condvar::new());
+
 #[cfg(feature = "gpu-test-double")]
 #[derive(Debug)]
 pub(super) struct HostStandIn;
@@ -142,6 +148,86 @@ impl GpuDriver for HostStandIn {
     ) -> Result<()> {
         // SAFETY: as above.
         unsafe { std::ptr::copy(src as usize as *const u8, dst as usize as *mut u8, len) };
+        Ok(())
+    }
+
+    fn ipc_export(&self, device: u32, _addr: u64) -> Result<IpcExport> {
+        self.bind(device)?;
+        err(
+            ErrorKind::NotSupported,
+            "export GPU memory to another process",
+            "the host stand-in has no inter-process handles",
+        )
+    }
+
+    fn ipc_open(
+        &self,
+        device: u32,
+        _handle: &[u8; IPC_HANDLE_LEN],
+    ) -> Result<(u64, Box<dyn Any + Send + Sync>)> {
+        self.bind(device)?;
+        err(
+            ErrorKind::NotSupported,
+            "open another process's GPU memory",
+            "the host stand-in has no inter-process handles",
+        )
+    }
+
+    unsafe fn copy_device_async(
+        &self,
+        device: u32,
+        copies: &[(u64, u64, usize)],
+        done: Box<dyn FnOnce(i32) + Send>,
+    ) -> Result<()> {
+        self.bind(device)?;
+        let copies = copies.to_vec();
+        // In submission order, as on one stream: each batch waits for its turn.
+        let turn = {
+            let mut o = STAND_IN_ORDER
+                .0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            o.0 += 1;
+            o.0 - 1
+        };
+        let spawned = std::thread::Builder::new()
+            .name("gpu-stand-in-copy".into())
+            .spawn(move || {
+                let (order, wake) = &STAND_IN_ORDER;
+                let mut o = order.lock().unwrap_or_else(PoisonError::into_inner);
+                while o.1 != turn {
+                    o = wake.wait(o).unwrap_or_else(PoisonError::into_inner);
+                }
+                drop(o);
+                // Later, as a device would finish them.
+                if copies.iter().map(|c| c.2).sum::<usize>() >= 1 << 20 {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                let _running = STAND_IN_COPIES
+                    .read()
+                    .unwrap_or_else(PoisonError::into_inner);
+                for (dst, src, len) in copies {
+                    // SAFETY: the caller's contract: both ranges are live "device"
+                    // (host) memory until `done` runs.
+                    unsafe {
+                        std::ptr::copy(src as usize as *const u8, dst as usize as *mut u8, len)
+                    };
+                }
+                done(0);
+                order.lock().unwrap_or_else(PoisonError::into_inner).1 += 1;
+                wake.notify_all();
+            });
+        if let Err(e) = spawned {
+            // Give up the turn (in order) so later batches still run.
+            let (order, wake) = &STAND_IN_ORDER;
+            let mut o = order.lock().unwrap_or_else(PoisonError::into_inner);
+            while o.1 != turn {
+                o = wake.wait(o).unwrap_or_else(PoisonError::into_inner);
+            }
+            o.1 += 1;
+            wake.notify_all();
+            return err(ErrorKind::Backend, "start a GPU copy", e.to_string());
+        }
         Ok(())
     }
 }
