@@ -307,7 +307,7 @@ fn required_error(peer: &str, why: &Unsuitable) -> Error {
         "tcp transfer",
         format!(
             "peer {peer:?}: the same-host path is required, but {}",
-            why.0
+            why.why
         ),
     )
 }
@@ -337,7 +337,7 @@ fn after_direct(
             done.complete(Err(e));
             None
         }
-        Err(why) if require => {
+        Err(why) if require && !why.mixed_kinds => {
             done.complete(Err(required_error(peer, &why)));
             None
         }
@@ -408,6 +408,7 @@ impl Conn {
             cancel: conn.cancel.clone(),
             tracker: started.ctx.tracker.clone(),
             idle,
+            conn: Arc::downgrade(&conn),
         };
         started.ctx.tracker.spawn(task.run(rx, state_tx));
         conn
@@ -452,6 +453,55 @@ impl Conn {
         whole: impl FnOnce(Option<Bytes>, Completer) -> Job,
     ) -> Option<Job> {
         after_direct(&self.peer, self.require, r, notif, done, whole)
+    }
+
+    /// GPU memory to or from this same-host peer: device copies queued here as one
+    /// batch; the notification (or the completion) follows once the device finished
+    /// them, from the driver's callback. Where the grants do not suit, returns the
+    /// transfer to send over the socket now, staged (without its direct route, so it
+    /// is not tried again), unless the same-host path is required.
+    #[allow(clippy::too_many_arguments)] // the parts of a transfer job, moved in
+    pub(crate) fn direct_gpu(
+        self: &Arc<Self>,
+        peer: &same_host::Peer,
+        op: Op,
+        table: Bytes,
+        local: Arc<Segments>,
+        direct: Arc<Direct>,
+        total: u64,
+        notif: Option<Bytes>,
+        done: Completer,
+    ) -> Option<Job> {
+        let batch = match peer.gpu.batch(op, &local, &direct) {
+            Ok(Ok(batch)) => batch,
+            Ok(Err(e)) => {
+                done.complete(Err(e));
+                return None;
+            }
+            Err(why) => {
+                let staged = |n, d| Job::transfer(op, table, local, None, total, n, d);
+                return self.after_direct(Err(why), notif, done, staged);
+            }
+        };
+        // The callback takes these; a batch that cannot start gives them back.
+        let waiting = Arc::new(Mutex::new(Some((notif, done))));
+        let taken = waiting.clone();
+        let conn = self.clone();
+        let finished = Box::new(move |r: Result<()>| {
+            let Some((notif, done)) = taken.lock().unwrap().take() else {
+                return;
+            };
+            let staged = |n, d| Job::transfer(op, table, local, None, total, n, d);
+            if let Some(rest) = conn.after_direct(Ok(r), notif, done, staged) {
+                conn.submit(rest);
+            }
+        });
+        if let Err(e) = batch.start(finished) {
+            if let Some((_, done)) = waiting.lock().unwrap().take() {
+                done.complete(Err(e));
+            }
+        }
+        None
     }
 
     /// Send `job` over TCP: written here when the connection is idle and the frame is
@@ -651,6 +701,9 @@ struct Task {
     cancel: CancellationToken,
     tracker: tokio_util::task::TaskTracker,
     idle: Arc<Idle>,
+    /// The connection, for device copies queued before it was up: their completion
+    /// sends what follows through it.
+    conn: std::sync::Weak<Conn>,
 }
 
 impl Task {
@@ -812,10 +865,10 @@ impl Task {
     fn path_of(&self, outcome: Outcome, peer: Option<&same_host::Peer>) -> String {
         match (outcome, peer) {
             (Outcome::SameHost, Some(p)) => match p.cma_refused() {
-                None => "same-host: shared memory for Agent::alloc memory, cross-memory attach for other host memory, TCP for GPU memory and notifications".to_owned(),
+                None => "same-host: shared memory for Agent::alloc memory, cross-memory attach for other host memory, device copies through CUDA IPC for GPU memory on both sides (staged over TCP otherwise), TCP for notifications".to_owned(),
                 Some(why) => {
                     tracing::info!(peer = %self.peer, reason = %why, "tcp: cross-memory attach off for this peer");
-                    format!("same-host: shared memory for Agent::alloc memory, TCP for the rest ({why})")
+                    format!("same-host: shared memory for Agent::alloc memory, device copies through CUDA IPC for GPU memory on both sides, TCP for the rest ({why})")
                 }
             },
             (Outcome::Tcp(Some(why_not)), _) => {
@@ -1000,6 +1053,27 @@ impl Task {
         else {
             return Some(job);
         };
+        let gpu = local
+            .locals()
+            .iter()
+            .any(|r| r.kind() != nixl::MemKind::Dram);
+        if gpu {
+            if let Some(c) = self.conn.upgrade() {
+                let Job { kind, notif, done } = job;
+                let JobKind::Transfer {
+                    op,
+                    table,
+                    local,
+                    direct: Some(direct),
+                    total,
+                    ..
+                } = kind
+                else {
+                    unreachable!("matched above");
+                };
+                return c.direct_gpu(peer, op, table, local, direct, total, notif, done);
+            }
+        }
         let r = peer.transfer(*op, local, direct);
         let Job { kind, notif, done } = job;
         let require = self.options.same_host == SameHost::Require;

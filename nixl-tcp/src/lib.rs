@@ -125,6 +125,7 @@
 mod conn;
 #[doc(hidden)]
 pub mod fuzzing;
+mod gpu_direct;
 mod io;
 mod options;
 mod protocol;
@@ -399,8 +400,12 @@ impl Backend for TcpBackend {
         };
         regions.insert(key, region.clone());
         drop(regions);
-        // Peers on this host reach host memory directly; GPU memory is never granted.
-        let slot = (self.inner.boot.is_some() && host)
+        // Peers on this host reach it directly: host memory by shared memory or
+        // cross-memory attach, GPU memory through the driver's inter-process handles.
+        let slot = self
+            .inner
+            .boot
+            .is_some()
             .then(|| self.inner.grants.grant(key, region))
             .flatten();
         self.inner
@@ -677,6 +682,41 @@ impl RemotePrepared {
     }
 }
 
+impl RemotePrepared {
+    /// GPU memory to or from a peer on this host: device copies queued here as one
+    /// batch; the notification (or the completion) follows once the device finished
+    /// them, from the driver's callback. Staged over the socket where the grants do
+    /// not suit (see [`Route::SameHostGpu`]).
+    fn post_gpu(
+        &self,
+        direct: &Arc<same_host::Direct>,
+        otherwise: &Socket,
+        c: Arc<Conn>,
+        notif: Option<Bytes>,
+        done: Completer,
+    ) {
+        let Some(peer) = c.same_host() else {
+            return self.post_socket(otherwise, c, notif, done);
+        };
+        if c.is_dead() || done.is_canceled() {
+            return c.submit(self.job(notif, done));
+        }
+        let rest = c.direct_gpu(
+            &peer,
+            self.op,
+            self.table.clone(),
+            self.local.clone(),
+            direct.clone(),
+            self.total,
+            notif,
+            done,
+        );
+        if let Some(rest) = rest {
+            c.submit(rest);
+        }
+    }
+}
+
 impl PreparedTransfer for RemotePrepared {
     fn post(&self, notif: Option<Bytes>, done: Completer) {
         // The agent refused notifications over `max_notification` already.
@@ -686,6 +726,9 @@ impl PreparedTransfer for RemotePrepared {
         };
         let (direct, inline, otherwise) = match &self.route {
             Route::Socket(socket) => return self.post_socket(socket, c, notif, done),
+            Route::SameHostGpu { direct, otherwise } => {
+                return self.post_gpu(direct, otherwise, c, notif, done)
+            }
             Route::SameHost {
                 direct,
                 inline,

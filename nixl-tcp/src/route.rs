@@ -27,6 +27,16 @@ pub(crate) enum Route {
         inline: bool,
         otherwise: Socket,
     },
+    /// GPU memory on this side, the peer on this host and every target registration
+    /// granted: this process queues device-to-device copies between its GPU memory
+    /// and the target's (opened through the driver's inter-process handles) as one
+    /// batch; the notification follows over the socket once the device finished.
+    /// Where the connection did not prove the same-host path, or a grant turns out
+    /// unusable (host memory, no handle), the transfer goes by `otherwise`, staged.
+    SameHostGpu {
+        direct: Arc<Direct>,
+        otherwise: Socket,
+    },
     /// Over the socket.
     Socket(Socket),
 }
@@ -67,13 +77,19 @@ impl Route {
     /// new variant chosen here and one arm where transfers are posted.
     pub(crate) fn choose(f: Facts<'_>, options: &TcpOptions) -> Self {
         let socket = Socket::choose(f.segs, f.table_len, options);
-        // The same-host path copies host memory; GPU memory on either side goes over
-        // TCP, staged through host buffers (the target never grants it).
-        let host_only = f.segs.locals().iter().all(|r| r.kind() == MemKind::Dram);
+        // Host memory on this side: the host path; GPU memory: the device path.
+        // Either finds out from the grants whether the target's memory suits it.
+        let kinds = f.segs.locals().iter().map(|r| r.kind());
+        let host_only = kinds.clone().all(|k| k == MemKind::Dram);
+        let gpu_only = kinds.clone().all(|k| k != MemKind::Dram);
         match f.granted {
             Some(direct) if f.same_host && host_only => Self::SameHost {
                 direct: Arc::new(direct),
                 inline: f.segs.bytes() <= options.inline_copy_max as u64,
+                otherwise: socket,
+            },
+            Some(direct) if f.same_host && gpu_only => Self::SameHostGpu {
+                direct: Arc::new(direct),
                 otherwise: socket,
             },
             _ => Self::Socket(socket),
@@ -83,7 +99,7 @@ impl Route {
     /// The target side for the same-host path, if this route takes it.
     pub(crate) fn direct(&self) -> Option<&Arc<Direct>> {
         match self {
-            Self::SameHost { direct, .. } => Some(direct),
+            Self::SameHost { direct, .. } | Self::SameHostGpu { direct, .. } => Some(direct),
             Self::Socket(_) => None,
         }
     }

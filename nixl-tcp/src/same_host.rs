@@ -11,7 +11,8 @@ use nixl::{
     Error, ErrorKind, Op, RegionRef, RegionSlice, Result, SegmentRun, Segments, TargetRegion,
 };
 
-use crate::shm::{self, Access, Grant, Mapping, Table};
+use crate::gpu_direct::GpuPeer;
+use crate::shm::{self, Access, GpuGrant, Grant, Mapping, Table};
 use crate::wire::{Offer, SegEntry};
 
 /// Whether nixl-tcp moves data between agents on one host without the socket.
@@ -171,11 +172,27 @@ impl Grants {
             .get(&addr)
             .filter(|(_, l)| *l >= len)
             .map(|(fd, _)| *fd);
+        let gpu = match region.kind() {
+            nixl::MemKind::Dram => None,
+            nixl::MemKind::Vram { device } => Some(GpuGrant {
+                device,
+                export: match nixl::gpu::ipc_export(device, addr) {
+                    Ok(x) => Some((x.handle, x.base)),
+                    Err(e) => {
+                        // Reachable directly from this process only; other processes
+                        // stage it over TCP.
+                        tracing::info!(error = %e, "tcp: GPU memory without an inter-process handle; peers in other processes stage it over TCP");
+                        None
+                    }
+                },
+            }),
+        };
         let g = Grant {
             key,
             addr,
             len: len as u64,
             memfd,
+            gpu,
         };
         let mut st = self.state.lock().unwrap();
         let slot = match st.free.pop() {
@@ -320,7 +337,9 @@ type Mapped = (u64, Option<Arc<Mapping>>);
 #[derive(Debug)]
 pub(crate) struct Peer {
     pid: u32,
-    table: Table,
+    table: Arc<Table>,
+    /// The GPU side: the target's GPU registrations opened here.
+    pub(crate) gpu: GpuPeer,
     /// Why cross-memory attach is off, if it is.
     cma_refused: Option<String>,
     /// The peer's memfds we mapped, by slot.
@@ -349,9 +368,31 @@ impl Direct {
     }
 }
 
-/// Why a transfer cannot go direct (it goes over TCP, or fails under `Require`).
+/// Why a transfer cannot go direct: it goes over TCP, or fails under `Require` unless
+/// no direct path exists for its memory kinds (host memory on one side, GPU memory on
+/// the other: staged over TCP either way).
 #[derive(Debug)]
-pub(crate) struct Unsuitable(pub(crate) &'static str);
+pub(crate) struct Unsuitable {
+    pub(crate) why: &'static str,
+    pub(crate) mixed_kinds: bool,
+}
+
+impl Unsuitable {
+    pub(crate) fn new(why: &'static str) -> Self {
+        Self {
+            why,
+            mixed_kinds: false,
+        }
+    }
+
+    /// Host memory on one side and GPU memory on the other.
+    pub(crate) fn mixed_kinds(why: &'static str) -> Self {
+        Self {
+            why,
+            mixed_kinds: true,
+        }
+    }
+}
 
 /// The forms `/proc/net/tcp{,6}` print `a` in: `%08X:%04X` (IPv4) or
 /// `%08X%08X%08X%08X:%04X` (IPv6), each 32-bit word in host byte order. An IPv4
@@ -441,7 +482,7 @@ impl Peer {
         remote: SocketAddr,
     ) -> std::io::Result<Self> {
         holds_connection(offer.pid, local, remote)?;
-        let table = Table::open(offer.pid, offer.table_fd, &offer.nonce)?;
+        let table = Arc::new(Table::open(offer.pid, offer.table_fd, &offer.nonce)?);
         let cma_refused = match shm::cma_peek::<{ shm::NONCE_LEN }>(offer.pid, offer.table_addr) {
             Ok(n) if n == offer.nonce => None,
             Ok(_) => Some("the cross-memory probe read the wrong bytes".to_owned()),
@@ -449,6 +490,7 @@ impl Peer {
         };
         Ok(Self {
             pid: offer.pid,
+            gpu: GpuPeer::new(table.clone(), offer.pid),
             table,
             cma_refused,
             maps: Mutex::default(),
@@ -469,6 +511,13 @@ impl Peer {
         direct: &Direct,
     ) -> std::result::Result<Result<()>, Unsuitable> {
         const OP: &str = "tcp same-host transfer";
+        if segs
+            .locals()
+            .iter()
+            .any(|r| r.kind() != nixl::MemKind::Dram)
+        {
+            return Err(Unsuitable::mixed_kinds("the local memory is GPU memory"));
+        }
         // Every target registration's grant, held while the data moves.
         let mut held: Vec<(Access<'_>, Grant)> = Vec::with_capacity(direct.targets.len());
         for (t, &(slot, key, _)) in segs.targets().iter().zip(&direct.targets) {
@@ -484,7 +533,7 @@ impl Peer {
                     ErrorKind::NotAllowed,
                     OP,
                     format!(
-                        "registration {}: unknown or forged key (not granted by the target)",
+                        "registration {}: the target has not granted this memory (deregistered, or a forged key)",
                         match t {
                             TargetRegion::Remote { region, .. } => *region,
                             TargetRegion::Local(r) => r.id(),
@@ -492,8 +541,11 @@ impl Peer {
                     ),
                 )));
             };
+            if g.gpu.is_some() {
+                return Err(Unsuitable::mixed_kinds("the target's memory is GPU memory"));
+            }
             if g.memfd.is_none() && self.cma_refused.is_some() {
-                return Err(Unsuitable(
+                return Err(Unsuitable::new(
                     "cross-memory attach is refused and the memory is not shared",
                 ));
             }
@@ -528,7 +580,7 @@ impl Peer {
                 Some(fd) => match self.mapping(slot, g, fd) {
                     Ok(Some(m)) => Some(m),
                     Ok(None) => {
-                        return Err(Unsuitable(
+                        return Err(Unsuitable::new(
                             "the target's shared memory is not a sealed nixl-tcp memfd",
                         ))
                     }

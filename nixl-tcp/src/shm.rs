@@ -13,7 +13,8 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use nixl::{MemKind, RegionSlice};
 
@@ -68,6 +69,17 @@ impl Mapping {
 
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// The 4-byte word at `offset` as an atomic (a futex word).
+    fn word32(&self, offset: usize) -> &AtomicU32 {
+        assert!(
+            offset % 4 == 0 && offset + 4 <= self.len,
+            "word {offset} outside the mapping"
+        );
+        // SAFETY: in range and 4-aligned (mmap is page-aligned), live while `self` is
+        // borrowed; every access to it, in both processes, is atomic.
+        unsafe { AtomicU32::from_ptr(self.ptr.as_ptr().add(offset).cast::<u32>()) }
     }
 
     /// The 8-byte word at `offset` as an atomic.
@@ -267,7 +279,17 @@ pub(crate) fn map_peer(pid: u32, fd: i32, len: usize) -> io::Result<Mapping> {
 /// Slots of one grant table: how many registrations one agent can grant.
 pub(crate) const SLOTS: u32 = 16384;
 const HEADER: usize = 64;
-const SLOT_LEN: usize = 64;
+const SLOT_LEN: usize = 128;
+/// Header words: the nonce at 0 and 8, the closed flag at 16, the withdrawal epoch
+/// (a futex word) at 24.
+const CLOSED_AT: usize = 16;
+const EPOCH_AT: usize = 24;
+/// Slot word 5 (GPU memory): bit 63 set for GPU memory, bit 62 when an inter-process
+/// handle follows, the device in the low 32 bits.
+const GPU: u64 = 1 << 63;
+const HAS_HANDLE: u64 = 1 << 62;
+/// Where a slot's inter-process handle starts (8 words).
+const HANDLE_AT: usize = 64;
 /// Bytes of a grant table.
 pub(crate) const TABLE_LEN: usize = HEADER + SLOTS as usize * SLOT_LEN;
 pub(crate) const NONCE_LEN: usize = 16;
@@ -282,16 +304,43 @@ pub(crate) struct Grant {
     pub(crate) len: u64,
     /// The target's memfd holding the registration (mapped at offset 0), if any.
     pub(crate) memfd: Option<i32>,
+    /// GPU memory: the device, and how other processes open it.
+    pub(crate) gpu: Option<GpuGrant>,
+}
+
+/// A granted registration in GPU memory.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GpuGrant {
+    pub(crate) device: u32,
+    /// The inter-process handle of the allocation holding it and the allocation's
+    /// start in the target; `None` where the driver gave none (then only an initiator
+    /// in the target's own process can use the grant).
+    pub(crate) export: Option<([u8; nixl::gpu::IPC_HANDLE_LEN], u64)>,
+}
+
+impl std::fmt::Debug for GpuGrant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The handle is a capability: never in logs.
+        f.debug_struct("GpuGrant")
+            .field("device", &self.device)
+            .field("exported", &self.export.is_some())
+            .finish()
+    }
 }
 
 /// A grant table: a page-aligned array of slots in shared memory that the target
 /// writes and same-host initiators check before every direct access.
 ///
-/// Slot: `state` (bit 63: valid; low bits: accesses in progress), key, addr, len,
-/// memfd + 1 (0: none). An initiator increments `state` before touching the
-/// registration and decrements it after; the target withdraws a grant by clearing the
-/// valid bit and then waits (its caller does) for the count to drain, so once it has
-/// drained no initiator is touching the memory, and none will.
+/// Slot (128 bytes): `state` (bit 63: valid; low bits: accesses in progress), key,
+/// addr, len, memfd + 1 (0: none), GPU word (see [`GPU`]), the GPU allocation's base,
+/// a spare word, and 64 bytes of inter-process handle. An initiator increments
+/// `state` before touching the registration and decrements it after; the target
+/// withdraws a grant by clearing the valid bit and then waits (its caller does) for
+/// the count to drain, so once it has drained no initiator is touching the memory,
+/// and none will. For GPU memory an initiator also counts each mapping it keeps open
+/// (CUDA forbids freeing exported memory another process still has open), and the
+/// target bumps the header's withdrawal epoch and wakes its futex after every
+/// withdrawal, so an initiator's watcher closes mappings of withdrawn grants at once.
 ///
 /// An initiator holds a shared `flock` on the table for as long as it has it mapped
 /// (through its own open of the file, so the lock is its own), and the kernel drops
@@ -369,18 +418,24 @@ impl Table {
         self.map.addr()
     }
 
-    fn words(&self, slot: u32) -> Option<[&AtomicU64; 5]> {
+    fn words(&self, slot: u32) -> Option<[&AtomicU64; 7]> {
         if slot >= SLOTS {
             return None;
         }
         let at = HEADER + slot as usize * SLOT_LEN;
-        Some([0, 8, 16, 24, 32].map(|o| self.map.word(at + o)))
+        Some([0, 8, 16, 24, 32, 40, 48].map(|o| self.map.word(at + o)))
+    }
+
+    /// The 8 words of a slot's inter-process handle.
+    fn handle_words(&self, slot: u32) -> [&AtomicU64; 8] {
+        let at = HEADER + slot as usize * SLOT_LEN + HANDLE_AT;
+        [0, 8, 16, 24, 32, 40, 48, 56].map(|o| self.map.word(at + o))
     }
 
     /// Publish `g` in `slot` (target side). The slot must be free (never granted, or
     /// withdrawn) and [`idle`](Self::idle); false (nothing published) if it is not.
     pub(crate) fn grant(&self, slot: u32, g: Grant) -> bool {
-        let Some([state, key, addr, len, memfd]) = self.words(slot) else {
+        let Some([state, key, addr, len, memfd, gpu, base]) = self.words(slot) else {
             return false;
         };
         if state.load(Ordering::Acquire) != 0 {
@@ -390,6 +445,26 @@ impl Table {
         addr.store(g.addr, Ordering::Relaxed);
         len.store(g.len, Ordering::Relaxed);
         memfd.store(g.memfd.map_or(0, |fd| fd as u64 + 1), Ordering::Relaxed);
+        let (word, at) = match g.gpu {
+            None => (0, 0),
+            Some(GpuGrant { device, export }) => {
+                let mut word = GPU | u64::from(device);
+                let mut at = 0;
+                if let Some((handle, b)) = export {
+                    word |= HAS_HANDLE;
+                    at = b;
+                    for (w, chunk) in self.handle_words(slot).iter().zip(handle.chunks(8)) {
+                        w.store(
+                            u64::from_le_bytes(chunk.try_into().expect("8 bytes")),
+                            Ordering::Relaxed,
+                        );
+                    }
+                }
+                (word, at)
+            }
+        };
+        gpu.store(word, Ordering::Relaxed);
+        base.store(at, Ordering::Relaxed);
         state.fetch_or(VALID, Ordering::Release);
         true
     }
@@ -400,6 +475,30 @@ impl Table {
         if let Some([state, ..]) = self.words(slot) {
             state.fetch_and(!VALID, Ordering::AcqRel);
         }
+        self.bump_epoch();
+    }
+
+    /// Tell watchers a grant was withdrawn: bump the epoch and wake its futex.
+    fn bump_epoch(&self) {
+        let epoch = self.map.word32(EPOCH_AT);
+        epoch.fetch_add(1, Ordering::AcqRel);
+        futex_wake(epoch);
+    }
+
+    /// The withdrawal epoch (initiator side: what a watcher has seen).
+    pub(crate) fn epoch(&self) -> u32 {
+        self.map.word32(EPOCH_AT).load(Ordering::Acquire)
+    }
+
+    /// Sleep until the withdrawal epoch moves on from `seen` (returns at once if it
+    /// already has; may return early, callers recheck), or `timeout` passes.
+    pub(crate) fn wait_epoch(&self, seen: u32, timeout: std::time::Duration) {
+        futex_wait(self.map.word32(EPOCH_AT), seen, timeout);
+    }
+
+    /// Wake every watcher of this table (initiator side: its own, to stop it).
+    pub(crate) fn wake_watchers(&self) {
+        futex_wake(self.map.word32(EPOCH_AT));
     }
 
     /// No access to `slot` is in progress (out of range: none can be).
@@ -411,39 +510,81 @@ impl Table {
     /// Start an access to `slot` (initiator side): `None` when the slot is out of
     /// range or not granted. The access lasts until the guard drops.
     pub(crate) fn acquire(&self, slot: u32) -> Option<(Access<'_>, Grant)> {
-        let [state, key, addr, len, memfd] = self.words(slot)?;
+        let [state, ..] = self.words(slot)?;
         let before = state.fetch_add(1, Ordering::Acquire);
         let access = Access { state };
         if before & VALID == 0 {
             return None;
         }
+        Some((access, self.read_grant(slot)))
+    }
+
+    /// [`acquire`](Self::acquire) with an access that holds the table itself, for
+    /// accesses that end on another thread (GPU copies end in a driver callback).
+    pub(crate) fn acquire_owned(self: &Arc<Self>, slot: u32) -> Option<(OwnedAccess, Grant)> {
+        let [state, ..] = self.words(slot)?;
+        let before = state.fetch_add(1, Ordering::Acquire);
+        let access = OwnedAccess {
+            table: self.clone(),
+            slot,
+        };
+        if before & VALID == 0 {
+            return None;
+        }
+        Some((access, self.read_grant(slot)))
+    }
+
+    /// Whether `slot` still holds a valid grant with `key` (initiator side).
+    pub(crate) fn still_granted(&self, slot: u32, key: u64) -> bool {
+        self.words(slot).is_some_and(|[state, k, ..]| {
+            state.load(Ordering::Acquire) & VALID != 0 && k.load(Ordering::Relaxed) == key
+        })
+    }
+
+    /// The grant in `slot` (an access to it is held, so it is not rewritten).
+    fn read_grant(&self, slot: u32) -> Grant {
+        let [_, key, addr, len, memfd, gpu, base] = self.words(slot).expect("in range");
         let fd = memfd.load(Ordering::Relaxed);
-        let grant = Grant {
+        let word = gpu.load(Ordering::Relaxed);
+        let gpu = (word & GPU != 0).then(|| GpuGrant {
+            device: word as u32,
+            export: (word & HAS_HANDLE != 0).then(|| {
+                let mut handle = [0u8; nixl::gpu::IPC_HANDLE_LEN];
+                for (chunk, w) in handle.chunks_mut(8).zip(self.handle_words(slot)) {
+                    chunk.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+                }
+                (handle, base.load(Ordering::Relaxed))
+            }),
+        });
+        Grant {
             key: key.load(Ordering::Relaxed),
             addr: addr.load(Ordering::Relaxed),
             len: len.load(Ordering::Relaxed),
             memfd: fd.checked_sub(1).and_then(|f| i32::try_from(f).ok()),
-        };
-        Some((access, grant))
+            gpu,
+        }
     }
 
     /// Mark the table closed (target side): its connection or agent is going away.
     /// Revokes nothing by itself; initiators use it to tell "shut down" from "revoked".
     pub(crate) fn close(&self) {
-        self.map.word(16).store(1, Ordering::Release);
+        self.map.word(CLOSED_AT).store(1, Ordering::Release);
     }
 
     /// Whether the target closed the table.
     pub(crate) fn is_closed(&self) -> bool {
-        self.map.word(16).load(Ordering::Acquire) != 0
+        self.map.word(CLOSED_AT).load(Ordering::Acquire) != 0
     }
 
     /// Close the table and withdraw every grant in it (target side), without waiting.
     pub(crate) fn withdraw_all(&self) {
         self.close();
         for slot in 0..SLOTS {
-            self.withdraw(slot);
+            if let Some([state, ..]) = self.words(slot) {
+                state.fetch_and(!VALID, Ordering::AcqRel);
+            }
         }
+        self.bump_epoch();
     }
 
     /// No access to any slot is in progress.
@@ -467,6 +608,50 @@ impl Table {
             libc::flock(fd.as_raw_fd(), libc::LOCK_UN);
         }
         false
+    }
+}
+
+/// An access in progress to one granted slot that holds its table; ends on drop.
+#[derive(Debug)]
+pub(crate) struct OwnedAccess {
+    table: Arc<Table>,
+    slot: u32,
+}
+
+impl Drop for OwnedAccess {
+    fn drop(&mut self) {
+        if let Some([state, ..]) = self.table.words(self.slot) {
+            state.fetch_sub(1, Ordering::Release);
+        }
+    }
+}
+
+/// Wake every waiter on the futex word `w` (shared: waiters in other processes too).
+fn futex_wake(w: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a live, aligned 32-bit word of a shared mapping; the
+    // kernel only reads its address.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            w.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+        );
+    }
+}
+
+/// Sleep while the futex word `w` holds `seen`, at most `timeout` (any wake, signal
+/// or change ends it: callers recheck what they wait for).
+fn futex_wait(w: &AtomicU32, seen: u32, timeout: std::time::Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT on a live, aligned 32-bit word of a shared mapping with a
+    // relative timeout that lives across the call.
+    unsafe {
+        libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAIT, seen, &ts);
     }
 }
 
@@ -616,6 +801,7 @@ mod tests {
             addr: 0x1000,
             len: 64,
             memfd: Some(5),
+            gpu: None,
         };
         assert!(target.grant(3, g));
         let (access, seen) = peer.acquire(3).unwrap();
@@ -638,6 +824,63 @@ mod tests {
         assert!(peer.is_closed());
     }
 
+    /// A GPU grant carries its device and handle across; a withdrawal moves the epoch
+    /// on and wakes a watcher sleeping on it in another thread.
+    #[test]
+    fn gpu_grants_and_the_withdrawal_epoch() {
+        let nonce = [4u8; NONCE_LEN];
+        let target = Table::create(&nonce).unwrap();
+        let peer =
+            Arc::new(Table::open(std::process::id(), target.raw_fd().unwrap(), &nonce).unwrap());
+        let mut handle = [0u8; nixl::gpu::IPC_HANDLE_LEN];
+        handle
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = i as u8 * 3);
+        let g = Grant {
+            key: 11,
+            addr: 0x7000_0000_1000,
+            len: 1 << 20,
+            memfd: None,
+            gpu: Some(GpuGrant {
+                device: 1,
+                export: Some((handle, 0x7000_0000_0000)),
+            }),
+        };
+        assert!(target.grant(5, g));
+        let (access, seen) = peer.acquire_owned(5).unwrap();
+        assert_eq!(seen, g);
+        assert!(peer.still_granted(5, 11));
+        assert!(!peer.still_granted(5, 12), "another key");
+        // A watcher sleeping on the epoch wakes when the grant is withdrawn.
+        let before = peer.epoch();
+        let watcher = {
+            let peer = peer.clone();
+            std::thread::spawn(move || {
+                while peer.epoch() == before {
+                    peer.wait_epoch(before, std::time::Duration::from_secs(30));
+                }
+                peer.still_granted(5, 11)
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        target.withdraw(5);
+        assert!(!watcher.join().unwrap(), "the watcher saw the withdrawal");
+        assert!(!target.idle(5), "the owned access is still in progress");
+        drop(access);
+        assert!(target.idle(5));
+        // Without a handle: the device only.
+        let local = Grant {
+            gpu: Some(GpuGrant {
+                device: 0,
+                export: None,
+            }),
+            ..g
+        };
+        assert!(target.grant(6, local));
+        assert_eq!(peer.acquire(6).unwrap().1, local);
+    }
+
     /// A count left up by an initiator that went away without ending its access (as
     /// one killed inside a copy does) is told apart by the table's lock.
     #[test]
@@ -650,6 +893,7 @@ mod tests {
             addr: 0x1000,
             len: 8,
             memfd: None,
+            gpu: None,
         };
         assert!(target.grant(0, g));
         let (access, _) = peer.acquire(0).unwrap();
