@@ -1,0 +1,390 @@
+//! nixl-tcp's same-host path for GPU memory between two processes: the initiator opens
+//! the target's GPU registrations through CUDA inter-process handles and the device
+//! copies directly, with nixl's real CUDA code bound to the **CUDA driver test
+//! double** (`nixl_testkit::fake_cuda`; `NIXL_CUDA_LIB`). The double backs device
+//! memory with shared memory so a handle opened in another process reaches the same
+//! bytes, refuses a handle in the process that made it (as CUDA does), and aborts an
+//! exporter that frees memory another live process still has open (undefined in
+//! CUDA). `scripts/gpu-check` runs the same shape on a real GPU.
+//!
+//! The other process is `nixl-gpu-peer` (its doc says what it answers).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Instant;
+
+use bytes::Bytes;
+use nixl::{Agent, Backend, DescList, MemKind, Memory, Op, Registration};
+use nixl_conformance::support::{bounded, checksum_bytes, figure, hex, pattern, skip, unhex};
+use nixl_tcp::{SameHost, TcpBackend, TcpOptions};
+
+const GPU: MemKind = MemKind::Vram { device: 0 };
+
+/// Point this process, and the peers it starts, at the driver double.
+fn use_fake_driver(case: &str) -> bool {
+    match nixl_testkit::fake_cuda::library() {
+        Ok(lib) => {
+            std::env::set_var(nixl::gpu::ENV_LIB, lib);
+            true
+        }
+        Err(e) => {
+            skip(
+                case,
+                &format!("cannot build the CUDA driver test double: {e}"),
+            );
+            false
+        }
+    }
+}
+
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    lines: std::io::Lines<BufReader<ChildStdout>>,
+}
+
+impl Peer {
+    fn spawn(role: &str, size: usize) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_nixl-gpu-peer"))
+            .args([role, &size.to_string()])
+            .env("NIXL_TCP_SAME_HOST", "require")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn nixl-gpu-peer");
+        let stdin = child.stdin.take().unwrap();
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        Self {
+            child,
+            stdin,
+            lines,
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        writeln!(self.stdin, "{line}").expect("peer stdin");
+    }
+
+    /// The rest of the next line starting with `prefix` (others are skipped).
+    fn line(&mut self, prefix: &str) -> String {
+        loop {
+            let l = self
+                .lines
+                .next()
+                .unwrap_or_else(|| panic!("peer ended before {prefix:?}"))
+                .unwrap();
+            if let Some(rest) = l.strip_prefix(prefix) {
+                return rest.to_owned();
+            }
+        }
+    }
+
+    /// Ask and wait for the answer, off the runtime's threads.
+    async fn ask(mut self, command: &str, answer: &'static str) -> (Self, String) {
+        let command = command.to_owned();
+        tokio::task::spawn_blocking(move || {
+            if !command.is_empty() {
+                self.send(&command);
+            }
+            let a = self.line(answer);
+            (self, a)
+        })
+        .await
+        .unwrap()
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn backend() -> TcpBackend {
+    TcpBackend::with_options(TcpOptions {
+        same_host: SameHost::Require,
+        ..Default::default()
+    })
+}
+
+async fn agent(name: &str, backend: &TcpBackend) -> Agent {
+    Agent::builder(name)
+        .backend(backend.clone())
+        .build()
+        .await
+        .unwrap()
+}
+
+/// Mappings in this process of device memory the double allocated (its own
+/// allocations, and other processes' memory opened through handles).
+fn device_mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("memfd:fake-cuda-device"))
+        .count()
+}
+
+fn gpu(descs: impl IntoIterator<Item = nixl::Desc>) -> DescList {
+    DescList::from_descs(GPU, descs)
+}
+
+async fn vram(a: &Agent, len: usize, seed: u64) -> Registration {
+    let r = a.register(Memory::vram(0, len).unwrap()).unwrap();
+    r.write_at(0, &pattern(seed, len)).unwrap();
+    r
+}
+
+/// WRITE and READ between this process's GPU memory and another's, one block and 32
+/// scattered ones: the bytes arrive, the notification comes after them, the copies
+/// went through a handle opened here, and the target's deregistration closes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_memory_between_processes_moves_through_ipc_handles() {
+    const CASE: &str = "gpu_memory_between_processes_moves_through_ipc_handles";
+    if !use_fake_driver(CASE) {
+        return;
+    }
+    const SIZE: usize = 4 << 20;
+    const BLOCK: usize = 64 << 10;
+    let peer = tokio::task::spawn_blocking(|| Peer::spawn("target", SIZE))
+        .await
+        .unwrap();
+    let (peer, md) = peer.ask("", "METADATA ").await;
+    let b = backend();
+    let a = agent("initiator", &b).await;
+    assert_eq!(a.load_metadata(&unhex(&md).unwrap()).unwrap(), "target");
+    let rd = a.remote_regions("target").unwrap()[0].clone();
+    let src = vram(&a, SIZE, 7).await;
+    let back = vram(&a, SIZE, 8).await;
+    let own = device_mappings();
+
+    // One block, WRITE with a notification, then READ back.
+    bounded(
+        "write",
+        a.write(
+            &gpu([src.whole()]),
+            "target",
+            &gpu([rd.desc(0, SIZE as u64)]),
+            Some(Bytes::from_static(b"one")),
+        ),
+    )
+    .await
+    .unwrap();
+    let mut image = src.to_vec().unwrap();
+    let (peer, notif) = peer.ask("", "NOTIF ").await;
+    assert_eq!(
+        notif,
+        format!("one {}", checksum_bytes(&image)),
+        "the notification arrives after the data"
+    );
+    assert_eq!(
+        device_mappings(),
+        own + 1,
+        "the target's memory is open here through its handle"
+    );
+    bounded(
+        "read",
+        a.read(
+            &gpu([back.whole()]),
+            "target",
+            &gpu([rd.desc(0, SIZE as u64)]),
+            None,
+        ),
+    )
+    .await
+    .unwrap();
+    assert!(
+        back.to_vec().unwrap() == image,
+        "read back what was written"
+    );
+
+    // 32 scattered blocks each way, in a permuted order on the target.
+    let place = |i: usize| ((i * 13) % 32) * 2 * BLOCK + BLOCK / 2 + i;
+    let blocks = vram(&a, 32 * BLOCK, 9).await;
+    let mine = blocks.to_vec().unwrap();
+    bounded(
+        "scattered write",
+        a.write(
+            &gpu((0..32).map(|i| blocks.desc((i * BLOCK) as u64, BLOCK as u64))),
+            "target",
+            &gpu((0..32).map(|i| rd.desc(place(i) as u64, BLOCK as u64))),
+            Some(Bytes::from_static(b"scattered")),
+        ),
+    )
+    .await
+    .unwrap();
+    for i in 0..32 {
+        image[place(i)..place(i) + BLOCK].copy_from_slice(&mine[i * BLOCK..(i + 1) * BLOCK]);
+    }
+    let (peer, notif) = peer.ask("", "NOTIF ").await;
+    assert_eq!(notif, format!("scattered {}", checksum_bytes(&image)));
+    let gathered = vram(&a, 32 * BLOCK, 10).await;
+    bounded(
+        "scattered read",
+        a.read(
+            &gpu((0..32).map(|i| gathered.desc(((31 - i) * BLOCK) as u64, BLOCK as u64))),
+            "target",
+            &gpu((0..32).map(|i| rd.desc(place(i) as u64, BLOCK as u64))),
+            None,
+        ),
+    )
+    .await
+    .unwrap();
+    let got = gathered.to_vec().unwrap();
+    for i in 0..32 {
+        assert!(
+            got[(31 - i) * BLOCK..(32 - i) * BLOCK] == mine[i * BLOCK..(i + 1) * BLOCK],
+            "block {i} read back"
+        );
+    }
+
+    // Outside the registration: refused before any copy, the target untouched.
+    let e = bounded(
+        "out of range",
+        a.write(
+            &gpu([src.desc(0, 4096), src.desc(4096, 4096)]),
+            "target",
+            &gpu([
+                rd.desc(SIZE as u64 - 4096, 4096),
+                rd.desc(SIZE as u64, 4096),
+            ]),
+            None,
+        ),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), nixl::ErrorKind::OutOfRange, "{e}");
+
+    let path = b.data_path("target").unwrap();
+    assert!(path.contains("CUDA IPC"), "{path}");
+    let (peer, sum) = peer.ask("CHECKSUM", "CHECKSUM ").await;
+    assert_eq!(
+        sum,
+        checksum_bytes(&image).to_string(),
+        "nothing else written"
+    );
+
+    // The target deregisters and frees: this process closed its mapping first (the
+    // double would abort the target otherwise).
+    let before = device_mappings();
+    let (peer, dereg) = peer.ask("DEREG", "DEREG ").await;
+    assert!(dereg.starts_with("ok"), "{dereg}");
+    assert_eq!(device_mappings(), before - 1, "the mapping was closed");
+    let (peer, _) = peer.ask("", "FREED").await;
+    let (mut peer, stopped) = peer.ask("QUIT", "STOPPED ").await;
+    assert_eq!(stopped, "clean=true");
+    let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status}");
+    assert!(a.shutdown().await.is_clean());
+}
+
+/// The target deregisters and frees its GPU memory while WRITEs into it are queued on
+/// this process's device: deregistration waits for those copies and for this process
+/// to close its mapping, then the memory is freed without harm (the double aborts on
+/// a free of memory still open elsewhere); the WRITEs each end, none hangs, and later
+/// ones fail cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_deregisters_gpu_memory_under_in_flight_writes() {
+    const CASE: &str = "target_deregisters_gpu_memory_under_in_flight_writes";
+    if !use_fake_driver(CASE) {
+        return;
+    }
+    const SIZE: usize = 16 << 20;
+    let peer = tokio::task::spawn_blocking(|| Peer::spawn("target", SIZE))
+        .await
+        .unwrap();
+    let (peer, md) = peer.ask("", "METADATA ").await;
+    let b = backend();
+    let a = agent("initiator", &b).await;
+    a.load_metadata(&unhex(&md).unwrap()).unwrap();
+    let rd = a.remote_regions("target").unwrap()[0].clone();
+    let src = vram(&a, SIZE, 3).await;
+    let (local, remote) = (gpu([src.whole()]), gpu([rd.desc(0, SIZE as u64)]));
+    bounded("warm-up", a.write(&local, "target", &remote, None))
+        .await
+        .unwrap();
+    let writes: Vec<_> = (0..16)
+        .map(|_| {
+            a.transfer(Op::Write, &local, "target", &remote, None)
+                .unwrap()
+        })
+        .collect();
+    let (peer, dereg) = peer.ask("DEREG", "DEREG ").await;
+    assert!(dereg.starts_with("ok"), "{dereg}");
+    let (peer, _) = peer.ask("", "FREED").await;
+    let (mut ok, mut failed) = (0, 0);
+    for w in writes {
+        match bounded("a WRITE in flight at deregistration", w).await {
+            Ok(()) => ok += 1,
+            Err(e) => {
+                failed += 1;
+                println!("in flight at deregistration: {e}");
+            }
+        }
+    }
+    figure(
+        "GPU deregistration under 16 x 16 MiB WRITEs (driver double)",
+        format!("{ok} finished before it, {failed} refused; target took {dereg}"),
+    );
+    let e = bounded(
+        "a WRITE after deregistration",
+        a.write(&local, "target", &remote, None),
+    )
+    .await
+    .unwrap_err();
+    println!("after deregistration: {e}");
+    let (mut peer, stopped) = peer.ask("QUIT", "STOPPED ").await;
+    assert_eq!(stopped, "clean=true");
+    let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        status.success(),
+        "the target freed its memory unharmed: {status}"
+    );
+    assert!(a.shutdown().await.is_clean());
+}
+
+/// An initiator in another process is SIGKILLed while its copies into this process's
+/// GPU memory run: deregistration does not wait for it, the memory is freed without
+/// harm, and the agent shuts down cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initiator_killed_mid_copy_releases_the_target() {
+    const CASE: &str = "initiator_killed_mid_copy_releases_the_target";
+    if !use_fake_driver(CASE) {
+        return;
+    }
+    const SIZE: usize = 16 << 20;
+    let b = backend();
+    let t = agent("target", &b).await;
+    let mem = t.register(Memory::vram(0, SIZE).unwrap()).unwrap();
+    let md = hex(&t.metadata().unwrap());
+    let peer = tokio::task::spawn_blocking(|| Peer::spawn("initiator", SIZE))
+        .await
+        .unwrap();
+    let (peer, path) = peer.ask(&md, "PATH ").await;
+    assert!(path.contains("CUDA IPC"), "{path}");
+    let (mut peer, _) = peer.ask("", "OK ").await;
+    peer.child.kill().expect("SIGKILL the initiator");
+    let t0 = Instant::now();
+    tokio::task::block_in_place(|| t.deregister(&mem)).unwrap();
+    let took = t0.elapsed();
+    figure(
+        "GPU deregistration after its initiator was SIGKILLed mid-copy (driver double)",
+        format!("{took:?}"),
+    );
+    assert!(
+        mem.to_vec().unwrap().iter().all(|&b| b == 0x5A || b == 0),
+        "only the initiator's bytes"
+    );
+    drop(mem);
+    let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(!status.success());
+    let report = bounded("shutdown", t.shutdown()).await;
+    assert!(report.is_clean(), "{report:?}");
+}
