@@ -85,6 +85,7 @@ async fn hostile_sender_is_bounded_and_a_good_one_served() {
     let (lib, _) = library::bind(&req, src, &o.expectations()).unwrap();
     let init = UcxInit {
         config: vec![("RNDV_THRESH".into(), "inf".into())],
+        optional: Vec::new(),
     };
     let mut evil = Ucx::<Work>::new(lib, &init).unwrap();
     let mut bystander = Ucx::<Work>::new(lib, &init).unwrap();

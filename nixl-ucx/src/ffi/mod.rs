@@ -81,9 +81,20 @@ fn check(api: &sys::Api, what: &'static str, status: sys::Status) -> Result<(), 
     }
 }
 
-/// Largest piece one put or get moves: longer segments are posted in pieces, so a
-/// long transfer shows progress as its pieces finish ([`Ucx::advanced`]).
+/// Largest piece one put or get of host memory moves: longer segments are posted in
+/// pieces, so a long transfer shows progress as its pieces finish ([`Ucx::advanced`]).
 const MAX_PIECE: usize = 4 << 20;
+
+/// The largest piece one put or get moves from or to local memory of `kind`. GPU
+/// memory goes whole: UCX's CUDA transports (cuda_ipc above all) pay a fixed cost
+/// per operation and move one large block at device speed, so cutting it only
+/// slows it down, and one operation finishes quickly enough to show progress.
+pub(crate) fn piece_limit(kind: nixl::MemKind) -> usize {
+    match kind {
+        nixl::MemKind::Dram => MAX_PIECE,
+        nixl::MemKind::Vram { .. } => usize::MAX,
+    }
+}
 
 /// Bytes posted between two marks of a one-sided transfer (see [`Flight::marks`]).
 const MARK_BYTES: usize = 4 << 20;
@@ -145,6 +156,8 @@ pub(crate) struct RmaSeg {
     pub(crate) count: usize,
     /// The peer region's key, unpacked on the endpoint the transfer uses.
     pub(crate) rkey: RkeyId,
+    /// Longer segments are posted in pieces of this size ([`piece_limit`]).
+    pub(crate) max_piece: usize,
 }
 
 /// Work whose memory must stay alive while UCX may touch it: it carries the
@@ -310,6 +323,10 @@ struct AmSlot {
 pub(crate) struct UcxInit {
     /// `ucp_config_modify` pairs (`("TLS", "shm,self")`).
     pub(crate) config: Vec<(String, String)>,
+    /// Pairs for transports that may be absent (UCX refuses the key of a transport
+    /// whose module did not load): applied when UCX takes them, quietly skipped
+    /// otherwise. [`Ucx::optional_applied`] says which were.
+    pub(crate) optional: Vec<(String, String)>,
 }
 
 /// The owner of one UCP context and one worker (see the module docs).
@@ -331,6 +348,8 @@ pub(crate) struct Ucx<K> {
     am: Vec<*mut AmSlot>,
     /// How long teardown progresses the worker waiting for closes and requests.
     pub(crate) teardown_bound: Duration,
+    /// The keys of [`UcxInit::optional`] UCX took.
+    pub(crate) optional_applied: Vec<String>,
 }
 
 // SAFETY: the worker is created in UCS_THREAD_MODE_SERIALIZED (any thread may call it,
@@ -465,6 +484,20 @@ impl<K: HoldsMemory> Ucx<K> {
                 tracing::warn!(key = %k, value = %v, error = %e, "UCX refused a configuration setting; ignoring it");
             }
         }
+        let mut optional_applied = Vec::new();
+        for (k, v) in &init.optional {
+            let (Ok(ck), Ok(cv)) = (CString::new(k.as_str()), CString::new(v.as_str())) else {
+                continue;
+            };
+            // SAFETY: `config` is live; both strings are valid C strings.
+            let st = unsafe { (api.config_modify)(config, ck.as_ptr(), cv.as_ptr()) };
+            match check(&api, "ucp_config_modify", st) {
+                Ok(()) => optional_applied.push(k.clone()),
+                Err(e) => {
+                    tracing::debug!(key = %k, error = %e, "ucx: optional setting not taken (its transport is not loaded)")
+                }
+            }
+        }
         let params = sys::Params {
             field_mask: sys::PARAM_FIELD_FEATURES | sys::PARAM_FIELD_MT_WORKERS_SHARED,
             features: sys::FEATURE_RMA | sys::FEATURE_AM | sys::FEATURE_WAKEUP,
@@ -518,6 +551,7 @@ impl<K: HoldsMemory> Ucx<K> {
             allocs: BTreeMap::new(),
             am: Vec::new(),
             teardown_bound: Duration::from_secs(2),
+            optional_applied,
         };
         // From here on, Drop cleans up whatever fails.
         let mut addr: *mut sys::Address = std::ptr::null_mut();
@@ -1082,7 +1116,7 @@ impl<K: HoldsMemory> Ucx<K> {
                 let len = s.local.len();
                 let mut off = 0;
                 loop {
-                    let piece = (len - off).min(MAX_PIECE);
+                    let piece = (len - off).min(s.max_piece.max(1));
                     let ptr = (base + off) as *mut c_void;
                     // SAFETY: live endpoint and a key unpacked on it; every segment of
                     // the run lies in registered memory (the agent checked each run
