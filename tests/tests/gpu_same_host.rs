@@ -7,7 +7,10 @@
 //! exporter that frees memory another live process still has open (undefined in
 //! CUDA). `scripts/gpu-check` runs the same shape on a real GPU.
 //!
-//! The other process is `nixl-gpu-peer` (its doc says what it answers).
+//! The other process is `nixl-gpu-peer` (its doc says what it answers; the
+//! `NIXL_GPU_PEER_BIN` variable names it where it is not where cargo built it).
+//! With `NIXL_TEST_GPU=real` the cases use the driver nixl finds (or `NIXL_CUDA_LIB`)
+//! instead of the double, and leave out what only the double can show (its mappings).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -20,8 +23,26 @@ use nixl_tcp::{SameHost, TcpBackend, TcpOptions};
 
 const GPU: MemKind = MemKind::Vram { device: 0 };
 
-/// Point this process, and the peers it starts, at the driver double.
-fn use_fake_driver(case: &str) -> bool {
+/// Whether the cases run on a real driver (`NIXL_TEST_GPU=real`).
+fn real_gpu() -> bool {
+    std::env::var("NIXL_TEST_GPU").as_deref() == Ok("real")
+}
+
+/// Point this process, and the peers it starts, at the driver double (or check the
+/// real driver); false, after a SKIP line, when neither is there.
+fn use_driver(case: &str) -> bool {
+    if real_gpu() {
+        return match nixl::gpu::status() {
+            Ok(_) => true,
+            Err(e) => {
+                skip(
+                    case,
+                    &format!("no usable CUDA driver (NIXL_TEST_GPU=real): {e}"),
+                );
+                false
+            }
+        };
+    }
     match nixl_testkit::fake_cuda::library() {
         Ok(lib) => {
             std::env::set_var(nixl::gpu::ENV_LIB, lib);
@@ -45,7 +66,9 @@ struct Peer {
 
 impl Peer {
     fn spawn(role: &str, size: usize) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_nixl-gpu-peer"))
+        let bin = std::env::var("NIXL_GPU_PEER_BIN")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_nixl-gpu-peer").to_owned());
+        let mut child = Command::new(bin)
             .args([role, &size.to_string()])
             .env("NIXL_TCP_SAME_HOST", "require")
             .stdin(Stdio::piped())
@@ -117,13 +140,16 @@ async fn agent(name: &str, backend: &TcpBackend) -> Agent {
 }
 
 /// Mappings in this process of device memory the double allocated (its own
-/// allocations, and other processes' memory opened through handles).
-fn device_mappings() -> usize {
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .filter(|l| l.contains("memfd:fake-cuda-device"))
-        .count()
+/// allocations, and other processes' memory opened through handles); `None` on a real
+/// driver.
+fn device_mappings() -> Option<usize> {
+    (!real_gpu()).then(|| {
+        std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("memfd:fake-cuda-device"))
+            .count()
+    })
 }
 
 fn gpu(descs: impl IntoIterator<Item = nixl::Desc>) -> DescList {
@@ -142,7 +168,7 @@ async fn vram(a: &Agent, len: usize, seed: u64) -> Registration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_memory_between_processes_moves_through_ipc_handles() {
     const CASE: &str = "gpu_memory_between_processes_moves_through_ipc_handles";
-    if !use_fake_driver(CASE) {
+    if !use_driver(CASE) {
         return;
     }
     const SIZE: usize = 4 << 20;
@@ -180,7 +206,7 @@ async fn gpu_memory_between_processes_moves_through_ipc_handles() {
     );
     assert_eq!(
         device_mappings(),
-        own + 1,
+        own.map(|n| n + 1),
         "the target's memory is open here through its handle"
     );
     bounded(
@@ -270,7 +296,11 @@ async fn gpu_memory_between_processes_moves_through_ipc_handles() {
     let before = device_mappings();
     let (peer, dereg) = peer.ask("DEREG", "DEREG ").await;
     assert!(dereg.starts_with("ok"), "{dereg}");
-    assert_eq!(device_mappings(), before - 1, "the mapping was closed");
+    assert_eq!(
+        device_mappings(),
+        before.map(|n| n - 1),
+        "the mapping was closed"
+    );
     let (peer, _) = peer.ask("", "FREED").await;
     let (mut peer, stopped) = peer.ask("QUIT", "STOPPED ").await;
     assert_eq!(stopped, "clean=true");
@@ -289,7 +319,7 @@ async fn gpu_memory_between_processes_moves_through_ipc_handles() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn target_deregisters_gpu_memory_under_in_flight_writes() {
     const CASE: &str = "target_deregisters_gpu_memory_under_in_flight_writes";
-    if !use_fake_driver(CASE) {
+    if !use_driver(CASE) {
         return;
     }
     const SIZE: usize = 16 << 20;
@@ -354,7 +384,7 @@ async fn target_deregisters_gpu_memory_under_in_flight_writes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn initiator_killed_mid_copy_releases_the_target() {
     const CASE: &str = "initiator_killed_mid_copy_releases_the_target";
-    if !use_fake_driver(CASE) {
+    if !use_driver(CASE) {
         return;
     }
     const SIZE: usize = 16 << 20;
