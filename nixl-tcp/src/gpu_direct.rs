@@ -70,6 +70,8 @@ impl std::fmt::Debug for GpuPeer {
 pub(crate) struct Batch {
     device: u32,
     copies: Vec<(u64, u64, usize)>,
+    /// Every target range is reachable from `device`'s kernels.
+    one_kernel: bool,
     hold: Hold,
 }
 
@@ -118,6 +120,7 @@ impl GpuPeer {
         // Every target registration's grant, counted until the copies are done, and
         // where it starts in this process.
         let mut accesses = Vec::with_capacity(direct.targets.len());
+        let mut one_kernel = true;
         let mut opens = Vec::new();
         let mut here = Vec::with_capacity(direct.targets.len());
         for &(slot, key, _) in &direct.targets {
@@ -145,6 +148,8 @@ impl GpuPeer {
             // The target's range [g.addr, g.addr + g.len), and the offset that turns
             // its addresses into this process's.
             let shift = if self.in_process {
+                // Another GPU's memory of this process may lack peer access.
+                one_kernel &= gpu.device == device;
                 0
             } else {
                 let Some((handle, base)) = gpu.export else {
@@ -206,6 +211,7 @@ impl GpuPeer {
         Ok(Ok(Batch {
             device,
             copies,
+            one_kernel,
             hold: Hold {
                 _accesses: accesses,
                 _opens: opens,
@@ -315,12 +321,13 @@ impl Batch {
         let Self {
             device,
             copies,
+            one_kernel,
             hold,
         } = self;
         // SAFETY: every range was checked inside a grant the target made (or inside
         // this process's registration); `hold` keeps the grants counted (the target
         // neither frees nor deregisters them meanwhile), the mappings open and the
         // local registrations alive until the device finished and `done` ran.
-        unsafe { nixl::gpu::copy_device_batch(device, &copies, Box::new(hold), done) }
+        unsafe { nixl::gpu::copy_device_batch(device, &copies, one_kernel, Box::new(hold), done) }
     }
 }

@@ -19,7 +19,9 @@
  *   allocation's id, and opening one maps the same pages. As CUDA requires, a handle
  *   cannot be opened in the process that made it, and freeing memory another process
  *   still has open (undefined in CUDA) aborts the exporter with a message;
- * - cuMemcpyDtoDAsync_v2 runs in stream order like the other asynchronous copies.
+ * - cuMemcpyDtoDAsync_v2 runs in stream order like the other asynchronous copies;
+ * - the one kernel nixl ships (nixl_gather) loads from its PTX, and a launch runs its
+ *   effect in stream order, following the grid it was given (see cuLaunchKernel).
  *
  * Every other symbol of the driver API is a generated stub returning
  * CUDA_ERROR_NOT_SUPPORTED (801), so that a binding which resolves them all loads.
@@ -535,6 +537,77 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
 
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
     return copy_async(dst, DEVICE, src, DEVICE, n, s);
+}
+
+/* Modules: the one kernel nixl ships (nixl_gather, nixl/src/gpu/gather.ptx) is
+ * recognised by its PTX text and launching it runs its effect on the host, in stream
+ * order: entry i < min(grid x, count) of the table passed by value copies
+ * min(len, grid y x 64 KiB) bytes from its source to its destination. Any other image
+ * is refused. Each launch is logged to the file NIXL_FAKE_CUDA_LAUNCH_LOG names, when
+ * set, so that tests can tell the kernel ran. */
+static int gather_module, gather_function;
+
+CUresult cuModuleLoadData(void **m, const void *image) {
+    NEED_CTX();
+    const char *t = image;
+    if (!m || !t || !strstr(t, ".version") || !strstr(t, ".entry nixl_gather("))
+        return 218; /* CUDA_ERROR_INVALID_PTX */
+    *m = &gather_module;
+    return OK;
+}
+
+CUresult cuModuleGetFunction(void **f, void *m, const char *name) {
+    NEED_CTX();
+    if (m != &gather_module) return 400; /* CUDA_ERROR_INVALID_HANDLE */
+    if (!name || strcmp(name, "nixl_gather")) return 500; /* CUDA_ERROR_NOT_FOUND */
+    *f = &gather_function;
+    return OK;
+}
+
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                        unsigned by, unsigned bz, unsigned shared, CUstream s, void **params,
+                        void **extra) {
+    NEED_CTX();
+    if (f != &gather_function) return 400;
+    if (!s) fatal("a kernel launch on the legacy default stream");
+    if (!gx || !gy || !gz || !bx || !by || !bz || gy > 65535 || gz > 65535 ||
+        (uint64_t)bx * by * bz > 1024 || shared || !params || extra)
+        return INVALID_VALUE;
+    /* The parameter is copied now, as the driver does. */
+    unsigned char table[3080];
+    memcpy(table, params[0], sizeof table);
+    uint32_t count;
+    memcpy(&count, table, 4);
+    if (count > 128) fatal("a gather table with more entries than its parameter holds");
+    for (uint32_t i = 0; i < gx && i < count; i++) {
+        uint64_t e[3];
+        memcpy(e, table + 8 + 24 * i, sizeof e);
+        size_t n = e[2] < (uint64_t)gy * 65536 ? e[2] : (uint64_t)gy * 65536;
+        if (!n) continue;
+        if (!checked(e[0], n, DEVICE) || !checked(e[1], n, DEVICE))
+            fatal("the gather kernel would touch memory outside device allocations "
+                  "(an illegal address: CUDA would poison the context)");
+        struct op *o = calloc(1, sizeof *o);
+        o->is_copy = 1;
+        o->dst = e[0];
+        o->src = e[1];
+        o->n = n;
+        o->dst_kind = DEVICE;
+        o->src_kind = DEVICE;
+        push(s, o);
+    }
+    const char *log = getenv("NIXL_FAKE_CUDA_LAUNCH_LOG");
+    if (log) {
+        int fd = open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+        if (fd >= 0) {
+            char line[96];
+            int len = snprintf(line, sizeof line, "nixl_gather %u %u %u %u\n", gx, gy, bx,
+                               count);
+            if (write(fd, line, len) < 0) { /* nothing to do */ }
+            close(fd);
+        }
+    }
+    return OK;
 }
 
 CUresult cuGetErrorName(CUresult r, const char **s) { (void)r; *s = "CUDA_ERROR_FAKE"; return OK; }

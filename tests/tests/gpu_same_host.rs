@@ -46,6 +46,7 @@ fn use_driver(case: &str) -> bool {
     match nixl_testkit::fake_cuda::library() {
         Ok(lib) => {
             std::env::set_var(nixl::gpu::ENV_LIB, lib);
+            std::env::set_var("NIXL_FAKE_CUDA_LAUNCH_LOG", launch_log().unwrap());
             true
         }
         Err(e) => {
@@ -139,6 +140,30 @@ async fn agent(name: &str, backend: &TcpBackend) -> Agent {
         .unwrap()
 }
 
+/// Where the driver double logs this process's kernel launches (`None` on a real
+/// driver).
+fn launch_log() -> Option<std::path::PathBuf> {
+    (!real_gpu()).then(|| {
+        std::env::temp_dir().join(format!(
+            "nixl-gpu-same-host-{}.launches",
+            std::process::id()
+        ))
+    })
+}
+
+/// The kernel launches the double ran for this process: (grid x, grid y, entries).
+fn launches() -> Option<Vec<(u32, u32, u32)>> {
+    let log = std::fs::read_to_string(launch_log()?).unwrap_or_default();
+    Some(
+        log.lines()
+            .map(|l| {
+                let w: Vec<u32> = l.split(' ').skip(1).map(|n| n.parse().unwrap()).collect();
+                (w[0], w[1], w[3])
+            })
+            .collect(),
+    )
+}
+
 /// Mappings in this process of device memory the double allocated (its own
 /// allocations, and other processes' memory opened through handles); `None` on a real
 /// driver.
@@ -162,9 +187,10 @@ async fn vram(a: &Agent, len: usize, seed: u64) -> Registration {
     r
 }
 
-/// WRITE and READ between this process's GPU memory and another's, one block and 32
-/// scattered ones: the bytes arrive, the notification comes after them, the copies
-/// went through a handle opened here, and the target's deregistration closes it.
+/// WRITE and READ between this process's GPU memory and another's, one block (a copy
+/// engine copy), 32 scattered ones and 8 longer than a kernel slice (gather kernel
+/// launches): the bytes arrive, the notification comes after them, the copies went
+/// through a handle opened here, and the target's deregistration closes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_memory_between_processes_moves_through_ipc_handles() {
     const CASE: &str = "gpu_memory_between_processes_moves_through_ipc_handles";
@@ -224,6 +250,11 @@ async fn gpu_memory_between_processes_moves_through_ipc_handles() {
         back.to_vec().unwrap() == image,
         "read back what was written"
     );
+    assert_eq!(
+        launches(),
+        launches().map(|_| vec![]),
+        "one block: no kernel"
+    );
 
     // 32 scattered blocks each way, in a permuted order on the target.
     let place = |i: usize| ((i * 13) % 32) * 2 * BLOCK + BLOCK / 2 + i;
@@ -263,6 +294,36 @@ async fn gpu_memory_between_processes_moves_through_ipc_handles() {
             got[(31 - i) * BLOCK..(32 - i) * BLOCK] == mine[i * BLOCK..(i + 1) * BLOCK],
             "block {i} read back"
         );
+    }
+    assert_eq!(
+        launches(),
+        launches().map(|_| vec![(32, 1, 32); 2]),
+        "each 32-block request is one launch of one 64 KiB slice per block"
+    );
+
+    // Blocks longer than a kernel slice, of an odd length: the grid covers them.
+    const LONG: usize = 200 * 1024 + 13;
+    let at = |i: usize| (7 - i) * (LONG + 4099);
+    let long = vram(&a, 8 * LONG, 11).await;
+    let mine = long.to_vec().unwrap();
+    bounded(
+        "long blocks",
+        a.write(
+            &gpu((0..8).map(|i| long.desc((i * LONG) as u64, LONG as u64))),
+            "target",
+            &gpu((0..8).map(|i| rd.desc(at(i) as u64, LONG as u64))),
+            Some(Bytes::from_static(b"long")),
+        ),
+    )
+    .await
+    .unwrap();
+    for i in 0..8 {
+        image[at(i)..at(i) + LONG].copy_from_slice(&mine[i * LONG..(i + 1) * LONG]);
+    }
+    let (peer, notif) = peer.ask("", "NOTIF ").await;
+    assert_eq!(notif, format!("long {}", checksum_bytes(&image)));
+    if let Some(l) = launches() {
+        assert_eq!(l.last(), Some(&(8, 4, 8)), "four 64 KiB slices per block");
     }
 
     // Outside the registration: refused before any copy, the target untouched.

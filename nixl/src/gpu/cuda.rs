@@ -14,6 +14,7 @@ use super::driver::{
     cu_name, Direction, GpuDriver, GpuInfo, IpcExport, DEFAULT_SONAME, ENV_LIB, IPC_HANDLE_LEN,
     MIN_DRIVER,
 };
+use super::gather;
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::native::NativeLibrary;
 
@@ -125,6 +126,27 @@ struct Calls {
         usize,
         sys::CUstream,
     ) -> std::ffi::c_uint,
+    cuModuleLoadData:
+        unsafe extern "C" fn(*mut sys::CUmodule, *const std::ffi::c_void) -> std::ffi::c_uint,
+    cuModuleGetFunction: unsafe extern "C" fn(
+        *mut sys::CUfunction,
+        sys::CUmodule,
+        *const std::ffi::c_char,
+    ) -> std::ffi::c_uint,
+    #[allow(clippy::type_complexity)]
+    cuLaunchKernel: unsafe extern "C" fn(
+        sys::CUfunction,
+        std::ffi::c_uint,
+        std::ffi::c_uint,
+        std::ffi::c_uint,
+        std::ffi::c_uint,
+        std::ffi::c_uint,
+        std::ffi::c_uint,
+        std::ffi::c_uint,
+        sys::CUstream,
+        *mut *mut std::ffi::c_void,
+        *mut *mut std::ffi::c_void,
+    ) -> std::ffi::c_uint,
 }
 
 impl Calls {
@@ -198,6 +220,29 @@ impl Calls {
                 cuMemcpyDtoDAsync_v2,
                 (CUdeviceptr, CUdeviceptr, usize, CUstream)
             ),
+            cuModuleLoadData: narrow!(lib, cuModuleLoadData, (*mut sys::CUmodule, *const c_void)),
+            cuModuleGetFunction: narrow!(
+                lib,
+                cuModuleGetFunction,
+                (*mut sys::CUfunction, sys::CUmodule, *const std::ffi::c_char)
+            ),
+            cuLaunchKernel: narrow!(
+                lib,
+                cuLaunchKernel,
+                (
+                    sys::CUfunction,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    CUstream,
+                    *mut *mut c_void,
+                    *mut *mut c_void
+                )
+            ),
         }
     }
 }
@@ -216,7 +261,18 @@ pub(super) struct Cuda {
     /// The asynchronous copies' streams, created on first use and kept for the
     /// process: staging one way, staging the other, device to device.
     streams: Mutex<HashMap<(u32, Lane), Stream>>,
+    /// Each device's gather kernel, loaded on first use and kept for the process;
+    /// `None` where the driver would not load it (copies go one by one there).
+    gathers: Mutex<HashMap<u32, Option<Kernel>>>,
 }
+
+/// A loaded kernel's function handle.
+#[derive(Clone, Copy)]
+struct Kernel(sys::CUfunction);
+
+// SAFETY: a CUfunction is an opaque driver handle of a module that is never
+// unloaded; it may be launched from any thread with its context current.
+unsafe impl Send for Kernel {}
 
 /// What a stream carries: staging copies one way, or device-to-device copies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -362,6 +418,7 @@ impl Cuda {
             devices: n as u32,
             contexts: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
+            gathers: Mutex::new(HashMap::new()),
         })
     }
 
@@ -411,6 +468,76 @@ impl Cuda {
         })?;
         streams.insert((device, lane), Stream(s));
         Ok(Stream(s))
+    }
+
+    /// The gather kernel on `device` (its context current), loaded on first use;
+    /// `None`, with the reason logged once, where the driver refuses it.
+    fn gather(&self, device: u32) -> Option<Kernel> {
+        let mut gathers = self.gathers.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(k) = gathers.get(&device) {
+            return *k;
+        }
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        let mut f: sys::CUfunction = std::ptr::null_mut();
+        // SAFETY: out-parameters of the declared types; the image is NUL-terminated
+        // PTX text and the name a C string, both static. The module is kept for the
+        // process (never unloaded), so the function stays valid.
+        let r = unsafe {
+            match (self.calls.cuModuleLoadData)(&mut module, gather::PTX.as_ptr().cast()) {
+                0 => (self.calls.cuModuleGetFunction)(&mut f, module, gather::ENTRY.as_ptr()),
+                r => r,
+            }
+        };
+        let k = if r == 0 {
+            Some(Kernel(f))
+        } else {
+            tracing::warn!(
+                device,
+                error = cu_name(r),
+                "gpu: cannot load the gather kernel; device copies go one by one on this GPU"
+            );
+            None
+        };
+        gathers.insert(device, k);
+        k
+    }
+
+    /// Launch `launches` on `stream` in order. `Err(Some(status))`: the first
+    /// failed, nothing was launched; `Err(None)`: a later one failed.
+    ///
+    /// # Safety
+    /// As [`GpuDriver::copy_device_async`] with `one_kernel`.
+    unsafe fn launch_gather(
+        &self,
+        Kernel(f): Kernel,
+        stream: sys::CUstream,
+        launches: Vec<gather::Launch>,
+    ) -> std::result::Result<(), Option<std::ffi::c_uint>> {
+        for (i, mut l) in launches.into_iter().enumerate() {
+            let mut params = [std::ptr::addr_of_mut!(l.table).cast::<std::ffi::c_void>()];
+            // SAFETY: the kernel's one parameter is the table, which the driver
+            // copies during the call; the grid and block fit the kernel (see
+            // `gather`); the ranges are the caller's contract.
+            let r = unsafe {
+                (self.calls.cuLaunchKernel)(
+                    f,
+                    l.grid_x,
+                    l.grid_y,
+                    1,
+                    gather::THREADS,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            };
+            if r != 0 {
+                return Err((i == 0).then_some(r));
+            }
+        }
+        Ok(())
     }
 
     /// Run `f` with `ctx` current on this thread, and make the thread's own context
@@ -830,11 +957,40 @@ impl GpuDriver for Cuda {
         &self,
         device: u32,
         copies: &[(u64, u64, usize)],
+        one_kernel: bool,
         done: Box<dyn FnOnce(i32) + Send>,
     ) -> Result<()> {
         const OP: &str = "start a GPU copy";
         self.on(device, || {
             let Stream(stream) = self.stream(device, Lane::Device)?;
+            let launches = if one_kernel { gather::plan(copies) } else { None };
+            let kernel = launches.as_ref().and_then(|_| self.gather(device));
+            if let (Some(launches), Some(k)) = (launches, kernel) {
+                // SAFETY: the caller's contract, and every range reachable from this
+                // device's kernels (`one_kernel`).
+                match unsafe { self.launch_gather(k, stream, launches) } {
+                    Ok(()) => return self.then(stream, done),
+                    // Nothing was launched: the copy engine takes them.
+                    Err(Some(r)) => {
+                        tracing::warn!(device, error = cu_name(r), "gpu: the gather kernel did not launch; device copies go one by one on this GPU");
+                        self.gathers
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .insert(device, None);
+                    }
+                    Err(None) => {
+                        // SAFETY: a live stream of this context.
+                        unsafe {
+                            let _ = (self.calls.cuStreamSynchronize)(stream);
+                        }
+                        return err(
+                            crate::error::ErrorKind::Backend,
+                            OP,
+                            "a gather kernel launch failed after others were queued",
+                        );
+                    }
+                }
+            }
             for &(dst, src, len) in copies {
                 // SAFETY: the caller's contract: both ranges are live device memory
                 // until `done` runs. With unified addressing the driver finds each

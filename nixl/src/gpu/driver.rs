@@ -120,16 +120,21 @@ pub(crate) trait GpuDriver: Send + Sync + fmt::Debug {
     /// Start the device-to-device copies `copies` (destination, source, length) in
     /// order on `device`'s stream for such copies, and call `done` exactly once after
     /// the last finished, with the driver's status (0: success), from a driver thread
-    /// where it must not call CUDA. On `Err` no copy is in flight any more and `done`
-    /// is not called.
+    /// where it must not call CUDA. With `one_kernel` they may run as one kernel on
+    /// `device` (see `gather`). On `Err` no copy is in flight any more and `done` is
+    /// not called.
     ///
     /// # Safety
     /// Every range is device memory (of this process, or opened through a handle)
-    /// that stays alive, and that nobody else writes, until `done` has been called.
+    /// that stays alive, and that nobody else writes, until `done` has been called;
+    /// no destination overlaps a source. With `one_kernel`, every range is reachable
+    /// by `device`'s kernels: its own memory, or memory opened through a handle
+    /// (which enables peer access).
     unsafe fn copy_device_async(
         &self,
         device: u32,
         copies: &[(u64, u64, usize)],
+        one_kernel: bool,
         done: Box<dyn FnOnce(i32) + Send>,
     ) -> Result<()>;
 }

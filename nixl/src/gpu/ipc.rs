@@ -91,7 +91,9 @@ pub fn ipc_open(device: u32, handle: &[u8; IPC_HANDLE_LEN]) -> Result<IpcMapping
 }
 
 /// Start copying between device memories, `copies` being (destination, source,
-/// length), in order on `device`'s device-to-device stream. `done` runs once, after
+/// length), in order on `device`'s device-to-device stream: as one kernel launch
+/// (a gather kernel nixl ships as PTX, loaded once per device) when `one_kernel` and
+/// there are several, else one copy-engine copy each. `done` runs once, after
 /// the device finished them all, with their outcome, on a driver thread: it must
 /// make no CUDA call and free nothing that needs one (it may complete futures and
 /// queue messages). `hold` lives until then and is dropped afterwards on the GPU
@@ -101,10 +103,14 @@ pub fn ipc_open(device: u32, handle: &[u8; IPC_HANDLE_LEN]) -> Result<IpcMapping
 /// # Safety
 /// Every range is device memory (this process's, or inside an [`IpcMapping`]) that
 /// `hold` or its owners keep alive until `done` has run; no range is written by
-/// anyone else meanwhile.
+/// anyone else meanwhile, and no destination overlaps a source. With `one_kernel`,
+/// every range is `device`'s own memory or inside an [`IpcMapping`] opened on
+/// `device` (which has peer access to it): memory of another GPU of this process
+/// may not be reachable from `device`'s kernels.
 pub unsafe fn copy_device_batch(
     device: u32,
     copies: &[(u64, u64, usize)],
+    one_kernel: bool,
     hold: Box<dyn Any + Send>,
     done: Box<dyn FnOnce(Result<()>) + Send>,
 ) -> Result<()> {
@@ -135,7 +141,7 @@ pub unsafe fn copy_device_batch(
         }
     });
     // SAFETY: the caller's contract; `hold` stays alive until the callback ran.
-    let started = unsafe { gpu.copy_device_async(device, copies, finished) };
+    let started = unsafe { gpu.copy_device_async(device, copies, one_kernel, finished) };
     if started.is_err() {
         // The callback will not run: nothing is in flight, drop here.
         drop(held.lock().unwrap_or_else(PoisonError::into_inner).take());

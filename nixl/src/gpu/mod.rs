@@ -78,6 +78,7 @@ mod copy;
 mod cuda;
 mod dma_buf;
 mod driver;
+mod gather;
 mod ipc;
 mod pinned;
 pub(crate) mod reaper;

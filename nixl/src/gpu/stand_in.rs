@@ -177,6 +177,7 @@ impl GpuDriver for HostStandIn {
         &self,
         device: u32,
         copies: &[(u64, u64, usize)],
+        _one_kernel: bool,
         done: Box<dyn FnOnce(i32) + Send>,
     ) -> Result<()> {
         self.bind(device)?;
