@@ -318,7 +318,7 @@ mod uccl {
 
     use crate::error::{fail, Result};
 
-    const KEYS: &[&str] = &["lib", "control_ip", "liveness_ms", "window"];
+    const KEYS: &[&str] = &["lib", "control_ip", "liveness_ms", "window", "confirm"];
 
     fn options(params: &[(String, String)]) -> Result<UcclOptions> {
         let mut o = UcclOptions::default();
@@ -336,6 +336,12 @@ mod uccl {
                 "window" => match v.parse::<usize>() {
                     Ok(n) if n > 0 => o.window = n,
                     _ => return fail(format!("uccl window={v}: expected a count > 0")),
+                },
+                // End-to-end confirmation of every transfer (UcclOptions::confirm).
+                "confirm" => match v.as_str() {
+                    "true" | "on" => o.confirm = true,
+                    "false" | "off" => o.confirm = false,
+                    _ => return fail(format!("uccl confirm={v}: expected true or false")),
                 },
                 _ => {
                     return fail(format!(

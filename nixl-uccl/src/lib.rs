@@ -49,14 +49,18 @@
 //!   (plus one poll interval). A transfer not done after [`UcclOptions::stall_timeout`]
 //!   fails with [`ErrorKind::TimedOut`]. UCCL cannot cancel an operation it accepted:
 //!   after such a failure the NIC may still complete it (see abandoned operations).
-//!   UCCL 0.1.1 also reports an operation that failed inside the engine as done, so a
-//!   transfer (and its notification) can report success without the data having
-//!   moved; on a peer that dies, liveness usually wins, since an RC queue pair
-//!   reports the failure only after its retry timeout.
+//!   UCCL 0.1.1 also reports an operation that failed inside the engine as done, so
+//!   every transfer is **confirmed end to end** before it resolves `Ok` and before
+//!   its notification goes ([`UcclOptions::confirm`], on by default): the initiator
+//!   digests its side of the bytes while the target digests its side (a `Verify`
+//!   request on the control connection), and a difference fails the transfer with
+//!   [`ErrorKind::Backend`]. The cost is one read of the data on each side (GPU
+//!   memory copied to the host for it) and one control round trip per transfer.
 //! - **Notifications.** UCCL's own go over a separate TCP channel, unordered with the
 //!   data, into one process-wide list, truncated to 256 bytes. This crate does not use
 //!   them. A notification is sent on the control connection by the initiator once every
-//!   piece of its transfer is done (so the data is in the target's memory first),
+//!   piece of its transfer is done and confirmed (so the data is in the target's
+//!   memory first),
 //!   delivered only to the agent it is for, only when asked for, and never truncated:
 //!   up to [`MAX_NOTIFICATION`] bytes, longer ones are refused when posted. Order
 //!   holds per control connection: after a reconnect, frames still in flight on the
@@ -112,6 +116,7 @@
 #[allow(unsafe_code)]
 pub mod api;
 mod catch;
+mod confirm;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod host;
@@ -119,6 +124,7 @@ pub mod library;
 #[cfg(feature = "test-double")]
 #[allow(unsafe_code)]
 pub mod test_double;
+mod verify;
 mod wire;
 
 use std::collections::HashMap;
@@ -132,7 +138,7 @@ use bytes::Bytes;
 use nixl::native::{LibraryReport, LibrarySource};
 use nixl::{
     Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, Op,
-    PreparedTransfer, RegionRef, Result, Target, TransferPlan,
+    PreparedTransfer, RegionRef, RegionSlice, Result, Target, TransferPlan,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -140,6 +146,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
 use api::{ConnHandle, EngineApi, EngineOwner, FifoItem, NewEngine, OwnedConn};
+use confirm::{Confirmer, Regs, Work};
 use wire::{ConnInfo, Frame};
 
 /// Longest notification this backend carries, in bytes (UCCL's own stop at 256).
@@ -182,6 +189,13 @@ pub struct UcclOptions {
     /// expects a current context; without one the driver reports
     /// `CUDA_ERROR_INVALID_CONTEXT` inside the engine).
     pub device: u32,
+    /// Confirm every transfer end to end before it resolves `Ok` (default on):
+    /// UCCL 0.1.1 reports a failed operation as done, so without this a transfer can
+    /// succeed without its data. Both sides digest the transfer's bytes (CRC-32) and
+    /// compare over the control connection; the cost is one read of the data on each
+    /// side (GPU memory is copied to the host for it) and one round trip per
+    /// transfer. Turn it off only where the fabric is known not to lose operations.
+    pub confirm: bool,
 }
 
 impl Default for UcclOptions {
@@ -198,6 +212,7 @@ impl Default for UcclOptions {
             window: 64,
             max_outstanding: 256,
             device: 0,
+            confirm: true,
         }
     }
 }
@@ -238,6 +253,9 @@ struct LinkState {
     out: mpsc::UnboundedSender<Out>,
     /// The target said its engine accepts connections.
     ready: watch::Sender<bool>,
+    /// Confirmations asked for and not yet answered, by request id.
+    verifies: Mutex<HashMap<u64, oneshot::Sender<Option<u64>>>>,
+    next_verify: std::sync::atomic::AtomicU64,
 }
 
 impl LinkState {
@@ -249,6 +267,8 @@ impl LinkState {
         }
         drop(w);
         self.dead.cancel();
+        // Their transfers fail (the answers will not come).
+        self.verifies.lock().unwrap().clear();
     }
 
     fn why(&self) -> String {
@@ -264,6 +284,8 @@ impl LinkState {
 #[derive(Debug)]
 enum Out {
     Notif(Bytes, Completer),
+    /// A frame that completes nothing when written (a `Verify`).
+    Frame(Bytes),
 }
 
 /// One connected peer: the control link, and the engine connection once a transfer
@@ -382,6 +404,10 @@ struct Piece {
 struct Job {
     op: Op,
     pieces: Arc<[Piece]>,
+    /// Each piece's local memory, for the confirmation.
+    locals: Arc<[RegionSlice]>,
+    /// Confirm before completing: the worker, where to wait, and for how long.
+    confirm: Option<(Confirmer, BackendContext, Duration)>,
     link: Arc<Link>,
     conn: ConnHandle,
     notif: Option<(Bytes, Ticket)>,
@@ -425,6 +451,7 @@ struct Started {
     info: Bytes,
     engine_meta: String,
     progress: Arc<Progress>,
+    confirmer: Confirmer,
 }
 
 impl Started {
@@ -447,7 +474,7 @@ struct Inner {
     report: Option<LibraryReport>,
     started: Attachment<Started>,
     /// Registered regions: id to (memory region, the region kept alive).
-    regs: Mutex<HashMap<u64, (u64, RegionRef)>>,
+    regs: Regs,
     peers: Mutex<HashMap<String, PeerSlot>>,
     gate: Arc<AcceptGate>,
     registered: watch::Sender<bool>,
@@ -496,7 +523,7 @@ impl UcclBackend {
                 api,
                 report,
                 started: Attachment::new("uccl"),
-                regs: Mutex::new(HashMap::new()),
+                regs: Regs::default(),
                 peers: Mutex::new(HashMap::new()),
                 gate: Arc::default(),
                 registered: watch::channel(false).0,
@@ -753,6 +780,8 @@ impl Inner {
             why: Mutex::new(None),
             out: out_tx,
             ready: watch::channel(false).0,
+            verifies: Mutex::new(HashMap::new()),
+            next_verify: std::sync::atomic::AtomicU64::new(0),
         });
         let (rd, wr) = stream.into_split();
         st.ctx.spawn(control_reader(
@@ -779,7 +808,7 @@ impl Inner {
         self: &Arc<Self>,
         peer: String,
         op: Op,
-        pieces: Arc<[Piece]>,
+        (pieces, locals): (Arc<[Piece]>, Arc<[RegionSlice]>),
         notif: Option<Bytes>,
         done: Completer,
     ) {
@@ -787,6 +816,13 @@ impl Inner {
             Ok(s) => s,
             Err(e) => return done.complete(Err(e)),
         };
+        let confirm = self.options.confirm.then(|| {
+            (
+                st.confirmer.clone(),
+                st.ctx.clone(),
+                self.options.stall_timeout,
+            )
+        });
         let notif = match notif
             .map(|m| self.ticket(&peer).map(|t| (m, t)))
             .transpose()
@@ -795,7 +831,8 @@ impl Inner {
             Err(e) => return done.complete(Err(e)),
         };
         if let Some(link) = self.live_link(&peer).filter(|l| l.conn.get().is_some()) {
-            st.progress.push(Job::new(op, pieces, link, notif, done));
+            st.progress
+                .push(Job::new(op, (pieces, locals), confirm, link, notif, done));
             return;
         }
         let inner = self.clone();
@@ -803,7 +840,9 @@ impl Inner {
         // Dropped (and `done` with it: Canceled) if the agent stops first.
         st.ctx.spawn(async move {
             match inner.data_link(&peer).await {
-                Ok(link) => progress.push(Job::new(op, pieces, link, notif, done)),
+                Ok(link) => {
+                    progress.push(Job::new(op, (pieces, locals), confirm, link, notif, done))
+                }
                 Err(e) => done.complete(Err(e)),
             }
         });
@@ -813,7 +852,8 @@ impl Inner {
 impl Job {
     fn new(
         op: Op,
-        pieces: Arc<[Piece]>,
+        (pieces, locals): (Arc<[Piece]>, Arc<[RegionSlice]>),
+        confirm: Option<(Confirmer, BackendContext, Duration)>,
         link: Arc<Link>,
         notif: Option<(Bytes, Ticket)>,
         done: Completer,
@@ -826,6 +866,8 @@ impl Job {
         Self {
             op,
             pieces,
+            locals,
+            confirm,
             link,
             conn,
             notif,
@@ -851,6 +893,11 @@ async fn control_reader(
                 Err(_) => return state.kill(format!("{peer:?} was silent for {liveness:?} on the control connection")),
                 Ok(Ok(Some(Frame::Ready))) => {
                     state.ready.send_replace(true);
+                }
+                Ok(Ok(Some(Frame::Verified { id, digest }))) => {
+                    if let Some(tx) = state.verifies.lock().unwrap().remove(&id) {
+                        let _ = tx.send(digest);
+                    }
                 }
                 Ok(Ok(Some(_))) => {}
                 Ok(Ok(None)) => return state.kill(format!("{peer:?} closed the control connection")),
@@ -880,6 +927,12 @@ async fn control_writer(
             }
             m = rx.recv() => match m {
                 None => break,
+                Some(Out::Frame(f)) => {
+                    if let Err(e) = wr.write_all(&f).await {
+                        state.kill(format!("control connection: {e}"));
+                        break;
+                    }
+                }
                 Some(Out::Notif(msg, done)) => {
                     let r = wr.write_all(&Frame::Notif(msg).encode()).await;
                     match r {
@@ -896,12 +949,14 @@ async fn control_writer(
     }
     // Fail what is still queued.
     rx.close();
-    while let Ok(Out::Notif(_, done)) = rx.try_recv() {
-        done.complete(Err(Error::new(
-            ErrorKind::RemoteDisconnected,
-            "uccl notify",
-            state.why(),
-        )));
+    while let Ok(o) = rx.try_recv() {
+        if let Out::Notif(_, done) = o {
+            done.complete(Err(Error::new(
+                ErrorKind::RemoteDisconnected,
+                "uccl notify",
+                state.why(),
+            )));
+        }
     }
 }
 
@@ -917,6 +972,7 @@ async fn serve_control(
     mut registered: watch::Receiver<bool>,
     liveness: Duration,
     connect_timeout: Duration,
+    confirmer: Confirmer,
 ) {
     let _ = stream.set_nodelay(true);
     // The agent's secret first, where set: nothing is answered or kept for a peer
@@ -962,7 +1018,9 @@ async fn serve_control(
     if wr.write_all(&Frame::HelloAck(me).encode()).await.is_err() {
         return;
     }
-    let (pong_tx, mut pong_rx) = mpsc::unbounded_channel::<()>();
+    // Pongs and confirmations, written in the order they are ready.
+    let (reply_tx, mut reply_rx) = mpsc::unbounded_channel::<Frame>();
+    let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     // Pongs from the start; Ready once this agent has registered memory (its engine
     // accepts only then), whenever that is.
     let writer = async move {
@@ -976,8 +1034,8 @@ async fn serve_control(
                     }
                     Err(_) => return,
                 },
-                p = pong_rx.recv() => match p {
-                    Some(()) => Frame::Pong,
+                f = reply_rx.recv() => match f {
+                    Some(f) => f,
                     None => return,
                 },
             };
@@ -994,7 +1052,24 @@ async fn serve_control(
             match tokio::time::timeout(silence, wire::read_frame(&mut rd)).await {
                 Ok(Ok(Some(Frame::Notif(m)))) => sink.deliver(&name, m),
                 Ok(Ok(Some(Frame::Ping))) => {
-                    let _ = pong_tx.send(());
+                    let _ = reply_tx.send(Frame::Pong);
+                }
+                Ok(Ok(Some(Frame::Verify { id, ranges }))) => {
+                    use std::sync::atomic::Ordering;
+                    if queued.fetch_add(1, Ordering::AcqRel) >= confirm::MAX_QUEUED {
+                        queued.fetch_sub(1, Ordering::AcqRel);
+                        let _ = reply_tx.send(Frame::Verified { id, digest: None });
+                        continue;
+                    }
+                    let w = Work::Remote {
+                        id,
+                        ranges,
+                        reply: reply_tx.clone(),
+                        queued: queued.clone(),
+                    };
+                    if confirmer.submit(w).is_err() {
+                        return;
+                    }
                 }
                 Ok(Ok(Some(f))) => {
                     tracing::debug!(?f, peer = %name, "UCCL control: unexpected frame");
@@ -1244,7 +1319,60 @@ fn step(j: &mut Job, api: &dyn EngineApi, opts: &UcclOptions, outstanding: &mut 
     Step::Pending(moved)
 }
 
-fn finish(j: Job, r: Result<()>) {
+fn finish(mut j: Job, r: Result<()>) {
+    match (r, j.confirm.take()) {
+        (Ok(()), Some(c)) => confirm_then_complete(j, c),
+        (r, _) => complete(j, r),
+    }
+}
+
+/// Ask the target to confirm `j` (see `verify`) and hand its own side's digests to
+/// the worker, which completes `j` once the answers agree, or fails it.
+fn confirm_then_complete(j: Job, (confirmer, ctx, timeout): (Confirmer, BackendContext, Duration)) {
+    use std::sync::atomic::Ordering;
+    let st = j.link.state.clone();
+    let pieces = j
+        .pieces
+        .iter()
+        .zip(j.locals.iter())
+        .map(|(p, l)| (l.clone(), p.remote.addr, p.len as u64));
+    let mut groups = Vec::new();
+    for g in verify::groups(pieces) {
+        let (tx, rx) = oneshot::channel();
+        let id = st.next_verify.fetch_add(1, Ordering::Relaxed);
+        st.verifies.lock().unwrap().insert(id, tx);
+        let frame = Frame::Verify {
+            id,
+            ranges: g.remote,
+        }
+        .encode();
+        // A link killed before the insertion cleared the table already.
+        if st.dead.is_cancelled() || st.out.send(Out::Frame(frame)).is_err() {
+            st.verifies.lock().unwrap().remove(&id);
+            let e = Error::new(ErrorKind::RemoteDisconnected, "uccl transfer", st.why());
+            return complete(j, Err(e));
+        }
+        groups.push((g.local, rx));
+    }
+    let w = Work::Local {
+        groups,
+        ctx,
+        timeout,
+        then: Box::new(move |r| complete(j, r)),
+    };
+    if let Err(w) = confirmer.submit(w) {
+        let Work::Local { then, .. } = *w else {
+            unreachable!("given back what was sent")
+        };
+        then(Err(Error::new(
+            ErrorKind::ShutDown,
+            "uccl transfer",
+            "the agent stopped before the transfer was confirmed",
+        )));
+    }
+}
+
+fn complete(j: Job, r: Result<()>) {
     match (r, j.notif) {
         (Ok(()), Some((msg, t))) => t.send(msg, j.done, j.link.state.clone()),
         // A failed transfer gives its notification's place up (the ticket drops).
@@ -1259,14 +1387,20 @@ struct Prepared {
     peer: String,
     op: Op,
     pieces: Arc<[Piece]>,
+    locals: Arc<[RegionSlice]>,
     /// Keeps the plan's regions alive (the agent does too, per post).
     _plan: TransferPlan,
 }
 
 impl PreparedTransfer for Prepared {
     fn post(&self, notif: Option<Bytes>, done: Completer) {
-        self.inner
-            .post_job(self.peer.clone(), self.op, self.pieces.clone(), notif, done);
+        self.inner.post_job(
+            self.peer.clone(),
+            self.op,
+            (self.pieces.clone(), self.locals.clone()),
+            notif,
+            done,
+        );
     }
 }
 
@@ -1355,6 +1489,9 @@ impl UcclBackend {
             },
         )?;
 
+        let confirmer = Confirmer::start(&ctx, inner.regs.clone())?;
+        let started_confirmer = confirmer.clone();
+
         // The control listener.
         let (me, sink) = (ctx.agent_name.clone(), ctx.notifications.clone());
         let (liveness, connect_timeout) = (
@@ -1380,6 +1517,7 @@ impl UcclBackend {
                         registered.clone(),
                         liveness,
                         connect_timeout,
+                        confirmer.clone(),
                     )),
                     Err(e) => {
                         // Out of descriptors, most likely: free one held by a
@@ -1398,6 +1536,7 @@ impl UcclBackend {
             info,
             engine_meta,
             progress,
+            confirmer: started_confirmer,
         })
     }
 }
@@ -1562,6 +1701,7 @@ impl Backend for UcclBackend {
         let max = self.inner.options.max_piece.clamp(1, u32::MAX as usize);
         let regs = self.inner.regs.lock().unwrap();
         let mut pieces = Vec::with_capacity(plan.segments.len());
+        let mut locals = Vec::with_capacity(plan.segments.len());
         for s in plan.segments.iter() {
             let Some(&(mr, _)) = regs.get(&s.local.id()) else {
                 return err(
@@ -1594,6 +1734,7 @@ impl Backend for UcclBackend {
             let mut off = 0usize;
             while off < s.local.len() {
                 let n = (s.local.len() - off).min(max);
+                locals.push(s.local.sub(off, n).expect("a piece lies in its segment"));
                 pieces.push(Piece {
                     region: s.local.id(),
                     mr,
@@ -1610,6 +1751,7 @@ impl Backend for UcclBackend {
             peer,
             op: plan.op,
             pieces: pieces.into(),
+            locals: locals.into(),
             _plan: plan,
         }))
     }

@@ -15,6 +15,7 @@
 //!   only "done or not"); one towards an engine that was destroyed is reported done
 //!   without moving data (a queue pair whose peer died is flushed, and UCCL reports
 //!   a failed operation as done), at once or after a [delay](set_flush_delay);
+//! - an operation that fails is reported done without moving data ([`lose_data`]);
 //! - a process-wide notification list (UCCL's `notify_list`), which this crate must
 //!   never use: [`notifications_sent`] counts what went into it.
 //!
@@ -41,6 +42,8 @@ struct Engine {
     pending: VecDeque<usize>,
     stop_accept: bool,
     frozen: bool,
+    /// Operations towards it are reported done without moving data.
+    losing: bool,
     holding: bool,
     /// How long after this engine's destruction operations towards it are flushed.
     flush_delay: Duration,
@@ -165,6 +168,18 @@ pub fn freeze(engine_metadata: &str) {
     with(|w| {
         if let Some(e) = engine_mut(w, engine_metadata) {
             w.engines.get_mut(&e).unwrap().frozen = true;
+        }
+    });
+}
+
+/// Make operations towards the engine announced as `engine_metadata` report done
+/// without moving any data (`lose = true`) while the peer stays healthy otherwise:
+/// what UCCL 0.1.1 does with an operation that failed (a queue pair flushed in error
+/// completes, and its status says only "done or not").
+pub fn lose_data(engine_metadata: &str, lose: bool) {
+    with(|w| {
+        if let Some(e) = engine_mut(w, engine_metadata) {
+            w.engines.get_mut(&e).unwrap().losing = lose;
         }
     });
 }
@@ -594,6 +609,10 @@ impl TestDouble {
                     OP,
                     format!("remote range {raddr:#x}+{len} outside the peer's region"),
                 ));
+            }
+            if target.losing {
+                w.xfers.insert(id, (true, peer));
+                return Ok(id);
             }
             let (src, dst) = if write { (addr, raddr) } else { (raddr, addr) };
             // SAFETY: both ranges lie in live registrations of this process (checked

@@ -6,7 +6,9 @@
 //!
 //! Control frames: `len u32` (little-endian, counting the type byte and the payload),
 //! `type u8`, payload. `Hello` and `HelloAck` carry an agent name; `Notif` carries the
-//! notification's bytes; the rest carry nothing.
+//! notification's bytes; `Verify` a request id (`u64`) then (address, length) pairs
+//! (`u64` each); `Verified` the request id, `ok u8` and a digest (`u64`); the rest
+//! carry nothing. Integers are little-endian.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -82,7 +84,15 @@ pub(crate) enum Frame {
     Ping,
     /// Answer to `Ping`.
     Pong,
+    /// Initiator: digest these ranges of your registered memory (see `verify`).
+    Verify { id: u64, ranges: Vec<(u64, u64)> },
+    /// Target: the digest of a `Verify`'s ranges, or `None` when it would not make it
+    /// (a range outside its registrations, memory deregistered meanwhile).
+    Verified { id: u64, digest: Option<u64> },
 }
+
+/// Most ranges one `Verify` frame carries.
+pub(crate) const MAX_VERIFY_RANGES: usize = 4096;
 
 const HELLO: u8 = 1;
 const HELLO_ACK: u8 = 2;
@@ -90,9 +100,12 @@ const READY: u8 = 3;
 const NOTIF: u8 = 4;
 const PING: u8 = 5;
 const PONG: u8 = 6;
+const VERIFY: u8 = 7;
+const VERIFIED: u8 = 8;
 
 impl Frame {
     pub(crate) fn encode(&self) -> Bytes {
+        let owned;
         let (t, body): (u8, &[u8]) = match self {
             Self::Hello(n) => (HELLO, n.as_bytes()),
             Self::HelloAck(n) => (HELLO_ACK, n.as_bytes()),
@@ -100,6 +113,24 @@ impl Frame {
             Self::Notif(m) => (NOTIF, m),
             Self::Ping => (PING, &[]),
             Self::Pong => (PONG, &[]),
+            Self::Verify { id, ranges } => {
+                let mut b = Vec::with_capacity(8 + 16 * ranges.len());
+                b.extend_from_slice(&id.to_le_bytes());
+                for (addr, len) in ranges {
+                    b.extend_from_slice(&addr.to_le_bytes());
+                    b.extend_from_slice(&len.to_le_bytes());
+                }
+                owned = b;
+                (VERIFY, &owned)
+            }
+            Self::Verified { id, digest } => {
+                let mut b = Vec::with_capacity(17);
+                b.extend_from_slice(&id.to_le_bytes());
+                b.push(u8::from(digest.is_some()));
+                b.extend_from_slice(&digest.unwrap_or(0).to_le_bytes());
+                owned = b;
+                (VERIFIED, &owned)
+            }
         };
         let mut b = BytesMut::with_capacity(5 + body.len());
         b.put_u32_le(1 + body.len() as u32);
@@ -120,6 +151,27 @@ impl Frame {
             NOTIF => Self::Notif(Bytes::copy_from_slice(rest)),
             PING if rest.is_empty() => Self::Ping,
             PONG if rest.is_empty() => Self::Pong,
+            VERIFY if rest.len() >= 8 && (rest.len() - 8) % 16 == 0 => {
+                let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+                let ranges: Vec<_> = rest[8..]
+                    .chunks_exact(16)
+                    .map(|c| (word(&c[..8]), word(&c[8..])))
+                    .collect();
+                if ranges.len() > MAX_VERIFY_RANGES {
+                    return None;
+                }
+                Self::Verify {
+                    id: word(&rest[..8]),
+                    ranges,
+                }
+            }
+            VERIFIED if rest.len() == 17 && rest[8] <= 1 => {
+                let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+                Self::Verified {
+                    id: word(&rest[..8]),
+                    digest: (rest[8] == 1).then(|| word(&rest[9..])),
+                }
+            }
             _ => return None,
         })
     }
@@ -208,6 +260,22 @@ mod tests {
             Frame::Notif(Bytes::new()),
             Frame::Ping,
             Frame::Pong,
+            Frame::Verify {
+                id: 7,
+                ranges: vec![(0x7f00_0000_1000, 4096), (u64::MAX, 1)],
+            },
+            Frame::Verify {
+                id: 0,
+                ranges: vec![],
+            },
+            Frame::Verified {
+                id: u64::MAX,
+                digest: Some(0x1234_5678_9abc_def0),
+            },
+            Frame::Verified {
+                id: 1,
+                digest: None,
+            },
         ] {
             let e = f.encode();
             let n = u32::from_le_bytes(e[..4].try_into().unwrap()) as usize;
@@ -217,6 +285,21 @@ mod tests {
         assert_eq!(Frame::decode(&[READY, 1]), None);
         assert_eq!(Frame::decode(&[99]), None);
         assert_eq!(Frame::decode(&[HELLO, 0xff]), None);
+        // A range cut short, a bad flag, too many ranges.
+        assert_eq!(Frame::decode(&[&[VERIFY][..], &[0; 8 + 15]].concat()), None);
+        assert_eq!(
+            Frame::decode(&[&[VERIFIED][..], &[0; 8], &[2], &[0; 8]].concat()),
+            None
+        );
+        let many = Frame::Verify {
+            id: 1,
+            ranges: vec![(0, 1); MAX_VERIFY_RANGES + 1],
+        };
+        assert_eq!(Frame::decode(&many.encode()[4..]), None);
+        assert!(
+            many.encode().len() - 4 <= MAX_FRAME,
+            "the limit is the decoder's"
+        );
     }
 
     #[tokio::test]

@@ -125,3 +125,107 @@ async fn the_agents_secret_authenticates_the_control_connection() {
         assert!(bounded("shutdown", x.shutdown()).await.is_clean());
     }
 }
+
+/// UCCL 0.1.1 reports a failed operation as done ([`lose_data`] makes the double do
+/// that while the peer stays healthy). With confirmation (the default) such a WRITE
+/// or READ fails instead of succeeding, and a WRITE's notification is never
+/// delivered; with `confirm: false` the loss goes unseen, which is why it is on.
+///
+/// [`lose_data`]: nixl_uccl::test_double::lose_data
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_operations_are_never_reported_done() {
+    use bytes::Bytes;
+    use nixl::{Agent, ErrorKind};
+    use nixl_conformance::support::{bounded, one, remote};
+    const LEN: usize = 1 << 20;
+    for confirm in [true, false] {
+        let tb = UcclBackend::with_api(TestDouble::api(), UcclOptions::default());
+        let t = Agent::builder("target")
+            .backend(tb.clone())
+            .build()
+            .await
+            .unwrap();
+        let mem = t.register(vec![0u8; LEN]).unwrap();
+        let mut notes = t.notifications().unwrap();
+        let a = Agent::builder("initiator")
+            .backend(UcclBackend::with_api(
+                TestDouble::api(),
+                UcclOptions {
+                    confirm,
+                    ..Default::default()
+                },
+            ))
+            .build()
+            .await
+            .unwrap();
+        let src = a.register(vec![7u8; LEN]).unwrap();
+        let back = a.register(vec![0u8; 4096]).unwrap();
+        a.load_metadata(&t.metadata().unwrap()).unwrap();
+        let rd = remote(&a, "target", mem.id());
+        let note = |m: &'static str| Some(Bytes::from_static(m.as_bytes()));
+
+        // Healthy: confirmed, delivered.
+        bounded(
+            "write",
+            a.write(
+                &one(src.desc(0, 4096)),
+                "target",
+                &one(rd.desc(0, 4096)),
+                note("first"),
+            ),
+        )
+        .await
+        .unwrap();
+        let n = bounded("notification", notes.recv()).await.unwrap();
+        assert_eq!(&n.msg[..], b"first");
+
+        // The engine now loses every operation towards the target.
+        nixl_uccl::test_double::lose_data(&tb.engine_metadata().unwrap(), true);
+        let w = bounded(
+            "lost write",
+            a.write(
+                &one(src.desc(4096, (LEN - 4096) as u64)),
+                "target",
+                &one(rd.desc(4096, (LEN - 4096) as u64)),
+                note("lost"),
+            ),
+        )
+        .await;
+        let r = bounded(
+            "lost read",
+            a.read(&one(back.whole()), "target", &one(rd.desc(0, 4096)), None),
+        )
+        .await;
+        assert!(
+            mem.to_vec().unwrap()[4096..].iter().all(|&b| b == 0),
+            "the double really lost the write"
+        );
+        assert_eq!(back.to_vec().unwrap(), vec![0u8; 4096], "and the read");
+        if confirm {
+            let e = w.expect_err("a lost write reported done");
+            assert_eq!(e.kind(), ErrorKind::Backend, "{e}");
+            assert!(e.to_string().contains("differ"), "{e}");
+            let e = r.expect_err("a lost read reported done");
+            assert_eq!(e.kind(), ErrorKind::Backend, "{e}");
+        } else {
+            assert!(w.is_ok() && r.is_ok(), "unconfirmed, the loss goes unseen");
+        }
+        nixl_uccl::test_double::lose_data(&tb.engine_metadata().unwrap(), false);
+        bounded("notify", a.notify("target", "after").unwrap())
+            .await
+            .unwrap();
+        let n = bounded("notification", notes.recv()).await.unwrap();
+        if confirm {
+            assert_eq!(
+                &n.msg[..],
+                b"after",
+                "the lost write's notification never went"
+            );
+        } else {
+            assert_eq!(&n.msg[..], b"lost");
+        }
+        drop(notes);
+        assert!(bounded("shutdown", a.shutdown()).await.is_clean());
+        assert!(bounded("shutdown", t.shutdown()).await.is_clean());
+    }
+}

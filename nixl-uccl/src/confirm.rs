@@ -1,0 +1,164 @@
+//! The confirmation worker (see `verify`): one agent-owned thread that reads
+//! registered memory for digests, the initiator's of its own side of a transfer and
+//! the target's for a peer's `Verify` request, so neither the progress thread nor a
+//! tokio worker is held by a long read (or a device copy of GPU memory).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use nixl::{BackendContext, Error, ErrorKind, RegionRef, RegionSlice, Result};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::verify;
+use crate::wire::Frame;
+
+const OP: &str = "uccl transfer confirmation";
+
+/// Requests a target keeps queued per control connection; more are refused (the
+/// initiator's transfers fail with the reason).
+pub(crate) const MAX_QUEUED: usize = 1024;
+
+/// This agent's registrations: id to (engine memory region, the region).
+pub(crate) type Regs = Arc<Mutex<HashMap<u64, (u64, RegionRef)>>>;
+
+/// What happens to a confirmed (or refused) transfer.
+pub(crate) type Then = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// Work for the worker.
+pub(crate) enum Work {
+    /// Initiator: digest each group's local slices, then compare with the target's
+    /// answers as they come (within `timeout`), and call `then`.
+    Local {
+        groups: Vec<(Vec<RegionSlice>, oneshot::Receiver<Option<u64>>)>,
+        ctx: BackendContext,
+        timeout: Duration,
+        then: Then,
+    },
+    /// Target: the digest of `ranges` of this agent's registrations, answered as
+    /// `Verified` on `reply`.
+    Remote {
+        id: u64,
+        ranges: Vec<(u64, u64)>,
+        reply: mpsc::UnboundedSender<Frame>,
+        queued: Arc<AtomicUsize>,
+    },
+}
+
+/// A handle on the worker.
+#[derive(Clone, Debug)]
+pub(crate) struct Confirmer {
+    tx: std_mpsc::Sender<Option<Work>>,
+}
+
+impl Confirmer {
+    /// Start the worker on an agent-owned thread (joined at shutdown); called on the
+    /// agent's runtime.
+    pub(crate) fn start(ctx: &BackendContext, regs: Regs) -> Result<Self> {
+        let (tx, rx) = std_mpsc::channel::<Option<Work>>();
+        let wake = Mutex::new(tx.clone());
+        // The agent's runtime, where the answers are awaited.
+        let runtime = tokio::runtime::Handle::current();
+        ctx.spawn_thread(
+            "uccl-confirm",
+            move |stop| {
+                let _entered = runtime.enter();
+                while let Ok(Some(w)) = rx.recv() {
+                    if stop.is_cancelled() {
+                        break;
+                    }
+                    run(w, &regs);
+                }
+            },
+            move || {
+                let _ = wake.lock().unwrap().send(None);
+            },
+        )?;
+        Ok(Self { tx })
+    }
+
+    /// Queue `w`; gives it back when the worker has stopped.
+    pub(crate) fn submit(&self, w: Work) -> std::result::Result<(), Box<Work>> {
+        self.tx
+            .send(Some(w))
+            .map_err(|std_mpsc::SendError(w)| Box::new(w.expect("sent Some")))
+    }
+}
+
+fn run(w: Work, regs: &Regs) {
+    match w {
+        Work::Local {
+            groups,
+            ctx,
+            timeout,
+            then,
+        } => {
+            let mut ours = Vec::with_capacity(groups.len());
+            let mut answers = Vec::with_capacity(groups.len());
+            for (slices, rx) in groups {
+                match verify::digest(&slices) {
+                    Ok(d) => ours.push(d),
+                    Err(e) => {
+                        return then(Err(Error::new(
+                            e.kind(),
+                            OP,
+                            format!("cannot read this side of the transfer: {e}"),
+                        )))
+                    }
+                }
+                answers.push(rx);
+            }
+            ctx.spawn(async move {
+                let n = ours.len();
+                for (i, (d, rx)) in ours.into_iter().zip(answers).enumerate() {
+                    let r = match tokio::time::timeout(timeout, rx).await {
+                        Ok(Ok(Some(theirs))) if theirs == d => continue,
+                        Ok(Ok(Some(_))) => Error::new(
+                            ErrorKind::Backend,
+                            OP,
+                            format!("UCCL reported the transfer done, but the target's bytes differ from this side's (part {} of {n}): an operation was lost or cut short", i + 1),
+                        ),
+                        Ok(Ok(None)) => Error::new(
+                            ErrorKind::Backend,
+                            OP,
+                            "the target could not confirm the transfer (its memory was deregistered meanwhile, or it is busy confirming others)",
+                        ),
+                        Ok(Err(_)) => Error::new(
+                            ErrorKind::RemoteDisconnected,
+                            OP,
+                            "the control connection closed before the target confirmed the transfer",
+                        ),
+                        Err(_) => Error::new(
+                            ErrorKind::TimedOut,
+                            OP,
+                            format!("the target did not confirm the transfer within {timeout:?}"),
+                        ),
+                    };
+                    return then(Err(r));
+                }
+                then(Ok(()));
+            });
+        }
+        Work::Remote {
+            id,
+            ranges,
+            reply,
+            queued,
+        } => {
+            let digest = target_slices(regs, &ranges).and_then(|s| verify::digest(&s).ok());
+            queued.fetch_sub(1, Ordering::AcqRel);
+            let _ = reply.send(Frame::Verified { id, digest });
+        }
+    }
+}
+
+/// The slices of this agent's registrations that `ranges` (addresses here) name, in
+/// order; `None` when one lies outside every registration.
+fn target_slices(regs: &Regs, ranges: &[(u64, u64)]) -> Option<Vec<RegionSlice>> {
+    let regs = regs.lock().unwrap();
+    ranges
+        .iter()
+        .map(|&(addr, len)| regs.values().find_map(|(_, r)| r.slice_at(addr, len)))
+        .collect()
+}
