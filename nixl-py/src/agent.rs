@@ -246,7 +246,13 @@ impl Inner {
                 .listen_nixl(addr, &NixlListenerOptions::default())
                 .await?
         } else {
-            agent.listen(addr, &SideChannelOptions::default()).await?
+            // NIXL's listener trusts everyone who reaches it (invalidate, reload);
+            // the Python API keeps that (README: bind where only peers reach).
+            let options = SideChannelOptions {
+                accept_peer_updates: true,
+                ..SideChannelOptions::default()
+            };
+            agent.listen(addr, &options).await?
         };
         *self.listening.lock().unwrap() = Some(Listening { addr: bound, nixl });
         Ok(())
