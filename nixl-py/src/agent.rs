@@ -42,6 +42,18 @@ struct Listening {
     nixl: bool,
 }
 
+#[derive(Default)]
+struct Requeued {
+    queue: Mutex<VecDeque<(String, Vec<u8>)>>,
+    added: tokio::sync::Notify,
+}
+
+impl Requeued {
+    fn pop(&self) -> Option<(String, Vec<u8>)> {
+        self.queue.lock().unwrap().pop_front()
+    }
+}
+
 struct Inner {
     name: String,
     agent: RwLock<Agent>,
@@ -52,8 +64,9 @@ struct Inner {
     listening: Mutex<Option<Listening>>,
     regs: Mutex<HashMap<RegKey, Registration>>,
     notifs: Arc<tokio::sync::Mutex<Option<Notifications>>>,
-    /// Notifications an asyncio waiter received after its awaiter went away.
-    requeued: Mutex<VecDeque<(String, Vec<u8>)>>,
+    /// Notifications an asyncio waiter received after its awaiter went away, and
+    /// the wake-up for the waiters after it.
+    requeued: Arc<Requeued>,
     /// Something outside may know this agent instance (metadata handed out, peers,
     /// prepared lists): backends can no longer be swapped by rebuilding it.
     used: AtomicBool,
@@ -341,7 +354,7 @@ impl PyAgent {
             listening: Mutex::new(None),
             regs: Mutex::new(HashMap::new()),
             notifs: Arc::new(tokio::sync::Mutex::new(Some(notifs))),
-            requeued: Mutex::new(VecDeque::new()),
+            requeued: Arc::new(Requeued::default()),
             used: AtomicBool::new(false),
             shut_down: AtomicBool::new(false),
             tasks: TaskTracker::new(),
@@ -853,7 +866,7 @@ impl PyAgent {
                 None => out.set_item(peer, PyList::new(py, [msg])?),
             }
         };
-        for (p, m) in self.inner.requeued.lock().unwrap().drain(..) {
+        for (p, m) in self.inner.requeued.queue.lock().unwrap().drain(..) {
             add(&p, &m)?;
         }
         if let Ok(mut g) = self.inner.notifs.try_lock() {
@@ -875,7 +888,7 @@ impl PyAgent {
         event_loop: Py<PyAny>,
         cb: Py<PyAny>,
     ) -> PyResult<Option<(String, Py<PyBytes>)>> {
-        if let Some((p, m)) = self.inner.requeued.lock().unwrap().pop_front() {
+        if let Some((p, m)) = self.inner.requeued.pop() {
             return Ok(Some((p, PyBytes::new(py, &m).unbind())));
         }
         if let Ok(mut g) = self.inner.notifs.try_lock() {
@@ -884,20 +897,30 @@ impl PyAgent {
             }
         }
         let notifs = self.inner.notifs.clone();
+        let requeued = self.inner.requeued.clone();
         let cancel = self.inner.cancel.clone();
         rt()?.spawn(self.inner.tasks.track_future(async move {
-            let next = tokio::select! {
-                n = async {
-                    let mut g = notifs.lock().await;
-                    match g.as_mut() {
-                        Some(n) => n.recv().await,
-                        None => None,
-                    }
-                } => n,
-                () = cancel.cancelled() => None,
+            // An earlier waiter whose awaiter went away may hold the stream and hand
+            // its notification back: take those first, and wake up for them.
+            let next = loop {
+                let added = requeued.added.notified();
+                if let Some(n) = requeued.pop() {
+                    break Some(n);
+                }
+                tokio::select! {
+                    n = async {
+                        let mut g = notifs.lock().await;
+                        match g.as_mut() {
+                            Some(n) => n.recv().await.map(|n| (n.peer, n.msg.to_vec())),
+                            None => None,
+                        }
+                    } => break n,
+                    () = added => continue,
+                    () = cancel.cancelled() => break None,
+                }
             };
             deliver(event_loop, cb, move |py| match next {
-                Some(n) => (n.peer, PyBytes::new(py, &n.msg))
+                Some((peer, msg)) => (peer, PyBytes::new(py, &msg))
                     .into_pyobject(py)
                     .map_or_else(|_| py.None(), |t| t.into_any().unbind()),
                 None => py.None(),
@@ -908,7 +931,13 @@ impl PyAgent {
 
     /// Put back a notification whose asyncio awaiter went away.
     fn requeue(&self, peer: String, msg: Vec<u8>) {
-        self.inner.requeued.lock().unwrap().push_front((peer, msg));
+        self.inner
+            .requeued
+            .queue
+            .lock()
+            .unwrap()
+            .push_front((peer, msg));
+        self.inner.requeued.added.notify_one();
     }
 
     /// Send a standalone notification (NIXL's `send_notif`); it is delivered in the
