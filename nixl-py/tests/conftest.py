@@ -101,5 +101,6 @@ def agents():
 
 def connect(a, b):
     """Each agent loads the other's full metadata (after their registrations)."""
-    assert a.add_remote_agent(b.get_agent_metadata()) == b.name
-    assert b.add_remote_agent(a.get_agent_metadata()) == a.name
+    # NIXL 1.5.1 returns the name as bytes; so do we.
+    assert a.add_remote_agent(b.get_agent_metadata()) == b.name.encode()
+    assert b.add_remote_agent(a.get_agent_metadata()) == a.name.encode()

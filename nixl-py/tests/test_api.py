@@ -216,7 +216,7 @@ def test_metadata_calls(agents):
     # Partial metadata: connection info plus one registration.
     c = agents(unique("partial"))
     part = b.get_partial_agent_metadata(b.get_reg_descs([(addr(dst), N, 0, "")], "DRAM"), True)
-    assert c.add_remote_agent(part) == b.name
+    assert c.add_remote_agent(part) == b.name.encode()
     assert c.check_remote_metadata(b.name, c.get_xfer_descs([(addr(dst), N, 0)], "DRAM"))
     assert b.get_partial_agent_metadata([], inc_conn_info=True)
     a.remove_remote_agent(b.name)

@@ -211,7 +211,7 @@ def test_sglang_nixl_push(backends):
     prefill.aux[:] = 0x5A
     # The decode registers its buffers and sends its metadata and pointers (zmq).
     peer_name = prefill.agent.add_remote_agent(decode.agent.get_agent_metadata())
-    assert peer_name == decode.agent.name
+    assert peer_name == decode.agent.name.encode()
     room = 4242
     chunks = [(list(range(0, 16)), list(range(48, 64))), (list(range(16, 20)), [1, 3, 5, 7])]
     handles = []

@@ -101,6 +101,16 @@ def _bytes(msg, what: str = "notif_msg") -> bytes:
     raise TypeError(f"{what} must be bytes or str, not {type(msg).__name__}")
 
 
+def _name(name, what: str = "agent name") -> str:
+    """An agent name as str: NIXL hands names out as bytes (add_remote_agent) and
+    takes str or bytes."""
+    if name.__class__ is str:
+        return name
+    if isinstance(name, (bytes, bytearray)):
+        return bytes(name).decode()
+    raise TypeError(f"{what} must be str or bytes, not {type(name).__name__}")
+
+
 def _mem_type(mem_type) -> str:
     if not isinstance(mem_type, str) or mem_type not in _MEM_TYPES:
         raise _error(nixlInvalidParamError, "InvalidArgument", "descriptor list",
@@ -594,13 +604,14 @@ class nixl_agent:
         descs = self.get_reg_descs(descs)
         return self._native.partial_metadata(descs._mem_type, descs._wire(), bool(inc_conn_info))
 
-    def add_remote_agent(self, metadata: bytes) -> str:
-        """Load a peer's metadata (NIXL's format or nixl-rs'); returns its name."""
-        return self._native.load_metadata(_bytes(metadata, "metadata"))
+    def add_remote_agent(self, metadata: bytes) -> bytes:
+        """Load a peer's metadata (NIXL's format or nixl-rs'); returns its name, as
+        bytes like NIXL 1.5.1 (every call taking an agent name takes str or bytes)."""
+        return self._native.load_metadata(_bytes(metadata, "metadata")).encode()
 
     def remove_remote_agent(self, agent: str):
         """Forget a peer: transfers to it are refused from now on."""
-        self._native.forget(agent)
+        self._native.forget(_name(agent))
 
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT):
         """Send this agent's metadata to the listener at ip_addr:port (in the background)."""
@@ -617,7 +628,7 @@ class nixl_agent:
                               port: int = DEFAULT_COMM_PORT, label: str = ""):
         """Fetch a peer's metadata from its listener at ip_addr:port (in the
         background; ``check_remote_metadata`` says when it arrived)."""
-        self._native.fetch_metadata(remote_agent, ip_addr, port, label)
+        self._native.fetch_metadata(_name(remote_agent), ip_addr, port, label)
 
     def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT):
         """Tell the listener at ip_addr:port to forget this agent (in the background)."""
@@ -626,13 +637,13 @@ class nixl_agent:
     def check_remote_metadata(self, agent: str, descs=None) -> bool:
         """Whether the peer's metadata is loaded (and covers ``descs``, if given)."""
         if descs is None:
-            return self._native.has_peer(agent)
+            return self._native.has_peer(_name(agent))
         descs = self.get_xfer_descs(descs)
-        return self._native.has_peer(agent, descs._mem_type, descs._wire())
+        return self._native.has_peer(_name(agent), descs._mem_type, descs._wire())
 
     def make_connection(self, remote_agent: str, backends: list[str] = []):  # noqa: B006
         """Connect to a peer now rather than at the first transfer (waits, GIL released)."""
-        self._native.connect(remote_agent)
+        self._native.connect(_name(remote_agent))
 
     # Transfers --------------------------------------------------------------
 
@@ -642,8 +653,7 @@ class nixl_agent:
         "NIXL_INIT_AGENT" (or "") for local descriptors, this agent's name for
         loopback, a peer's name for its descriptors. An Nx5 numpy array is a strided
         list of (address, len, device ID, stride, count)."""
-        if not isinstance(agent_name, str):
-            raise TypeError(f"agent_name must be a str, not {type(agent_name).__name__}")
+        agent_name = _name(agent_name, "agent_name")
         if _is_ndarray(xfer_list) and xfer_list.ndim == 2 and xfer_list.shape[1] == 5:
             if mem_type is None:
                 raise ValueError("Please specify a mem type for strided descriptors")
@@ -684,7 +694,7 @@ class nixl_agent:
             raise TypeError("initialize_xfer takes nixlXferDList lists (see get_xfer_descs)")
         return self._native.create_request(
             operation, local_descs._mem_type, local_descs._wire(), remote_descs._mem_type,
-            remote_descs._wire(), remote_agent, _bytes(notif_msg), list(backends))
+            remote_descs._wire(), _name(remote_agent), _bytes(notif_msg), list(backends))
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
         """Post a transfer: "DONE" if it finished within the call, else "PROC". Never
@@ -741,7 +751,7 @@ class nixl_agent:
         """Whether a notification from ``remote_agent_name`` starting with (or, with
         tag_is_prefix=False, containing) ``lookup_tag`` arrived; removes that one."""
         self.update_notifs(backends)
-        msgs = self.notifs.get(remote_agent_name)
+        msgs = self.notifs.get(_name(remote_agent_name))
         if not msgs:
             return False
         lookup_tag = _bytes(lookup_tag, "lookup_tag")
@@ -755,7 +765,7 @@ class nixl_agent:
     def send_notif(self, remote_agent_name: str, notif_msg: bytes,
                    backend: Optional[str] = None):
         """Send a notification not bound to a transfer (delivered in the background)."""
-        self._native.notify(remote_agent_name, _bytes(notif_msg))
+        self._native.notify(_name(remote_agent_name), _bytes(notif_msg))
 
     # Beyond NIXL: asyncio ----------------------------------------------------------
 
