@@ -66,6 +66,10 @@ pub(crate) fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
 }
 
 /// A parameter error.
+#[cfg_attr(
+    not(any(feature = "tcp", feature = "ucx", feature = "verbs")),
+    allow(dead_code)
+)]
 fn bad(backend: &str, key: &str, value: &str, what: &str) -> nixl::Error {
     nixl::Error::new(
         ErrorKind::InvalidArgument,
@@ -74,11 +78,16 @@ fn bad(backend: &str, key: &str, value: &str, what: &str) -> nixl::Error {
     )
 }
 
+#[cfg_attr(
+    not(any(feature = "tcp", feature = "ucx", feature = "verbs", feature = "uccl")),
+    allow(dead_code)
+)]
 fn unknown(backend: &str, key: &str) {
     // NIXL's plugins ignore parameters they do not know (vLLM passes some to all).
     tracing::warn!(backend, key, "ignoring unknown backend parameter");
 }
 
+#[cfg_attr(not(any(feature = "tcp", feature = "ucx")), allow(dead_code))]
 fn size(backend: &str, key: &str, v: &str) -> nixl::Result<usize> {
     v.parse().map_err(|_| bad(backend, key, v, "a byte count"))
 }
@@ -89,6 +98,10 @@ fn size(backend: &str, key: &str, v: &str) -> nixl::Result<usize> {
 /// [`ErrorKind::NotFound`] for a name that is not compiled in; `InvalidArgument` for a
 /// bad parameter value; the backend's own error (a missing native library is
 /// `UnavailableLibrary`, naming it and how to get it).
+#[cfg_attr(
+    not(any(feature = "tcp", feature = "ucx", feature = "verbs", feature = "uccl")),
+    allow(unused_variables)
+)]
 pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<dyn Backend>> {
     match ours(name) {
         #[cfg(feature = "tcp")]

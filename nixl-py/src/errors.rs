@@ -1,7 +1,7 @@
 //! nixl errors as Python exceptions that carry the error kind.
 //!
 //! The classes bear NIXL's names (`nixlBackendError`, `nixlNotFoundError`, ...; NIXL's
-//! bindings raise those) and share one base, [`NixlError`]; each instance has `kind`
+//! bindings raise those) and share one base, `NixlError`; each instance has `kind`
 //! (ours, e.g. `"OutOfRange"`), `operation` and `context`.
 
 use nixl::ErrorKind;

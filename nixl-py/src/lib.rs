@@ -19,7 +19,7 @@
 //!   counterparts reach the event loop through `call_soon_threadsafe`, so no Python
 //!   thread polls;
 //! - errors are Python exceptions of NIXL's classes carrying our error kind
-//!   (see [`errors`]).
+//!   (module `errors`).
 #![deny(unsafe_code)]
 
 mod agent;
