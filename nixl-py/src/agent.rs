@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::backends;
-use crate::errors::{invalid, raise, to_py, IntoPy};
+use crate::errors::{invalid, raise, IntoPy};
 use crate::handles::{deliver, DlistHandle, XferHandle};
 use crate::memory::caller_memory;
 use crate::runtime::rt;
@@ -34,6 +34,7 @@ type RegKey = (MemKind, u64, u64);
 struct Attached {
     name: &'static str,
     backend: Arc<dyn Backend>,
+    params: Vec<(String, String)>,
 }
 
 struct Listening {
@@ -339,6 +340,7 @@ impl PyAgent {
             attached.push(Attached {
                 name: ours,
                 backend,
+                params,
             });
         }
         let rt = rt()?;
@@ -469,33 +471,40 @@ impl PyAgent {
         }
         let mut params: Vec<_> = params.into_iter().collect();
         params.sort();
-        let b = py.allow_threads(|| backends::make(backend, &params)).py()?;
+        // Fresh instances of every backend (a backend starts once), the new one last;
+        // the old agent goes only once the new one is built.
+        let wanted: Vec<(&'static str, Vec<(String, String)>)> = inner
+            .attached
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|a| (a.name, a.params.clone()))
+            .chain(std::iter::once((ours, params)))
+            .collect();
         let rt = rt()?;
-        let mut attached = inner.attached.lock().unwrap();
-        attached.push(Attached {
-            name: ours,
-            backend: b,
-        });
         let built = py.allow_threads(|| {
+            let mut list = Vec::with_capacity(wanted.len());
+            for (name, params) in wanted {
+                list.push(Attached {
+                    name,
+                    backend: backends::make(name, &params)?,
+                    params,
+                });
+            }
             rt.block_on(async {
+                let (agent, notifs) = Inner::build(&inner.name, &list, inner.telemetry).await?;
                 let old = inner.agent();
                 let report = old.shutdown().await;
                 if !report.is_clean() {
-                    tracing::warn!(agent = %inner.name, ?report, "rebuilding the agent for a new backend");
+                    tracing::warn!(agent = %inner.name, ?report, "replacing the agent for a new backend");
                 }
-                Inner::build(&inner.name, &attached, inner.telemetry).await
+                *inner.notifs.lock().await = Some(notifs);
+                Ok::<_, nixl::Error>((agent, list))
             })
         });
-        let (agent, notifs) = match built {
-            Ok(x) => x,
-            Err(e) => {
-                attached.pop();
-                return Err(to_py(&e));
-            }
-        };
-        drop(attached);
+        let (agent, list) = built.py()?;
+        *inner.attached.lock().unwrap() = list;
         *inner.agent.write().unwrap() = agent.clone();
-        *rt.block_on(inner.notifs.lock()) = Some(notifs);
         py.allow_threads(|| rt.block_on(inner.listen(&agent))).py()
     }
 

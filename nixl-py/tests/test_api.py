@@ -46,6 +46,11 @@ def test_create_backend_before_use(agents):
     assert a.backends == {}
     a.create_backend("TCP", {"listen": "127.0.0.1:0"})
     assert a.backends == {"TCP": "TCP"}
+    # A backend whose library is missing: a clear error, and the agent is unchanged.
+    with pytest.raises(nixl_rs.nixlNotSupportedError) as e:
+        a.create_backend("UCX", {"lib": "/nonexistent/libucp.so.0"})
+    assert e.value.kind == "UnavailableLibrary" and "/nonexistent/libucp.so.0" in str(e.value)
+    assert a.backends == {"TCP": "TCP"} and a._native.backends() == ["TCP"]
     assert "DRAM" in a.get_backend_mem_types("TCP")
     # Once memory is registered the agent's backends are fixed.
     m = buf(4096)
