@@ -51,6 +51,7 @@ pub(crate) fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
             ("advertise", ""),
             ("max_notification", "1048576"),
             ("connections", ""),
+            ("same_host", "auto"),
         ],
         Some("ucx") => vec![
             ("lib", ""),
@@ -120,6 +121,11 @@ pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<
                             .ok()
                             .filter(|&n| n >= 1)
                             .ok_or_else(|| bad("TCP", k, v, "a count of at least 1"))?
+                    }
+                    "same_host" => {
+                        o.same_host = v
+                            .parse()
+                            .map_err(|_| bad("TCP", k, v, "auto, off or require"))?
                     }
                     _ => unknown("TCP", k),
                 }

@@ -259,3 +259,39 @@ def test_shutdown_and_context_manager():
         a.register_memory([(addr(m), 4096, 0, "")], "DRAM")
     assert e.value.kind == "ShutDown"
     a.shutdown()  # idempotent
+
+
+def test_registrations_stay_while_transfers_use_them(agents):
+    # Over the socket (same-host path off) a 32 MiB WRITE is in flight for a while.
+    n = 32 << 20
+    a, b = agents(unique("keep-a"), backends=[]), agents(unique("keep-b"), backends=[])
+    for x in (a, b):
+        x.create_backend("TCP", {"same_host": "off"})
+    src, dst = pattern(n, 4), buf(n)
+    reg = a.register_memory([(addr(src), n, 0, "")], "DRAM")
+    b.register_memory([(addr(dst), n, 0, "")], "DRAM")
+    connect(a, b)
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(addr(src), n, 0)], "DRAM"),
+                          a.get_xfer_descs([(addr(dst), n, 0)], "DRAM"), b.name)
+    refused = 0
+    for _ in range(20):
+        if a.transfer(h) == "PROC":
+            try:
+                a.deregister_memory(reg)
+            except nixl_rs.nixlNotAllowedError as e:
+                assert e.kind == "NotAllowed" and "in flight" in str(e)
+                refused += 1
+            else:
+                # Only a finished transfer lets its memory go.
+                assert a.check_xfer_state(h) == "DONE"
+                reg = a.register_memory([(addr(src), n, 0, "")], "DRAM")
+                h = a.initialize_xfer("WRITE", a.get_xfer_descs([(addr(src), n, 0)], "DRAM"),
+                                      a.get_xfer_descs([(addr(dst), n, 0)], "DRAM"), b.name)
+                continue
+        wait_done(a, h)
+        assert (dst == src).all()
+        dst[:] = 0
+        if refused >= 3:
+            break
+    assert refused >= 1, "no deregistration met a transfer in flight"
+    a.deregister_memory(reg)
