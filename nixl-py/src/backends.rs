@@ -1,0 +1,193 @@
+//! The one place that maps NIXL's backend names to the transports compiled in, and a
+//! backend's init parameters (NIXL's `create_backend(name, params)`) to its options.
+
+use std::sync::Arc;
+
+use nixl::{Backend, ErrorKind};
+
+/// NIXL's names of the backends compiled in, in the order `get_plugin_list` shows.
+pub(crate) fn plugins() -> Vec<&'static str> {
+    let mut v = Vec::new();
+    if cfg!(feature = "tcp") {
+        v.push("TCP");
+    }
+    if cfg!(feature = "ucx") {
+        v.push("UCX");
+    }
+    if cfg!(feature = "verbs") {
+        v.push("VERBS");
+    }
+    if cfg!(feature = "uccl") {
+        v.push("UCCL");
+    }
+    v
+}
+
+/// Our backend name (`Backend::name`) for a NIXL name; ours are accepted too.
+pub(crate) fn ours(nixl_name: &str) -> Option<&'static str> {
+    match nixl_name {
+        "TCP" | "tcp" => Some("tcp"),
+        "UCX" | "ucx" => Some("ucx"),
+        "VERBS" | "verbs" => Some("verbs"),
+        "UCCL" | "uccl" => Some("uccl"),
+        _ => None,
+    }
+}
+
+/// NIXL's name for one of ours (`"agent"`, the agent's own same-process copies, stays).
+pub(crate) fn nixl_name(ours: &str) -> String {
+    match ours {
+        "tcp" | "ucx" | "verbs" | "uccl" => ours.to_ascii_uppercase(),
+        other => other.to_owned(),
+    }
+}
+
+/// Parameter keys each backend takes (NIXL's `get_plugin_params`), with their
+/// defaults as strings ("" where the default is computed).
+pub(crate) fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
+    match ours(nixl_name) {
+        Some("tcp") => vec![
+            ("listen", "127.0.0.1:0"),
+            ("advertise", ""),
+            ("max_notification", "1048576"),
+            ("connections", ""),
+            ("same_host", "auto"),
+        ],
+        Some("ucx") => vec![
+            ("lib", ""),
+            ("tls", ""),
+            ("progress", "task"),
+            ("max_notification", "1048576"),
+            ("num_threads", "0"),
+        ],
+        Some("verbs") => vec![("lib", ""), ("device", ""), ("control_listen", "0.0.0.0:0")],
+        Some("uccl") => vec![("lib", ""), ("num_cpus", "0")],
+        _ => Vec::new(),
+    }
+}
+
+/// A parameter error.
+#[cfg_attr(
+    not(any(feature = "tcp", feature = "ucx", feature = "verbs")),
+    allow(dead_code)
+)]
+fn bad(backend: &str, key: &str, value: &str, what: &str) -> nixl::Error {
+    nixl::Error::new(
+        ErrorKind::InvalidArgument,
+        "create backend",
+        format!("{backend} backend parameter {key}={value:?}: expected {what}"),
+    )
+}
+
+#[cfg_attr(
+    not(any(feature = "tcp", feature = "ucx", feature = "verbs", feature = "uccl")),
+    allow(dead_code)
+)]
+fn unknown(backend: &str, key: &str) {
+    // NIXL's plugins ignore parameters they do not know (vLLM passes some to all).
+    tracing::warn!(backend, key, "ignoring unknown backend parameter");
+}
+
+#[cfg_attr(not(any(feature = "tcp", feature = "ucx")), allow(dead_code))]
+fn size(backend: &str, key: &str, v: &str) -> nixl::Result<usize> {
+    v.parse().map_err(|_| bad(backend, key, v, "a byte count"))
+}
+
+/// Build backend `name` (NIXL's or our name) from NIXL-style string parameters.
+///
+/// # Errors
+/// [`ErrorKind::NotFound`] for a name that is not compiled in; `InvalidArgument` for a
+/// bad parameter value; the backend's own error (a missing native library is
+/// `UnavailableLibrary`, naming it and how to get it).
+#[cfg_attr(
+    not(any(feature = "tcp", feature = "ucx", feature = "verbs", feature = "uccl")),
+    allow(unused_variables)
+)]
+pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<dyn Backend>> {
+    match ours(name) {
+        #[cfg(feature = "tcp")]
+        Some("tcp") => {
+            let mut o = nixl_tcp::TcpOptions::default();
+            for (k, v) in params {
+                match k.as_str() {
+                    "listen" => o.listen = v.parse().map_err(|_| bad("TCP", k, v, "IP:PORT"))?,
+                    "advertise" => {
+                        o.advertise = Some(v.parse().map_err(|_| bad("TCP", k, v, "IP:PORT"))?)
+                    }
+                    "max_notification" => o.max_notification = size("TCP", k, v)?,
+                    "connections" => {
+                        o.connections = v
+                            .parse()
+                            .ok()
+                            .filter(|&n| n >= 1)
+                            .ok_or_else(|| bad("TCP", k, v, "a count of at least 1"))?
+                    }
+                    "same_host" => {
+                        o.same_host = v
+                            .parse()
+                            .map_err(|_| bad("TCP", k, v, "auto, off or require"))?
+                    }
+                    _ => unknown("TCP", k),
+                }
+            }
+            Ok(Arc::new(nixl_tcp::TcpBackend::with_options(o)))
+        }
+        #[cfg(feature = "ucx")]
+        Some("ucx") => {
+            let mut o = nixl_ucx::UcxOptions::default();
+            for (k, v) in params {
+                match k.as_str() {
+                    "lib" => o.library = Some(v.into()),
+                    "tls" => o.ucx_config.push(("TLS".into(), v.clone())),
+                    "progress" => {
+                        o.progress = match v.as_str() {
+                            "task" => nixl_ucx::ProgressMode::Task,
+                            "thread" => nixl_ucx::ProgressMode::Thread,
+                            _ => return Err(bad("UCX", k, v, "task or thread")),
+                        }
+                    }
+                    "max_notification" => o.max_notification = size("UCX", k, v)?,
+                    // NIXL's UCX worker count; nixl-ucx drives one worker.
+                    "num_threads" => {}
+                    _ => unknown("UCX", k),
+                }
+            }
+            Ok(Arc::new(nixl_ucx::UcxBackend::with_options(o)?))
+        }
+        #[cfg(feature = "verbs")]
+        Some("verbs") => {
+            let mut o = nixl_verbs::VerbsOptions::default();
+            for (k, v) in params {
+                match k.as_str() {
+                    "lib" => o.library = Some(v.clone()),
+                    "device" => o.device = Some(v.clone()),
+                    "control_listen" => {
+                        o.control_listen = v.parse().map_err(|_| bad("VERBS", k, v, "IP:PORT"))?
+                    }
+                    _ => unknown("VERBS", k),
+                }
+            }
+            Ok(Arc::new(nixl_verbs::VerbsBackend::with_options(o)?))
+        }
+        #[cfg(feature = "uccl")]
+        Some("uccl") => {
+            let mut o = nixl_uccl::UcclOptions::default();
+            for (k, v) in params {
+                match k.as_str() {
+                    "lib" => o.library = Some(v.into()),
+                    "num_cpus" => {}
+                    _ => unknown("UCCL", k),
+                }
+            }
+            Ok(Arc::new(nixl_uccl::UcclBackend::with_options(o)?))
+        }
+        _ => Err(nixl::Error::new(
+            ErrorKind::NotFound,
+            "create backend",
+            format!(
+                "no backend {name:?} in this build of nixl_rs; available: {}",
+                plugins().join(", ")
+            ),
+        )),
+    }
+}
