@@ -1,7 +1,8 @@
-//! The confirmation worker (see `verify`): one agent-owned thread that reads
-//! registered memory for digests, the initiator's of its own side of a transfer and
-//! the target's for a peer's `Verify` request, so neither the progress thread nor a
-//! tokio worker is held by a long read (or a device copy of GPU memory).
+//! The confirmation workers (see `verify`): agent-owned threads that read registered
+//! memory for digests, one for this agent's own side of its transfers and one for
+//! peers' `Verify` requests (so that peers asking for much cannot starve this agent's
+//! own confirmations), so neither the progress thread nor a tokio worker is held by a
+//! long read (or a device copy of GPU memory).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -46,44 +47,56 @@ pub(crate) enum Work {
     },
 }
 
-/// A handle on the worker.
+/// A handle on the workers.
 #[derive(Clone, Debug)]
 pub(crate) struct Confirmer {
-    tx: std_mpsc::Sender<Option<Work>>,
+    local: std_mpsc::Sender<Option<Work>>,
+    remote: std_mpsc::Sender<Option<Work>>,
 }
 
 impl Confirmer {
     /// Start the worker on an agent-owned thread (joined at shutdown); called on the
     /// agent's runtime.
     pub(crate) fn start(ctx: &BackendContext, regs: Regs) -> Result<Self> {
-        let (tx, rx) = std_mpsc::channel::<Option<Work>>();
-        let wake = Mutex::new(tx.clone());
-        // The agent's runtime, where the answers are awaited.
-        let runtime = tokio::runtime::Handle::current();
-        ctx.spawn_thread(
-            "uccl-confirm",
-            move |stop| {
-                let _entered = runtime.enter();
-                while let Ok(Some(w)) = rx.recv() {
-                    if stop.is_cancelled() {
-                        break;
-                    }
-                    run(w, &regs);
-                }
-            },
-            move || {
-                let _ = wake.lock().unwrap().send(None);
-            },
-        )?;
-        Ok(Self { tx })
+        Ok(Self {
+            local: worker(ctx, "uccl-confirm", regs.clone())?,
+            remote: worker(ctx, "uccl-verify", regs)?,
+        })
     }
 
-    /// Queue `w`; gives it back when the worker has stopped.
+    /// Queue `w` on its worker; gives it back when the worker has stopped.
     pub(crate) fn submit(&self, w: Work) -> std::result::Result<(), Box<Work>> {
-        self.tx
-            .send(Some(w))
+        let tx = match w {
+            Work::Local { .. } => &self.local,
+            Work::Remote { .. } => &self.remote,
+        };
+        tx.send(Some(w))
             .map_err(|std_mpsc::SendError(w)| Box::new(w.expect("sent Some")))
     }
+}
+
+/// Start one worker thread, named `name`.
+fn worker(ctx: &BackendContext, name: &str, regs: Regs) -> Result<std_mpsc::Sender<Option<Work>>> {
+    let (tx, rx) = std_mpsc::channel::<Option<Work>>();
+    let wake = Mutex::new(tx.clone());
+    // The agent's runtime, where the answers are awaited.
+    let runtime = tokio::runtime::Handle::current();
+    ctx.spawn_thread(
+        name,
+        move |stop| {
+            let _entered = runtime.enter();
+            while let Ok(Some(w)) = rx.recv() {
+                if stop.is_cancelled() {
+                    break;
+                }
+                run(w, &regs);
+            }
+        },
+        move || {
+            let _ = wake.lock().unwrap().send(None);
+        },
+    )?;
+    Ok(tx)
 }
 
 fn run(w: Work, regs: &Regs) {
@@ -117,7 +130,7 @@ fn run(w: Work, regs: &Regs) {
                         Ok(Ok(Some(_))) => Error::new(
                             ErrorKind::Backend,
                             OP,
-                            format!("UCCL reported the transfer done, but the target's bytes differ from this side's (part {} of {n}): an operation was lost or cut short", i + 1),
+                            format!("UCCL reported the transfer done, but the target's bytes differ from this side's (part {} of {n}): an operation was lost or cut short, or either side's memory changed before the transfer resolved", i + 1),
                         ),
                         Ok(Ok(None)) => Error::new(
                             ErrorKind::Backend,

@@ -397,6 +397,9 @@ struct Piece {
     addr: usize,
     len: usize,
     remote: FifoItem,
+    /// The target's registration it lands in (target ranges of one registration may
+    /// be merged for the confirmation; of two, never).
+    target_region: u64,
 }
 
 /// A posted transfer in the progress thread.
@@ -1330,14 +1333,24 @@ fn finish(mut j: Job, r: Result<()>) {
 /// the worker, which completes `j` once the answers agree, or fails it.
 fn confirm_then_complete(j: Job, (confirmer, ctx, timeout): (Confirmer, BackendContext, Duration)) {
     use std::sync::atomic::Ordering;
-    let st = j.link.state.clone();
-    let pieces = j
-        .pieces
+    // Only what completing needs is kept, not the link: its engine connection must
+    // be free to close (an agent stopping meanwhile destroys its engine).
+    let Job {
+        pieces,
+        locals,
+        link,
+        notif,
+        done,
+        ..
+    } = j;
+    let st = link.state.clone();
+    drop(link);
+    let spans = pieces
         .iter()
-        .zip(j.locals.iter())
-        .map(|(p, l)| (l.clone(), p.remote.addr, p.len as u64));
+        .zip(locals.iter())
+        .map(|(p, l)| (l.clone(), (p.target_region, p.remote.addr), p.len as u64));
     let mut groups = Vec::new();
-    for g in verify::groups(pieces) {
+    for g in verify::groups(spans) {
         let (tx, rx) = oneshot::channel();
         let id = st.next_verify.fetch_add(1, Ordering::Relaxed);
         st.verifies.lock().unwrap().insert(id, tx);
@@ -1350,15 +1363,16 @@ fn confirm_then_complete(j: Job, (confirmer, ctx, timeout): (Confirmer, BackendC
         if st.dead.is_cancelled() || st.out.send(Out::Frame(frame)).is_err() {
             st.verifies.lock().unwrap().remove(&id);
             let e = Error::new(ErrorKind::RemoteDisconnected, "uccl transfer", st.why());
-            return complete(j, Err(e));
+            return settle(notif, done, &st, Err(e));
         }
         groups.push((g.local, rx));
     }
+    let state = st.clone();
     let w = Work::Local {
         groups,
         ctx,
         timeout,
-        then: Box::new(move |r| complete(j, r)),
+        then: Box::new(move |r| settle(notif, done, &state, r)),
     };
     if let Err(w) = confirmer.submit(w) {
         let Work::Local { then, .. } = *w else {
@@ -1373,10 +1387,15 @@ fn confirm_then_complete(j: Job, (confirmer, ctx, timeout): (Confirmer, BackendC
 }
 
 fn complete(j: Job, r: Result<()>) {
-    match (r, j.notif) {
-        (Ok(()), Some((msg, t))) => t.send(msg, j.done, j.link.state.clone()),
-        // A failed transfer gives its notification's place up (the ticket drops).
-        (r, _) => j.done.complete(r),
+    settle(j.notif, j.done, &j.link.state, r);
+}
+
+/// A finished transfer: its notification goes in its turn (after success), then it
+/// completes; a failed one gives its notification's place up (the ticket drops).
+fn settle(notif: Option<(Bytes, Ticket)>, done: Completer, state: &Arc<LinkState>, r: Result<()>) {
+    match (r, notif) {
+        (Ok(()), Some((msg, t))) => t.send(msg, done, state.clone()),
+        (r, _) => done.complete(r),
     }
 }
 
@@ -1711,7 +1730,10 @@ impl Backend for UcclBackend {
                 );
             };
             let Target::Remote {
-                addr: raddr, blob, ..
+                addr: raddr,
+                blob,
+                region: tregion,
+                ..
             } = &s.target
             else {
                 return err(
@@ -1741,6 +1763,7 @@ impl Backend for UcclBackend {
                     addr: base + off,
                     len: n,
                     remote: fifo.at(raddr + off as u64, n as u32),
+                    target_region: *tregion,
                 });
                 off += n;
             }

@@ -6,7 +6,12 @@
 //! notification goes), the initiator asks the target over the control connection for
 //! a digest of the target's side of it (`Verify`), digests its own side meanwhile,
 //! and fails the transfer when they differ. Both digests run over the transfer's
-//! bytes in posting order, so the two sides agree exactly when every byte arrived.
+//! bytes in posting order. This holds under the transfer contract that neither
+//! side's memory changes until the transfer resolves: a target that consumes or
+//! rewrites a WRITE's destination before then (or a READ's source that keeps
+//! changing) fails confirmation, and a destination that already held the same
+//! bytes hides a lost operation, harmlessly. Overlapping destinations within one
+//! transfer are the caller's error and may fail it too.
 //!
 //! The digest is CRC-32 (IEEE, `crc32fast`, vectorised where the CPU allows) with the
 //! byte count: it catches lost or partial operations (the
@@ -29,19 +34,26 @@ pub(crate) struct Group<L> {
     pub(crate) remote: Vec<(u64, u64)>,
 }
 
-/// A transfer's pieces (local slice, target address, length) in requests of at most
-/// [`MAX_VERIFY_RANGES`] target ranges, adjacent target ranges merged (the digest
-/// runs over the bytes in order either way). Empty pieces are left out.
-pub(crate) fn groups<L: Clone>(pieces: impl IntoIterator<Item = (L, u64, u64)>) -> Vec<Group<L>> {
+/// A transfer's pieces (local slice, (target registration, target address),
+/// length) in requests of at most [`MAX_VERIFY_RANGES`] target ranges, adjacent
+/// target ranges of one registration merged (the digest runs over the bytes in order
+/// either way; the target digests each range inside one registration). Empty pieces
+/// are left out.
+pub(crate) fn groups<L: Clone>(
+    pieces: impl IntoIterator<Item = (L, (u64, u64), u64)>,
+) -> Vec<Group<L>> {
     let mut out: Vec<Group<L>> = Vec::new();
-    for (local, remote, len) in pieces {
+    let mut last_region = None;
+    for (local, (region, remote), len) in pieces {
         if len == 0 {
             continue;
         }
-        let adjacent = out
-            .last()
-            .and_then(|g| g.remote.last())
-            .is_some_and(|last| last.0.checked_add(last.1) == Some(remote));
+        let adjacent = last_region == Some(region)
+            && out
+                .last()
+                .and_then(|g| g.remote.last())
+                .is_some_and(|last| last.0.checked_add(last.1) == Some(remote));
+        last_region = Some(region);
         if !adjacent
             && out
                 .last()
@@ -134,13 +146,20 @@ mod tests {
 
     #[test]
     fn groups_merge_adjacent_target_ranges_and_split_at_the_limit() {
-        // Adjacent remotes merge (whatever the local side), gaps do not.
-        let g = groups([("a", 100, 10), ("b", 110, 5), ("c", 200, 1), ("d", 300, 0)]);
+        // Adjacent remotes of one registration merge (whatever the local side), gaps
+        // do not, nor do ranges that meet across two registrations.
+        let g = groups([
+            ("a", (1, 100), 10),
+            ("b", (1, 110), 5),
+            ("c", (1, 200), 1),
+            ("d", (1, 300), 0),
+            ("e", (2, 201), 4),
+        ]);
         assert_eq!(g.len(), 1);
-        assert_eq!(g[0].remote, vec![(100, 15), (200, 1)]);
-        assert_eq!(g[0].local, vec!["a", "b", "c"]);
+        assert_eq!(g[0].remote, vec![(100, 15), (200, 1), (201, 4)]);
+        assert_eq!(g[0].local, vec!["a", "b", "c", "e"]);
         // Scattered ranges split into requests of at most the frame's limit.
-        let many = (0..MAX_VERIFY_RANGES as u64 + 3).map(|i| (i, 1000 + 2 * i, 1));
+        let many = (0..MAX_VERIFY_RANGES as u64 + 3).map(|i| (i, (1, 1000 + 2 * i), 1));
         let g = groups(many);
         assert_eq!(
             g.iter().map(|g| g.remote.len()).collect::<Vec<_>>(),
@@ -148,7 +167,7 @@ mod tests {
         );
         assert_eq!(g[1].local, vec![4096, 4097, 4098]);
         // A merged range that reaches the limit still merges.
-        let g = groups((0..MAX_VERIFY_RANGES as u64 * 2).map(|i| (i, 10 * i, 10)));
+        let g = groups((0..MAX_VERIFY_RANGES as u64 * 2).map(|i| (i, (1, 10 * i), 10)));
         assert_eq!(g.len(), 1);
         assert_eq!(g[0].remote, vec![(0, 10 * MAX_VERIFY_RANGES as u64 * 2)]);
     }

@@ -1,6 +1,6 @@
 //! Connection info and the control connection's frames.
 //!
-//! Connection info (in the agent's metadata): `version u8 = 1`, then two
+//! Connection info (in the agent's metadata): `version u8 = 2`, then two
 //! length-prefixed (`u16` little-endian) UTF-8 strings: the control listener's address
 //! (`ip:port`) and the UCCL engine's own connection string (`ip:port?gpu`).
 //!
@@ -12,8 +12,10 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-/// Connection-info version.
-pub(crate) const INFO_VERSION: u8 = 1;
+/// Connection-info version. 2: the control connection carries `Verify`/`Verified`
+/// (an agent of version 1 would drop the connection on them, so its metadata is
+/// refused at load instead).
+pub(crate) const INFO_VERSION: u8 = 2;
 /// Longest control frame accepted (a notification plus its header).
 pub(crate) const MAX_FRAME: usize = crate::MAX_NOTIFICATION + 64;
 

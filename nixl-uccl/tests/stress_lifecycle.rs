@@ -16,11 +16,13 @@ use nixl_uccl::test_double::{self, TestDouble};
 use nixl_uccl::{UcclBackend, UcclOptions};
 
 const WATCHDOG: Duration = Duration::from_secs(20);
-const THREADS: [&str; 4] = [
+const THREADS: [&str; 6] = [
     "uccl-accept",
     "uccl-progress",
     "uccl-connect",
     "uccl-create",
+    "uccl-confirm",
+    "uccl-verify",
 ];
 
 struct Rng(u64);
