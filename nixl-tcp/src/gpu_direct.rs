@@ -166,6 +166,23 @@ impl GpuPeer {
                         ));
                     }
                 };
+                // The runs are checked against the grant below; the grant must lie
+                // inside what the driver mapped (the table is the target's word).
+                let inside = g.addr >= open.base
+                    && g.addr
+                        .checked_add(g.len)
+                        .zip(open.base.checked_add(open.mapping.len()))
+                        .is_some_and(|(end, mapped)| end <= mapped);
+                if !inside {
+                    return Ok(Err(Error::new(
+                        ErrorKind::NotAllowed,
+                        OP,
+                        format!(
+                            "the target's grant {:#x}+{} lies outside the {} bytes its handle maps from {:#x}",
+                            g.addr, g.len, open.mapping.len(), open.base
+                        ),
+                    )));
+                }
                 let shift = open.mapping.base().wrapping_sub(open.base);
                 opens.push(open);
                 shift

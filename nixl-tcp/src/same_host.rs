@@ -41,9 +41,13 @@ impl std::str::FromStr for SameHost {
     }
 }
 
-/// Longest wait for a live initiator to leave a revoked grant. An access is one copy
-/// or one system call, so this is only reached by a peer stopped mid-copy (a
-/// debugger). An initiator that died inside a copy is not waited for at all: its
+/// Longest wait for a live initiator to leave a revoked grant. A host-memory access
+/// is one copy or one system call; a GPU one is a batch queued on the initiator's
+/// device plus the mapping it keeps open, closed by its watcher once the grant is
+/// withdrawn, so this is reached only by a peer stopped mid-copy (a debugger), or
+/// whose device queue is held up for that long by its own work. Past it the
+/// registration is kept alive (never freed under a copy), and the deregistration
+/// says so. An initiator that died inside a copy is not waited for at all: its
 /// table's lock ([`Table::peer_holds`]) tells.
 pub(crate) const REVOKE_BOUND: Duration = Duration::from_secs(10);
 
@@ -177,7 +181,21 @@ impl Grants {
             nixl::MemKind::Vram { device } => Some(GpuGrant {
                 device,
                 export: match nixl::gpu::ipc_export(device, addr) {
-                    Ok(x) => Some((x.handle, x.base)),
+                    // The handle maps one allocation: a registration running past it
+                    // (raw memory over several allocations) cannot go through it.
+                    Ok(x)
+                        if addr >= x.base
+                            && matches!(
+                                (addr.checked_add(len as u64), x.base.checked_add(x.len)),
+                                (Some(end), Some(limit)) if end <= limit
+                            ) =>
+                    {
+                        Some((x.handle, x.base))
+                    }
+                    Ok(x) => {
+                        tracing::info!(addr, len, alloc = x.base, alloc_len = x.len, "tcp: GPU registration spans more than one allocation; peers in other processes stage it over TCP");
+                        None
+                    }
                     Err(e) => {
                         // Reachable directly from this process only; other processes
                         // stage it over TCP.

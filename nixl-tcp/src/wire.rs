@@ -32,7 +32,8 @@
 //! text. DATA: then `data length` bytes.
 
 pub(crate) const MAGIC: [u8; 4] = *b"NXTC";
-pub(crate) const VERSION: u16 = 4;
+/// 5: same-host grant slots of 128 bytes (GPU words and the IPC handle).
+pub(crate) const VERSION: u16 = 5;
 pub(crate) const MAX_NAME: usize = 256;
 /// Most run entries one request may carry.
 pub(crate) const MAX_ENTRIES: u32 = 1 << 20;

@@ -3,8 +3,9 @@
 //! the CPU: `NIXL_TEST_PTXAS` names it, `.ci/run` takes it from the
 //! `nvidia-cuda-nvcc-cu12` wheel; on `PATH` otherwise). The driver compiles the same
 //! text at load time. This checks the text is valid PTX that uses no stack or spills;
-//! what it computes is checked on the CUDA driver test double (which runs its effect)
-//! and by `scripts/gpu-check` on a GPU.
+//! it does not run it. The CUDA driver test double performs the copies a launch asks
+//! for (its grid and table, not the PTX), and only `scripts/gpu-check` on a GPU runs
+//! the kernel itself.
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -67,11 +67,16 @@ struct Peer {
 
 impl Peer {
     fn spawn(role: &str, size: usize) -> Self {
+        Self::spawn_with(role, size, &[])
+    }
+
+    fn spawn_with(role: &str, size: usize, env: &[(&str, &str)]) -> Self {
         let bin = std::env::var("NIXL_GPU_PEER_BIN")
             .unwrap_or_else(|_| env!("CARGO_BIN_EXE_nixl-gpu-peer").to_owned());
         let mut child = Command::new(bin)
             .args([role, &size.to_string()])
             .env("NIXL_TCP_SAME_HOST", "require")
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -151,8 +156,13 @@ fn launch_log() -> Option<std::path::PathBuf> {
     })
 }
 
-/// The kernel launches the double ran for this process: (grid x, grid y, entries).
+/// The kernel launches the double ran for this process: (grid x, grid y, entries);
+/// `None` on a real driver, and where other tests share the process (`cargo test`:
+/// their launches would be counted too; nextest runs each test in its own).
 fn launches() -> Option<Vec<(u32, u32, u32)>> {
+    if std::env::var("NEXTEST_EXECUTION_MODE").as_deref() != Ok("process-per-test") {
+        return None;
+    }
     let log = std::fs::read_to_string(launch_log()?).unwrap_or_default();
     Some(
         log.lines()
@@ -478,4 +488,105 @@ async fn initiator_killed_mid_copy_releases_the_target() {
     assert!(!status.success());
     let report = bounded("shutdown", t.shutdown()).await;
     assert!(report.is_clean(), "{report:?}");
+}
+
+/// A target registration that runs past the allocation it starts in (raw memory over
+/// several allocations): one allocation's handle cannot reach all of it, so the
+/// target grants it without one, and the same-host path refuses it (with
+/// `same_host=require`; otherwise it is staged over TCP) rather than copy through a
+/// mapping shorter than the registration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_longer_than_its_allocation_gets_no_handle() {
+    const CASE: &str = "a_registration_longer_than_its_allocation_gets_no_handle";
+    if !use_driver(CASE) {
+        return;
+    }
+    const SIZE: usize = 1 << 20;
+    let peer = tokio::task::spawn_blocking(|| {
+        Peer::spawn_with("target", SIZE, &[("NIXL_GPU_PEER_OVERLONG", "65536")])
+    })
+    .await
+    .unwrap();
+    let (peer, md) = peer.ask("", "METADATA ").await;
+    let b = backend();
+    let a = agent("initiator", &b).await;
+    a.load_metadata(&unhex(&md).unwrap()).unwrap();
+    let rd = a.remote_regions("target").unwrap()[0].clone();
+    assert_eq!(rd.len, (SIZE + 65536) as u64);
+    let src = vram(&a, 4096, 5).await;
+    let e = bounded(
+        "write",
+        a.write(
+            &gpu([src.whole()]),
+            "target",
+            &gpu([rd.desc(0, 4096)]),
+            None,
+        ),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), nixl::ErrorKind::NotSupported, "{e}");
+    assert!(e.to_string().contains("inter-process handle"), "{e}");
+    let (mut peer, stopped) = peer.ask("QUIT", "STOPPED ").await;
+    assert_eq!(stopped, "clean=true");
+    let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status}");
+    assert!(a.shutdown().await.is_clean());
+}
+
+/// `NIXL_GPU_GATHER=off` keeps a batch on the copy engine: the bytes arrive, and no
+/// kernel was launched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gather_kernel_can_be_turned_off() {
+    const CASE: &str = "the_gather_kernel_can_be_turned_off";
+    if !use_driver(CASE) {
+        return;
+    }
+    if launches().is_none() {
+        // The setting is process-wide: it would change the other cases' path.
+        return skip(
+            CASE,
+            "needs a process of its own on the driver double (nextest, as scripts/test runs it)",
+        );
+    }
+    std::env::set_var(nixl::gpu::ENV_GATHER, "off");
+    const BLOCK: usize = 16 << 10;
+    let peer = tokio::task::spawn_blocking(|| Peer::spawn("target", 64 * BLOCK))
+        .await
+        .unwrap();
+    let (peer, md) = peer.ask("", "METADATA ").await;
+    let b = backend();
+    let a = agent("initiator", &b).await;
+    a.load_metadata(&unhex(&md).unwrap()).unwrap();
+    let rd = a.remote_regions("target").unwrap()[0].clone();
+    let src = vram(&a, 32 * BLOCK, 12).await;
+    bounded(
+        "scattered write",
+        a.write(
+            &gpu((0..32).map(|i| src.desc((i * BLOCK) as u64, BLOCK as u64))),
+            "target",
+            &gpu((0..32).map(|i| rd.desc((2 * i * BLOCK) as u64, BLOCK as u64))),
+            Some(Bytes::from_static(b"engine")),
+        ),
+    )
+    .await
+    .unwrap();
+    let mine = src.to_vec().unwrap();
+    let mut image = vec![0u8; 64 * BLOCK];
+    for i in 0..32 {
+        image[2 * i * BLOCK..(2 * i + 1) * BLOCK]
+            .copy_from_slice(&mine[i * BLOCK..(i + 1) * BLOCK]);
+    }
+    let (peer, notif) = peer.ask("", "NOTIF ").await;
+    assert_eq!(notif, format!("engine {}", checksum_bytes(&image)));
+    assert_eq!(launches(), Some(vec![]), "no kernel");
+    let (mut peer, stopped) = peer.ask("QUIT", "STOPPED ").await;
+    assert_eq!(stopped, "clean=true");
+    let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status}");
+    assert!(a.shutdown().await.is_clean());
 }

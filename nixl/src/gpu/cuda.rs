@@ -477,6 +477,14 @@ impl Cuda {
         if let Some(k) = gathers.get(&device) {
             return *k;
         }
+        if std::env::var(super::driver::ENV_GATHER).is_ok_and(|v| v == "off") {
+            tracing::info!(
+                device,
+                "gpu: NIXL_GPU_GATHER=off: device copies go one by one on the copy engine"
+            );
+            gathers.insert(device, None);
+            return None;
+        }
         let mut module: sys::CUmodule = std::ptr::null_mut();
         let mut f: sys::CUfunction = std::ptr::null_mut();
         // SAFETY: out-parameters of the declared types; the image is NUL-terminated
@@ -923,7 +931,7 @@ impl GpuDriver for Cuda {
         &self,
         device: u32,
         handle: &[u8; IPC_HANDLE_LEN],
-    ) -> Result<(u64, Box<dyn Any + Send + Sync>)> {
+    ) -> Result<(u64, u64, Box<dyn Any + Send + Sync>)> {
         const OP: &str = "open another process's GPU memory";
         // SAFETY: zero bytes are a valid CUipcMemHandle (64 plain bytes).
         let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
@@ -950,7 +958,26 @@ impl GpuDriver for Cuda {
                 format!("cuIpcOpenMemHandle on GPU {device}: {}", cu_name(r)),
             );
         }
-        Ok((ptr, Box::new(CudaIpc { device, ptr })))
+        // Closed on drop from here on, whatever follows.
+        let owner = Box::new(CudaIpc { device, ptr });
+        // How much the driver mapped: the one bound copies through it may trust (the
+        // exporter's own word on its allocation is not enough).
+        let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
+        let r = self.on(device, || {
+            // SAFETY: out-parameters of the declared types; `ptr` was just mapped.
+            Ok(unsafe { (self.calls.cuMemGetAddressRange_v2)(&mut base, &mut len, ptr) })
+        })?;
+        if r != 0 || base != ptr {
+            return err(
+                ErrorKind::NotSupported,
+                OP,
+                format!(
+                    "cuMemGetAddressRange of the mapping at {ptr:#x} on GPU {device}: {} (base {base:#x})",
+                    cu_name(r)
+                ),
+            );
+        }
+        Ok((ptr, len as u64, owner))
     }
 
     unsafe fn copy_device_async(

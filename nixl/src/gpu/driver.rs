@@ -10,6 +10,11 @@ use crate::error::Result;
 
 /// Environment variable naming the CUDA driver library to load.
 pub const ENV_LIB: &str = "NIXL_CUDA_LIB";
+/// Environment variable that, set to `off`, keeps a transfer's device-to-device
+/// copies on the copy engine instead of the gather kernel (whose blocks need free
+/// SMs: an application whose persistent kernels occupy every SM while waiting for
+/// the data would otherwise wait for itself).
+pub const ENV_GATHER: &str = "NIXL_GPU_GATHER";
 /// The driver's soname.
 pub const DEFAULT_SONAME: &str = "libcuda.so.1";
 /// Oldest driver (CUDA version times 1000 plus minor times 10) the bindings work with.
@@ -109,13 +114,13 @@ pub(crate) trait GpuDriver: Send + Sync + fmt::Debug {
     fn ipc_export(&self, device: u32, addr: u64) -> Result<IpcExport>;
 
     /// Open another process's handle in `device`'s context: the allocation's address
-    /// in this process, and the owner that closes it when dropped (never from a
-    /// driver callback).
+    /// in this process, the length the driver mapped there, and the owner that closes
+    /// it when dropped (never from a driver callback).
     fn ipc_open(
         &self,
         device: u32,
         handle: &[u8; IPC_HANDLE_LEN],
-    ) -> Result<(u64, Box<dyn Any + Send + Sync>)>;
+    ) -> Result<(u64, u64, Box<dyn Any + Send + Sync>)>;
 
     /// Start the device-to-device copies `copies` (destination, source, length) in
     /// order on `device`'s stream for such copies, and call `done` exactly once after

@@ -51,6 +51,7 @@ pub fn ipc_export(device: u32, addr: u64) -> Result<IpcExport> {
 pub struct IpcMapping {
     device: u32,
     base: u64,
+    len: u64,
     _owner: Box<dyn Any + Send + Sync>,
 }
 
@@ -58,6 +59,18 @@ impl IpcMapping {
     /// Where the allocation starts in this process.
     pub fn base(&self) -> u64 {
         self.base
+    }
+
+    /// How many bytes the driver mapped from [`IpcMapping::base`]: copies through
+    /// the mapping must stay inside them, whatever the exporter said its allocation
+    /// was.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether nothing is mapped (never, for a mapping the driver made).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// The device whose context it was opened in.
@@ -71,6 +84,7 @@ impl fmt::Debug for IpcMapping {
         f.debug_struct("IpcMapping")
             .field("device", &self.device)
             .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len)
             .finish()
     }
 }
@@ -82,10 +96,11 @@ impl fmt::Debug for IpcMapping {
 /// process, its memory freed, the exporter gone, no peer access between the GPUs);
 /// as [`status`](super::status) without a driver.
 pub fn ipc_open(device: u32, handle: &[u8; IPC_HANDLE_LEN]) -> Result<IpcMapping> {
-    let (base, owner) = driver()?.ipc_open(device, handle)?;
+    let (base, len, owner) = driver()?.ipc_open(device, handle)?;
     Ok(IpcMapping {
         device,
         base,
+        len,
         _owner: owner,
     })
 }

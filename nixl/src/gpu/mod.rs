@@ -95,6 +95,6 @@ pub(crate) use copy::start_copy;
 pub use copy::GpuCopy;
 pub use dma_buf::{dma_buf, DmaBuf};
 pub(crate) use driver::Direction;
-pub use driver::{GpuInfo, DEFAULT_SONAME, ENV_LIB, MIN_DRIVER};
+pub use driver::{GpuInfo, DEFAULT_SONAME, ENV_GATHER, ENV_LIB, MIN_DRIVER};
 pub use ipc::{copy_device_batch, ipc_export, ipc_open, IpcExport, IpcMapping, IPC_HANDLE_LEN};
 pub use pinned::{PinnedBuf, PINNED_POOL_BYTES};

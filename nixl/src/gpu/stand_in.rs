@@ -164,7 +164,7 @@ impl GpuDriver for HostStandIn {
         &self,
         device: u32,
         _handle: &[u8; IPC_HANDLE_LEN],
-    ) -> Result<(u64, Box<dyn Any + Send + Sync>)> {
+    ) -> Result<(u64, u64, Box<dyn Any + Send + Sync>)> {
         self.bind(device)?;
         err(
             ErrorKind::NotSupported,

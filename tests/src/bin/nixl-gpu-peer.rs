@@ -11,11 +11,15 @@
 //! `DEREG` -> deregisters the memory (`DEREG ok <ms>` or `DEREG err <kind>`), then
 //! frees it (`FREED`); `QUIT` -> shuts down, prints `STOPPED clean=<bool>`, exits.
 //!
+//! With `NIXL_GPU_PEER_OVERLONG=<n>` the target registers its allocation as raw memory
+//! `n` bytes longer than it is (as a framework registering a range over several
+//! allocations would); only the allocation's bytes may then be transferred.
+//!
 //! `nixl-gpu-peer initiator <bytes>`: reads the target's metadata (hex) as the first
 //! line of stdin, registers `<bytes>` on GPU 0 and WRITEs all of it to the start of the
 //! target's first region, four at a time, until killed; prints `PATH <data path>`
 //! after the first and `OK <n>` after every 16th.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 use std::io::{BufRead, Write};
 use std::time::Instant;
@@ -63,9 +67,24 @@ async fn target(size: usize, mut rx: tokio::sync::mpsc::UnboundedReceiver<String
         .build()
         .await
         .expect("agent");
-    let mem = agent
-        .register(Memory::vram(0, size).expect("GPU memory"))
-        .expect("register");
+    let vram = Memory::vram(0, size).expect("GPU memory");
+    let memory = match std::env::var("NIXL_GPU_PEER_OVERLONG") {
+        Ok(n) => {
+            let extra: usize = n.parse().expect("NIXL_GPU_PEER_OVERLONG: a byte count");
+            let addr = vram.addr();
+            #[allow(unsafe_code)]
+            // SAFETY: the range starts at a live allocation, kept alive as the owner;
+            // its last `extra` bytes lie past it, which is the case under test: the
+            // tests transfer only inside the allocation, and the backend must not
+            // hand out a handle that covers less than the registration.
+            unsafe {
+                Memory::from_raw_parts_with_owner(addr as *mut u8, size + extra, GPU, Some(vram))
+            }
+            .expect("raw GPU memory")
+        }
+        Err(_) => vram,
+    };
+    let mem = agent.register(memory).expect("register");
     // The only owner of the registration (the notifier reads through it): taking it
     // out and dropping it frees the GPU memory.
     let mem = std::sync::Arc::new(std::sync::Mutex::new(Some(mem)));
