@@ -160,6 +160,11 @@ use state::{CopyJob, Inner, PeerEntry};
 /// Version of this crate.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
+/// The wire protocol version this crate speaks (the hello's second field). Public for
+/// raw-wire tests and fuzzers, which must follow it to get past the hello.
+#[doc(hidden)]
+pub const WIRE_VERSION: u16 = wire::VERSION;
+
 /// The TCP backend. Attach it to an agent with
 /// [`AgentBuilder::backend`](nixl::AgentBuilder::backend).
 #[derive(Debug, Clone)]

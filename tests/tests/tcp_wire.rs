@@ -32,7 +32,7 @@ impl Raw {
         let mut s = TcpStream::connect(addr).await.unwrap();
         let name = b"mallory";
         let mut hello = b"NXTC".to_vec();
-        hello.extend_from_slice(&4u16.to_le_bytes());
+        hello.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
         hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
         hello.extend_from_slice(name);
         s.write_all(&hello).await.unwrap();
@@ -494,7 +494,10 @@ async fn shared_secret_gates_every_connection() {
     }
     // A raw client that guesses a MAC is refused before any request is read.
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"NXTC\x04\x00\x01\x00m").await.unwrap();
+    let mut hello = b"NXTC".to_vec();
+    hello.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
+    hello.extend_from_slice(b"\x01\x00m");
+    s.write_all(&hello).await.unwrap();
     let mut reply = [0u8; 7 + 32];
     s.read_exact(&mut reply).await.unwrap();
     assert_eq!(reply[6], 4, "authentication required");

@@ -82,7 +82,7 @@ async fn closed(socks: &mut [TcpStream]) -> usize {
 
 fn nixl_tcp_hello(name: &str) -> Vec<u8> {
     let mut h = b"NXTC".to_vec();
-    h.extend_from_slice(&4u16.to_le_bytes());
+    h.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
     h.extend_from_slice(&(name.len() as u16).to_le_bytes());
     h.extend_from_slice(name.as_bytes());
     h
