@@ -407,6 +407,7 @@ impl Conn {
             dead: conn.dead.clone(),
             cancel: conn.cancel.clone(),
             tracker: started.ctx.tracker.clone(),
+            threads: started.ctx.threads.clone(),
             idle,
             conn: Arc::downgrade(&conn),
         };
@@ -700,6 +701,8 @@ struct Task {
     dead: Arc<AtomicBool>,
     cancel: CancellationToken,
     tracker: tokio_util::task::TaskTracker,
+    /// The agent's threads (the same-host GPU path's mapping watcher is one).
+    threads: nixl::ThreadSpawner,
     idle: Arc<Idle>,
     /// The connection, for device copies queued before it was up: their completion
     /// sends what follows through it.
@@ -815,7 +818,7 @@ impl Task {
                             s.local_addr().map_err(|e| io("same-host setup", e))?,
                             s.peer_addr().map_err(|e| io("same-host setup", e))?,
                         );
-                        match same_host::Peer::open(&offer, l, r) {
+                        match same_host::Peer::open(&offer, l, r, self.threads.clone()) {
                             Ok(p) => {
                                 opened = Some(p);
                                 m.opened(Ok(()));

@@ -10,16 +10,17 @@
 //! freeing exported memory that another process still has open undefined, so a
 //! target's deregistration waits for this process to close its mappings. A watcher
 //! thread sleeps on the table's withdrawal futex while mappings are open and closes
-//! those of withdrawn grants at once; it ends with the connection.
+//! those of withdrawn grants at once; it ends with the connection or the agent (an
+//! agent-owned thread, joined at shutdown). Without a watcher nothing is opened: the
+//! transfer is staged over TCP instead.
 //!
 //! An initiator in the target's own process needs no handle: it copies between the
 //! target's device addresses directly, with the same counting.
 #![allow(unsafe_code)] // queues device copies between ranges the grants vouch for
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use nixl::gpu::IpcMapping;
@@ -52,8 +53,14 @@ pub(crate) struct GpuPeer {
     /// The target runs in this process: its device addresses are ours.
     in_process: bool,
     open: Cache,
-    /// The watcher's stop flag (its thread ends soon after, and is not joined).
-    watcher: Mutex<Option<(Arc<AtomicBool>, JoinHandle<()>)>>,
+    /// Handles the driver refused to open: (slot, key, device). Their transfers are
+    /// staged without asking the driver (and logging) again.
+    refused: Mutex<HashSet<(u32, u64, u32)>>,
+    /// Starts the watcher on a thread the agent owns.
+    threads: nixl::ThreadSpawner,
+    /// The running watcher's stop flag (its thread ends soon after it is set; the
+    /// agent joins it at shutdown).
+    watcher: Mutex<Option<Arc<AtomicBool>>>,
 }
 
 impl std::fmt::Debug for GpuPeer {
@@ -63,6 +70,14 @@ impl std::fmt::Debug for GpuPeer {
             .field("open", &self.open.lock().unwrap().len())
             .finish()
     }
+}
+
+/// Why a grant's mapping is not available.
+enum Unopened {
+    /// The grant went between the transfer's check and the opening.
+    Withdrawn,
+    /// It cannot be opened here; the transfer goes another way.
+    Unsuitable(Unsuitable),
 }
 
 /// One transfer's device copies, checked and ready to start; what they need stays
@@ -82,11 +97,13 @@ struct Hold {
 }
 
 impl GpuPeer {
-    pub(crate) fn new(table: Arc<Table>, pid: u32) -> Self {
+    pub(crate) fn new(table: Arc<Table>, pid: u32, threads: nixl::ThreadSpawner) -> Self {
         Self {
             table,
             in_process: pid == std::process::id(),
             open: Arc::default(),
+            refused: Mutex::default(),
+            threads,
             watcher: Mutex::new(None),
         }
     }
@@ -159,12 +176,14 @@ impl GpuPeer {
                 };
                 let open = match self.mapping(slot, key, device, &handle, base) {
                     Ok(o) => o,
-                    Err(e) => {
-                        tracing::info!(error = %e, "tcp: cannot open the peer's GPU memory; staging it over TCP");
-                        return Err(Unsuitable::new(
-                            "the driver refused the target's GPU memory handle",
-                        ));
+                    Err(Unopened::Withdrawn) => {
+                        return Ok(Err(Error::new(
+                            ErrorKind::NotAllowed,
+                            OP,
+                            "the target withdrew its grant of this memory (deregistered)",
+                        )))
                     }
+                    Err(Unopened::Unsuitable(u)) => return Err(u),
                 };
                 // The runs are checked against the grant below; the grant must lie
                 // inside what the driver mapped (the table is the target's word).
@@ -246,22 +265,43 @@ impl GpuPeer {
         device: u32,
         handle: &[u8; nixl::gpu::IPC_HANDLE_LEN],
         base: u64,
-    ) -> Result<Arc<Open>> {
+    ) -> std::result::Result<Arc<Open>, Unopened> {
         let mut open = self.open.lock().unwrap();
         if let Some(o) = open.get(&(slot, device)) {
             if o.key == key && o.base == base {
                 return Ok(o.clone());
             }
         }
+        if self.refused.lock().unwrap().contains(&(slot, key, device)) {
+            return Err(Unopened::Unsuitable(Unsuitable::new(
+                "the driver refused the target's GPU memory handle",
+            )));
+        }
         let Some((count, g)) = self.table.acquire_owned(slot).filter(|(_, g)| g.key == key) else {
-            return Err(Error::new(
-                ErrorKind::NotAllowed,
-                OP,
-                "the grant was withdrawn",
-            ));
+            return Err(Unopened::Withdrawn);
         };
         debug_assert!(g.gpu.is_some());
-        let mapping = nixl::gpu::ipc_open(device, handle)?;
+        // Nothing stays open that nobody would close on withdrawal.
+        if let Err(e) = self.watch() {
+            tracing::info!(error = %e, "tcp: no thread to close the peer's GPU mappings; staging over TCP");
+            return Err(Unopened::Unsuitable(Unsuitable::new(
+                "no thread to close GPU mappings could be started",
+            )));
+        }
+        let mapping = match nixl::gpu::ipc_open(device, handle) {
+            Ok(m) => m,
+            Err(e) => {
+                // Asked once per grant and device: a refusal is remembered (a new
+                // registration in the slot has another key and is asked again).
+                tracing::info!(error = %e, slot, device, "tcp: the driver cannot open the peer's GPU memory; staging it over TCP");
+                let mut refused = self.refused.lock().unwrap();
+                refused.retain(|&(s, k, _)| self.table.still_granted(s, k));
+                refused.insert((slot, key, device));
+                return Err(Unopened::Unsuitable(Unsuitable::new(
+                    "the driver refused the target's GPU memory handle",
+                )));
+            }
+        };
         let o = Arc::new(Open {
             key,
             mapping,
@@ -271,24 +311,25 @@ impl GpuPeer {
         // A stale mapping of the slot (another key) goes; copies still using it
         // hold it until they finish.
         open.insert((slot, device), o.clone());
-        drop(open);
-        self.watch();
         Ok(o)
     }
 
     /// Start the watcher that closes mappings of withdrawn grants, if not running.
-    fn watch(&self) {
+    /// Fails when the agent is stopping or the OS refuses a thread.
+    fn watch(&self) -> Result<()> {
         let mut w = self.watcher.lock().unwrap();
         if w.is_some() {
-            return;
+            return Ok(());
         }
         let stop = Arc::new(AtomicBool::new(false));
         let (table, open, flag) = (self.table.clone(), self.open.clone(), stop.clone());
-        let spawned = std::thread::Builder::new()
-            .name("nixl-tcp-gpu-watch".into())
-            .spawn(move || loop {
+        // The wake only needs the table while the watcher runs.
+        let (woken, wake_flag) = (Arc::downgrade(&self.table), stop.clone());
+        self.threads.spawn(
+            "nixl-tcp-gpu-watch",
+            move |agent_stops| loop {
                 let seen = table.epoch();
-                let stopping = flag.load(Ordering::Acquire);
+                let stopping = flag.load(Ordering::Acquire) || agent_stops.is_cancelled();
                 let closed = table.is_closed();
                 let gone: Vec<Arc<Open>> = {
                     let mut m = open.lock().unwrap();
@@ -307,13 +348,16 @@ impl GpuPeer {
                     return;
                 }
                 table.wait_epoch(seen, WATCH_NAP);
-            });
-        match spawned {
-            Ok(h) => *w = Some((stop, h)),
-            Err(e) => {
-                tracing::warn!(error = %e, "tcp: no GPU mapping watcher; mappings close when the connection ends")
-            }
-        }
+            },
+            move || {
+                wake_flag.store(true, Ordering::Release);
+                if let Some(t) = woken.upgrade() {
+                    t.wake_watchers();
+                }
+            },
+        )?;
+        *w = Some(stop);
+        Ok(())
     }
 }
 
@@ -323,7 +367,7 @@ impl Drop for GpuPeer {
         // the last holder of a connection may be a copy's completion callback, where
         // none may be made (nor may it wait for a thread that makes one). Copies
         // still running hold their own references.
-        if let Some((stop, _detached)) = self.watcher.get_mut().unwrap().take() {
+        if let Some(stop) = self.watcher.get_mut().unwrap().take() {
             stop.store(true, Ordering::Release);
             self.table.wake_watchers();
         }

@@ -493,11 +493,13 @@ fn holds_connection(pid: u32, local: SocketAddr, remote: SocketAddr) -> std::io:
 
 impl Peer {
     /// Check that the offering process is the one at the other end of our connection
-    /// (`local` to `remote`), map its table and probe cross-memory attach.
+    /// (`local` to `remote`), map its table and probe cross-memory attach. `threads`
+    /// starts the agent-owned thread that closes GPU mappings, when one is opened.
     pub(crate) fn open(
         offer: &Offer,
         local: SocketAddr,
         remote: SocketAddr,
+        threads: nixl::ThreadSpawner,
     ) -> std::io::Result<Self> {
         holds_connection(offer.pid, local, remote)?;
         let table = Arc::new(Table::open(offer.pid, offer.table_fd, &offer.nonce)?);
@@ -508,7 +510,7 @@ impl Peer {
         };
         Ok(Self {
             pid: offer.pid,
-            gpu: GpuPeer::new(table.clone(), offer.pid),
+            gpu: GpuPeer::new(table.clone(), offer.pid, threads),
             table,
             cma_refused,
             maps: Mutex::default(),

@@ -78,13 +78,27 @@ impl ThreadSet {
                 )
                 .with_source(e)
             })?;
-        self.threads.lock().unwrap().push(Owned {
-            name: name.to_owned(),
-            stop,
-            wake,
-            handle,
-        });
+        let finished = {
+            let mut threads = self.threads.lock().unwrap();
+            // Threads that ended on their own (one per connection, say) are joined
+            // here, so a long-lived agent's set holds only live ones.
+            let (done, live): (Vec<Owned>, Vec<Owned>) = std::mem::take(&mut *threads)
+                .into_iter()
+                .partition(|t| t.handle.is_finished());
+            *threads = live;
+            threads.push(Owned {
+                name: name.to_owned(),
+                stop,
+                wake,
+                handle,
+            });
+            done
+        };
         drop(closed);
+        let mut left = Vec::new();
+        for t in finished {
+            finish(t, &mut left);
+        }
         Ok(())
     }
 
@@ -234,6 +248,38 @@ mod tests {
             .spawn("late", &root, Box::new(|_| {}), Arc::new(|| {}))
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ShutDown);
+    }
+
+    #[test]
+    fn finished_threads_are_joined_at_the_next_spawn() {
+        let set = ThreadSet::default();
+        let root = CancellationToken::new();
+        set.spawn("short", &root, Box::new(|_| {}), Arc::new(|| {}))
+            .unwrap();
+        while !set.threads.lock().unwrap()[0].handle.is_finished() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        set.spawn(
+            "long",
+            &root,
+            Box::new(|stop| {
+                while !stop.is_cancelled() {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }),
+            Arc::new(|| {}),
+        )
+        .unwrap();
+        let held: Vec<String> = set
+            .threads
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|t| t.name.clone())
+            .collect();
+        assert_eq!(held, ["long"]);
+        let left = set.join_blocking(Instant::now() + Duration::from_secs(5));
+        assert!(left.is_empty(), "{left:?}");
     }
 
     #[test]

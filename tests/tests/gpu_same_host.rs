@@ -590,3 +590,73 @@ async fn the_gather_kernel_can_be_turned_off() {
     assert!(status.success(), "{status}");
     assert!(a.shutdown().await.is_clean());
 }
+
+/// Threads of this process named as nixl-tcp's GPU mapping watcher (the kernel keeps
+/// 15 bytes of a thread's name).
+fn mapping_watchers() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim_end() == "nixl-tcp-gpu-wa")
+        .count()
+}
+
+/// The initiator's shutdown closes its mappings of the target's GPU memory and joins
+/// the thread that watches them, though its backend (and so the connection) is still
+/// referenced and the target has not deregistered: nothing of the agent runs after
+/// its shutdown returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_gpu_mappings_and_joins_their_watcher() {
+    const CASE: &str = "shutdown_closes_gpu_mappings_and_joins_their_watcher";
+    if !use_driver(CASE) {
+        return;
+    }
+    if launches().is_none() {
+        // Mappings and threads are counted per process.
+        return skip(
+            CASE,
+            "needs a process of its own on the driver double (nextest, as scripts/test runs it)",
+        );
+    }
+    const SIZE: usize = 1 << 20;
+    let peer = tokio::task::spawn_blocking(|| Peer::spawn("target", SIZE))
+        .await
+        .unwrap();
+    let (peer, md) = peer.ask("", "METADATA ").await;
+    let b = backend();
+    let a = agent("initiator", &b).await;
+    a.load_metadata(&unhex(&md).unwrap()).unwrap();
+    let rd = a.remote_regions("target").unwrap()[0].clone();
+    let src = vram(&a, SIZE, 21).await;
+    bounded(
+        "write",
+        a.write(
+            &gpu([src.whole()]),
+            "target",
+            &gpu([rd.desc(0, SIZE as u64)]),
+            None,
+        ),
+    )
+    .await
+    .unwrap();
+    let mapped = device_mappings().unwrap();
+    assert_eq!(mapping_watchers(), 1, "one watcher for the open mapping");
+    let report = a.shutdown().await;
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(mapping_watchers(), 0, "the watcher was joined by shutdown");
+    assert_eq!(
+        device_mappings(),
+        Some(mapped - 1),
+        "the target's memory was closed (ours is still registered)"
+    );
+    drop((src, b));
+    let (peer, dereg) = peer.ask("DEREG", "DEREG ").await;
+    assert!(dereg.starts_with("ok"), "{dereg}");
+    let (peer, _) = peer.ask("", "FREED").await;
+    let (mut peer, stopped) = peer.ask("QUIT", "STOPPED ").await;
+    assert_eq!(stopped, "clean=true");
+    let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
