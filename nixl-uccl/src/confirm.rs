@@ -27,12 +27,43 @@ pub(crate) type Regs = Arc<Mutex<HashMap<u64, (u64, RegionRef)>>>;
 /// What happens to a confirmed (or refused) transfer.
 pub(crate) type Then = Box<dyn FnOnce(Result<()>) + Send>;
 
+/// Confirmations a link asked for and has no answer to yet, by request id.
+pub(crate) type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Option<u64>>>>>;
+
+/// The awaited answer to one `Verify` request. Dropped unanswered (a timeout, an
+/// earlier part that failed), it takes its request out of the link's table, so
+/// answers that never come leave nothing behind.
+pub(crate) struct Answer {
+    id: u64,
+    rx: oneshot::Receiver<Option<u64>>,
+    pending: Pending,
+}
+
+impl Answer {
+    /// Register request `id` in `pending` and return its answer.
+    pub(crate) fn expect(pending: &Pending, id: u64) -> Self {
+        let (tx, rx) = oneshot::channel();
+        pending.lock().unwrap().insert(id, tx);
+        Self {
+            id,
+            rx,
+            pending: pending.clone(),
+        }
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        self.pending.lock().unwrap().remove(&self.id);
+    }
+}
+
 /// Work for the worker.
 pub(crate) enum Work {
     /// Initiator: digest each group's local slices, then compare with the target's
-    /// answers as they come (within `timeout`), and call `then`.
+    /// answers as they come (all within `timeout`), and call `then`.
     Local {
-        groups: Vec<(Vec<RegionSlice>, oneshot::Receiver<Option<u64>>)>,
+        groups: Vec<(Vec<RegionSlice>, Answer)>,
         ctx: BackendContext,
         timeout: Duration,
         then: Then,
@@ -124,8 +155,10 @@ fn run(w: Work, regs: &Regs) {
             }
             ctx.spawn(async move {
                 let n = ours.len();
-                for (i, (d, rx)) in ours.into_iter().zip(answers).enumerate() {
-                    let r = match tokio::time::timeout(timeout, rx).await {
+                // One bound for the whole transfer, however many parts it has.
+                let deadline = tokio::time::Instant::now() + timeout;
+                for (i, (d, mut answer)) in ours.into_iter().zip(answers).enumerate() {
+                    let r = match tokio::time::timeout_at(deadline, &mut answer.rx).await {
                         Ok(Ok(Some(theirs))) if theirs == d => continue,
                         Ok(Ok(Some(_))) => Error::new(
                             ErrorKind::Backend,
@@ -174,4 +207,26 @@ fn target_slices(regs: &Regs, ranges: &[(u64, u64)]) -> Option<Vec<RegionSlice>>
         .iter()
         .map(|&(addr, len)| regs.values().find_map(|(_, r)| r.slice_at(addr, len)))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_given_up_leaves_nothing_pending() {
+        let pending = Pending::default();
+        let answered = Answer::expect(&pending, 1);
+        let abandoned = Answer::expect(&pending, 2);
+        assert_eq!(pending.lock().unwrap().len(), 2);
+        // The reader takes an answered request out and sends its digest.
+        let tx = pending.lock().unwrap().remove(&1).unwrap();
+        tx.send(Some(7)).unwrap();
+        drop(abandoned);
+        assert!(pending.lock().unwrap().is_empty());
+        let mut answered = answered;
+        assert_eq!(answered.rx.try_recv().unwrap(), Some(7));
+        drop(answered);
+        assert!(pending.lock().unwrap().is_empty());
+    }
 }

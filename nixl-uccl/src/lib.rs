@@ -254,7 +254,7 @@ struct LinkState {
     /// The target said its engine accepts connections.
     ready: watch::Sender<bool>,
     /// Confirmations asked for and not yet answered, by request id.
-    verifies: Mutex<HashMap<u64, oneshot::Sender<Option<u64>>>>,
+    verifies: confirm::Pending,
     next_verify: std::sync::atomic::AtomicU64,
 }
 
@@ -783,7 +783,7 @@ impl Inner {
             why: Mutex::new(None),
             out: out_tx,
             ready: watch::channel(false).0,
-            verifies: Mutex::new(HashMap::new()),
+            verifies: confirm::Pending::default(),
             next_verify: std::sync::atomic::AtomicU64::new(0),
         });
         let (rd, wr) = stream.into_split();
@@ -1351,9 +1351,8 @@ fn confirm_then_complete(j: Job, (confirmer, ctx, timeout): (Confirmer, BackendC
         .map(|(p, l)| (l.clone(), (p.target_region, p.remote.addr), p.len as u64));
     let mut groups = Vec::new();
     for g in verify::groups(spans) {
-        let (tx, rx) = oneshot::channel();
         let id = st.next_verify.fetch_add(1, Ordering::Relaxed);
-        st.verifies.lock().unwrap().insert(id, tx);
+        let answer = confirm::Answer::expect(&st.verifies, id);
         let frame = Frame::Verify {
             id,
             ranges: g.remote,
@@ -1361,11 +1360,10 @@ fn confirm_then_complete(j: Job, (confirmer, ctx, timeout): (Confirmer, BackendC
         .encode();
         // A link killed before the insertion cleared the table already.
         if st.dead.is_cancelled() || st.out.send(Out::Frame(frame)).is_err() {
-            st.verifies.lock().unwrap().remove(&id);
             let e = Error::new(ErrorKind::RemoteDisconnected, "uccl transfer", st.why());
             return settle(notif, done, &st, Err(e));
         }
-        groups.push((g.local, rx));
+        groups.push((g.local, answer));
     }
     let state = st.clone();
     let w = Work::Local {
