@@ -724,13 +724,9 @@ impl PyAgent {
                 ));
             }
             self.inner.spawn(OP, async move {
-                let name = agent
-                    .fetch_nixl_metadata(addr, &NixlListenerOptions::default())
-                    .await?;
-                if name != peer {
-                    tracing::warn!(asked = %peer, got = %name, "the listener served another agent's metadata");
-                }
-                Ok(())
+                agent
+                    .fetch_nixl_peer_metadata(addr, &peer, &NixlListenerOptions::default())
+                    .await
             })
         } else {
             self.inner.spawn(OP, async move {
@@ -739,9 +735,8 @@ impl PyAgent {
                     agent.fetch_peer_metadata(addr, &peer, &options).await
                 } else {
                     agent
-                        .fetch_partial_metadata(addr, &label, &options)
+                        .fetch_peer_partial_metadata(addr, &peer, &label, &options)
                         .await
-                        .map(drop)
                 }
             })
         }

@@ -481,6 +481,17 @@ async fn metadata_through_nixls_listener_both_ways() {
     let mut nixl = NixlPeer::start(&dir, "nixl-agent", 65536, Some(port)).await;
     let at: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
 
+    // Asked by name for another agent, what NIXL's listener serves is refused.
+    let e = tokio::time::timeout(
+        HANG,
+        ours.fetch_nixl_peer_metadata(at, "another-agent", &opts),
+    )
+    .await
+    .unwrap()
+    .unwrap_err();
+    assert_eq!(e.kind(), nixl::ErrorKind::Mismatch, "{e}");
+    assert!(ours.peers().is_empty(), "nothing was loaded");
+
     // We fetch from NIXL's listener, and send ours to it.
     let name = tokio::time::timeout(HANG, ours.fetch_nixl_metadata(at, &opts))
         .await

@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::agent::Agent;
 use crate::agent::WeakAgent;
+use crate::agent::{Agent, Trust};
 use crate::error::{err, Error, ErrorKind, Result};
 
 /// The marker every command starts with.
@@ -192,6 +192,32 @@ impl Agent {
         addr: SocketAddr,
         options: &NixlListenerOptions,
     ) -> Result<String> {
+        self.fetch_nixl(addr, None, options).await
+    }
+
+    /// Fetch the full metadata of `peer` from the NIXL listener at `addr` and load it:
+    /// as [`Agent::fetch_nixl_metadata`], except that metadata naming another agent is
+    /// refused and nothing is loaded (a listener at `addr` cannot pass itself off as,
+    /// or replace, another peer).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Mismatch`] when the metadata served names another agent; as
+    /// [`Agent::fetch_nixl_metadata`].
+    pub async fn fetch_nixl_peer_metadata(
+        &self,
+        addr: SocketAddr,
+        peer: &str,
+        options: &NixlListenerOptions,
+    ) -> Result<()> {
+        self.fetch_nixl(addr, Some(peer), options).await.map(drop)
+    }
+
+    async fn fetch_nixl(
+        &self,
+        addr: SocketAddr,
+        expect: Option<&str>,
+        options: &NixlListenerOptions,
+    ) -> Result<String> {
         const OP: &str = "fetch NIXL metadata";
         let md = timed(options.timeout, OP, addr, async {
             let mut s = TcpStream::connect(addr).await?;
@@ -214,7 +240,7 @@ impl Agent {
             }
         })
         .await?;
-        self.load_metadata(&md)
+        self.load_metadata_from(&md, expect, Trust::Full)
     }
 
     /// Send this agent's metadata, in NIXL's format ([`Agent::nixl_metadata`]), to the

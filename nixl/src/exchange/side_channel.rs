@@ -181,6 +181,26 @@ impl Agent {
         self.fetch_label(addr, label, None, options).await
     }
 
+    /// Fetch `peer`'s partial metadata published under `label` at `addr` and load it:
+    /// as [`Agent::fetch_partial_metadata`], except that metadata naming another agent
+    /// is refused and nothing is loaded.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Mismatch`] when the metadata served names another agent; as
+    /// [`Agent::fetch_partial_metadata`].
+    pub async fn fetch_peer_partial_metadata(
+        &self,
+        addr: SocketAddr,
+        peer: &str,
+        label: &str,
+        options: &SideChannelOptions,
+    ) -> Result<()> {
+        check_label(label, "fetch partial metadata")?;
+        self.fetch_label(addr, label, Some(peer), options)
+            .await
+            .map(drop)
+    }
+
     /// The application asked for what `addr` serves: it may replace a known peer.
     async fn fetch_label(
         &self,

@@ -2,7 +2,7 @@
 //! neither move a known peer to its own connection info nor make the agent forget it;
 //! a real restart is accepted where it is vouched for (the server opted in, a shared
 //! secret, the application's own fetch); metadata fetched by name (side channel,
-//! etcd fetch and watch) must carry that name.
+//! full or partial, etcd fetch and watch) must carry that name.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -160,6 +160,38 @@ async fn side_channel_fetch_by_name_refuses_another_name() {
     // The real b, asked by name, is loaded.
     let at = b.listen(loopback(), &opts()).await.unwrap();
     a.fetch_peer_metadata(at, "b", &opts()).await.unwrap();
+    stop([a, b, c]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_fetch_by_name_refuses_another_name() {
+    let a = tcp_agent("a").await;
+    let b = tcp_agent("b").await;
+    let dst = b.register(vec![0u8; LEN]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    // c publishes a partial metadata under the label a asks b for.
+    let c = tcp_agent("c").await;
+    let theirs = c.register(vec![0u8; LEN]).unwrap();
+    c.publish_partial("kv", std::slice::from_ref(&theirs), true)
+        .unwrap();
+    let fake = c.listen(loopback(), &opts()).await.unwrap();
+    let e = bounded(
+        "fetch b's partial from c",
+        a.fetch_peer_partial_metadata(fake, "b", "kv", &opts()),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+    assert_eq!(a.peers(), ["b"], "nothing was loaded");
+    write_lands(&a, "b", &dst, 7).await;
+    // b's own, asked by name, is loaded.
+    b.publish_partial("kv", std::slice::from_ref(&dst), true)
+        .unwrap();
+    let at = b.listen(loopback(), &opts()).await.unwrap();
+    a.fetch_peer_partial_metadata(at, "b", "kv", &opts())
+        .await
+        .unwrap();
+    write_lands(&a, "b", &dst, 8).await;
     stop([a, b, c]).await;
 }
 
