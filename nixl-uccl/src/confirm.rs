@@ -21,8 +21,9 @@ const OP: &str = "uccl transfer confirmation";
 /// initiator's transfers fail with the reason).
 pub(crate) const MAX_QUEUED: usize = 1024;
 
-/// This agent's registrations: id to (engine memory region, the region).
-pub(crate) type Regs = Arc<Mutex<HashMap<u64, (u64, RegionRef)>>>;
+/// This agent's registrations: id to (engine memory region, the region, its
+/// confirmation key).
+pub(crate) type Regs = Arc<Mutex<HashMap<u64, (u64, RegionRef, u64)>>>;
 
 /// What happens to a confirmed (or refused) transfer.
 pub(crate) type Then = Box<dyn FnOnce(Result<()>) + Send>;
@@ -72,7 +73,7 @@ pub(crate) enum Work {
     /// `Verified` on `reply`.
     Remote {
         id: u64,
-        ranges: Vec<(u64, u64)>,
+        ranges: Vec<(u64, u64, u64)>,
         reply: mpsc::UnboundedSender<Frame>,
         queued: Arc<AtomicUsize>,
     },
@@ -199,13 +200,18 @@ fn run(w: Work, regs: &Regs) {
     }
 }
 
-/// The slices of this agent's registrations that `ranges` (addresses here) name, in
-/// order; `None` when one lies outside every registration.
-fn target_slices(regs: &Regs, ranges: &[(u64, u64)]) -> Option<Vec<RegionSlice>> {
+/// The slices of this agent's registrations that `ranges` (address here, length,
+/// confirmation key) name, in order; `None` when one does not lie inside the
+/// registration holding its key.
+fn target_slices(regs: &Regs, ranges: &[(u64, u64, u64)]) -> Option<Vec<RegionSlice>> {
     let regs = regs.lock().unwrap();
     ranges
         .iter()
-        .map(|&(addr, len)| regs.values().find_map(|(_, r)| r.slice_at(addr, len)))
+        .map(|&(addr, len, key)| {
+            regs.values()
+                .find(|(_, _, k)| *k == key)
+                .and_then(|(_, r, _)| r.slice_at(addr, len))
+        })
         .collect()
 }
 

@@ -62,6 +62,20 @@ pub fn wire_seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("notif", Frame::Notif(bytes::Bytes::from_static(b"done"))),
         ("ping", Frame::Ping),
         ("pong", Frame::Pong),
+        (
+            "verify",
+            Frame::Verify {
+                id: 3,
+                ranges: vec![(0x7f00_0000_0000, 4096, 0x1234_5678_9abc_def0)],
+            },
+        ),
+        (
+            "verified",
+            Frame::Verified {
+                id: 3,
+                digest: Some(0xfeed),
+            },
+        ),
     ];
     let mut v = vec![("conn-info", info.encode().to_vec())];
     for (name, f) in &frames {

@@ -397,9 +397,9 @@ struct Piece {
     addr: usize,
     len: usize,
     remote: FifoItem,
-    /// The target's registration it lands in (target ranges of one registration may
-    /// be merged for the confirmation; of two, never).
-    target_region: u64,
+    /// The confirmation key of the target's registration it lands in (target ranges
+    /// of one registration may be merged for the confirmation; of two, never).
+    target_key: u64,
 }
 
 /// A posted transfer in the progress thread.
@@ -1348,7 +1348,7 @@ fn confirm_then_complete(j: Job, (confirmer, ctx, timeout): (Confirmer, BackendC
     let spans = pieces
         .iter()
         .zip(locals.iter())
-        .map(|(p, l)| (l.clone(), (p.target_region, p.remote.addr), p.len as u64));
+        .map(|(p, l)| (l.clone(), (p.target_key, p.remote.addr), p.len as u64));
     let mut groups = Vec::new();
     for g in verify::groups(spans) {
         let id = st.next_verify.fetch_add(1, Ordering::Relaxed);
@@ -1395,6 +1395,28 @@ fn settle(notif: Option<(Bytes, Ticket)>, done: Completer, state: &Arc<LinkState
         (Ok(()), Some((msg, t))) => t.send(msg, done, state.clone()),
         (r, _) => done.complete(r),
     }
+}
+
+/// A registration's metadata blob: UCCL's `FifoItem`, then the registration's
+/// confirmation key (`u64`, little-endian; see `verify`).
+const BLOB_LEN: usize = api::FIFO_ITEM_LEN + 8;
+
+fn decode_blob(blob: &[u8]) -> Option<(FifoItem, u64)> {
+    if blob.len() != BLOB_LEN {
+        return None;
+    }
+    let (fifo, key) = blob.split_at(api::FIFO_ITEM_LEN);
+    Some((
+        FifoItem::decode(fifo)?,
+        u64::from_le_bytes(key.try_into().ok()?),
+    ))
+}
+
+/// A fresh confirmation key (random: only the registration's metadata tells it).
+fn confirmation_key() -> u64 {
+    let mut b = [0u8; 8];
+    getrandom::getrandom(&mut b).expect("the OS random source works");
+    u64::from_le_bytes(b)
 }
 
 /// A prepared transfer.
@@ -1612,18 +1634,22 @@ impl Backend for UcclBackend {
             MemKind::Vram { device } => nixl::gpu::with_context(device, register)?,
             MemKind::Dram => register()?,
         };
+        let key = confirmation_key();
         self.inner
             .regs
             .lock()
             .unwrap()
-            .insert(region.id(), (mr, region.clone()));
+            .insert(region.id(), (mr, region.clone(), key));
         self.inner.mark_registered();
-        Ok(Bytes::copy_from_slice(&fifo.encode()))
+        let mut blob = Vec::with_capacity(BLOB_LEN);
+        blob.extend_from_slice(&fifo.encode());
+        blob.extend_from_slice(&key.to_le_bytes());
+        Ok(Bytes::from(blob))
     }
 
     fn deregister(&self, region_id: u64) -> Result<()> {
         let removed = self.inner.regs.lock().unwrap().remove(&region_id);
-        let Some((_mr, _region)) = removed else {
+        let Some((_mr, _region, _key)) = removed else {
             return err(
                 ErrorKind::NotFound,
                 "uccl deregister",
@@ -1720,7 +1746,7 @@ impl Backend for UcclBackend {
         let mut pieces = Vec::with_capacity(plan.segments.len());
         let mut locals = Vec::with_capacity(plan.segments.len());
         for s in plan.segments.iter() {
-            let Some(&(mr, _)) = regs.get(&s.local.id()) else {
+            let Some(&(mr, _, _)) = regs.get(&s.local.id()) else {
                 return err(
                     ErrorKind::NotFound,
                     OP,
@@ -1728,10 +1754,7 @@ impl Backend for UcclBackend {
                 );
             };
             let Target::Remote {
-                addr: raddr,
-                blob,
-                region: tregion,
-                ..
+                addr: raddr, blob, ..
             } = &s.target
             else {
                 return err(
@@ -1740,12 +1763,12 @@ impl Backend for UcclBackend {
                     "a local target on a remote transfer",
                 );
             };
-            let fifo = FifoItem::decode(blob).ok_or_else(|| {
+            let (fifo, key) = decode_blob(blob).ok_or_else(|| {
                 Error::new(
                     ErrorKind::Corrupt,
                     OP,
                     format!(
-                        "{peer:?}'s registration blob is {} bytes, not a 64-byte FifoItem",
+                        "{peer:?}'s registration blob is {} bytes, not a {BLOB_LEN}-byte FifoItem and confirmation key",
                         blob.len()
                     ),
                 )
@@ -1761,7 +1784,7 @@ impl Backend for UcclBackend {
                     addr: base + off,
                     len: n,
                     remote: fifo.at(raddr + off as u64, n as u32),
-                    target_region: *tregion,
+                    target_key: key,
                 });
                 off += n;
             }

@@ -18,6 +18,12 @@
 //! destination keeps stale bytes), not an adversary, who could forge either side's
 //! answer anyway. Its cost is one read of the data on each side (for GPU memory a
 //! copy to the host first) and one control round trip per transfer.
+//!
+//! Each range asked for names its registration's confirmation key, a random 64-bit
+//! value published only in the registration's metadata (beside the engine's remote
+//! key): the target digests only ranges inside the registration holding that key, so
+//! `Verify` reads nothing for a client that could not also reach the memory by RDMA
+//! (without the agent's secret the control port is open to anyone who reaches it).
 
 use nixl::{RegionSlice, Result};
 
@@ -27,15 +33,16 @@ use crate::wire::MAX_VERIFY_RANGES;
 const CHUNK: usize = 1 << 20;
 
 /// One `Verify` request's share of a transfer: its local slices and the target
-/// ranges they correspond to, in order.
+/// ranges (address, length, registration's confirmation key) they correspond to, in
+/// order.
 #[derive(Debug)]
 pub(crate) struct Group<L> {
     pub(crate) local: Vec<L>,
-    pub(crate) remote: Vec<(u64, u64)>,
+    pub(crate) remote: Vec<(u64, u64, u64)>,
 }
 
-/// A transfer's pieces (local slice, (target registration, target address),
-/// length) in requests of at most [`MAX_VERIFY_RANGES`] target ranges, adjacent
+/// A transfer's pieces (local slice, (target registration's confirmation key, target
+/// address), length) in requests of at most [`MAX_VERIFY_RANGES`] target ranges, adjacent
 /// target ranges of one registration merged (the digest runs over the bytes in order
 /// either way; the target digests each range inside one registration). Empty pieces
 /// are left out.
@@ -67,7 +74,7 @@ pub(crate) fn groups<L: Clone>(
         let g = out.last_mut().expect("a group");
         match g.remote.last_mut() {
             Some(last) if adjacent => last.1 += len,
-            _ => g.remote.push((remote, len)),
+            _ => g.remote.push((remote, len, region)),
         }
         g.local.push(local);
     }
@@ -156,7 +163,7 @@ mod tests {
             ("e", (2, 201), 4),
         ]);
         assert_eq!(g.len(), 1);
-        assert_eq!(g[0].remote, vec![(100, 15), (200, 1), (201, 4)]);
+        assert_eq!(g[0].remote, vec![(100, 15, 1), (200, 1, 1), (201, 4, 2)]);
         assert_eq!(g[0].local, vec!["a", "b", "c", "e"]);
         // Scattered ranges split into requests of at most the frame's limit.
         let many = (0..MAX_VERIFY_RANGES as u64 + 3).map(|i| (i, (1, 1000 + 2 * i), 1));
@@ -169,6 +176,6 @@ mod tests {
         // A merged range that reaches the limit still merges.
         let g = groups((0..MAX_VERIFY_RANGES as u64 * 2).map(|i| (i, (1, 10 * i), 10)));
         assert_eq!(g.len(), 1);
-        assert_eq!(g[0].remote, vec![(0, 10 * MAX_VERIFY_RANGES as u64 * 2)]);
+        assert_eq!(g[0].remote, vec![(0, 10 * MAX_VERIFY_RANGES as u64 * 2, 1)]);
     }
 }

@@ -6,16 +6,17 @@
 //!
 //! Control frames: `len u32` (little-endian, counting the type byte and the payload),
 //! `type u8`, payload. `Hello` and `HelloAck` carry an agent name; `Notif` carries the
-//! notification's bytes; `Verify` a request id (`u64`) then (address, length) pairs
-//! (`u64` each); `Verified` the request id, `ok u8` and a digest (`u64`); the rest
+//! notification's bytes; `Verify` a request id (`u64`) then (address, length,
+//! confirmation key) triples (`u64` each); `Verified` the request id, `ok u8` and a digest (`u64`); the rest
 //! carry nothing. Integers are little-endian.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
 /// Connection-info version. 2: the control connection carries `Verify`/`Verified`
 /// (an agent of version 1 would drop the connection on them, so its metadata is
-/// refused at load instead).
-pub(crate) const INFO_VERSION: u8 = 2;
+/// refused at load instead). 3: `Verify` ranges name their registration's
+/// confirmation key, which registration metadata carries after the `FifoItem`.
+pub(crate) const INFO_VERSION: u8 = 3;
 /// Longest control frame accepted (a notification plus its header).
 pub(crate) const MAX_FRAME: usize = crate::MAX_NOTIFICATION + 64;
 
@@ -87,7 +88,10 @@ pub(crate) enum Frame {
     /// Answer to `Ping`.
     Pong,
     /// Initiator: digest these ranges of your registered memory (see `verify`).
-    Verify { id: u64, ranges: Vec<(u64, u64)> },
+    Verify {
+        id: u64,
+        ranges: Vec<(u64, u64, u64)>,
+    },
     /// Target: the digest of a `Verify`'s ranges, or `None` when it would not make it
     /// (a range outside its registrations, memory deregistered meanwhile).
     Verified { id: u64, digest: Option<u64> },
@@ -95,6 +99,8 @@ pub(crate) enum Frame {
 
 /// Most ranges one `Verify` frame carries.
 pub(crate) const MAX_VERIFY_RANGES: usize = 4096;
+/// Bytes of one `Verify` range on the wire.
+const RANGE: usize = 24;
 
 const HELLO: u8 = 1;
 const HELLO_ACK: u8 = 2;
@@ -116,11 +122,12 @@ impl Frame {
             Self::Ping => (PING, &[]),
             Self::Pong => (PONG, &[]),
             Self::Verify { id, ranges } => {
-                let mut b = Vec::with_capacity(8 + 16 * ranges.len());
+                let mut b = Vec::with_capacity(8 + RANGE * ranges.len());
                 b.extend_from_slice(&id.to_le_bytes());
-                for (addr, len) in ranges {
+                for (addr, len, key) in ranges {
                     b.extend_from_slice(&addr.to_le_bytes());
                     b.extend_from_slice(&len.to_le_bytes());
+                    b.extend_from_slice(&key.to_le_bytes());
                 }
                 owned = b;
                 (VERIFY, &owned)
@@ -153,21 +160,22 @@ impl Frame {
             NOTIF => Self::Notif(Bytes::copy_from_slice(rest)),
             PING if rest.is_empty() => Self::Ping,
             PONG if rest.is_empty() => Self::Pong,
-            VERIFY if rest.len() >= 8 && (rest.len() - 8) % 16 == 0 => {
+            VERIFY if rest.len() >= 8 && (rest.len() - 8) % RANGE == 0 => {
                 let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
-                let ranges: Vec<_> = rest[8..]
-                    .chunks_exact(16)
-                    .map(|c| (word(&c[..8]), word(&c[8..])))
-                    .collect();
-                if ranges.len() > MAX_VERIFY_RANGES {
+                if (rest.len() - 8) / RANGE > MAX_VERIFY_RANGES {
                     return None;
                 }
+                let ranges: Vec<_> = rest[8..]
+                    .chunks_exact(RANGE)
+                    .map(|c| (word(&c[..8]), word(&c[8..16]), word(&c[16..])))
+                    .collect();
                 Self::Verify {
                     id: word(&rest[..8]),
                     ranges,
                 }
             }
-            VERIFIED if rest.len() == 17 && rest[8] <= 1 => {
+            // No digest: its bytes are zero (one encoding per frame).
+            VERIFIED if rest.len() == 17 && (rest[8] == 1 || rest[8..] == [0; 9]) => {
                 let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
                 Self::Verified {
                     id: word(&rest[..8]),
@@ -264,7 +272,7 @@ mod tests {
             Frame::Pong,
             Frame::Verify {
                 id: 7,
-                ranges: vec![(0x7f00_0000_1000, 4096), (u64::MAX, 1)],
+                ranges: vec![(0x7f00_0000_1000, 4096, 9), (u64::MAX, 1, u64::MAX)],
             },
             Frame::Verify {
                 id: 0,
@@ -288,14 +296,19 @@ mod tests {
         assert_eq!(Frame::decode(&[99]), None);
         assert_eq!(Frame::decode(&[HELLO, 0xff]), None);
         // A range cut short, a bad flag, too many ranges.
-        assert_eq!(Frame::decode(&[&[VERIFY][..], &[0; 8 + 15]].concat()), None);
+        assert_eq!(Frame::decode(&[&[VERIFY][..], &[0; 8 + 23]].concat()), None);
         assert_eq!(
             Frame::decode(&[&[VERIFIED][..], &[0; 8], &[2], &[0; 8]].concat()),
             None
         );
+        assert_eq!(
+            Frame::decode(&[&[VERIFIED][..], &[0; 8], &[0], &[1; 8]].concat()),
+            None,
+            "a digest where the flag says none"
+        );
         let many = Frame::Verify {
             id: 1,
-            ranges: vec![(0, 1); MAX_VERIFY_RANGES + 1],
+            ranges: vec![(0, 1, 2); MAX_VERIFY_RANGES + 1],
         };
         assert_eq!(Frame::decode(&many.encode()[4..]), None);
         assert!(

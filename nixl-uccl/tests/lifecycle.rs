@@ -399,3 +399,50 @@ async fn operations_never_done_leave_engine_and_memory_alive() {
     let _ = b.shutdown().await;
     no_misuse();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_target_confirms_only_for_the_registrations_key() {
+    // A registration's confirmation key travels in its metadata blob, after UCCL's
+    // FifoItem; the target digests only ranges asked for with the right key, so a
+    // client without the metadata learns nothing through confirmation requests.
+    let (a, _) = agent("a-key").await;
+    let (b, _) = agent("b-key").await;
+    let src = a.register(vec![3u8; 4096]).unwrap();
+    let dst = b.register(vec![0u8; 4096]).unwrap();
+    let mut md = nixl::metadata::AgentMetadata::decode(&b.metadata().unwrap()).unwrap();
+    let blob = &mut md.regions[0].blobs[0].blob;
+    assert_eq!(blob.len(), 64 + 8, "FifoItem and key");
+    *blob.last_mut().unwrap() ^= 1;
+    a.load_metadata(&md.encode().unwrap()).unwrap();
+    let e = bounded(
+        "write with a wrong key",
+        a.write(
+            &one(src.whole()),
+            "b-key",
+            &one(remote(&a, "b-key", &dst)),
+            None,
+        ),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Backend, "{e}");
+    assert!(e.to_string().contains("could not confirm"), "{e}");
+    // The engine moved the bytes; only the confirmation was refused.
+    assert_eq!(dst.to_vec().unwrap(), vec![3u8; 4096]);
+    // With the registration's own metadata the same transfer is confirmed.
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    bounded(
+        "write with the key",
+        a.write(
+            &one(src.whole()),
+            "b-key",
+            &one(remote(&a, "b-key", &dst)),
+            None,
+        ),
+    )
+    .await
+    .unwrap();
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
+    no_misuse();
+}
