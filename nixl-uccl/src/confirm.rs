@@ -21,9 +21,64 @@ const OP: &str = "uccl transfer confirmation";
 /// initiator's transfers fail with the reason).
 pub(crate) const MAX_QUEUED: usize = 1024;
 
-/// This agent's registrations: id to (engine memory region, the region, its
-/// confirmation key).
-pub(crate) type Regs = Arc<Mutex<HashMap<u64, (u64, RegionRef, u64)>>>;
+/// This agent's registrations.
+pub(crate) type Regs = Arc<Mutex<Registry>>;
+
+/// This agent's registrations by id (engine memory region, the region) and by
+/// confirmation key (see `verify`), the way `Verify` requests name them.
+#[derive(Default)]
+pub(crate) struct Registry {
+    by_id: HashMap<u64, (u64, RegionRef, u64)>,
+    by_key: HashMap<u64, RegionRef>,
+}
+
+impl std::fmt::Debug for Registry {
+    // Keys stay out of logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("registrations", &self.by_id.len())
+            .finish()
+    }
+}
+
+impl Registry {
+    /// Add registration `region` (engine memory region `mr`); returns its
+    /// confirmation key, a fresh random one.
+    pub(crate) fn insert(&mut self, mr: u64, region: RegionRef) -> u64 {
+        let key = loop {
+            let k = random_key();
+            if !self.by_key.contains_key(&k) {
+                break k;
+            }
+        };
+        self.by_key.insert(key, region.clone());
+        self.by_id.insert(region.id(), (mr, region, key));
+        key
+    }
+
+    /// Remove registration `id`: its engine memory region and the region.
+    pub(crate) fn remove(&mut self, id: u64) -> Option<(u64, RegionRef)> {
+        let (mr, region, key) = self.by_id.remove(&id)?;
+        self.by_key.remove(&key);
+        Some((mr, region))
+    }
+
+    /// The engine memory region of registration `id`.
+    pub(crate) fn mr(&self, id: u64) -> Option<u64> {
+        self.by_id.get(&id).map(|(mr, _, _)| *mr)
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+}
+
+/// A random confirmation key (only the registration's metadata tells it).
+fn random_key() -> u64 {
+    let mut b = [0u8; 8];
+    getrandom::getrandom(&mut b).expect("the OS random source works");
+    u64::from_le_bytes(b)
+}
 
 /// What happens to a confirmed (or refused) transfer.
 pub(crate) type Then = Box<dyn FnOnce(Result<()>) + Send>;
@@ -207,11 +262,7 @@ fn target_slices(regs: &Regs, ranges: &[(u64, u64, u64)]) -> Option<Vec<RegionSl
     let regs = regs.lock().unwrap();
     ranges
         .iter()
-        .map(|&(addr, len, key)| {
-            regs.values()
-                .find(|(_, _, k)| *k == key)
-                .and_then(|(_, r, _)| r.slice_at(addr, len))
-        })
+        .map(|&(addr, len, key)| regs.by_key.get(&key)?.slice_at(addr, len))
         .collect()
 }
 

@@ -1412,13 +1412,6 @@ fn decode_blob(blob: &[u8]) -> Option<(FifoItem, u64)> {
     ))
 }
 
-/// A fresh confirmation key (random: only the registration's metadata tells it).
-fn confirmation_key() -> u64 {
-    let mut b = [0u8; 8];
-    getrandom::getrandom(&mut b).expect("the OS random source works");
-    u64::from_le_bytes(b)
-}
-
 /// A prepared transfer.
 #[derive(Debug)]
 struct Prepared {
@@ -1634,12 +1627,7 @@ impl Backend for UcclBackend {
             MemKind::Vram { device } => nixl::gpu::with_context(device, register)?,
             MemKind::Dram => register()?,
         };
-        let key = confirmation_key();
-        self.inner
-            .regs
-            .lock()
-            .unwrap()
-            .insert(region.id(), (mr, region.clone(), key));
+        let key = self.inner.regs.lock().unwrap().insert(mr, region.clone());
         self.inner.mark_registered();
         let mut blob = Vec::with_capacity(BLOB_LEN);
         blob.extend_from_slice(&fifo.encode());
@@ -1648,8 +1636,8 @@ impl Backend for UcclBackend {
     }
 
     fn deregister(&self, region_id: u64) -> Result<()> {
-        let removed = self.inner.regs.lock().unwrap().remove(&region_id);
-        let Some((_mr, _region, _key)) = removed else {
+        let removed = self.inner.regs.lock().unwrap().remove(region_id);
+        let Some((_mr, _region)) = removed else {
             return err(
                 ErrorKind::NotFound,
                 "uccl deregister",
@@ -1746,7 +1734,7 @@ impl Backend for UcclBackend {
         let mut pieces = Vec::with_capacity(plan.segments.len());
         let mut locals = Vec::with_capacity(plan.segments.len());
         for s in plan.segments.iter() {
-            let Some(&(mr, _, _)) = regs.get(&s.local.id()) else {
+            let Some(mr) = regs.mr(s.local.id()) else {
                 return err(
                     ErrorKind::NotFound,
                     OP,
