@@ -19,6 +19,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::backends;
 use crate::errors::{invalid, raise, IntoPy};
+use crate::etcd::{self, Etcd};
 use crate::handles::{deliver, DlistHandle, XferHandle};
 use crate::memory::caller_memory;
 use crate::runtime::rt;
@@ -74,6 +75,8 @@ struct Inner {
     shut_down: AtomicBool,
     tasks: TaskTracker,
     cancel: CancellationToken,
+    /// The metadata calls given no IP address (NIXL's etcd).
+    etcd: Arc<Etcd>,
 }
 
 /// The native agent (`nixl_rs._native.Agent`). Thread-safe: Python threads may share it.
@@ -203,17 +206,6 @@ fn socket_addr(ip: &str, port: u16, op: &str) -> PyResult<SocketAddr> {
         .ok()
         .and_then(|mut a| a.next())
         .ok_or_else(|| invalid(op, format!("cannot resolve address {ip:?}:{port}")))
-}
-
-fn etcd_unsupported(op: &str) -> PyErr {
-    raise(
-        "NotSupported",
-        op,
-        "etcd",
-        format!(
-            "{op}: without an IP address NIXL uses etcd, which nixl_rs does not offer yet; give ip_addr and port of the peer's listener"
-        ),
-    )
 }
 
 impl Inner {
@@ -361,6 +353,7 @@ impl PyAgent {
             shut_down: AtomicBool::new(false),
             tasks: TaskTracker::new(),
             cancel: CancellationToken::new(),
+            etcd: Arc::default(),
         });
         py.allow_threads(|| rt.block_on(inner.listen(&agent)))
             .py()?;
@@ -684,7 +677,16 @@ impl PyAgent {
     fn send_metadata(&self, ip: &str, port: u16) -> PyResult<()> {
         const OP: &str = "send local metadata";
         if ip.is_empty() {
-            return Err(etcd_unsupported(OP));
+            let endpoints = etcd::endpoints(OP)?;
+            let (agent, x, nixl) = (
+                self.inner.agent(),
+                self.inner.etcd.clone(),
+                self.inner.speaks_nixl(),
+            );
+            self.inner.used.store(true, Ordering::Release);
+            return self
+                .inner
+                .spawn(OP, async move { x.publish(&agent, nixl, endpoints).await });
         }
         let addr = socket_addr(ip, port, OP)?;
         let agent = self.inner.agent();
@@ -709,7 +711,16 @@ impl PyAgent {
     fn fetch_metadata(&self, peer: String, ip: &str, port: u16, label: String) -> PyResult<()> {
         const OP: &str = "fetch remote metadata";
         if ip.is_empty() {
-            return Err(etcd_unsupported(OP));
+            let endpoints = etcd::endpoints(OP)?;
+            let (agent, x, nixl) = (
+                self.inner.agent(),
+                self.inner.etcd.clone(),
+                self.inner.speaks_nixl(),
+            );
+            self.inner.used.store(true, Ordering::Release);
+            return self.inner.spawn(OP, async move {
+                x.fetch(&agent, nixl, endpoints, &peer, &label).await
+            });
         }
         let addr = socket_addr(ip, port, OP)?;
         let agent = self.inner.agent();
@@ -746,7 +757,17 @@ impl PyAgent {
     fn invalidate_metadata(&self, ip: &str, port: u16) -> PyResult<()> {
         const OP: &str = "invalidate local metadata";
         if ip.is_empty() {
-            return Err(etcd_unsupported(OP));
+            let endpoints = etcd::endpoints(OP)?;
+            let (agent, x, nixl) = (
+                self.inner.agent(),
+                self.inner.etcd.clone(),
+                self.inner.speaks_nixl(),
+            );
+            self.inner.used.store(true, Ordering::Release);
+            return self.inner.spawn(
+                OP,
+                async move { x.invalidate(&agent, nixl, endpoints).await },
+            );
         }
         let addr = socket_addr(ip, port, OP)?;
         let agent = self.inner.agent();

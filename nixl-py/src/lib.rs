@@ -25,6 +25,7 @@
 mod agent;
 mod backends;
 mod errors;
+mod etcd;
 mod handles;
 // Audited: turns caller-provided addresses into `nixl::Memory` under the Python
 // API's documented contract.

@@ -14,9 +14,11 @@ differ (see the README's Python section):
 - A backend can be added with ``create_backend`` only before memory is registered,
   metadata handed out or peers added (nixl-rs fixes an agent's backends when it
   starts; the agent is rebuilt until then).
-- etcd (calls without ``ip_addr``), partial metadata sent to a listener,
-  ``query_memory``, ``estimate_xfer_cost`` and memory views raise
-  ``nixlNotSupportedError``.
+- Calls without ``ip_addr`` use etcd at ``NIXL_ETCD_ENDPOINTS`` as NIXL's do (NIXL's
+  key layout under ``NIXL_ETCD_NAMESPACE`` for agents with UCX; a wheel built with
+  the ``etcd`` feature); a fetch waits up to 30 s for the peer's key, then follows
+  it. Partial metadata sent to a listener or etcd, ``query_memory``,
+  ``estimate_xfer_cost`` and memory views raise ``nixlNotSupportedError``.
 
 Beyond NIXL: ``await agent.transfer_async(handle)``, ``await agent.wait_xfer(handle)``,
 ``async for peer, msg in agent.notifications()``, ``agent.shutdown()`` and use as a
@@ -614,24 +616,27 @@ class nixl_agent:
         self._native.forget(_name(agent))
 
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT):
-        """Send this agent's metadata to the listener at ip_addr:port (in the background)."""
+        """Send this agent's metadata to the listener at ip_addr:port, or without
+        ``ip_addr`` publish it in etcd (in the background)."""
         self._native.send_metadata(ip_addr, port)
 
     def send_partial_agent_metadata(self, descs, inc_conn_info: bool = False,
                                     backends: list[str] = [], ip_addr: str = "",  # noqa: B006
                                     port: int = DEFAULT_COMM_PORT, label: str = ""):
         raise _not_supported("send partial metadata",
-                             "NIXL's listener takes full metadata only and etcd is not offered; "
+                             "not offered by nixl_rs (NIXL's listener takes full metadata only); "
                              "carry get_partial_agent_metadata() yourself")
 
     def fetch_remote_metadata(self, remote_agent: str, ip_addr: str = "",
                               port: int = DEFAULT_COMM_PORT, label: str = ""):
-        """Fetch a peer's metadata from its listener at ip_addr:port (in the
-        background; ``check_remote_metadata`` says when it arrived)."""
+        """Fetch a peer's metadata from its listener at ip_addr:port, or without
+        ``ip_addr`` from etcd (in the background; ``check_remote_metadata`` says when
+        it arrived)."""
         self._native.fetch_metadata(_name(remote_agent), ip_addr, port, label)
 
     def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT):
-        """Tell the listener at ip_addr:port to forget this agent (in the background)."""
+        """Tell the listener at ip_addr:port to forget this agent, or without
+        ``ip_addr`` withdraw its etcd keys (in the background)."""
         self._native.invalidate_metadata(ip_addr, port)
 
     def check_remote_metadata(self, agent: str, descs=None) -> bool:

@@ -1,0 +1,155 @@
+//! NIXL's etcd metadata exchange for the Python API: the metadata calls given no IP
+//! address use etcd, as NIXL's do, at the endpoints `NIXL_ETCD_ENDPOINTS` names
+//! (comma-separated), through the core's [`nixl::exchange::EtcdExchange`].
+//!
+//! An agent with a NIXL-speaking backend (UCX) uses NIXL's key layout and format under
+//! `NIXL_ETCD_NAMESPACE` (NIXL's default when unset), so NIXL agents of the same etcd
+//! find it and it finds them; other agents (TCP alone) use this crate's layout, in
+//! the namespace `nixl`. The connection is made at the first such call and lasts as
+//! long as the agent (its keys go with the agent's lease).
+
+use nixl::Agent;
+use pyo3::PyResult;
+
+use crate::errors::raise;
+
+/// Where NIXL's agents find etcd.
+pub(crate) const ENV_ENDPOINTS: &str = "NIXL_ETCD_ENDPOINTS";
+/// NIXL's key namespace (NIXL layout only).
+#[cfg(feature = "etcd")]
+pub(crate) const ENV_NAMESPACE: &str = "NIXL_ETCD_NAMESPACE";
+/// How long a fetch waits for the peer's key to appear.
+#[cfg(feature = "etcd")]
+pub(crate) const FETCH_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// One agent's etcd exchange, connected at first use.
+#[derive(Default)]
+pub(crate) struct Etcd {
+    #[cfg(feature = "etcd")]
+    exchange: tokio::sync::OnceCell<nixl::exchange::EtcdExchange>,
+}
+
+/// The endpoints `NIXL_ETCD_ENDPOINTS` names; a Python error when it is unset or this
+/// build has no etcd, raised before anything starts in the background.
+pub(crate) fn endpoints(op: &str) -> PyResult<Vec<String>> {
+    let not_supported = |why: String| raise("NotSupported", op, "etcd", format!("{op}: {why}"));
+    if cfg!(not(feature = "etcd")) {
+        return Err(not_supported(
+            "without an IP address NIXL uses etcd, and this build of nixl_rs has none (build nixl-py with the feature `etcd`); give ip_addr and port of the peer's listener".into(),
+        ));
+    }
+    let list: Vec<String> = std::env::var(ENV_ENDPOINTS)
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if list.is_empty() {
+        return Err(not_supported(format!(
+            "without an IP address NIXL uses etcd, and {ENV_ENDPOINTS} is not set; set it (e.g. http://127.0.0.1:2379) or give ip_addr and port of the peer's listener"
+        )));
+    }
+    Ok(list)
+}
+
+#[cfg(feature = "etcd")]
+impl Etcd {
+    async fn exchange(
+        &self,
+        agent: &Agent,
+        nixl: bool,
+        endpoints: Vec<String>,
+    ) -> nixl::Result<nixl::exchange::EtcdExchange> {
+        use nixl::exchange::{EtcdExchange, EtcdOptions};
+        self.exchange
+            .get_or_try_init(|| async {
+                let mut options = EtcdOptions {
+                    endpoints,
+                    ..EtcdOptions::default()
+                };
+                if nixl {
+                    options = options.nixl_layout();
+                    if let Ok(ns) = std::env::var(ENV_NAMESPACE) {
+                        options.namespace = ns;
+                    }
+                }
+                EtcdExchange::connect(agent, options).await
+            })
+            .await
+            .cloned()
+    }
+
+    /// Publish the agent's full metadata.
+    pub(crate) async fn publish(
+        &self,
+        agent: &Agent,
+        nixl: bool,
+        endpoints: Vec<String>,
+    ) -> nixl::Result<()> {
+        self.exchange(agent, nixl, endpoints).await?.publish().await
+    }
+
+    /// Load `peer`'s full metadata (`label` empty) or its partial metadata under
+    /// `label`, waiting up to [`FETCH_WAIT`] for it to appear; a full fetch then
+    /// follows the peer (reloaded when it publishes again, forgotten when it goes).
+    pub(crate) async fn fetch(
+        &self,
+        agent: &Agent,
+        nixl: bool,
+        endpoints: Vec<String>,
+        peer: &str,
+        label: &str,
+    ) -> nixl::Result<()> {
+        let x = self.exchange(agent, nixl, endpoints).await?;
+        if label.is_empty() {
+            x.fetch(peer, FETCH_WAIT).await
+        } else {
+            x.fetch_partial(peer, label, FETCH_WAIT).await
+        }
+    }
+
+    /// Withdraw everything this agent published (peers following it forget it).
+    pub(crate) async fn invalidate(
+        &self,
+        agent: &Agent,
+        nixl: bool,
+        endpoints: Vec<String>,
+    ) -> nixl::Result<()> {
+        self.exchange(agent, nixl, endpoints)
+            .await?
+            .invalidate()
+            .await
+    }
+}
+
+/// Without the feature [`endpoints`] refuses first, so none of these runs.
+#[cfg(not(feature = "etcd"))]
+impl Etcd {
+    fn absent() -> nixl::Error {
+        nixl::Error::new(
+            nixl::ErrorKind::NotSupported,
+            "etcd",
+            "this build of nixl_rs has no etcd",
+        )
+    }
+
+    pub(crate) async fn publish(&self, _: &Agent, _: bool, _: Vec<String>) -> nixl::Result<()> {
+        Err(Self::absent())
+    }
+
+    pub(crate) async fn fetch(
+        &self,
+        _: &Agent,
+        _: bool,
+        _: Vec<String>,
+        _: &str,
+        _: &str,
+    ) -> nixl::Result<()> {
+        Err(Self::absent())
+    }
+
+    pub(crate) async fn invalidate(&self, _: &Agent, _: bool, _: Vec<String>) -> nixl::Result<()> {
+        Err(Self::absent())
+    }
+}
