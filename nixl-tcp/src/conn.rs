@@ -34,13 +34,14 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio_util::sync::CancellationToken;
 
+use crate::direct::{Direct, Unsuitable};
 use crate::io::{recv_slices, send_slices, IO_BUF};
 use crate::options::{Started, TcpOptions};
 use crate::protocol::initiator::{
     request_head, Answer, Frame, Handshake, HandshakeAction, Outcome, Requests, Responses, Want,
 };
 use crate::runs::local_blocks;
-use crate::same_host::{self, Direct, SameHost, Unsuitable};
+use crate::same_host::{self, SameHost};
 use crate::wire;
 
 /// Requests whose whole frame (header, descriptor table, notification and a WRITE's

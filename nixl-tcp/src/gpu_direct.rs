@@ -26,7 +26,7 @@ use std::time::Duration;
 use nixl::gpu::IpcMapping;
 use nixl::{Error, ErrorKind, MemKind, Op, Result, Segments};
 
-use crate::same_host::{Direct, Unsuitable};
+use crate::direct::{Direct, Unsuitable};
 use crate::shm::{OwnedAccess, Table};
 
 const OP: &str = "tcp same-host GPU transfer";

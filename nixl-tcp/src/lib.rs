@@ -123,6 +123,7 @@
 #![deny(unsafe_code)]
 
 mod conn;
+mod direct;
 #[doc(hidden)]
 pub mod fuzzing;
 mod gpu_direct;
@@ -537,7 +538,7 @@ impl Backend for TcpBackend {
                 )),
             })
             .collect::<Result<Vec<_>>>()?;
-        let targets = same_host::Direct { targets };
+        let targets = direct::Direct { targets };
         let runs = segs.runs();
         let mut table = Vec::with_capacity(runs.len() * wire::SEG_LEN);
         for r in runs {
@@ -694,7 +695,7 @@ impl RemotePrepared {
     /// not suit (see [`Route::SameHostGpu`]).
     fn post_gpu(
         &self,
-        direct: &Arc<same_host::Direct>,
+        direct: &Arc<direct::Direct>,
         otherwise: &Socket,
         c: Arc<Conn>,
         notif: Option<Bytes>,

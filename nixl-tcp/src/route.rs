@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use nixl::{MemKind, Segments};
 
+use crate::direct::Direct;
 use crate::options::TcpOptions;
-use crate::same_host::Direct;
 
 /// Pieces of a transfer split across connections are cut on page multiples.
 const STRIPE_ALIGN: u64 = 4096;

@@ -7,13 +7,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nixl::{
-    Error, ErrorKind, Op, RegionRef, RegionSlice, Result, SegmentRun, Segments, TargetRegion,
-};
+use nixl::{Error, ErrorKind, Op, RegionRef, RegionSlice, Result, Segments, TargetRegion};
 
+use crate::direct::{Direct, Unsuitable};
 use crate::gpu_direct::GpuPeer;
 use crate::shm::{self, Access, GpuGrant, Grant, Mapping, Table};
-use crate::wire::{Offer, SegEntry};
+use crate::wire::Offer;
 
 /// Whether nixl-tcp moves data between agents on one host without the socket.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -362,54 +361,6 @@ pub(crate) struct Peer {
     cma_refused: Option<String>,
     /// The peer's memfds we mapped, by slot.
     maps: Mutex<HashMap<u32, Mapped>>,
-}
-
-/// The target side of a prepared transfer: for each target registration
-/// ([`Segments::targets`]), the target's same-host slot (0 where it offered none: then
-/// only the wire entries are used), the registration's key and its start address.
-#[derive(Clone, Debug)]
-pub(crate) struct Direct {
-    pub(crate) targets: Vec<(u32, u64, u64)>,
-}
-
-impl Direct {
-    /// The wire entry of `run`: key, first block's address, length, stride, blocks.
-    pub(crate) fn entry(&self, run: &SegmentRun) -> SegEntry {
-        let (_, key, base) = self.targets[run.target as usize];
-        SegEntry {
-            key,
-            addr: base + run.target_offset,
-            len: run.len,
-            stride: run.target_stride,
-            blocks: run.count as u64,
-        }
-    }
-}
-
-/// Why a transfer cannot go direct: it goes over TCP, or fails under `Require` unless
-/// no direct path exists for its memory kinds (host memory on one side, GPU memory on
-/// the other: staged over TCP either way).
-#[derive(Debug)]
-pub(crate) struct Unsuitable {
-    pub(crate) why: &'static str,
-    pub(crate) mixed_kinds: bool,
-}
-
-impl Unsuitable {
-    pub(crate) fn new(why: &'static str) -> Self {
-        Self {
-            why,
-            mixed_kinds: false,
-        }
-    }
-
-    /// Host memory on one side and GPU memory on the other.
-    pub(crate) fn mixed_kinds(why: &'static str) -> Self {
-        Self {
-            why,
-            mixed_kinds: true,
-        }
-    }
 }
 
 /// The forms `/proc/net/tcp{,6}` print `a` in: `%08X:%04X` (IPv4) or
