@@ -7,8 +7,9 @@ use nixl::SegmentRun;
 use crate::wire::SegEntry;
 
 /// The target side of a prepared transfer: for each target registration
-/// ([`Segments::targets`](nixl::Segments::targets)), the target's same-host slot (0 where it offered none: then
-/// only the wire entries are used), the registration's key and its start address.
+/// ([`Segments::targets`](nixl::Segments::targets)), the target's same-host slot (0
+/// where it offered none: then only the wire entries are used), the registration's
+/// key and its start address.
 #[derive(Clone, Debug)]
 pub(crate) struct Direct {
     pub(crate) targets: Vec<(u32, u64, u64)>,
