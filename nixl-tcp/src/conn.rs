@@ -815,7 +815,7 @@ impl Task {
                             s.local_addr().map_err(|e| io("same-host setup", e))?,
                             s.peer_addr().map_err(|e| io("same-host setup", e))?,
                         );
-                        match same_host::Peer::open(&offer, l, r) {
+                        match same_host::Peer::open(&offer, l, r, self.options.copy_split()) {
                             Ok(p) => {
                                 opened = Some(p);
                                 m.opened(Ok(()));
