@@ -103,6 +103,8 @@ mod tcp {
         "inline_copy_max",
         "connections",
         "stripe_min",
+        "copy_threads",
+        "split_copy_min",
     ];
 
     pub(super) fn make(params: &[(String, String)], host: IpAddr) -> Result<Arc<dyn Backend>> {
@@ -156,6 +158,14 @@ mod tcp {
                     Ok(Ok(n)) => o.stripe_min = n,
                     _ => return bad("a size such as 1M"),
                 },
+                "copy_threads" => match value.parse() {
+                    Ok(n) if n >= 1 => o.copy_threads = n,
+                    _ => return bad("a number of threads, at least 1"),
+                },
+                "split_copy_min" => match parse_size(value).map(usize::try_from) {
+                    Ok(Ok(n)) => o.split_copy_min = n,
+                    _ => return bad("a size such as 16M"),
+                },
                 _ => {
                     return fail(format!(
                         "unknown tcp backend parameter {key:?}; known: {}",
@@ -191,6 +201,8 @@ mod tests {
                 ("max_notification", "4K"),
                 ("same_host", "off"),
                 ("inline_copy_max", "1M"),
+                ("copy_threads", "2"),
+                ("split_copy_min", "32M"),
             ]),
             LO,
         )

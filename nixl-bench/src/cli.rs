@@ -118,7 +118,8 @@ pub(crate) struct Cli {
 
     /// Backend parameter KEY=VALUE (repeatable). tcp: listen, advertise,
     /// connect_timeout, dead_peer_timeout, max_notification, same_host
-    /// (auto|off|require), inline_copy_max.
+    /// (auto|off|require), inline_copy_max, connections, stripe_min, copy_threads,
+    /// split_copy_min.
     #[arg(
         long = "backend-param",
         alias = "backend_param",

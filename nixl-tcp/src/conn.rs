@@ -819,7 +819,13 @@ impl Task {
                             s.local_addr().map_err(|e| io("same-host setup", e))?,
                             s.peer_addr().map_err(|e| io("same-host setup", e))?,
                         );
-                        match same_host::Peer::open(&offer, l, r, self.threads.clone()) {
+                        match same_host::Peer::open(
+                            &offer,
+                            l,
+                            r,
+                            self.threads.clone(),
+                            self.options.copy_split(),
+                        ) {
                             Ok(p) => {
                                 opened = Some(p);
                                 m.opened(Ok(()));

@@ -74,7 +74,11 @@
 //! - Memory from [`nixl::Agent::alloc`] is shared memory (a memfd): the initiator maps
 //!   the target's once, and a transfer is one copy by the initiator.
 //! - Any other registered memory moves by vectored cross-memory attach
-//!   (`process_vm_writev` / `process_vm_readv`), up to 1024 descriptors per call.
+//!   (`process_vm_writev` / `process_vm_readv`), up to 1024 ranges and 1 GiB per call
+//!   (the kernel moves at most 2 GiB - 4 KiB a call); blocks adjacent on both sides
+//!   are joined into one range. Copies from [`TcpOptions::split_copy_min`] (16 MiB)
+//!   are cut into up to [`TcpOptions::copy_threads`] parts that as many threads copy
+//!   at once (threads started for the transfer and joined before it completes).
 //! - Transfers up to [`TcpOptions::inline_copy_max`] (4 MiB) run on the posting thread
 //!   and complete before `post` returns; larger ones on the backend's copy thread. A
 //!   notification follows over TCP once the data is in place, so it still arrives
@@ -122,6 +126,7 @@
 //! module; the rest of the crate denies `unsafe`.
 #![deny(unsafe_code)]
 
+mod cma;
 mod conn;
 mod direct;
 #[doc(hidden)]

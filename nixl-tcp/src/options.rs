@@ -70,6 +70,18 @@ pub struct TcpOptions {
     /// [`TcpOptions::connections`] (default 1 MiB). Smaller ones stay whole on the
     /// first connection, where splitting would cost more round trips than it saves.
     pub stripe_min: usize,
+    /// Same-host copies by cross-memory attach of at least
+    /// [`TcpOptions::split_copy_min`] bytes are cut into up to this many pieces of
+    /// about equal size, copied at once by the thread moving the transfer and
+    /// `copy_threads - 1` threads started for it (each piece at least half of
+    /// `split_copy_min`). One thread's copy is bound by its core (page pinning and the
+    /// copy itself); with cores idle, several go faster. Default: as many as this
+    /// process may use cores, between 1 and 4; 1 turns splitting off.
+    pub copy_threads: usize,
+    /// Smallest same-host copy by cross-memory attach that is split across
+    /// [`TcpOptions::copy_threads`] (default 16 MiB; below it, starting threads costs
+    /// more than it saves).
+    pub split_copy_min: usize,
 }
 
 impl Default for TcpOptions {
@@ -89,11 +101,14 @@ impl Default for TcpOptions {
             inline_copy_max: 4 << 20,
             connections: default_connections(),
             stripe_min: 1 << 20,
+            copy_threads: default_connections(),
+            split_copy_min: 16 << 20,
         }
     }
 }
 
-/// The cores this process may use, between 1 and 4.
+/// The cores this process may use, between 1 and 4 (the default of
+/// [`TcpOptions::connections`] and [`TcpOptions::copy_threads`]).
 fn default_connections() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().clamp(1, 4))
 }
@@ -105,6 +120,14 @@ impl TcpOptions {
             self.connections.max(1)
         } else {
             1
+        }
+    }
+
+    /// How a same-host copy by cross-memory attach is shared between threads.
+    pub(crate) fn copy_split(&self) -> crate::cma::Split {
+        crate::cma::Split {
+            threads: self.copy_threads.max(1),
+            min: self.split_copy_min as u64,
         }
     }
 

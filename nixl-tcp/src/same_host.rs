@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use nixl::{Error, ErrorKind, Op, RegionRef, RegionSlice, Result, Segments, TargetRegion};
 
+use crate::cma::{CallLimits, Copies, Piece, Split};
 use crate::direct::{Direct, Unsuitable};
 use crate::gpu_direct::GpuPeer;
 use crate::shm::{self, Access, GpuGrant, Grant, Mapping, Table};
@@ -361,6 +362,8 @@ pub(crate) struct Peer {
     cma_refused: Option<String>,
     /// The peer's memfds we mapped, by slot.
     maps: Mutex<HashMap<u32, Mapped>>,
+    /// How large cross-memory-attach copies are shared between threads.
+    split: Split,
 }
 
 /// The forms `/proc/net/tcp{,6}` print `a` in: `%08X:%04X` (IPv4) or
@@ -445,12 +448,14 @@ fn holds_connection(pid: u32, local: SocketAddr, remote: SocketAddr) -> std::io:
 impl Peer {
     /// Check that the offering process is the one at the other end of our connection
     /// (`local` to `remote`), map its table and probe cross-memory attach. `threads`
-    /// starts the agent-owned thread that closes GPU mappings, when one is opened.
+    /// starts the agent-owned thread that closes GPU mappings, when one is opened;
+    /// `split` says when large copies are cut across threads.
     pub(crate) fn open(
         offer: &Offer,
         local: SocketAddr,
         remote: SocketAddr,
         threads: nixl::ThreadSpawner,
+        split: Split,
     ) -> std::io::Result<Self> {
         holds_connection(offer.pid, local, remote)?;
         let table = Arc::new(Table::open(offer.pid, offer.table_fd, &offer.nonce)?);
@@ -465,6 +470,7 @@ impl Peer {
             table,
             cma_refused,
             maps: Mutex::default(),
+            split,
         })
     }
 
@@ -560,20 +566,19 @@ impl Peer {
                 None => None,
             });
         }
-        let mut batch_l: Vec<RegionSlice> = Vec::new();
-        let mut batch_r: Vec<(u64, u64)> = Vec::new();
+        let mut copies = Copies::default();
         for r in segs.runs() {
             let e = direct.entry(r);
             let g = &held[r.target as usize].1;
             let region = &segs.locals()[r.local as usize];
             for j in 0..r.count {
-                let block = region
-                    .slice(r.local_at(j) as usize, r.len as usize)
-                    .expect("the agent checked every segment");
                 // Inside the grant (checked above for the whole run).
                 let addr = e.addr + j as u64 * e.stride;
                 match &maps[r.target as usize] {
                     Some(map) => {
+                        let block = region
+                            .slice(r.local_at(j) as usize, r.len as usize)
+                            .expect("the agent checked every segment");
                         if let Err(e) =
                             shm::copy_mapped(&block, map, (addr - g.addr) as usize, write)
                         {
@@ -585,27 +590,94 @@ impl Peer {
                             .with_source(e)));
                         }
                     }
-                    None => {
-                        batch_l.push(block);
-                        batch_r.push((addr, e.len));
-                        if batch_l.len() == shm::IOV_MAX {
-                            if let Err(e) = self.cma(write, &batch_l, &batch_r) {
-                                return Ok(Err(e));
-                            }
-                            batch_l.clear();
-                            batch_r.clear();
-                        }
-                    }
+                    None => copies.push(Piece {
+                        local: r.local,
+                        offset: r.local_at(j) as usize,
+                        remote: addr,
+                        len: r.len as usize,
+                    }),
                 }
             }
         }
-        if !batch_l.is_empty() {
-            if let Err(e) = self.cma(write, &batch_l, &batch_r) {
+        if copies.bytes() > 0 {
+            if let Err(e) = self.cma_copies(write, segs.locals(), &copies) {
                 return Ok(Err(e));
             }
         }
         drop(held);
         Ok(Ok(()))
+    }
+
+    /// Every cross-memory-attach copy of a transfer, in calls within the kernel's limits.
+    fn cma_copies(&self, write: bool, locals: &[RegionRef], copies: &Copies) -> Result<()> {
+        let threads = self.split.threads_for(copies.bytes());
+        if threads > 1 {
+            // Threads scoped to this transfer: each runs a bounded run of system
+            // calls and all are joined before the transfer completes.
+            let parts = copies.split(threads, 4096);
+            return std::thread::scope(|s| {
+                // This thread copies the first part, and any whose thread did not start.
+                let mut here = Vec::new();
+                let mut started = Vec::new();
+                for (i, r) in parts.into_iter().enumerate() {
+                    let spawned = (i > 0).then(|| {
+                        let r = r.clone();
+                        std::thread::Builder::new()
+                            .name("nixl-tcp-copy-part".into())
+                            .spawn_scoped(s, move || self.cma_range(write, locals, copies, r))
+                    });
+                    match spawned {
+                        Some(Ok(h)) => started.push(h),
+                        _ => here.push(r),
+                    }
+                }
+                let mut out = here
+                    .into_iter()
+                    .try_for_each(|r| self.cma_range(write, locals, copies, r));
+                for h in started {
+                    let r = h.join().unwrap_or_else(|_| {
+                        Err(Error::new(
+                            ErrorKind::Backend,
+                            "tcp same-host transfer",
+                            "a copy thread panicked",
+                        ))
+                    });
+                    if out.is_ok() {
+                        out = r;
+                    }
+                }
+                out
+            });
+        }
+        self.cma_range(write, locals, copies, 0..copies.bytes())
+    }
+
+    fn cma_range(
+        &self,
+        write: bool,
+        locals: &[RegionRef],
+        copies: &Copies,
+        range: std::ops::Range<u64>,
+    ) -> Result<()> {
+        let limits = CallLimits {
+            ranges: shm::IOV_MAX,
+            bytes: shm::CMA_CALL_MAX,
+        };
+        let mut local = Vec::new();
+        let mut remote = Vec::new();
+        copies.each_call(range, limits, |call| {
+            local.clear();
+            remote.clear();
+            for p in call {
+                local.push(
+                    locals[p.local as usize]
+                        .slice(p.offset, p.len)
+                        .expect("the agent checked every segment"),
+                );
+                remote.push((p.remote, p.len as u64));
+            }
+            self.cma(write, &local, &remote)
+        })
     }
 
     fn cma(&self, write: bool, local: &[RegionSlice], remote: &[(u64, u64)]) -> Result<()> {

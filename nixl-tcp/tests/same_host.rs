@@ -10,10 +10,18 @@ use nixl_tcp::{SameHost, TcpBackend, TcpOptions};
 use nixl_testkit::skip;
 
 async fn agent(name: &str, same_host: SameHost) -> (Agent, TcpBackend) {
-    let b = TcpBackend::with_options(TcpOptions {
-        same_host,
-        ..TcpOptions::default()
-    });
+    agent_with(
+        name,
+        TcpOptions {
+            same_host,
+            ..TcpOptions::default()
+        },
+    )
+    .await
+}
+
+async fn agent_with(name: &str, options: TcpOptions) -> (Agent, TcpBackend) {
+    let b = TcpBackend::with_options(options);
     let a = Agent::builder(name)
         .backend(b.clone())
         .options(AgentOptions {
@@ -193,6 +201,123 @@ async fn large_transfers_use_the_copy_thread_which_is_joined() {
         r.threads_left.is_empty(),
         "the copy thread was joined: {r:?}"
     );
+    let _ = b.shutdown().await;
+}
+
+/// A large cross-memory-attach copy is cut into parts that several threads copy at
+/// once (here from 1 MiB, in up to three parts, cut inside descriptors): every byte
+/// arrives, both ways, in every layout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_split_across_threads_arrive_whole() {
+    let split = TcpOptions {
+        same_host: SameHost::Require,
+        copy_threads: 3,
+        split_copy_min: 1 << 20,
+        ..TcpOptions::default()
+    };
+    let (a, ab) = agent_with("a", split.clone()).await;
+    let (b, _) = agent_with("b", split).await;
+    const N: usize = 8 << 20;
+    let src = a.register(vec![0u8; N]).unwrap();
+    let dst = b.register(vec![0u8; N]).unwrap();
+    let peer = a.load_metadata(&b.metadata().unwrap()).unwrap();
+    a.connect(&peer).await.unwrap();
+    if !cma_path(&ab, &peer, "copies_split_across_threads_arrive_whole") {
+        return;
+    }
+    let rd = a.remote_regions(&peer).unwrap()[0].clone();
+    // One block; blocks of odd sizes with gaps; both above the split minimum.
+    let layouts: [Vec<(u64, u64)>; 2] = [
+        vec![(0, N as u64)],
+        (0..37).map(|i| (i * 200_000 + 11, 150_001 + i)).collect(),
+    ];
+    for (seed, pieces) in layouts.iter().enumerate() {
+        fill(&src, seed as u8 + 3);
+        let locals = DescList::from_descs(
+            MemKind::Dram,
+            pieces
+                .iter()
+                .map(|&(o, l)| src.desc(o, l))
+                .collect::<Vec<_>>(),
+        );
+        let remotes = DescList::from_descs(
+            MemKind::Dram,
+            pieces
+                .iter()
+                .map(|&(o, l)| rd.desc(o, l))
+                .collect::<Vec<_>>(),
+        );
+        bounded("write", a.write(&locals, &peer, &remotes, None))
+            .await
+            .unwrap();
+        let (s, d) = (src.to_vec().unwrap(), dst.to_vec().unwrap());
+        for &(o, l) in pieces {
+            let r = o as usize..(o + l) as usize;
+            assert!(d[r.clone()] == s[r], "written block at {o}");
+        }
+        // READ back into a cleared source.
+        src.write_at(0, &vec![0u8; N]).unwrap();
+        bounded("read", a.read(&locals, &peer, &remotes, None))
+            .await
+            .unwrap();
+        let s = src.to_vec().unwrap();
+        for &(o, l) in pieces {
+            let r = o as usize..(o + l) as usize;
+            assert!(s[r.clone()] == d[r], "read block at {o}");
+        }
+    }
+    let r = a.shutdown().await;
+    assert!(r.is_clean(), "{r:?}");
+    let _ = b.shutdown().await;
+}
+
+/// The kernel moves at most 2 GiB - 4 KiB per cross-memory-attach call and reports a
+/// short count beyond it: a larger copy is several calls, and every byte arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cross_memory_copy_over_2_gib_arrives_whole() {
+    let (a, ab) = agent("a", SameHost::Require).await;
+    let (b, _) = agent("b", SameHost::Require).await;
+    const N: usize = (2 << 30) + (12 << 10);
+    // Ordinary (lazily zeroed) memory, so the copy goes by cross-memory attach (on
+    // huge pages where the kernel gives them, to fault 4 GiB in quickly); only the
+    // pages around the places where calls may be cut are written.
+    let src = a.register(nixl::AlignedBuf::with_huge_pages(N)).unwrap();
+    let dst = b.register(nixl::AlignedBuf::with_huge_pages(N)).unwrap();
+    let marks = [0, (1 << 30) - 4096, (2 << 30) - 8192, N - 8192];
+    for (i, &at) in marks.iter().enumerate() {
+        src.write_at(at, &pattern(i as u8 + 1, 8192)).unwrap();
+    }
+    let peer = a.load_metadata(&b.metadata().unwrap()).unwrap();
+    a.connect(&peer).await.unwrap();
+    if !cma_path(&ab, &peer, "a_cross_memory_copy_over_2_gib_arrives_whole") {
+        return;
+    }
+    let rd = a.remote_regions(&peer).unwrap()[0].clone();
+    let check = |r: &Registration, seed: u8| {
+        for (i, &at) in marks.iter().enumerate() {
+            let mut got = vec![0u8; 8192];
+            r.read_at(at, &mut got).unwrap();
+            assert_eq!(got, pattern(i as u8 + seed, 8192), "bytes at {at}");
+        }
+    };
+    bounded(
+        "write",
+        a.write(&one(src.whole()), &peer, &one(whole(&rd)), None),
+    )
+    .await
+    .unwrap();
+    check(&dst, 1);
+    for (i, &at) in marks.iter().enumerate() {
+        dst.write_at(at, &pattern(i as u8 + 50, 8192)).unwrap();
+    }
+    bounded(
+        "read",
+        a.read(&one(src.whole()), &peer, &one(whole(&rd)), None),
+    )
+    .await
+    .unwrap();
+    check(&src, 50);
+    let _ = a.shutdown().await;
     let _ = b.shutdown().await;
 }
 

@@ -167,7 +167,11 @@ pub fn unhex(s: &str) -> Option<Vec<u8>> {
 /// `NIXL_TCP_SAME_HOST` (`auto`, `off` or `require`; `scripts/test` runs the suite
 /// under each) and `NIXL_TCP_CONNECTIONS` / `NIXL_TCP_STRIPE_MIN` (connections per
 /// peer, and the size from which transfers are split across them; `scripts/test`
-/// runs the suite over TCP with small transfers split across three).
+/// runs the suite over TCP with small transfers split across three), and
+/// `NIXL_TCP_COPY_THREADS` / `NIXL_TCP_SPLIT_COPY_MIN` (threads per same-host copy by
+/// cross-memory attach, and the size from which copies are split across them;
+/// `scripts/test` runs the suite on the same-host path with copies from 4 KiB split
+/// across three).
 ///
 /// # Panics
 /// On a `NIXL_TCP_SAME_HOST` that is none of those, or a count or size that is not a
@@ -211,6 +215,12 @@ pub fn tcp_options_from_env() -> nixl_tcp::TcpOptions {
     }
     if let Some(n) = number("NIXL_TCP_STRIPE_MIN") {
         o.stripe_min = n;
+    }
+    if let Some(n) = number("NIXL_TCP_COPY_THREADS") {
+        o.copy_threads = n;
+    }
+    if let Some(n) = number("NIXL_TCP_SPLIT_COPY_MIN") {
+        o.split_copy_min = n;
     }
     o
 }
