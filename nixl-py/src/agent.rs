@@ -278,6 +278,14 @@ impl Inner {
             .cloned()
     }
 
+    /// An etcd call of the metadata API (no IP address) for `op`, checked before
+    /// anything starts; it fixes the agent's backends, as any exchange does.
+    fn etcd_call(&self, op: &str) -> PyResult<etcd::Call> {
+        let call = etcd::Call::new(self.etcd.clone(), self.agent(), self.speaks_nixl(), op)?;
+        self.used.store(true, Ordering::Release);
+        Ok(call)
+    }
+
     fn spawn(
         &self,
         what: &'static str,
@@ -677,16 +685,7 @@ impl PyAgent {
     fn send_metadata(&self, ip: &str, port: u16) -> PyResult<()> {
         const OP: &str = "send local metadata";
         if ip.is_empty() {
-            let endpoints = etcd::endpoints(OP)?;
-            let (agent, x, nixl) = (
-                self.inner.agent(),
-                self.inner.etcd.clone(),
-                self.inner.speaks_nixl(),
-            );
-            self.inner.used.store(true, Ordering::Release);
-            return self
-                .inner
-                .spawn(OP, async move { x.publish(&agent, nixl, endpoints).await });
+            return self.inner.spawn(OP, self.inner.etcd_call(OP)?.publish());
         }
         let addr = socket_addr(ip, port, OP)?;
         let agent = self.inner.agent();
@@ -711,16 +710,9 @@ impl PyAgent {
     fn fetch_metadata(&self, peer: String, ip: &str, port: u16, label: String) -> PyResult<()> {
         const OP: &str = "fetch remote metadata";
         if ip.is_empty() {
-            let endpoints = etcd::endpoints(OP)?;
-            let (agent, x, nixl) = (
-                self.inner.agent(),
-                self.inner.etcd.clone(),
-                self.inner.speaks_nixl(),
-            );
-            self.inner.used.store(true, Ordering::Release);
-            return self.inner.spawn(OP, async move {
-                x.fetch(&agent, nixl, endpoints, &peer, &label).await
-            });
+            return self
+                .inner
+                .spawn(OP, self.inner.etcd_call(OP)?.fetch(peer, label));
         }
         let addr = socket_addr(ip, port, OP)?;
         let agent = self.inner.agent();
@@ -757,17 +749,7 @@ impl PyAgent {
     fn invalidate_metadata(&self, ip: &str, port: u16) -> PyResult<()> {
         const OP: &str = "invalidate local metadata";
         if ip.is_empty() {
-            let endpoints = etcd::endpoints(OP)?;
-            let (agent, x, nixl) = (
-                self.inner.agent(),
-                self.inner.etcd.clone(),
-                self.inner.speaks_nixl(),
-            );
-            self.inner.used.store(true, Ordering::Release);
-            return self.inner.spawn(
-                OP,
-                async move { x.invalidate(&agent, nixl, endpoints).await },
-            );
+            return self.inner.spawn(OP, self.inner.etcd_call(OP)?.invalidate());
         }
         let addr = socket_addr(ip, port, OP)?;
         let agent = self.inner.agent();

@@ -8,6 +8,8 @@
 //! the namespace `nixl`. The connection is made at the first such call and lasts as
 //! long as the agent (its keys go with the agent's lease).
 
+use std::sync::Arc;
+
 use nixl::Agent;
 use pyo3::PyResult;
 
@@ -53,16 +55,40 @@ pub(crate) fn endpoints(op: &str) -> PyResult<Vec<String>> {
     Ok(list)
 }
 
+/// One metadata call for etcd, ready to run in the background.
+// Without the feature a call is never made (`Call::new` refuses), so nothing reads it.
+#[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+pub(crate) struct Call {
+    etcd: Arc<Etcd>,
+    agent: Agent,
+    /// The agent speaks NIXL (NIXL's layout).
+    nixl: bool,
+    endpoints: Vec<String>,
+}
+
+impl Call {
+    /// A call for `op`; the Python error of [`endpoints`] when etcd is not there.
+    pub(crate) fn new(etcd: Arc<Etcd>, agent: Agent, nixl: bool, op: &str) -> PyResult<Self> {
+        Ok(Self {
+            endpoints: endpoints(op)?,
+            etcd,
+            agent,
+            nixl,
+        })
+    }
+}
+
 #[cfg(feature = "etcd")]
-impl Etcd {
-    async fn exchange(
-        &self,
-        agent: &Agent,
-        nixl: bool,
-        endpoints: Vec<String>,
-    ) -> nixl::Result<nixl::exchange::EtcdExchange> {
+impl Call {
+    async fn exchange(self) -> nixl::Result<nixl::exchange::EtcdExchange> {
         use nixl::exchange::{EtcdExchange, EtcdOptions};
-        self.exchange
+        let Self {
+            etcd,
+            agent,
+            nixl,
+            endpoints,
+        } = self;
+        etcd.exchange
             .get_or_try_init(|| async {
                 let mut options = EtcdOptions {
                     endpoints,
@@ -74,58 +100,38 @@ impl Etcd {
                         options.namespace = ns;
                     }
                 }
-                EtcdExchange::connect(agent, options).await
+                EtcdExchange::connect(&agent, options).await
             })
             .await
             .cloned()
     }
 
     /// Publish the agent's full metadata.
-    pub(crate) async fn publish(
-        &self,
-        agent: &Agent,
-        nixl: bool,
-        endpoints: Vec<String>,
-    ) -> nixl::Result<()> {
-        self.exchange(agent, nixl, endpoints).await?.publish().await
+    pub(crate) async fn publish(self) -> nixl::Result<()> {
+        self.exchange().await?.publish().await
     }
 
     /// Load `peer`'s full metadata (`label` empty) or its partial metadata under
     /// `label`, waiting up to [`FETCH_WAIT`] for it to appear; a full fetch then
     /// follows the peer (reloaded when it publishes again, forgotten when it goes).
-    pub(crate) async fn fetch(
-        &self,
-        agent: &Agent,
-        nixl: bool,
-        endpoints: Vec<String>,
-        peer: &str,
-        label: &str,
-    ) -> nixl::Result<()> {
-        let x = self.exchange(agent, nixl, endpoints).await?;
+    pub(crate) async fn fetch(self, peer: String, label: String) -> nixl::Result<()> {
+        let x = self.exchange().await?;
         if label.is_empty() {
-            x.fetch(peer, FETCH_WAIT).await
+            x.fetch(&peer, FETCH_WAIT).await
         } else {
-            x.fetch_partial(peer, label, FETCH_WAIT).await
+            x.fetch_partial(&peer, &label, FETCH_WAIT).await
         }
     }
 
     /// Withdraw everything this agent published (peers following it forget it).
-    pub(crate) async fn invalidate(
-        &self,
-        agent: &Agent,
-        nixl: bool,
-        endpoints: Vec<String>,
-    ) -> nixl::Result<()> {
-        self.exchange(agent, nixl, endpoints)
-            .await?
-            .invalidate()
-            .await
+    pub(crate) async fn invalidate(self) -> nixl::Result<()> {
+        self.exchange().await?.invalidate().await
     }
 }
 
-/// Without the feature [`endpoints`] refuses first, so none of these runs.
+/// Without the feature [`Call::new`] refuses, so none of these runs.
 #[cfg(not(feature = "etcd"))]
-impl Etcd {
+impl Call {
     fn absent() -> nixl::Error {
         nixl::Error::new(
             nixl::ErrorKind::NotSupported,
@@ -134,22 +140,15 @@ impl Etcd {
         )
     }
 
-    pub(crate) async fn publish(&self, _: &Agent, _: bool, _: Vec<String>) -> nixl::Result<()> {
+    pub(crate) async fn publish(self) -> nixl::Result<()> {
         Err(Self::absent())
     }
 
-    pub(crate) async fn fetch(
-        &self,
-        _: &Agent,
-        _: bool,
-        _: Vec<String>,
-        _: &str,
-        _: &str,
-    ) -> nixl::Result<()> {
+    pub(crate) async fn fetch(self, _: String, _: String) -> nixl::Result<()> {
         Err(Self::absent())
     }
 
-    pub(crate) async fn invalidate(&self, _: &Agent, _: bool, _: Vec<String>) -> nixl::Result<()> {
+    pub(crate) async fn invalidate(self) -> nixl::Result<()> {
         Err(Self::absent())
     }
 }

@@ -640,6 +640,11 @@ async fn shutdown_closes_gpu_mappings_and_joins_their_watcher() {
     .await
     .unwrap();
     let mapped = device_mappings().unwrap();
+    // A thread names itself once it runs: wait for the watcher's name (bounded).
+    let named = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while mapping_watchers() == 0 && std::time::Instant::now() < named {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
     assert_eq!(mapping_watchers(), 1, "one watcher for the open mapping");
     let report = a.shutdown().await;
     assert!(report.is_clean(), "{report:?}");
