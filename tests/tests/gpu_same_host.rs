@@ -176,9 +176,11 @@ fn launches() -> Option<Vec<(u32, u32, u32)>> {
 
 /// Mappings in this process of device memory the double allocated (its own
 /// allocations, and other processes' memory opened through handles); `None` on a real
-/// driver.
+/// driver, and where other tests share the process (`cargo test`: their memory would
+/// be counted too; nextest runs each test in its own, as `scripts/test` does).
 fn device_mappings() -> Option<usize> {
-    (!real_gpu()).then(|| {
+    let own_process = std::env::var("NEXTEST_EXECUTION_MODE").as_deref() == Ok("process-per-test");
+    (!real_gpu() && own_process).then(|| {
         std::fs::read_to_string("/proc/self/maps")
             .unwrap()
             .lines()
