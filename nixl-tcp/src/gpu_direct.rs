@@ -18,10 +18,10 @@
 //! target's device addresses directly, with the same counting.
 #![allow(unsafe_code)] // queues device copies between ranges the grants vouch for
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nixl::gpu::IpcMapping;
 use nixl::{Error, ErrorKind, MemKind, Op, Result, Segments};
@@ -34,6 +34,10 @@ const OP: &str = "tcp same-host GPU transfer";
 /// How long the watcher sleeps before looking again without a wake-up (a safety net:
 /// every withdrawal wakes it).
 const WATCH_NAP: Duration = Duration::from_secs(5);
+
+/// How long a handle the driver refused is not asked for again (a refusal may be
+/// passing: out of memory or mappings).
+const REFUSAL_KEPT: Duration = Duration::from_secs(5);
 
 /// A target's GPU allocation opened in this process. Fields drop in order: the
 /// mapping is closed before the access it counts as ends.
@@ -53,9 +57,9 @@ pub(crate) struct GpuPeer {
     /// The target runs in this process: its device addresses are ours.
     in_process: bool,
     open: Cache,
-    /// Handles the driver refused to open: (slot, key, device). Their transfers are
-    /// staged without asking the driver (and logging) again.
-    refused: Mutex<HashSet<(u32, u64, u32)>>,
+    /// Handles the driver refused to open, (slot, key, device), and when: their
+    /// transfers are staged without asking the driver again for [`REFUSAL_KEPT`].
+    refused: Mutex<HashMap<(u32, u64, u32), Instant>>,
     /// Starts the watcher on a thread the agent owns.
     threads: nixl::ThreadSpawner,
     /// The running watcher's stop flag (its thread ends soon after it is set; the
@@ -176,6 +180,13 @@ impl GpuPeer {
                 };
                 let open = match self.mapping(slot, key, device, &handle, base) {
                     Ok(o) => o,
+                    Err(Unopened::Withdrawn) if self.table.is_closed() => {
+                        return Ok(Err(Error::new(
+                            ErrorKind::RemoteDisconnected,
+                            OP,
+                            "the peer is shutting down or closed the connection",
+                        )))
+                    }
                     Err(Unopened::Withdrawn) => {
                         return Ok(Err(Error::new(
                             ErrorKind::NotAllowed,
@@ -266,40 +277,61 @@ impl GpuPeer {
         handle: &[u8; nixl::gpu::IPC_HANDLE_LEN],
         base: u64,
     ) -> std::result::Result<Arc<Open>, Unopened> {
+        let refused = || {
+            Err(Unopened::Unsuitable(Unsuitable::new(
+                "the driver refused the target's GPU memory handle",
+            )))
+        };
+        // Nothing stays open that nobody would close on withdrawal. Started before the
+        // cache is locked (a spawn may run other threads' leftovers).
+        let stop = match self.watch() {
+            Ok(stop) => stop,
+            Err(e) => {
+                tracing::info!(error = %e, "tcp: no thread to close the peer's GPU mappings; staging over TCP");
+                return Err(Unopened::Unsuitable(Unsuitable::new(
+                    "no thread to close GPU mappings could be started",
+                )));
+            }
+        };
         let mut open = self.open.lock().unwrap();
         if let Some(o) = open.get(&(slot, device)) {
             if o.key == key && o.base == base {
                 return Ok(o.clone());
             }
         }
-        if self.refused.lock().unwrap().contains(&(slot, key, device)) {
+        // The watcher's last sweep takes this lock after it saw its stop: a mapping
+        // inserted while it is unset is closed by that sweep; none is opened after.
+        if stop.load(Ordering::Acquire) {
             return Err(Unopened::Unsuitable(Unsuitable::new(
-                "the driver refused the target's GPU memory handle",
+                "the agent is stopping: no GPU mapping is opened",
             )));
+        }
+        if self
+            .refused
+            .lock()
+            .unwrap()
+            .get(&(slot, key, device))
+            .is_some_and(|at| at.elapsed() < REFUSAL_KEPT)
+        {
+            return refused();
         }
         let Some((count, g)) = self.table.acquire_owned(slot).filter(|(_, g)| g.key == key) else {
             return Err(Unopened::Withdrawn);
         };
         debug_assert!(g.gpu.is_some());
-        // Nothing stays open that nobody would close on withdrawal.
-        if let Err(e) = self.watch() {
-            tracing::info!(error = %e, "tcp: no thread to close the peer's GPU mappings; staging over TCP");
-            return Err(Unopened::Unsuitable(Unsuitable::new(
-                "no thread to close GPU mappings could be started",
-            )));
-        }
         let mapping = match nixl::gpu::ipc_open(device, handle) {
             Ok(m) => m,
             Err(e) => {
-                // Asked once per grant and device: a refusal is remembered (a new
-                // registration in the slot has another key and is asked again).
+                // A refusal is remembered for a while, so its transfers are staged
+                // without asking (and logging) each time; a new registration in the
+                // slot has another key and is asked at once.
                 tracing::info!(error = %e, slot, device, "tcp: the driver cannot open the peer's GPU memory; staging it over TCP");
-                let mut refused = self.refused.lock().unwrap();
-                refused.retain(|&(s, k, _)| self.table.still_granted(s, k));
-                refused.insert((slot, key, device));
-                return Err(Unopened::Unsuitable(Unsuitable::new(
-                    "the driver refused the target's GPU memory handle",
-                )));
+                let mut r = self.refused.lock().unwrap();
+                r.retain(|&(s, k, _), at| {
+                    at.elapsed() < REFUSAL_KEPT && self.table.still_granted(s, k)
+                });
+                r.insert((slot, key, device), Instant::now());
+                return refused();
             }
         };
         let o = Arc::new(Open {
@@ -314,12 +346,13 @@ impl GpuPeer {
         Ok(o)
     }
 
-    /// Start the watcher that closes mappings of withdrawn grants, if not running.
-    /// Fails when the agent is stopping or the OS refuses a thread.
-    fn watch(&self) -> Result<()> {
+    /// Start the watcher that closes mappings of withdrawn grants, if not running;
+    /// returns its stop flag (set once it is stopping). Fails when the agent is
+    /// stopping or the OS refuses a thread.
+    fn watch(&self) -> Result<Arc<AtomicBool>> {
         let mut w = self.watcher.lock().unwrap();
-        if w.is_some() {
-            return Ok(());
+        if let Some(stop) = &*w {
+            return Ok(stop.clone());
         }
         let stop = Arc::new(AtomicBool::new(false));
         let (table, open, flag) = (self.table.clone(), self.open.clone(), stop.clone());
@@ -356,8 +389,8 @@ impl GpuPeer {
                 }
             },
         )?;
-        *w = Some(stop);
-        Ok(())
+        *w = Some(stop.clone());
+        Ok(stop)
     }
 }
 

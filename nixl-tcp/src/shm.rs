@@ -496,9 +496,11 @@ impl Table {
         futex_wait(self.map.word32(EPOCH_AT), seen, timeout);
     }
 
-    /// Wake every watcher of this table (initiator side: its own, to stop it).
+    /// Wake every watcher of this table (initiator side: its own, to stop it). The
+    /// epoch moves too, so a watcher between reading it and sleeping does not sleep
+    /// (others only look again).
     pub(crate) fn wake_watchers(&self) {
-        futex_wake(self.map.word32(EPOCH_AT));
+        self.bump_epoch();
     }
 
     /// No access to `slot` is in progress (out of range: none can be).

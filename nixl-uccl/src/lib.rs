@@ -1497,7 +1497,9 @@ impl UcclBackend {
         let gate = inner.gate.clone();
         let wake_gate = gate.clone();
         let acc_owner = owner.clone();
-        let wake_owner = owner.clone();
+        // The wake holds the engine only while something else does (a wake may be
+        // dropped on any thread once its loop ended).
+        let wake_owner = Arc::downgrade(&owner);
         ctx.spawn_thread(
             "uccl-accept",
             move |stop| accept_loop(&acc_owner, &gate, &stop),
@@ -1505,7 +1507,9 @@ impl UcclBackend {
                 // Take the lock so a loop between its check and its wait sees the wake.
                 drop(wake_gate.registered.lock().unwrap());
                 wake_gate.cv.notify_all();
-                wake_owner.api.stop_accept(wake_owner.engine);
+                if let Some(o) = wake_owner.upgrade() {
+                    o.api.stop_accept(o.engine);
+                }
             },
         )?;
 

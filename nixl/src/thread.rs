@@ -48,7 +48,9 @@ impl fmt::Debug for ThreadSet {
 impl ThreadSet {
     /// Start `body` on a new thread named `name`. `body` gets a token that is
     /// cancelled when the agent stops; `wake` is called right after cancelling, to
-    /// interrupt whatever the thread blocks in.
+    /// interrupt whatever the thread blocks in. Threads that ended on their own are
+    /// joined here, and their `wake` dropped, on the calling thread: a `wake` should
+    /// hold nothing whose drop does real work (a weak reference, a sender).
     pub(crate) fn spawn(
         &self,
         name: &str,

@@ -222,6 +222,12 @@ async fn gpu_memory_between_processes_moves_through_ipc_handles() {
     let src = vram(&a, SIZE, 7).await;
     let back = vram(&a, SIZE, 8).await;
     let own = device_mappings();
+    if own.is_none() && !real_gpu() {
+        skip(
+            "gpu_memory_between_processes_moves_through_ipc_handles (mapping counts)",
+            "counts this process's device mappings only in a process of its own (nextest)",
+        );
+    }
 
     // One block, WRITE with a notification, then READ back.
     bounded(
@@ -650,6 +656,11 @@ async fn shutdown_closes_gpu_mappings_and_joins_their_watcher() {
     assert_eq!(mapping_watchers(), 1, "one watcher for the open mapping");
     let report = a.shutdown().await;
     assert!(report.is_clean(), "{report:?}");
+    // A joined thread leaves the task list a moment after the join (bounded wait).
+    let gone = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while mapping_watchers() > 0 && std::time::Instant::now() < gone {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
     assert_eq!(mapping_watchers(), 0, "the watcher was joined by shutdown");
     assert_eq!(
         device_mappings(),
