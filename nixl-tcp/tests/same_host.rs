@@ -247,6 +247,16 @@ async fn copies_split_across_threads_arrive_whole() {
                 .map(|&(o, l)| rd.desc(o, l))
                 .collect::<Vec<_>>(),
         );
+        // Bytes outside the blocks must not move.
+        let mut inside = vec![false; N];
+        for &(o, l) in pieces {
+            inside[o as usize..(o + l) as usize].fill(true);
+        }
+        let untouched = |now: &[u8], before: &[u8], what: &str| {
+            let moved = (0..N).find(|&i| !inside[i] && now[i] != before[i]);
+            assert_eq!(moved, None, "{what}: a byte outside the blocks changed");
+        };
+        let dst_before = dst.to_vec().unwrap();
         bounded("write", a.write(&locals, &peer, &remotes, None))
             .await
             .unwrap();
@@ -255,6 +265,7 @@ async fn copies_split_across_threads_arrive_whole() {
             let r = o as usize..(o + l) as usize;
             assert!(d[r.clone()] == s[r], "written block at {o}");
         }
+        untouched(&d, &dst_before, "write");
         // READ back into a cleared source.
         src.write_at(0, &vec![0u8; N]).unwrap();
         bounded("read", a.read(&locals, &peer, &remotes, None))
@@ -265,6 +276,7 @@ async fn copies_split_across_threads_arrive_whole() {
             let r = o as usize..(o + l) as usize;
             assert!(s[r.clone()] == d[r], "read block at {o}");
         }
+        untouched(&s, &vec![0u8; N], "read");
     }
     let r = a.shutdown().await;
     assert!(r.is_clean(), "{r:?}");
@@ -298,8 +310,14 @@ async fn a_cross_memory_copy_over_2_gib_arrives_whole() {
             ),
         );
     }
-    let (a, ab) = agent("a", SameHost::Require).await;
-    let (b, _) = agent("b", SameHost::Require).await;
+    // One copy thread: split across threads, no part would reach the kernel's limit.
+    let one_thread = || TcpOptions {
+        same_host: SameHost::Require,
+        copy_threads: 1,
+        ..TcpOptions::default()
+    };
+    let (a, ab) = agent_with("a", one_thread()).await;
+    let (b, _) = agent_with("b", one_thread()).await;
     const N: usize = (2 << 30) + (12 << 10);
     // Ordinary (lazily zeroed) memory, so the copy goes by cross-memory attach (on
     // huge pages where the kernel gives them, to fault 4 GiB in quickly); only the
