@@ -30,17 +30,20 @@ def etcd(monkeypatch):
     binary = shutil.which("etcd")
     if binary is None:
         pytest.skip("no etcd binary (apt-get install etcd-server)")
-    client, peer = free_port(), free_port()
-    url = f"http://127.0.0.1:{client}"
     with tempfile.TemporaryDirectory() as data:
-        p = subprocess.Popen(
-            [binary, "--name", "nixl-py-test", "--data-dir", data,
-             "--listen-client-urls", url, "--advertise-client-urls", url,
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"nixl-py-test=http://127.0.0.1:{peer}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
+        # Ports are picked free, then bound by etcd: another process may take one
+        # meanwhile, so a start that exits is tried again on new ports.
+        for attempt in range(3):
+            client, peer = free_port(), free_port()
+            url = f"http://127.0.0.1:{client}"
+            p = subprocess.Popen(
+                [binary, "--name", "nixl-py-test", "--data-dir", f"{data}/{attempt}",
+                 "--listen-client-urls", url, "--advertise-client-urls", url,
+                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-cluster", f"nixl-py-test=http://127.0.0.1:{peer}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
             def up():
                 try:
                     socket.create_connection(("127.0.0.1", client), timeout=0.2).close()
@@ -48,8 +51,11 @@ def etcd(monkeypatch):
                 except OSError:
                     return p.poll() is not None
             wait_for(up, "etcd to listen")
-            if p.poll() is not None:
-                pytest.fail(f"etcd exited with {p.returncode}")
+            if p.poll() is None:
+                break
+        else:
+            pytest.fail(f"etcd exited with {p.returncode} three times")
+        try:
             monkeypatch.setenv("NIXL_ETCD_ENDPOINTS", url)
             monkeypatch.setenv("NIXL_ETCD_NAMESPACE", f"/nixl-py-test/{os.getpid()}/")
             yield url

@@ -52,7 +52,10 @@ impl Registry {
             }
         };
         self.by_key.insert(key, region.clone());
-        self.by_id.insert(region.id(), (mr, region, key));
+        // Region ids are never reused; were one registered twice, its old key goes.
+        if let Some((_, _, old)) = self.by_id.insert(region.id(), (mr, region, key)) {
+            self.by_key.remove(&old);
+        }
         key
     }
 

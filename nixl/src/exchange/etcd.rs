@@ -242,6 +242,9 @@ struct Inner {
     published: Mutex<BTreeMap<String, Bytes>>,
     /// key -> value of keys claimed under the lease, for claiming again under a new one.
     claims: Mutex<BTreeMap<String, Bytes>>,
+    /// Peers a watch follows (one watch per peer, however often it is fetched; the
+    /// watch takes its peer out when it stops following it).
+    watching: Mutex<std::collections::HashSet<String>>,
     cancel: CancellationToken,
     tracker: TaskTracker,
 }
@@ -371,6 +374,7 @@ impl EtcdExchange {
             lease: Mutex::new(lease),
             published: Mutex::new(BTreeMap::new()),
             claims: Mutex::new(BTreeMap::new()),
+            watching: Mutex::default(),
             cancel: agent.child_token(),
             tracker: agent.tracker().clone(),
         });
@@ -511,7 +515,9 @@ impl EtcdExchange {
         let agent = self.inner.agent()?;
         // The key names the peer: metadata there naming another agent is refused.
         agent.load_metadata_from(&value, Some(peer), Trust::Full)?;
-        if label == self.inner.full() {
+        // A peer fetched again (a caller retrying) is already followed.
+        if label == self.inner.full() && self.inner.watching.lock().unwrap().insert(peer.to_owned())
+        {
             let watcher = self.inner.clone();
             let peer = peer.to_owned();
             self.inner.tracker.spawn(async move {
@@ -706,6 +712,8 @@ impl Inner {
                     match ev.event_type() {
                         EventType::Delete if kv.key() == full.as_bytes() => {
                             tracing::info!(%peer, "etcd: peer's metadata is gone; forgetting it");
+                            // Not followed from here: a fetch from now on follows anew.
+                            self.watching.lock().unwrap().remove(&peer);
                             let _ = agent.forget_peer(&peer);
                             return;
                         }
@@ -735,6 +743,7 @@ impl Inner {
             .await
             {
                 if got.kvs().is_empty() {
+                    self.watching.lock().unwrap().remove(&peer);
                     if let Some(agent) = self.agent.upgrade() {
                         tracing::info!(%peer, "etcd: peer's metadata is gone; forgetting it");
                         let _ = agent.forget_peer(&peer);
