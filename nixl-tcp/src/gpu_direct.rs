@@ -362,7 +362,11 @@ impl GpuPeer {
             "nixl-tcp-gpu-watch",
             move |agent_stops| loop {
                 let seen = table.epoch();
-                let stopping = flag.load(Ordering::Acquire) || agent_stops.is_cancelled();
+                if agent_stops.is_cancelled() {
+                    // Set before the last sweep, which `mapping` relies on.
+                    flag.store(true, Ordering::Release);
+                }
+                let stopping = flag.load(Ordering::Acquire);
                 let closed = table.is_closed();
                 let gone: Vec<Arc<Open>> = {
                     let mut m = open.lock().unwrap();
