@@ -123,6 +123,37 @@ impl Peer {
     }
 }
 
+impl Peer {
+    /// Tell the peer to quit; it stops its agent cleanly and exits 0 (`why` says what
+    /// that proves).
+    async fn quit(self, why: &str) {
+        let (mut peer, stopped) = self.ask("QUIT", "STOPPED ").await;
+        assert_eq!(stopped, "clean=true");
+        let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
+            .await
+            .unwrap();
+        assert!(status.success(), "{why}: {status}");
+    }
+}
+
+/// A target process serving `size` bytes of GPU memory (its `env` added) and an
+/// initiator agent here that loaded its metadata: the peer, the initiator's backend
+/// and agent, and the target's region.
+async fn target_and_initiator(
+    size: usize,
+    env: &'static [(&'static str, &'static str)],
+) -> (Peer, TcpBackend, Agent, nixl::RemoteRegionInfo) {
+    let peer = tokio::task::spawn_blocking(move || Peer::spawn_with("target", size, env))
+        .await
+        .unwrap();
+    let (peer, md) = peer.ask("", "METADATA ").await;
+    let b = backend();
+    let a = agent("initiator", &b).await;
+    assert_eq!(a.load_metadata(&unhex(&md).unwrap()).unwrap(), "target");
+    let rd = a.remote_regions("target").unwrap()[0].clone();
+    (peer, b, a, rd)
+}
+
 impl Drop for Peer {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -211,14 +242,7 @@ async fn gpu_memory_between_processes_moves_through_ipc_handles() {
     }
     const SIZE: usize = 4 << 20;
     const BLOCK: usize = 64 << 10;
-    let peer = tokio::task::spawn_blocking(|| Peer::spawn("target", SIZE))
-        .await
-        .unwrap();
-    let (peer, md) = peer.ask("", "METADATA ").await;
-    let b = backend();
-    let a = agent("initiator", &b).await;
-    assert_eq!(a.load_metadata(&unhex(&md).unwrap()).unwrap(), "target");
-    let rd = a.remote_regions("target").unwrap()[0].clone();
+    let (peer, b, a, rd) = target_and_initiator(SIZE, &[]).await;
     let src = vram(&a, SIZE, 7).await;
     let back = vram(&a, SIZE, 8).await;
     let own = device_mappings();
@@ -381,12 +405,7 @@ async fn gpu_memory_between_processes_moves_through_ipc_handles() {
         "the mapping was closed"
     );
     let (peer, _) = peer.ask("", "FREED").await;
-    let (mut peer, stopped) = peer.ask("QUIT", "STOPPED ").await;
-    assert_eq!(stopped, "clean=true");
-    let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(status.success(), "{status}");
+    peer.quit("the target exited cleanly").await;
     assert!(a.shutdown().await.is_clean());
 }
 
@@ -402,14 +421,7 @@ async fn target_deregisters_gpu_memory_under_in_flight_writes() {
         return;
     }
     const SIZE: usize = 16 << 20;
-    let peer = tokio::task::spawn_blocking(|| Peer::spawn("target", SIZE))
-        .await
-        .unwrap();
-    let (peer, md) = peer.ask("", "METADATA ").await;
-    let b = backend();
-    let a = agent("initiator", &b).await;
-    a.load_metadata(&unhex(&md).unwrap()).unwrap();
-    let rd = a.remote_regions("target").unwrap()[0].clone();
+    let (peer, _, a, rd) = target_and_initiator(SIZE, &[]).await;
     let src = vram(&a, SIZE, 3).await;
     let (local, remote) = (gpu([src.whole()]), gpu([rd.desc(0, SIZE as u64)]));
     bounded("warm-up", a.write(&local, "target", &remote, None))
@@ -445,15 +457,7 @@ async fn target_deregisters_gpu_memory_under_in_flight_writes() {
     .await
     .unwrap_err();
     println!("after deregistration: {e}");
-    let (mut peer, stopped) = peer.ask("QUIT", "STOPPED ").await;
-    assert_eq!(stopped, "clean=true");
-    let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(
-        status.success(),
-        "the target freed its memory unharmed: {status}"
-    );
+    peer.quit("the target freed its memory unharmed").await;
     assert!(a.shutdown().await.is_clean());
 }
 
@@ -510,16 +514,8 @@ async fn a_registration_longer_than_its_allocation_gets_no_handle() {
         return;
     }
     const SIZE: usize = 1 << 20;
-    let peer = tokio::task::spawn_blocking(|| {
-        Peer::spawn_with("target", SIZE, &[("NIXL_GPU_PEER_OVERLONG", "65536")])
-    })
-    .await
-    .unwrap();
-    let (peer, md) = peer.ask("", "METADATA ").await;
-    let b = backend();
-    let a = agent("initiator", &b).await;
-    a.load_metadata(&unhex(&md).unwrap()).unwrap();
-    let rd = a.remote_regions("target").unwrap()[0].clone();
+    const OVERLONG: &[(&str, &str)] = &[("NIXL_GPU_PEER_OVERLONG", "65536")];
+    let (peer, _, a, rd) = target_and_initiator(SIZE, OVERLONG).await;
     assert_eq!(rd.len, (SIZE + 65536) as u64);
     let src = vram(&a, 4096, 5).await;
     let e = bounded(
@@ -535,12 +531,7 @@ async fn a_registration_longer_than_its_allocation_gets_no_handle() {
     .unwrap_err();
     assert_eq!(e.kind(), nixl::ErrorKind::NotSupported, "{e}");
     assert!(e.to_string().contains("inter-process handle"), "{e}");
-    let (mut peer, stopped) = peer.ask("QUIT", "STOPPED ").await;
-    assert_eq!(stopped, "clean=true");
-    let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(status.success(), "{status}");
+    peer.quit("the target exited cleanly").await;
     assert!(a.shutdown().await.is_clean());
 }
 
@@ -561,14 +552,7 @@ async fn the_gather_kernel_can_be_turned_off() {
     }
     std::env::set_var(nixl::gpu::ENV_GATHER, "off");
     const BLOCK: usize = 16 << 10;
-    let peer = tokio::task::spawn_blocking(|| Peer::spawn("target", 64 * BLOCK))
-        .await
-        .unwrap();
-    let (peer, md) = peer.ask("", "METADATA ").await;
-    let b = backend();
-    let a = agent("initiator", &b).await;
-    a.load_metadata(&unhex(&md).unwrap()).unwrap();
-    let rd = a.remote_regions("target").unwrap()[0].clone();
+    let (peer, _, a, rd) = target_and_initiator(64 * BLOCK, &[]).await;
     let src = vram(&a, 32 * BLOCK, 12).await;
     bounded(
         "scattered write",
@@ -590,12 +574,7 @@ async fn the_gather_kernel_can_be_turned_off() {
     let (peer, notif) = peer.ask("", "NOTIF ").await;
     assert_eq!(notif, format!("engine {}", checksum_bytes(&image)));
     assert_eq!(launches(), Some(vec![]), "no kernel");
-    let (mut peer, stopped) = peer.ask("QUIT", "STOPPED ").await;
-    assert_eq!(stopped, "clean=true");
-    let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(status.success(), "{status}");
+    peer.quit("the target exited cleanly").await;
     assert!(a.shutdown().await.is_clean());
 }
 
@@ -627,14 +606,7 @@ async fn shutdown_closes_gpu_mappings_and_joins_their_watcher() {
         );
     }
     const SIZE: usize = 1 << 20;
-    let peer = tokio::task::spawn_blocking(|| Peer::spawn("target", SIZE))
-        .await
-        .unwrap();
-    let (peer, md) = peer.ask("", "METADATA ").await;
-    let b = backend();
-    let a = agent("initiator", &b).await;
-    a.load_metadata(&unhex(&md).unwrap()).unwrap();
-    let rd = a.remote_regions("target").unwrap()[0].clone();
+    let (peer, b, a, rd) = target_and_initiator(SIZE, &[]).await;
     let src = vram(&a, SIZE, 21).await;
     bounded(
         "write",
@@ -671,10 +643,5 @@ async fn shutdown_closes_gpu_mappings_and_joins_their_watcher() {
     let (peer, dereg) = peer.ask("DEREG", "DEREG ").await;
     assert!(dereg.starts_with("ok"), "{dereg}");
     let (peer, _) = peer.ask("", "FREED").await;
-    let (mut peer, stopped) = peer.ask("QUIT", "STOPPED ").await;
-    assert_eq!(stopped, "clean=true");
-    let status = tokio::task::spawn_blocking(move || peer.child.wait().unwrap())
-        .await
-        .unwrap();
-    assert!(status.success(), "{status}");
+    peer.quit("the target exited cleanly").await;
 }
