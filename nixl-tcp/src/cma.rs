@@ -165,6 +165,17 @@ mod tests {
         }
     }
 
+    /// The pieces of each call `c.each_call` makes over `range` within `limits`.
+    fn calls(c: &Copies, range: std::ops::Range<u64>, limits: CallLimits) -> Vec<Vec<Piece>> {
+        let mut calls = Vec::new();
+        c.each_call::<()>(range, limits, |b| {
+            calls.push(b.to_vec());
+            Ok(())
+        })
+        .unwrap();
+        calls
+    }
+
     /// Every call's pieces, flattened into (local, offset, remote) per byte.
     fn bytes_of(calls: &[Vec<Piece>]) -> Vec<(u32, usize, u64)> {
         calls
@@ -183,21 +194,15 @@ mod tests {
         c.push(piece(1, 12, 204, 4)); // another registration
         c.push(piece(1, 16, 208, 0)); // empty: ignored
         assert_eq!(c.bytes(), 16);
-        let mut calls = Vec::new();
-        c.each_call::<()>(
-            0..16,
-            CallLimits {
-                ranges: 8,
-                bytes: 64,
-            },
-            |b| {
-                calls.push(b.to_vec());
-                Ok(())
-            },
-        )
-        .unwrap();
         assert_eq!(
-            calls,
+            calls(
+                &c,
+                0..16,
+                CallLimits {
+                    ranges: 8,
+                    bytes: 64,
+                },
+            ),
             vec![vec![
                 piece(0, 0, 100, 8),
                 piece(0, 8, 200, 4),
@@ -212,21 +217,15 @@ mod tests {
     fn a_large_copy_becomes_several_calls() {
         let mut c = Copies::default();
         c.push(piece(0, 0, 1 << 20, 10_000));
-        let mut calls = Vec::new();
-        c.each_call::<()>(
-            0..10_000,
-            CallLimits {
-                ranges: 4,
-                bytes: 4096,
-            },
-            |b| {
-                calls.push(b.to_vec());
-                Ok(())
-            },
-        )
-        .unwrap();
         assert_eq!(
-            calls,
+            calls(
+                &c,
+                0..10_000,
+                CallLimits {
+                    ranges: 4,
+                    bytes: 4096,
+                },
+            ),
             vec![
                 vec![piece(0, 0, 1 << 20, 4096)],
                 vec![piece(0, 4096, (1 << 20) + 4096, 4096)],
@@ -296,27 +295,20 @@ mod tests {
             }
             let total: usize = lens.iter().map(|l| l.0).sum();
             prop_assert_eq!(c.bytes(), total as u64);
-            let mut expect = Vec::new();
-            c.each_call::<()>(0..c.bytes(), CallLimits { ranges: usize::MAX, bytes: usize::MAX }, |b| {
-                expect.push(b.to_vec());
-                Ok(())
-            }).unwrap();
+            let expect = calls(&c, 0..c.bytes(), CallLimits { ranges: usize::MAX, bytes: usize::MAX });
             let split = c.split(parts, align);
             prop_assert!(split.len() <= parts);
             prop_assert_eq!(split.first().map_or(0, |r| r.start), 0);
             prop_assert_eq!(split.last().map_or(0, |r| r.end), c.bytes());
-            let mut calls = Vec::new();
-            for r in split {
-                c.each_call::<()>(r, CallLimits { ranges, bytes }, |b| {
-                    calls.push(b.to_vec());
-                    Ok(())
-                }).unwrap();
-            }
-            for call in &calls {
+            let cut: Vec<Vec<Piece>> = split
+                .into_iter()
+                .flat_map(|r| calls(&c, r, CallLimits { ranges, bytes }))
+                .collect();
+            for call in &cut {
                 prop_assert!(!call.is_empty() && call.len() <= ranges);
                 prop_assert!(call.iter().map(|p| p.len).sum::<usize>() <= bytes);
             }
-            prop_assert_eq!(bytes_of(&calls), bytes_of(&expect));
+            prop_assert_eq!(bytes_of(&cut), bytes_of(&expect));
         }
     }
 }
