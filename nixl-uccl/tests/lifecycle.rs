@@ -414,34 +414,19 @@ async fn the_target_confirms_only_for_the_registrations_key() {
     assert_eq!(blob.len(), 64 + 8, "FifoItem and key");
     *blob.last_mut().unwrap() ^= 1;
     a.load_metadata(&md.encode().unwrap()).unwrap();
-    let e = bounded(
-        "write with a wrong key",
-        a.write(
-            &one(src.whole()),
-            "b-key",
-            &one(remote(&a, "b-key", &dst)),
-            None,
-        ),
-    )
-    .await
-    .unwrap_err();
+    // The region's address and length are the same in both metadata.
+    let (local, target) = (one(src.whole()), one(remote(&a, "b-key", &dst)));
+    let write = || a.write(&local, "b-key", &target, None);
+    let e = bounded("write with a wrong key", write())
+        .await
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Backend, "{e}");
     assert!(e.to_string().contains("could not confirm"), "{e}");
     // The engine moved the bytes; only the confirmation was refused.
     assert_eq!(dst.to_vec().unwrap(), vec![3u8; 4096]);
     // With the registration's own metadata the same transfer is confirmed.
     a.load_metadata(&b.metadata().unwrap()).unwrap();
-    bounded(
-        "write with the key",
-        a.write(
-            &one(src.whole()),
-            "b-key",
-            &one(remote(&a, "b-key", &dst)),
-            None,
-        ),
-    )
-    .await
-    .unwrap();
+    bounded("write with the key", write()).await.unwrap();
     let _ = a.shutdown().await;
     let _ = b.shutdown().await;
     no_misuse();
