@@ -80,11 +80,11 @@ impl ThreadSet {
                 )
                 .with_source(e)
             })?;
-        let finished = {
+        let finished: Vec<Owned> = {
             let mut threads = self.threads.lock().unwrap();
             // Threads that ended on their own (one per connection, say) are joined
             // here, so a long-lived agent's set holds only live ones.
-            let (done, live): (Vec<Owned>, Vec<Owned>) = std::mem::take(&mut *threads)
+            let (done, live) = std::mem::take(&mut *threads)
                 .into_iter()
                 .partition(|t| t.handle.is_finished());
             *threads = live;
@@ -97,10 +97,7 @@ impl ThreadSet {
             done
         };
         drop(closed);
-        let mut left = Vec::new();
-        for t in finished {
-            finish(t, &mut left);
-        }
+        finished.into_iter().for_each(join);
         Ok(())
     }
 
@@ -174,11 +171,16 @@ impl ThreadSet {
     }
 }
 
+/// Join a thread that has finished.
+fn join(t: Owned) {
+    if t.handle.join().is_err() {
+        tracing::error!(thread = %t.name, "backend thread panicked");
+    }
+}
+
 fn finish(t: Owned, left: &mut Vec<String>) {
     if t.handle.is_finished() {
-        if t.handle.join().is_err() {
-            tracing::error!(thread = %t.name, "backend thread panicked");
-        }
+        join(t);
     } else {
         tracing::error!(thread = %t.name, "backend thread did not stop in time; left detached");
         left.push(t.name);
