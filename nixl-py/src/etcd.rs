@@ -16,13 +16,13 @@ use pyo3::PyResult;
 use crate::errors::raise;
 
 /// Where NIXL's agents find etcd.
-pub(crate) const ENV_ENDPOINTS: &str = "NIXL_ETCD_ENDPOINTS";
+const ENV_ENDPOINTS: &str = "NIXL_ETCD_ENDPOINTS";
 /// NIXL's key namespace (NIXL layout only).
 #[cfg(feature = "etcd")]
-pub(crate) const ENV_NAMESPACE: &str = "NIXL_ETCD_NAMESPACE";
+const ENV_NAMESPACE: &str = "NIXL_ETCD_NAMESPACE";
 /// How long a fetch waits for the peer's key to appear.
 #[cfg(feature = "etcd")]
-pub(crate) const FETCH_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+const FETCH_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// One agent's etcd exchange, connected at first use.
 #[derive(Default)]
@@ -33,7 +33,7 @@ pub(crate) struct Etcd {
 
 /// The endpoints `NIXL_ETCD_ENDPOINTS` names; a Python error when it is unset or this
 /// build has no etcd, raised before anything starts in the background.
-pub(crate) fn endpoints(op: &str) -> PyResult<Vec<String>> {
+fn endpoints(op: &str) -> PyResult<Vec<String>> {
     let not_supported = |why: String| raise("NotSupported", op, "etcd", format!("{op}: {why}"));
     if cfg!(not(feature = "etcd")) {
         return Err(not_supported(
