@@ -2,9 +2,33 @@
 //! cannot go direct: shared by the host-memory path (`same_host`) and the GPU path
 //! (`gpu_direct`), below both.
 
-use nixl::SegmentRun;
+use nixl::{Error, ErrorKind, SegmentRun, TargetRegion};
 
+use crate::shm::Table;
 use crate::wire::SegEntry;
+
+/// Why the grant of target registration `t` could not be taken: the target is going
+/// away (it closed its table), or it has not granted that memory.
+pub(crate) fn not_granted(table: &Table, op: &'static str, t: &TargetRegion) -> Error {
+    if table.is_closed() {
+        return Error::new(
+            ErrorKind::RemoteDisconnected,
+            op,
+            "the peer is shutting down or closed the connection",
+        );
+    }
+    let id = match t {
+        TargetRegion::Remote { region, .. } => *region,
+        TargetRegion::Local(r) => r.id(),
+    };
+    Error::new(
+        ErrorKind::NotAllowed,
+        op,
+        format!(
+            "registration {id}: the target has not granted this memory (deregistered, or a forged key)"
+        ),
+    )
+}
 
 /// The target side of a prepared transfer: for each target registration
 /// ([`Segments::targets`](nixl::Segments::targets)), the target's same-host slot (0

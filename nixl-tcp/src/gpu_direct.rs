@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use nixl::gpu::IpcMapping;
 use nixl::{Error, ErrorKind, MemKind, Op, Result, Segments};
 
-use crate::direct::{Direct, Unsuitable};
+use crate::direct::{not_granted, Direct, Unsuitable};
 use crate::shm::{OwnedAccess, Table};
 
 const OP: &str = "tcp same-host GPU transfer";
@@ -144,22 +144,10 @@ impl GpuPeer {
         let mut one_kernel = true;
         let mut opens = Vec::new();
         let mut here = Vec::with_capacity(direct.targets.len());
-        for &(slot, key, _) in &direct.targets {
+        for (t, &(slot, key, _)) in segs.targets().iter().zip(&direct.targets) {
             let Some((access, g)) = self.table.acquire_owned(slot).filter(|(_, g)| g.key == key)
             else {
-                return Ok(Err(if self.table.is_closed() {
-                    Error::new(
-                        ErrorKind::RemoteDisconnected,
-                        OP,
-                        "the peer is shutting down or closed the connection",
-                    )
-                } else {
-                    Error::new(
-                        ErrorKind::NotAllowed,
-                        OP,
-                        "the target has not granted this memory (deregistered, or a forged key)",
-                    )
-                }));
+                return Ok(Err(not_granted(&self.table, OP, t)));
             };
             let Some(gpu) = g.gpu else {
                 return Err(Unsuitable::mixed_kinds(
@@ -180,20 +168,7 @@ impl GpuPeer {
                 };
                 let open = match self.mapping(slot, key, device, &handle, base) {
                     Ok(o) => o,
-                    Err(Unopened::Withdrawn) if self.table.is_closed() => {
-                        return Ok(Err(Error::new(
-                            ErrorKind::RemoteDisconnected,
-                            OP,
-                            "the peer is shutting down or closed the connection",
-                        )))
-                    }
-                    Err(Unopened::Withdrawn) => {
-                        return Ok(Err(Error::new(
-                            ErrorKind::NotAllowed,
-                            OP,
-                            "the target withdrew its grant of this memory (deregistered)",
-                        )))
-                    }
+                    Err(Unopened::Withdrawn) => return Ok(Err(not_granted(&self.table, OP, t))),
                     Err(Unopened::Unsuitable(u)) => return Err(u),
                 };
                 // The runs are checked against the grant below; the grant must lie

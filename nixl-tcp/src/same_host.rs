@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nixl::{Error, ErrorKind, Op, RegionRef, RegionSlice, Result, Segments, TargetRegion};
+use nixl::{Error, ErrorKind, Op, RegionRef, RegionSlice, Result, Segments};
 
 use crate::cma::{CallLimits, Copies, Piece, Split};
-use crate::direct::{Direct, Unsuitable};
+use crate::direct::{not_granted, Direct, Unsuitable};
 use crate::gpu_direct::GpuPeer;
 use crate::shm::{self, Access, GpuGrant, Grant, Mapping, Table};
 use crate::wire::Offer;
@@ -499,24 +499,7 @@ impl Peer {
         let mut held: Vec<(Access<'_>, Grant)> = Vec::with_capacity(direct.targets.len());
         for (t, &(slot, key, _)) in segs.targets().iter().zip(&direct.targets) {
             let Some((access, g)) = self.table.acquire(slot).filter(|(_, g)| g.key == key) else {
-                if self.table.is_closed() {
-                    return Ok(Err(Error::new(
-                        ErrorKind::RemoteDisconnected,
-                        OP,
-                        "the peer is shutting down or closed the connection",
-                    )));
-                }
-                return Ok(Err(Error::new(
-                    ErrorKind::NotAllowed,
-                    OP,
-                    format!(
-                        "registration {}: the target has not granted this memory (deregistered, or a forged key)",
-                        match t {
-                            TargetRegion::Remote { region, .. } => *region,
-                            TargetRegion::Local(r) => r.id(),
-                        }
-                    ),
-                )));
+                return Ok(Err(not_granted(&self.table, OP, t)));
             };
             if g.gpu.is_some() {
                 return Err(Unsuitable::mixed_kinds("the target's memory is GPU memory"));
