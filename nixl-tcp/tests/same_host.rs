@@ -35,7 +35,11 @@ async fn agent_with(name: &str, options: TcpOptions) -> (Agent, TcpBackend) {
 }
 
 fn one(d: nixl::Desc) -> DescList {
-    DescList::from_descs(MemKind::Dram, vec![d])
+    dram([d])
+}
+
+fn dram(descs: impl IntoIterator<Item = nixl::Desc>) -> DescList {
+    DescList::from_descs(MemKind::Dram, descs)
 }
 
 fn pattern(seed: u8, n: usize) -> Vec<u8> {
@@ -102,20 +106,8 @@ async fn shared_memory_and_cross_memory_attach_move_the_bytes() {
         let rd = remote(dst);
         // Scattered pieces, one descriptor each: WRITE them, READ them back elsewhere.
         let pieces: Vec<(u64, u64)> = (0..64).map(|i| (i * 16384 + 7, 4096 + i)).collect();
-        let locals = DescList::from_descs(
-            MemKind::Dram,
-            pieces
-                .iter()
-                .map(|&(o, l)| src.desc(o, l))
-                .collect::<Vec<_>>(),
-        );
-        let remotes = DescList::from_descs(
-            MemKind::Dram,
-            pieces
-                .iter()
-                .map(|&(o, l)| rd.desc(o + 100, l))
-                .collect::<Vec<_>>(),
-        );
+        let locals = dram(pieces.iter().map(|&(o, l)| src.desc(o, l)));
+        let remotes = dram(pieces.iter().map(|&(o, l)| rd.desc(o + 100, l)));
         bounded("write", a.write(&locals, &peer, &remotes, None))
             .await
             .unwrap();
@@ -233,20 +225,8 @@ async fn copies_split_across_threads_arrive_whole() {
     ];
     for (seed, pieces) in layouts.iter().enumerate() {
         fill(&src, seed as u8 + 3);
-        let locals = DescList::from_descs(
-            MemKind::Dram,
-            pieces
-                .iter()
-                .map(|&(o, l)| src.desc(o, l))
-                .collect::<Vec<_>>(),
-        );
-        let remotes = DescList::from_descs(
-            MemKind::Dram,
-            pieces
-                .iter()
-                .map(|&(o, l)| rd.desc(o, l))
-                .collect::<Vec<_>>(),
-        );
+        let locals = dram(pieces.iter().map(|&(o, l)| src.desc(o, l)));
+        let remotes = dram(pieces.iter().map(|&(o, l)| rd.desc(o, l)));
         // Bytes outside the blocks must not move.
         let mut inside = vec![false; N];
         for &(o, l) in pieces {
