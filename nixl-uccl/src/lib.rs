@@ -741,6 +741,8 @@ impl Inner {
         nixl::control::authenticate_client(
             &mut stream,
             st.ctx.secret.as_ref(),
+            &st.ctx.agent_name,
+            peer,
             &who,
             self.options.connect_timeout,
         )
@@ -985,10 +987,9 @@ async fn serve_control(
     let mut ticket = admission.admit(evict.clone());
     let auth = tokio::select! {
         _ = evict.cancelled() => return,
-        r = nixl::control::authenticate_server(&mut stream, secret.as_ref(), &peer, connect_timeout) => r,
+        r = nixl::control::authenticate_server(&mut stream, secret.as_ref(), &me, &peer, connect_timeout) => r,
     };
-    match auth {
-        Ok(nixl::control::Authenticated::Yes) => {}
+    let auth = match auth {
         Ok(nixl::control::Authenticated::Missing) => {
             tracing::info!(%from, "UCCL control: refused a connection that did not prove the shared secret");
             return;
@@ -997,7 +998,8 @@ async fn serve_control(
             tracing::info!(%from, error = %e, "UCCL control: authentication failed");
             return;
         }
-    }
+        Ok(a) => a,
+    };
     let (mut rd, mut wr) = stream.into_split();
     // Before the hello, only a hello-sized frame is read.
     let hello = tokio::select! {
@@ -1014,6 +1016,11 @@ async fn serve_control(
             return;
         }
     };
+    if let Err(e) = auth.check_hello(&name, "uccl accept", &peer) {
+        // Its notifications would carry a name it did not prove.
+        tracing::info!(%from, error = %e, "UCCL control: refused");
+        return;
+    }
     if !ticket.establish() {
         tracing::info!(%from, "UCCL control: too many peers connected (UcclOptions::max_incoming_connections)");
         return;

@@ -200,22 +200,9 @@ pub(crate) async fn read_frame_max<R: tokio::io::AsyncRead + Unpin>(
     r: &mut R,
     max: usize,
 ) -> std::io::Result<Option<Frame>> {
-    use tokio::io::AsyncReadExt;
-    let mut len = [0u8; 4];
-    // End of stream is clean only between frames; inside a header it is an error.
-    if r.read(&mut len[..1]).await? == 0 {
+    let Some(body) = nixl::control::read_frame(r, max).await? else {
         return Ok(None);
-    }
-    r.read_exact(&mut len[1..]).await?;
-    let n = u32::from_le_bytes(len) as usize;
-    if n == 0 || n > max {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("control frame of {n} bytes"),
-        ));
-    }
-    let mut body = vec![0u8; n];
-    r.read_exact(&mut body).await?;
+    };
     Frame::decode(&body).map(Some).ok_or_else(|| {
         std::io::Error::new(std::io::ErrorKind::InvalidData, "malformed control frame")
     })

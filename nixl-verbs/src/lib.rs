@@ -655,11 +655,19 @@ impl VerbsBackend {
         let mut s = TcpStream::connect(info.control)
             .await
             .map_err(|e| io("connect", e))?;
-        tune(&s, o.dead_peer_timeout);
-        let secret = self.started(OP)?.ctx.secret.clone();
-        let peer = format!("peer {:?} at {}", link.peer, info.control);
-        nixl::control::authenticate_client(&mut s, secret.as_ref(), &peer, o.connect_timeout)
-            .await?;
+        nixl::control::tune(&s, o.dead_peer_timeout);
+        let ctx = &self.started(OP)?.ctx;
+        let (secret, me) = (ctx.secret.clone(), ctx.agent_name.clone());
+        let who = format!("peer {:?} at {}", link.peer, info.control);
+        nixl::control::authenticate_client(
+            &mut s,
+            secret.as_ref(),
+            &me,
+            &link.peer,
+            &who,
+            o.connect_timeout,
+        )
+        .await?;
         let caps = dev.caps(o);
         let mut qps = Vec::new();
         let mut halves = Vec::new();
@@ -760,7 +768,7 @@ impl VerbsBackend {
     ) -> Result<()> {
         const OP: &str = "verbs accept";
         let o = &self.inner.options;
-        tune(&s, o.dead_peer_timeout);
+        nixl::control::tune(&s, o.dead_peer_timeout);
         let io = |what: &str, e: std::io::Error| {
             Error::new(ErrorKind::RemoteDisconnected, OP, what.to_owned()).with_source(e)
         };
@@ -772,9 +780,10 @@ impl VerbsBackend {
             )
         };
         let peer = format!("control connection from {from}");
+        let me = self.started(OP)?.ctx.agent_name.clone();
         let authenticated = tokio::select! {
             _ = evict.cancelled() => return Err(evicted()),
-            r = nixl::control::authenticate_server(&mut s, secret.as_ref(), &peer, o.connect_timeout) => r?,
+            r = nixl::control::authenticate_server(&mut s, secret.as_ref(), &me, &peer, o.connect_timeout) => r?,
         };
         if authenticated == nixl::control::Authenticated::Missing {
             // Nothing is made for a peer that did not prove the secret.
@@ -793,6 +802,11 @@ impl VerbsBackend {
         .map_err(|_| Error::new(ErrorKind::TimedOut, OP, "no hello in time"))?
         .map_err(|e| io("hello", e))?;
         let hello = Hello::decode(&frame)?;
+        if let Err(e) = authenticated.check_hello(&hello.agent, OP, &peer) {
+            // Connected as one agent, introduced as another: nothing is made for it.
+            let _ = write_frame(&mut s, &Reply::Refused(e.to_string()).encode()).await;
+            return Err(e);
+        }
         if !ticket.establish() {
             // Refused before any queue pair is made for it.
             let why = "too many peers connected (VerbsOptions::max_incoming_connections)";
@@ -899,44 +913,16 @@ fn notification_slots(dev: &Arc<Device>, size: usize, count: usize) -> Result<Sl
     Ok(Slots::new(RegisteredBuf::new(dev, size * count)?, size))
 }
 
-/// Keepalive and user timeout on a control connection, so a silent peer host is
-/// noticed within `dead` (as nixl-tcp does, through socket2).
-fn tune(s: &TcpStream, dead: Duration) {
-    let _ = s.set_nodelay(true);
-    let sock = socket2::SockRef::from(s);
-    let idle = (dead / 2).max(Duration::from_secs(1));
-    let ka = socket2::TcpKeepalive::new()
-        .with_time(idle)
-        .with_interval(Duration::from_secs(1))
-        .with_retries(3);
-    let _ = sock.set_tcp_keepalive(&ka);
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    let _ = sock.set_tcp_user_timeout(Some(dead));
-}
-
 /// Most bytes in one control frame.
 const MAX_FRAME: usize = 64 * 1024;
 
-async fn write_frame(s: &mut TcpStream, b: &[u8]) -> std::io::Result<()> {
-    let mut f = Vec::with_capacity(4 + b.len());
-    f.extend_from_slice(&(b.len() as u32).to_le_bytes());
-    f.extend_from_slice(b);
-    s.write_all(&f).await
-}
+use nixl::control::write_frame;
 
+/// One control frame; the stream ending is an error here (every read expects one).
 async fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
-    let mut n = [0u8; 4];
-    s.read_exact(&mut n).await?;
-    let n = u32::from_le_bytes(n) as usize;
-    if n > MAX_FRAME {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("control frame of {n} bytes"),
-        ));
-    }
-    let mut b = vec![0u8; n];
-    s.read_exact(&mut b).await?;
-    Ok(b)
+    nixl::control::read_frame(s, MAX_FRAME)
+        .await?
+        .ok_or_else(|| std::io::ErrorKind::UnexpectedEof.into())
 }
 
 impl Inner {

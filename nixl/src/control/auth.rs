@@ -1,111 +1,113 @@
-//! The challenge-response a control connection starts with (see [`super`]).
+//! The authentication exchange (see [`super`]) over a `TcpStream`, before a
+//! backend's own hello, for backends whose connections are async streams.
 
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use super::handshake::{nonce, ClientAuth, Refusal, ServerAuth, AUTH_MAGIC};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::secret::SharedSecret;
 
-/// What a connection that authenticates starts with. As a little-endian `u32` frame
-/// length it is over a gigabyte, so no backend's first frame is mistaken for it.
-pub const AUTH_MAGIC: [u8; 4] = *b"NXAU";
-const NONCE: usize = 32;
-const MAC: usize = 32;
-const CLIENT_CONTEXT: &str = "nixl control v1 client";
-const SERVER_CONTEXT: &str = "nixl control v1 server";
-const OK: u8 = 0;
-const REFUSED: u8 = 1;
+const OP: &str = "authenticate a control connection";
 
-fn nonce() -> [u8; NONCE] {
-    let mut n = [0u8; NONCE];
-    getrandom::getrandom(&mut n).expect("the OS random source works");
-    n
-}
-
-fn gone(op: &'static str, peer: &str, e: std::io::Error) -> Error {
+fn gone(peer: &str, e: std::io::Error) -> Error {
     Error::new(
         ErrorKind::RemoteDisconnected,
-        op,
+        OP,
         format!("{peer}: the connection ended during authentication"),
     )
     .with_source(e)
 }
 
-/// The connecting side: with a secret, prove it and check the server's proof, within
-/// `timeout`; without one, nothing.
+fn refused(peer: &str, r: Refusal) -> Error {
+    Error::new(ErrorKind::NotAllowed, OP, format!("{peer}: {}", r.why))
+}
+
+fn timed_out<T>(peer: &str, timeout: Duration) -> Result<T> {
+    err(
+        ErrorKind::TimedOut,
+        OP,
+        format!("{peer} did not finish authenticating within {timeout:?}"),
+    )
+}
+
+/// The connecting side, as agent `me` to the agent named `peer`: with a secret,
+/// prove it and this agent's name and check the server's proof of both, within
+/// `timeout`; without one, nothing. `who` describes the peer in errors.
 ///
 /// # Errors
-/// [`ErrorKind::NotAllowed`] when the server does not authenticate or its proof or
-/// ours fails; [`ErrorKind::TimedOut`]; [`ErrorKind::RemoteDisconnected`].
+/// [`ErrorKind::NotAllowed`] when the server does not authenticate, is not `peer`,
+/// or either proof fails; [`ErrorKind::TimedOut`]; [`ErrorKind::RemoteDisconnected`].
 pub async fn authenticate_client(
     s: &mut TcpStream,
     secret: Option<&SharedSecret>,
+    me: &str,
     peer: &str,
+    who: &str,
     timeout: Duration,
 ) -> Result<()> {
-    const OP: &str = "authenticate a control connection";
     let Some(secret) = secret else { return Ok(()) };
     let run = async {
-        let io = |e| gone(OP, peer, e);
-        let mine = nonce();
-        let mut hello = AUTH_MAGIC.to_vec();
-        hello.extend_from_slice(&mine);
-        s.write_all(&hello).await.map_err(io)?;
-        if s.read_u8().await.map_err(io)? != OK {
-            return err(
-                ErrorKind::NotAllowed,
-                OP,
-                format!("{peer} does not authenticate, but a shared secret is configured here"),
-            );
+        let (mut m, first) = ClientAuth::start(secret.clone(), me, peer, nonce());
+        s.write_all(&first).await.map_err(|e| gone(who, e))?;
+        let mut buf = Vec::new();
+        while !m.is_done() {
+            buf.resize(m.need(), 0);
+            s.read_exact(&mut buf).await.map_err(|e| gone(who, e))?;
+            let out = m.received(&buf).map_err(|r| refused(who, r))?;
+            s.write_all(&out).await.map_err(|e| gone(who, e))?;
         }
-        let mut theirs = [0u8; NONCE + MAC];
-        s.read_exact(&mut theirs).await.map_err(io)?;
-        let (their_nonce, their_mac) = theirs.split_at(NONCE);
-        if !secret.verify(SERVER_CONTEXT, &[&mine, their_nonce], their_mac) {
-            return err(
-                ErrorKind::NotAllowed,
-                OP,
-                format!("{peer} failed to prove it knows the shared secret"),
-            );
-        }
-        let proof = secret.sign(CLIENT_CONTEXT, &[their_nonce, &mine]);
-        s.write_all(&proof).await.map_err(io)?;
-        match s.read_u8().await.map_err(io)? {
-            OK => Ok(()),
-            _ => err(
-                ErrorKind::NotAllowed,
-                OP,
-                format!("{peer} refused our shared secret"),
-            ),
-        }
+        Ok(())
     };
-    tokio::time::timeout(timeout, run)
-        .await
-        .unwrap_or_else(|_| {
-            err(
-                ErrorKind::TimedOut,
-                OP,
-                format!("{peer} did not finish authenticating within {timeout:?}"),
-            )
-        })
+    match tokio::time::timeout(timeout, run).await {
+        Ok(r) => r,
+        Err(_) => timed_out(who, timeout),
+    }
 }
 
 /// What [`authenticate_server`] concluded.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Authenticated {
-    /// The peer proved the secret (or none is configured and it did not try): go on
-    /// with the backend's hello.
-    Yes,
+    /// The peer proved the secret and that it is the agent of this name: its hello
+    /// must name it ([`Authenticated::check_hello`]).
+    As(String),
+    /// No secret is configured here and the peer did not try: nothing is proven.
+    Open,
     /// A secret is configured and the peer started with its own hello instead:
     /// refuse it in the backend's protocol (the hello is unread) and close.
     Missing,
 }
 
-/// The accepting side, before the backend reads its hello: with a secret, require
-/// the peer's proof and give ours; without one, refuse a peer that tries to
-/// authenticate. Within `timeout`.
+impl Authenticated {
+    /// Check the name a peer's hello gives against the one it proved.
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotAllowed`] when the peer proved another name, or did not
+    /// authenticate where a secret is required.
+    pub fn check_hello(&self, hello: &str, op: &'static str, who: &str) -> Result<()> {
+        match self {
+            Self::Open => Ok(()),
+            Self::As(name) if name == hello => Ok(()),
+            Self::As(name) => err(
+                ErrorKind::NotAllowed,
+                op,
+                format!("{who} authenticated as agent {name:?} but says hello as {hello:?}"),
+            ),
+            Self::Missing => err(
+                ErrorKind::NotAllowed,
+                op,
+                format!("{who} did not prove the shared secret"),
+            ),
+        }
+    }
+}
+
+/// The accepting side, agent `me`, before the backend reads its hello: with a
+/// secret, prove it and this agent's name and require the peer's proof; without one,
+/// refuse a peer that tries to authenticate. Within `timeout`; `who` describes the
+/// peer in errors.
 ///
 /// # Errors
 /// [`ErrorKind::NotAllowed`] when the peer's proof fails or it tries to authenticate
@@ -114,12 +116,12 @@ pub enum Authenticated {
 pub async fn authenticate_server(
     s: &mut TcpStream,
     secret: Option<&SharedSecret>,
-    peer: &str,
+    me: &str,
+    who: &str,
     timeout: Duration,
 ) -> Result<Authenticated> {
-    const OP: &str = "authenticate a control connection";
     let run = async {
-        let io = |e| gone(OP, peer, e);
+        let io = |e| gone(who, e);
         let mut head = [0u8; 4];
         loop {
             let n = s.peek(&mut head).await.map_err(io)?;
@@ -133,48 +135,39 @@ pub async fn authenticate_server(
         }
         let tries = head == AUTH_MAGIC;
         let secret = match (secret, tries) {
-            (None, false) => return Ok(Authenticated::Yes),
+            (None, false) => return Ok(Authenticated::Open),
             (Some(_), false) => return Ok(Authenticated::Missing),
             (None, true) => {
-                s.write_all(&[REFUSED]).await.map_err(io)?;
-                return err(
-                    ErrorKind::NotAllowed,
-                    OP,
-                    format!("{peer} authenticates, but no shared secret is configured here"),
-                );
+                let r = Refusal::no_secret_here();
+                s.write_all(r.reply.as_deref().unwrap_or_default())
+                    .await
+                    .map_err(io)?;
+                return Err(refused(who, r));
             }
             (Some(secret), true) => secret,
         };
-        let mut hello = [0u8; 4 + NONCE];
-        s.read_exact(&mut hello).await.map_err(io)?;
-        let their_nonce = &hello[4..];
-        let mine = nonce();
-        let mut reply = vec![OK];
-        reply.extend_from_slice(&mine);
-        reply.extend_from_slice(&secret.sign(SERVER_CONTEXT, &[their_nonce, &mine]));
-        s.write_all(&reply).await.map_err(io)?;
-        let mut proof = [0u8; MAC];
-        s.read_exact(&mut proof).await.map_err(io)?;
-        if !secret.verify(CLIENT_CONTEXT, &[&mine, their_nonce], &proof) {
-            s.write_all(&[REFUSED]).await.map_err(io)?;
-            return err(
-                ErrorKind::NotAllowed,
-                OP,
-                format!("{peer} failed to prove it knows the shared secret"),
-            );
+        s.read_exact(&mut head).await.map_err(io)?;
+        let mut m = ServerAuth::new(secret.clone(), me, nonce());
+        let mut buf = Vec::new();
+        while m.need() > 0 {
+            buf.resize(m.need(), 0);
+            s.read_exact(&mut buf).await.map_err(io)?;
+            match m.received(&buf) {
+                Ok(out) => s.write_all(&out).await.map_err(io)?,
+                Err(r) => {
+                    if let Some(reply) = &r.reply {
+                        let _ = s.write_all(reply).await;
+                    }
+                    return Err(refused(who, r));
+                }
+            }
         }
-        s.write_all(&[OK]).await.map_err(io)?;
-        Ok(Authenticated::Yes)
+        Ok(Authenticated::As(m.proven().unwrap_or_default().to_owned()))
     };
-    tokio::time::timeout(timeout, run)
-        .await
-        .unwrap_or_else(|_| {
-            err(
-                ErrorKind::TimedOut,
-                OP,
-                format!("{peer} did not finish authenticating within {timeout:?}"),
-            )
-        })
+    match tokio::time::timeout(timeout, run).await {
+        Ok(r) => r,
+        Err(_) => timed_out(who, timeout),
+    }
 }
 
 #[cfg(test)]
@@ -200,7 +193,7 @@ mod tests {
         let t = Duration::from_secs(5);
         // The client's stream goes when it is done, as a backend's would on error.
         let client = async move {
-            let r = authenticate_client(&mut c, cs.as_ref(), "server", t).await;
+            let r = authenticate_client(&mut c, cs.as_ref(), "cli", "srv", "server", t).await;
             if r.is_ok() {
                 // The backend's hello.
                 c.write_all(b"\x05\x00\x00\x00hello").await.unwrap();
@@ -208,8 +201,8 @@ mod tests {
             r
         };
         let server = async {
-            let r = authenticate_server(&mut s, ss.as_ref(), "client", t).await;
-            if matches!(r, Ok(Authenticated::Yes)) {
+            let r = authenticate_server(&mut s, ss.as_ref(), "srv", "client", t).await;
+            if matches!(r, Ok(Authenticated::As(_) | Authenticated::Open)) {
                 let mut h = [0u8; 9];
                 s.read_exact(&mut h).await.unwrap();
                 assert_eq!(&h, b"\x05\x00\x00\x00hello", "the hello follows intact");
@@ -223,10 +216,14 @@ mod tests {
     async fn the_same_secret_or_none_passes() {
         let (c, s) = run(Some("k"), Some("k")).await;
         assert!(c.is_ok(), "{c:?}");
-        assert_eq!(s.unwrap(), Authenticated::Yes);
+        let s = s.unwrap();
+        assert_eq!(s, Authenticated::As("cli".into()));
+        assert!(s.check_hello("cli", "t", "client").is_ok());
+        let e = s.check_hello("someone-else", "t", "client").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotAllowed);
         let (c, s) = run(None, None).await;
         assert!(c.is_ok(), "{c:?}");
-        assert_eq!(s.unwrap(), Authenticated::Yes);
+        assert_eq!(s.unwrap(), Authenticated::Open);
     }
 
     #[tokio::test]
@@ -244,7 +241,7 @@ mod tests {
         c.write_all(b"\x05\x00\x00\x00hello").await.unwrap();
         let secret = SharedSecret::new("k").unwrap();
         let t = Duration::from_secs(5);
-        let r = authenticate_server(&mut s, Some(&secret), "client", t).await;
+        let r = authenticate_server(&mut s, Some(&secret), "srv", "client", t).await;
         assert_eq!(r.unwrap(), Authenticated::Missing);
         // A client with a secret, a server without: both refuse.
         let (c, s) = run(Some("k"), None).await;
@@ -253,11 +250,35 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_client_expecting_another_agent_refuses_the_server() {
+        let (mut c, mut s) = pair().await;
+        let k = SharedSecret::new("k").unwrap();
+        let t = Duration::from_secs(5);
+        let k2 = k.clone();
+        // The client hangs up on failing, as a backend's would.
+        let client = async move {
+            authenticate_client(&mut c, Some(&k2), "cli", "decode-1", "server", t).await
+        };
+        let (c, s) = tokio::join!(
+            client,
+            authenticate_server(&mut s, Some(&k), "decode-2", "client", t),
+        );
+        assert_eq!(c.unwrap_err().kind(), ErrorKind::NotAllowed);
+        assert_eq!(s.unwrap_err().kind(), ErrorKind::RemoteDisconnected);
+    }
+
+    #[tokio::test]
     async fn a_silent_peer_times_out() {
         let (_c, mut s) = pair().await;
         let secret = SharedSecret::new("k").unwrap();
-        let r =
-            authenticate_server(&mut s, Some(&secret), "client", Duration::from_millis(50)).await;
+        let r = authenticate_server(
+            &mut s,
+            Some(&secret),
+            "srv",
+            "client",
+            Duration::from_millis(50),
+        )
+        .await;
         assert_eq!(r.unwrap_err().kind(), ErrorKind::TimedOut);
     }
 }

@@ -1,0 +1,381 @@
+//! The authentication exchange (see [`super`]) as two plain state machines, with no
+//! sockets and no clocks: each is told the bytes it asked for and says what to send.
+//! nixl-tcp embeds them in its own connection machines; [`super::authenticate_client`]
+//! and [`super::authenticate_server`] drive them over a `TcpStream` for nixl-verbs and
+//! nixl-uccl.
+
+use crate::secret::SharedSecret;
+
+/// What a connection that authenticates starts with. As a little-endian `u32` frame
+/// length it is over a gigabyte, so no backend's first frame is mistaken for it.
+pub const AUTH_MAGIC: [u8; 4] = *b"NXAU";
+/// Length of each side's challenge.
+pub const NONCE_LEN: usize = 32;
+/// Longest agent name a client may prove.
+pub const MAX_NAME: usize = 1024;
+const MAC: usize = 32;
+const CLIENT_CONTEXT: &str = "nixl control v2 client";
+const SERVER_CONTEXT: &str = "nixl control v2 server";
+const OK: u8 = 0;
+const REFUSED: u8 = 1;
+
+/// A fresh challenge from the OS random source.
+pub fn nonce() -> [u8; NONCE_LEN] {
+    let mut n = [0u8; NONCE_LEN];
+    getrandom::getrandom(&mut n).expect("the OS random source works");
+    n
+}
+
+/// The exchange failed: send `reply` (if any) to the peer, then close.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The bytes that tell the peer it was refused.
+    pub reply: Option<Vec<u8>>,
+    /// Why, for the error or log.
+    pub why: String,
+}
+
+impl Refusal {
+    fn new(reply: Option<Vec<u8>>, why: impl Into<String>) -> Self {
+        Self {
+            reply,
+            why: why.into(),
+        }
+    }
+
+    /// What a server without a secret answers a peer that starts with
+    /// [`AUTH_MAGIC`]: it cannot check the proof, so it refuses.
+    pub fn no_secret_here() -> Self {
+        Self::new(
+            Some(vec![REFUSED]),
+            "the peer authenticates, but no shared secret is configured here",
+        )
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ClientStep {
+    Status,
+    ServerProof,
+    Verdict,
+    Done,
+}
+
+/// The connecting side. It proves the secret and its own name, and checks that the
+/// server proves the secret and the name the client expects it to have.
+#[derive(Debug)]
+pub struct ClientAuth {
+    secret: SharedSecret,
+    me: String,
+    peer: String,
+    ours: [u8; NONCE_LEN],
+    step: ClientStep,
+}
+
+impl ClientAuth {
+    /// Start as agent `me`, connecting to the agent named `peer`; `nonce` is this
+    /// side's challenge. Returns the machine and the bytes to send first.
+    pub fn start(
+        secret: SharedSecret,
+        me: &str,
+        peer: &str,
+        nonce: [u8; NONCE_LEN],
+    ) -> (Self, Vec<u8>) {
+        let mut first = AUTH_MAGIC.to_vec();
+        first.extend_from_slice(&nonce);
+        let m = Self {
+            secret,
+            me: me.to_owned(),
+            peer: peer.to_owned(),
+            ours: nonce,
+            step: ClientStep::Status,
+        };
+        (m, first)
+    }
+
+    /// How many bytes to read next; 0 once done.
+    pub fn need(&self) -> usize {
+        match self.step {
+            ClientStep::Status | ClientStep::Verdict => 1,
+            ClientStep::ServerProof => NONCE_LEN + MAC,
+            ClientStep::Done => 0,
+        }
+    }
+
+    /// Whether both sides proved themselves.
+    pub fn is_done(&self) -> bool {
+        self.step == ClientStep::Done
+    }
+
+    /// The [`ClientAuth::need`] bytes arrived: what to send next (maybe nothing).
+    ///
+    /// # Errors
+    /// The server does not authenticate, failed its proof (wrong secret or not the
+    /// agent expected), or refused ours: close the connection (nothing to send).
+    pub fn received(&mut self, bytes: &[u8]) -> Result<Vec<u8>, Refusal> {
+        debug_assert_eq!(bytes.len(), self.need());
+        match self.step {
+            ClientStep::Status => {
+                if bytes[0] != OK {
+                    return Err(Refusal::new(
+                        None,
+                        "it does not authenticate, but a shared secret is configured here",
+                    ));
+                }
+                self.step = ClientStep::ServerProof;
+                Ok(Vec::new())
+            }
+            ClientStep::ServerProof => {
+                let (theirs, mac) = bytes.split_at(NONCE_LEN);
+                let parts: [&[u8]; 3] = [&self.ours, theirs, self.peer.as_bytes()];
+                if !self.secret.verify(SERVER_CONTEXT, &parts, mac) {
+                    return Err(Refusal::new(
+                        None,
+                        format!(
+                            "it failed to prove the shared secret as agent {:?} (another secret, or another agent at that address)",
+                            self.peer
+                        ),
+                    ));
+                }
+                let name = self.me.as_bytes();
+                let proof = self.secret.sign(
+                    CLIENT_CONTEXT,
+                    &[theirs, &self.ours, name, self.peer.as_bytes()],
+                );
+                let mut out = Vec::with_capacity(2 + name.len() + MAC);
+                out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+                out.extend_from_slice(name);
+                out.extend_from_slice(&proof);
+                self.step = ClientStep::Verdict;
+                Ok(out)
+            }
+            ClientStep::Verdict => {
+                if bytes[0] != OK {
+                    return Err(Refusal::new(None, "it refused our shared secret or name"));
+                }
+                self.step = ClientStep::Done;
+                Ok(Vec::new())
+            }
+            ClientStep::Done => Ok(Vec::new()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ServerStep {
+    Nonce,
+    NameLen,
+    Proof { name_len: usize },
+    Done,
+}
+
+/// The accepting side, from after the client's [`AUTH_MAGIC`]. It proves the secret
+/// and its own name, then requires the client's proof of the secret and of the name
+/// it claims ([`ServerAuth::proven`]).
+#[derive(Debug)]
+pub struct ServerAuth {
+    secret: SharedSecret,
+    me: String,
+    ours: [u8; NONCE_LEN],
+    theirs: [u8; NONCE_LEN],
+    step: ServerStep,
+    proven: Option<String>,
+}
+
+impl ServerAuth {
+    /// This agent is `me`; `nonce` is its challenge.
+    pub fn new(secret: SharedSecret, me: &str, nonce: [u8; NONCE_LEN]) -> Self {
+        Self {
+            secret,
+            me: me.to_owned(),
+            ours: nonce,
+            theirs: [0; NONCE_LEN],
+            step: ServerStep::Nonce,
+            proven: None,
+        }
+    }
+
+    /// How many bytes to read next; 0 once done.
+    pub fn need(&self) -> usize {
+        match self.step {
+            ServerStep::Nonce => NONCE_LEN,
+            ServerStep::NameLen => 2,
+            ServerStep::Proof { name_len } => name_len + MAC,
+            ServerStep::Done => 0,
+        }
+    }
+
+    /// The name the client proved, once done.
+    pub fn proven(&self) -> Option<&str> {
+        self.proven.as_deref()
+    }
+
+    /// The [`ServerAuth::need`] bytes arrived: what to send next (maybe nothing).
+    ///
+    /// # Errors
+    /// The client's name is malformed or its proof fails: send the refusal's reply,
+    /// then close.
+    pub fn received(&mut self, bytes: &[u8]) -> Result<Vec<u8>, Refusal> {
+        debug_assert_eq!(bytes.len(), self.need());
+        match self.step {
+            ServerStep::Nonce => {
+                self.theirs.copy_from_slice(bytes);
+                let proof = self.secret.sign(
+                    SERVER_CONTEXT,
+                    &[&self.theirs, &self.ours, self.me.as_bytes()],
+                );
+                let mut out = Vec::with_capacity(1 + NONCE_LEN + MAC);
+                out.push(OK);
+                out.extend_from_slice(&self.ours);
+                out.extend_from_slice(&proof);
+                self.step = ServerStep::NameLen;
+                Ok(out)
+            }
+            ServerStep::NameLen => {
+                let n = usize::from(u16::from_le_bytes([bytes[0], bytes[1]]));
+                if n == 0 || n > MAX_NAME {
+                    return Err(Refusal::new(
+                        Some(vec![REFUSED]),
+                        format!("a claimed agent name of {n} bytes"),
+                    ));
+                }
+                self.step = ServerStep::Proof { name_len: n };
+                Ok(Vec::new())
+            }
+            ServerStep::Proof { name_len } => {
+                let (name, mac) = bytes.split_at(name_len);
+                let parts: [&[u8]; 4] = [&self.ours, &self.theirs, name, self.me.as_bytes()];
+                if !self.secret.verify(CLIENT_CONTEXT, &parts, mac) {
+                    return Err(Refusal::new(
+                        Some(vec![REFUSED]),
+                        "the peer failed to prove the shared secret",
+                    ));
+                }
+                let Ok(name) = std::str::from_utf8(name) else {
+                    return Err(Refusal::new(
+                        Some(vec![REFUSED]),
+                        "the claimed agent name is not UTF-8",
+                    ));
+                };
+                self.proven = Some(name.to_owned());
+                self.step = ServerStep::Done;
+                Ok(vec![OK])
+            }
+            ServerStep::Done => Ok(Vec::new()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret(s: &str) -> SharedSecret {
+        SharedSecret::new(s).unwrap()
+    }
+
+    /// Run both machines against each other; `tamper` may change what the client
+    /// sends after its magic. Returns each side's outcome (`"stalled"` where a side
+    /// waits for bytes the other never sends).
+    fn run(
+        client_secret: &str,
+        server_secret: &str,
+        me: &str,
+        expected_server: &str,
+        server_name: &str,
+        tamper: impl Fn(&mut Vec<u8>),
+    ) -> (Result<(), Refusal>, Result<String, Refusal>) {
+        let (mut c, first) = ClientAuth::start(secret(client_secret), me, expected_server, nonce());
+        assert_eq!(first[..4], AUTH_MAGIC);
+        let mut s = ServerAuth::new(secret(server_secret), server_name, nonce());
+        let (mut to_server, mut to_client) = (first[4..].to_vec(), Vec::new());
+        let (mut client, mut server) = (None, None);
+        for _ in 0..8 {
+            while server.is_none() && to_server.len() >= s.need() {
+                let bytes: Vec<u8> = to_server.drain(..s.need()).collect();
+                match s.received(&bytes) {
+                    Ok(out) => to_client.extend(out),
+                    Err(r) => {
+                        to_client.extend(r.reply.clone().unwrap_or_default());
+                        server = Some(Err(r));
+                    }
+                }
+                if server.is_none() && s.need() == 0 {
+                    server = Some(Ok(s.proven().unwrap().to_owned()));
+                }
+            }
+            while client.is_none() && to_client.len() >= c.need() {
+                let bytes: Vec<u8> = to_client.drain(..c.need()).collect();
+                match c.received(&bytes) {
+                    Ok(mut out) => {
+                        tamper(&mut out);
+                        to_server.extend(out);
+                    }
+                    Err(r) => client = Some(Err(r)),
+                }
+                if client.is_none() && c.is_done() {
+                    client = Some(Ok(()));
+                }
+            }
+        }
+        let stalled = Refusal::new(None, "stalled");
+        (
+            client.unwrap_or_else(|| Err(stalled.clone())),
+            server.unwrap_or(Err(stalled)),
+        )
+    }
+
+    #[test]
+    fn both_sides_prove_the_secret_and_their_names() {
+        let (c, s) = run("k", "k", "prefill-0", "decode-1", "decode-1", |_| {});
+        assert_eq!(c, Ok(()));
+        assert_eq!(s.unwrap(), "prefill-0");
+    }
+
+    #[test]
+    fn another_secret_fails_on_the_client_before_it_proves_anything() {
+        let (c, s) = run("k", "other", "a", "b", "b", |_| {});
+        assert!(c.unwrap_err().why.contains("failed to prove"));
+        assert!(s.is_err());
+    }
+
+    #[test]
+    fn a_server_that_is_not_the_agent_expected_is_refused() {
+        let (c, _) = run("k", "k", "a", "decode-1", "decode-2", |_| {});
+        assert!(c.unwrap_err().why.contains("\"decode-1\""));
+    }
+
+    #[test]
+    fn a_claimed_name_other_than_the_one_proven_is_refused() {
+        // The client proves "a" but the bytes on the wire claim "b".
+        let (_, s) = run("k", "k", "a", "srv", "srv", |sent| {
+            if sent.len() > 3 && sent[2] == b'a' {
+                sent[2] = b'b';
+            }
+        });
+        let r = s.unwrap_err();
+        assert_eq!(r.reply, Some(vec![REFUSED]));
+        assert!(r.why.contains("failed to prove"), "{}", r.why);
+    }
+
+    #[test]
+    fn names_out_of_bounds_are_refused_before_they_are_read() {
+        let mut s = ServerAuth::new(secret("k"), "srv", nonce());
+        s.received(&nonce()).unwrap();
+        for n in [0u16, (MAX_NAME + 1) as u16, u16::MAX] {
+            let mut t = ServerAuth::new(secret("k"), "srv", nonce());
+            t.received(&nonce()).unwrap();
+            assert!(t.received(&n.to_le_bytes()).is_err(), "{n}");
+        }
+        assert!(s.received(&(MAX_NAME as u16).to_le_bytes()).is_ok());
+        assert_eq!(s.need(), MAX_NAME + MAC);
+    }
+
+    #[test]
+    fn a_refusing_server_is_reported_by_the_client() {
+        let (mut c, _) = ClientAuth::start(secret("k"), "a", "b", nonce());
+        let r = Refusal::no_secret_here();
+        let e = c.received(r.reply.as_ref().unwrap()).unwrap_err();
+        assert!(e.why.contains("does not authenticate"));
+    }
+}
