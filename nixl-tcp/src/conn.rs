@@ -739,6 +739,7 @@ impl Task {
         let (rd, wr) = stream.into_split();
         self.tracker.spawn(reader(
             rd,
+            self.options.dead_peer_timeout,
             self.peer.clone(),
             self.table.clone(),
             self.dead.clone(),
@@ -788,7 +789,7 @@ impl Task {
         let mut s = TcpStream::connect(self.addr)
             .await
             .map_err(|e| io("connect", e))?;
-        wire::tune(&s, self.options.dead_peer_timeout);
+        nixl::control::tune(&s, self.options.dead_peer_timeout);
         let want = match &self.lane {
             Lane::First(Ok(())) => Want::Yes,
             Lane::First(Err(why)) => Want::No(why.clone()),
@@ -796,11 +797,12 @@ impl Task {
         };
         let secret = self.options.secret.clone();
         let nonce = match secret {
-            Some(_) => wire::nonce(),
-            None => [0; wire::NONCE_LEN],
+            Some(_) => nixl::control::nonce(),
+            None => [0; nixl::control::NONCE_LEN],
         };
         let mut m = Handshake::new(
             &self.agent,
+            &self.peer,
             format!("peer {:?} at {}", self.peer, self.addr),
             secret,
             nonce,
@@ -1116,6 +1118,7 @@ fn park(
 
 async fn reader(
     rd: OwnedReadHalf,
+    dead_peer_timeout: std::time::Duration,
     peer: String,
     table: Arc<Mutex<Table>>,
     dead: Arc<AtomicBool>,
@@ -1124,7 +1127,7 @@ async fn reader(
     let held = Held::default();
     let e = tokio::select! {
         _ = cancel.cancelled() => None,
-        e = read_loop(rd, &peer, &table, &held) => Some(e),
+        e = read_loop(rd, dead_peer_timeout, &peer, &table, &held) => Some(e),
     };
     if let Some(e) = e {
         tracing::debug!(%peer, error = %e, "tcp connection closed");
@@ -1135,7 +1138,13 @@ async fn reader(
     held.fail(&table);
 }
 
-async fn read_loop(rd: OwnedReadHalf, peer: &str, table: &Mutex<Table>, held: &Held) -> Error {
+async fn read_loop(
+    rd: OwnedReadHalf,
+    dead_peer_timeout: std::time::Duration,
+    peer: &str,
+    table: &Mutex<Table>,
+    held: &Held,
+) -> Error {
     let mut r = BufReader::with_capacity(IO_BUF, rd);
     let lost = |e: std::io::Error| {
         let what = if e.kind() == std::io::ErrorKind::UnexpectedEof {
@@ -1163,6 +1172,15 @@ async fn read_loop(rd: OwnedReadHalf, peer: &str, table: &Mutex<Table>, held: &H
         let data = match frame {
             Frame::Data { id, len } => Some((id, len)),
             Frame::Ack { .. } => None,
+            Frame::Paused(paused) => {
+                // A target that stopped reading on purpose is alive: its zero window
+                // must not end the connection while it holds back; keepalive and the
+                // user timeout take over again once it reads.
+                let timeout = (!paused).then_some(dead_peer_timeout);
+                nixl::control::set_user_timeout(r.get_ref().as_ref(), timeout);
+                tracing::debug!(%peer, paused, "tcp: the peer holds back reading");
+                continue;
+            }
         };
         let answer = table.lock().unwrap().on_frame(frame);
         match answer {

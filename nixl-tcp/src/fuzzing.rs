@@ -16,6 +16,7 @@
 use std::collections::HashSet;
 
 use bytes::Bytes;
+use nixl::control::{ServerAuth, NONCE_LEN};
 use nixl::{Agent, Registration, SharedSecret};
 
 use crate::protocol::initiator::{
@@ -27,6 +28,9 @@ use crate::state::Inner;
 use crate::target::Checked;
 use crate::wire::{self, Offer, RequestHeader, ResponseHeader, SegEntry};
 use crate::{SameHost, TcpBackend, TcpOptions};
+
+/// The agent the fuzzed initiator connects to (which the target proves, with a secret).
+const FUZZ_PEER: &str = "the fuzz peer";
 
 /// The key the planted registration answers to.
 pub const PLANTED_KEY: u64 = 0x706c_616e_7465_6421;
@@ -143,8 +147,9 @@ impl PlantedTarget {
             shift: reg.addr().wrapping_sub(PLANTED_BASE),
         };
         let mut model = reg.to_vec().expect("host memory reads");
-        let mut m = Target::<Planted<'_>>::new(None, MAX_NOTIFICATION, [7; wire::NONCE_LEN])
-            .with_max_request(MAX_REQUEST);
+        let mut m =
+            Target::<Planted<'_>>::new(None, "fuzz target", MAX_NOTIFICATION, [7; NONCE_LEN])
+                .with_max_request(MAX_REQUEST);
         let mut pos = 0;
         let mut expected: Vec<Ev> = Vec::new();
         let mut actual: Vec<Ev> = Vec::new();
@@ -534,9 +539,10 @@ pub fn initiator_responses(data: &[u8]) {
     };
     let mut hs = Handshake::new(
         "fuzz",
+        FUZZ_PEER,
         "the fuzz target".into(),
         secret,
-        [3; wire::NONCE_LEN],
+        [3; NONCE_LEN],
         want,
         mode & 8 != 0,
     );
@@ -567,7 +573,7 @@ pub fn initiator_responses(data: &[u8]) {
         let Some(buf) = hs.need() else {
             panic!("the handshake stalls");
         };
-        assert!(buf.len() <= wire::OFFER_LEN + wire::NONCE_LEN);
+        assert!(buf.len() <= wire::OFFER_LEN + NONCE_LEN);
         let n = buf.len();
         let Some(b) = take(&mut rest, n) else { return };
         hs.need().unwrap().copy_from_slice(&b);
@@ -602,7 +608,7 @@ pub fn initiator_responses(data: &[u8]) {
         }
         let data_len = match frame {
             Frame::Data { len, .. } => Some(len),
-            Frame::Ack { .. } => None,
+            Frame::Ack { .. } | Frame::Paused(_) => None,
         };
         match req.on_frame(frame) {
             Answer::Complete(id, _) => finish(id, &mut done),
@@ -785,8 +791,21 @@ pub fn initiator_seeds() -> Vec<(&'static str, Vec<u8>)> {
         v.resize(v.len() + len as usize, 0xab);
         v
     };
+    let hold = |kind: u8| {
+        ResponseHeader {
+            kind,
+            status: 0,
+            msg_len: 0,
+            id: 0,
+            data_len: 0,
+        }
+        .encode()
+        .to_vec()
+    };
     let answers = [
+        hold(wire::RESP_PAUSE),
         ack(4, wire::ST_OK, ""),
+        hold(wire::RESP_RESUME),
         data(2, 16),
         ack(2, wire::ST_OK, ""),
         data(1, 0),
@@ -807,15 +826,16 @@ pub fn initiator_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let same_host = [&[16u8][..], &reply(wire::ST_OK), &[1], &offer, &answers].concat();
     let no_offer = [&[8u8][..], &reply(wire::ST_OK), &[0]].concat();
     let secret = SharedSecret::new(b"fuzz secret 0123456789abcdef").expect("a valid secret");
-    let theirs = [5u8; wire::NONCE_LEN];
-    let ours = [3u8; wire::NONCE_LEN];
-    let proof = secret.sign(wire::SERVER_CONTEXT, &[&ours, &theirs]);
+    // The target's side of the authentication, as the core computes it for the
+    // initiator's nonce.
+    let proof = ServerAuth::new(secret, FUZZ_PEER, [5u8; NONCE_LEN])
+        .received(&[3u8; NONCE_LEN])
+        .expect("the first step answers");
     let authed = [
         &[1u8 | 4][..],
-        &reply(wire::ST_AUTH),
-        &theirs,
-        &[wire::ST_OK],
         &proof,
+        &[wire::ST_OK],
+        &reply(wire::ST_OK),
         &answers,
     ]
     .concat();

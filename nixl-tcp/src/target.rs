@@ -28,6 +28,7 @@ pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: 
     let tracker = started.ctx.tracker.clone();
     let sink = started.ctx.notifications.clone();
     let secret = started.secret.clone();
+    let me: Arc<str> = started.ctx.agent_name.as_str().into();
     let o = &inner.options;
     let admission = Admission::new(o.max_incoming_handshakes, o.max_incoming_connections);
     started.ctx.tracker.spawn(async move {
@@ -41,11 +42,12 @@ pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: 
                     let conn_cancel = cancel.child_token();
                     let ticket = admission.admit(conn_cancel.clone());
                     let (inner, sink, secret) = (inner.clone(), sink.clone(), secret.clone());
+                    let me = me.clone();
                     let deadline = tokio::time::Instant::now() + inner.options.handshake_timeout;
                     tracker.spawn(async move {
                         tokio::select! {
                             _ = conn_cancel.cancelled() => {}
-                            r = serve(inner, stream, sink, secret, ticket, deadline) => {
+                            r = serve(inner, stream, sink, (secret, me), ticket, deadline) => {
                                 if let Err(e) = r {
                                     tracing::debug!(%from, error = %e, "tcp: closed incoming connection");
                                 }
@@ -100,21 +102,22 @@ impl Registry for Inner {
 
 /// Serve one incoming connection: the protocol is [`crate::protocol::target`]'s; this
 /// only moves bytes between the socket, registered memory and the agent. The
-/// handshake (authenticated with `secret`, if any) must end by `deadline`; then
-/// `ticket` moves to the established set.
+/// handshake (authenticated with `secret`, if any, as agent `me`) must end by
+/// `deadline`; then `ticket` moves to the established set.
 async fn serve(
     inner: Arc<Inner>,
     stream: TcpStream,
     sink: NotificationSink,
-    secret: Option<nixl::SharedSecret>,
+    (secret, me): (Option<nixl::SharedSecret>, Arc<str>),
     mut ticket: Ticket,
     deadline: tokio::time::Instant,
 ) -> std::io::Result<()> {
-    wire::tune(&stream, inner.options.dead_peer_timeout);
+    nixl::control::tune(&stream, inner.options.dead_peer_timeout);
     let (rd, wr) = stream.into_split();
     let mut r = BufReader::with_capacity(IO_BUF, rd);
     let mut w = BufWriter::with_capacity(IO_BUF, wr);
-    let mut m = Target::<Inner>::new(secret, inner.options.max_notification, wire::nonce())
+    let nonce = nixl::control::nonce();
+    let mut m = Target::<Inner>::new(secret, &me, inner.options.max_notification, nonce)
         .with_max_request(inner.options.max_request_bytes);
     let mut _grants = None;
     let mut scratch = Vec::new();
@@ -146,12 +149,27 @@ async fn serve(
                 }
                 // Waits while this peer has its bound of notifications unread, so
                 // a flooding peer's own connection stops being read (back-pressure
-                // on that peer alone). The ACK follows delivery; one the agent
-                // stopped before delivering closes the connection unacknowledged.
-                Action::Deliver(n) => sink
-                    .deliver_async(m.peer(), n)
-                    .await
-                    .map_err(std::io::Error::other)?,
+                // on that peer alone), saying so first: the peer must not take the
+                // zero window for a dead target. The ACK follows delivery; one the
+                // agent stopped before delivering closes the connection
+                // unacknowledged.
+                Action::Deliver(n) => {
+                    let mut delivery = std::pin::pin!(sink.deliver_async(m.peer(), n));
+                    let now = std::future::poll_fn(|cx| {
+                        std::task::Poll::Ready(std::future::Future::poll(delivery.as_mut(), cx))
+                    })
+                    .await;
+                    let delivered = match now {
+                        std::task::Poll::Ready(r) => r,
+                        std::task::Poll::Pending => {
+                            hold_back(&mut w, true).await?;
+                            let r = delivery.await;
+                            hold_back(&mut w, false).await?;
+                            r
+                        }
+                    };
+                    delivered.map_err(std::io::Error::other)?;
+                }
                 Action::Receive { .. } => {
                     recv_slices(&mut r, blocks(&m.runs().runs)).await?;
                     m.moved();
@@ -205,7 +223,7 @@ fn offer(inner: &Inner) -> Option<(Arc<ConnTable>, Offer)> {
         return None;
     }
     let mut nonce = [0u8; shm::NONCE_LEN];
-    nonce.copy_from_slice(&wire::nonce()[..shm::NONCE_LEN]);
+    nonce.copy_from_slice(&nixl::control::nonce()[..shm::NONCE_LEN]);
     match inner.grants.attach(&nonce) {
         Ok(t) => {
             let o = Offer {
@@ -274,6 +292,27 @@ pub(crate) fn check(inner: &Inner, table: &[u8], segs: &mut Vec<LocalRun>) -> Re
         });
     }
     Ok(())
+}
+
+/// Tell the initiator this connection stops being read for a while (`true`), or is
+/// read again.
+async fn hold_back(
+    w: &mut BufWriter<tokio::net::tcp::OwnedWriteHalf>,
+    paused: bool,
+) -> std::io::Result<()> {
+    let h = ResponseHeader {
+        kind: if paused {
+            wire::RESP_PAUSE
+        } else {
+            wire::RESP_RESUME
+        },
+        status: 0,
+        msg_len: 0,
+        id: 0,
+        data_len: 0,
+    };
+    w.write_all(&h.encode()).await?;
+    w.flush().await
 }
 
 async fn ack(

@@ -1,11 +1,13 @@
 //! nixl-tcp's wire format. Little-endian, fixed-size headers, hard limits.
 //!
-//! Connection: the initiator sends a hello (`MAGIC`, version, its agent name); the
-//! target answers with `MAGIC`, version and a status byte. With a shared secret the
-//! status is `ST_AUTH` followed by the target's nonce; the initiator answers with its
-//! nonce and an HMAC over both nonces and its name, and the target with a status byte
-//! and its own HMAC over both nonces (each side proves it knows the secret; the
-//! secret never crosses the wire). Then the initiator asks for the same-host path (one
+//! Connection: with a shared secret, the initiator first runs the core's
+//! authentication (`nixl::control`: both sides prove the secret and their agent
+//! names; the secret never crosses the wire). Then it sends a hello (`MAGIC`,
+//! version, its agent name: the name it proved, where it authenticated); the target
+//! answers with `MAGIC`, version and a status byte (`ST_OK`; `ST_AUTH`: this target
+//! requires the secret and the initiator did not prove it; `ST_REFUSED`: the hello
+//! names another agent than the one proven; anything else: the version differs).
+//! Then the initiator asks for the same-host path (one
 //! byte: 1 when both sides reported the same kernel boot id and it wants the path,
 //! else 0) and the target answers with one byte (0: no), or 1 and an offer: its pid
 //! u32, its grant table's descriptor i32, the table's address u64 and a 16-byte nonce
@@ -29,11 +31,15 @@
 //!
 //! Response header (24 bytes): kind u8, status u8, 2 zero bytes, message length u32,
 //! request id u64, data length u64. ACK: then `message length` bytes of UTF-8 error
-//! text. DATA: then `data length` bytes.
+//! text. DATA: then `data length` bytes. PAUSE and RESUME (header only): the target
+//! stops reading the connection while its agent's queue of the initiator's
+//! notifications is full (back-pressure), and reads it again; in between, the
+//! initiator does not take the zero window it sees for a dead peer.
 
 pub(crate) const MAGIC: [u8; 4] = *b"NXTC";
-/// 5: same-host grant slots of 128 bytes (GPU words and the IPC handle).
-pub(crate) const VERSION: u16 = 5;
+/// 6: authentication (`nixl::control`) before the hello, binding agent names;
+/// `RESP_PAUSE`/`RESP_RESUME`.
+pub(crate) const VERSION: u16 = 6;
 pub(crate) const MAX_NAME: usize = 256;
 /// Most run entries one request may carry.
 pub(crate) const MAX_ENTRIES: u32 = 1 << 20;
@@ -49,18 +55,22 @@ pub(crate) const REQ_READ: u8 = 2;
 pub(crate) const REQ_NOTIFY: u8 = 3;
 pub(crate) const RESP_ACK: u8 = 0x80;
 pub(crate) const RESP_DATA: u8 = 0x81;
+/// The target stops reading this connection for a while (its agent's queue of this
+/// peer's notifications is full): the initiator is not to count the zero window it
+/// will see as a dead peer. Header only, every other field zero.
+pub(crate) const RESP_PAUSE: u8 = 0x82;
+/// The target reads this connection again (after [`RESP_PAUSE`]).
+pub(crate) const RESP_RESUME: u8 = 0x83;
 
 pub(crate) const ST_OK: u8 = 0;
 pub(crate) const ST_BAD_KEY: u8 = 1;
 pub(crate) const ST_OUT_OF_RANGE: u8 = 2;
 pub(crate) const ST_TOO_LARGE: u8 = 3;
-/// Hello reply: authentication required; a 32-byte nonce follows.
+/// Hello reply: this target requires its shared secret, which the initiator did not
+/// prove.
 pub(crate) const ST_AUTH: u8 = 4;
-/// Authentication refused.
+/// Hello reply: the hello names another agent than the one the initiator proved.
 pub(crate) const ST_REFUSED: u8 = 5;
-pub(crate) const NONCE_LEN: usize = 32;
-pub(crate) const CLIENT_CONTEXT: &str = "nixl-tcp v1 client";
-pub(crate) const SERVER_CONTEXT: &str = "nixl-tcp v1 server";
 
 /// What the target sent for a same-host connection: its pid, its grant table's
 /// descriptor and address, and the nonce the table carries.
@@ -113,12 +123,6 @@ pub(crate) fn decode_conn_info(s: &str) -> Option<(std::net::SocketAddr, Option<
         .find(|b| !b.is_empty())
         .map(str::to_owned);
     Some((addr, boot))
-}
-
-pub(crate) fn nonce() -> [u8; NONCE_LEN] {
-    let mut n = [0u8; NONCE_LEN];
-    getrandom::getrandom(&mut n).expect("the OS random source works");
-    n
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -237,28 +241,6 @@ impl SegEntry {
             .checked_mul(self.blocks.checked_sub(1)?)?
             .checked_add(self.addr)
     }
-}
-
-/// Apply keepalive and user-timeout settings so a silent peer is noticed within `dead`.
-///
-/// Socket buffer sizes are left to the kernel on purpose: setting `SO_SNDBUF` or
-/// `SO_RCVBUF` turns off Linux's receive-window autotuning, which already grows the
-/// buffers to `net.ipv4.tcp_rmem`/`tcp_wmem`'s maximum on a fast link, and a fixed size
-/// would either cap long-haul links or waste memory per idle connection.
-pub(crate) fn tune(stream: &tokio::net::TcpStream, dead: std::time::Duration) {
-    use std::time::Duration;
-    // Requests and answers are small frames written whole: Nagle would hold a 4 KiB
-    // WRITE's tail for the previous segment's ACK (delayed by the peer up to 40 ms).
-    let _ = stream.set_nodelay(true);
-    let sock = socket2::SockRef::from(stream);
-    let idle = (dead / 2).max(Duration::from_secs(1));
-    let ka = socket2::TcpKeepalive::new()
-        .with_time(idle)
-        .with_interval(Duration::from_secs(1))
-        .with_retries(3);
-    let _ = sock.set_tcp_keepalive(&ka);
-    #[cfg(any(target_os = "linux", target_os = "android"))]
-    let _ = sock.set_tcp_user_timeout(Some(dead));
 }
 
 pub(crate) fn hello(name: &str) -> Vec<u8> {

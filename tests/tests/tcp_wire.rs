@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use nixl::metadata::AgentMetadata;
 use nixl::{Agent, ErrorKind, Registration, SharedSecret};
 use nixl_conformance::support::{bounded, checksum, figure, one, pattern, remote};
@@ -492,19 +493,32 @@ async fn shared_secret_gates_every_connection() {
         );
         let _ = a.shutdown().await;
     }
-    // A raw client that guesses a MAC is refused before any request is read.
+    // A raw client that says hello without authenticating is told the secret is
+    // required and closed, before any request is read.
     let mut s = TcpStream::connect(addr).await.unwrap();
     let mut hello = b"NXTC".to_vec();
     hello.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
     hello.extend_from_slice(b"\x01\x00m");
     s.write_all(&hello).await.unwrap();
-    let mut reply = [0u8; 7 + 32];
+    let mut reply = [0u8; 7];
     s.read_exact(&mut reply).await.unwrap();
     assert_eq!(reply[6], 4, "authentication required");
-    s.write_all(&[0u8; 64]).await.unwrap();
+    assert_eq!(s.read(&mut [0u8; 1]).await.unwrap(), 0, "then closed");
+    // One that guesses a proof is refused.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut auth = nixl::control::AUTH_MAGIC.to_vec();
+    auth.extend_from_slice(&[7u8; 32]);
+    s.write_all(&auth).await.unwrap();
+    let mut proof = [0u8; 1 + 32 + 32];
+    s.read_exact(&mut proof).await.unwrap();
+    assert_eq!(proof[0], 0, "the target proves itself first");
+    let mut guess = 1u16.to_le_bytes().to_vec();
+    guess.extend_from_slice(b"m");
+    guess.extend_from_slice(&[0u8; 32]);
+    s.write_all(&guess).await.unwrap();
     let mut status = [0u8; 1];
     s.read_exact(&mut status).await.unwrap();
-    assert_eq!(status[0], 5, "refused");
+    assert_eq!(status[0], 1, "refused");
     assert_eq!(checksum(&mem), before);
     // The right secret works; a client with a secret refuses a target without one.
     let a = Agent::builder("a")
@@ -717,6 +731,70 @@ mod deregistration {
         );
         assert!(b.shutdown().await.is_clean());
     }
+}
+
+/// A connection is bound to the agent name it proved: a holder of the secret that
+/// authenticates as one agent and says hello as another (to send notifications in
+/// its name) is refused before anything is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cannot_say_hello_as_another_agent_than_it_proved() {
+    let secret = SharedSecret::new("deployment-secret").unwrap();
+    let (t, addr) = target(with_secret(Some("deployment-secret"))).await;
+    for (proven, hello, accepted) in [
+        ("mallory", "prefill-0", false),
+        ("prefill-0", "prefill-0", true),
+    ] {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let (mut auth, first) = nixl::control::ClientAuth::start(
+            secret.clone(),
+            proven,
+            "target",
+            nixl::control::nonce(),
+        );
+        s.write_all(&first).await.unwrap();
+        while !auth.is_done() {
+            let mut b = vec![0u8; auth.need()];
+            s.read_exact(&mut b).await.unwrap();
+            let out = auth.received(&b).unwrap();
+            s.write_all(&out).await.unwrap();
+        }
+        let mut h = b"NXTC".to_vec();
+        h.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
+        h.extend_from_slice(&(hello.len() as u16).to_le_bytes());
+        h.extend_from_slice(hello.as_bytes());
+        s.write_all(&h).await.unwrap();
+        let mut reply = [0u8; 7];
+        s.read_exact(&mut reply).await.unwrap();
+        if !accepted {
+            assert_eq!(reply[6], 5, "proved {proven:?}, said hello as {hello:?}");
+            assert_eq!(s.read(&mut [0u8; 1]).await.unwrap(), 0, "then closed");
+            continue;
+        }
+        assert_eq!(reply[6], 0);
+        // No same-host path, then a notification: it arrives under the proven name.
+        s.write_all(&[0]).await.unwrap();
+        let note = b"kv ready";
+        let mut req = vec![3u8, 1, 0, 0];
+        req.extend_from_slice(&0u32.to_le_bytes());
+        req.extend_from_slice(&1u64.to_le_bytes());
+        req.extend_from_slice(&(note.len() as u32).to_le_bytes());
+        req.extend_from_slice(&[0; 4]);
+        req.extend_from_slice(note);
+        s.write_all(&req).await.unwrap();
+    }
+    let mut notes = t.notifications().unwrap();
+    let n = bounded("the notification", notes.next()).await.unwrap();
+    assert_eq!(
+        (n.peer.as_str(), &n.msg[..]),
+        ("prefill-0", &b"kv ready"[..])
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), notes.next())
+            .await
+            .is_err(),
+        "nothing arrived from the refused connection"
+    );
+    let _ = t.shutdown().await;
 }
 
 /// One agent-level secret (`AgentBuilder::secret`) authenticates nixl-tcp's

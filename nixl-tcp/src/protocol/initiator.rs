@@ -1,7 +1,8 @@
 //! The initiator's side of a connection as plain state machines, with no sockets
 //! and no clocks; the I/O (`crate::conn`) only moves bytes and completes requests.
 //!
-//! - [`Handshake`]: the hello, the authentication and the same-host request. It is
+//! - [`Handshake`]: the authentication (the core's [`ClientAuth`], where a secret is
+//!   set), the hello and the same-host request. It is
 //!   told the bytes it asked for and says what to send, which offer to try, and
 //!   how the connection came up (or why it failed).
 //! - [`Responses`]: cuts the target's byte stream into [`Frame`]s (ACKs and READ
@@ -19,6 +20,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use nixl::control::{ClientAuth, NONCE_LEN};
 use nixl::{Error, ErrorKind, Result, SharedSecret};
 
 use crate::wire::{self, Offer, RequestHeader, ResponseHeader};
@@ -64,10 +66,8 @@ pub(crate) enum HandshakeAction {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum HsStep {
+    Auth,
     Reply,
-    TargetNonce,
-    AuthStatus,
-    Proof,
     OfferStatus,
     Offer,
     Opening,
@@ -78,49 +78,65 @@ enum HsStep {
 #[derive(Debug)]
 pub(crate) struct Handshake {
     step: HsStep,
-    buf: [u8; wire::OFFER_LEN + wire::NONCE_LEN],
+    buf: [u8; wire::OFFER_LEN + NONCE_LEN],
     need: usize,
     agent: String,
     /// "peer X at ADDR", for messages.
     who: String,
-    secret: Option<SharedSecret>,
-    ours: [u8; wire::NONCE_LEN],
-    theirs: [u8; wire::NONCE_LEN],
+    /// The authentication under way (with a secret, before the hello).
+    auth: Option<ClientAuth>,
     want: Want,
     require: bool,
     out: VecDeque<HandshakeAction>,
 }
 
 impl Handshake {
-    /// Start: `agent` is this side's name, `who` describes the peer in messages,
-    /// `nonce` is this side's challenge (used only with a secret), `require` makes a
-    /// missing same-host path fail the connection.
+    /// Start: `agent` is this side's name, `peer` the name of the agent it connects
+    /// to (which the target must prove, with a secret), `who` describes the peer in
+    /// messages, `nonce` is this side's challenge (used only with a secret),
+    /// `require` makes a missing same-host path fail the connection.
+    #[allow(clippy::too_many_arguments)] // one connection's whole setup
     pub(crate) fn new(
         agent: &str,
+        peer: &str,
         who: String,
         secret: Option<SharedSecret>,
-        nonce: [u8; wire::NONCE_LEN],
+        nonce: [u8; NONCE_LEN],
         want: Want,
         require: bool,
     ) -> Self {
-        let mut out = VecDeque::new();
-        out.push_back(HandshakeAction::Send {
-            what: "hello",
-            bytes: wire::hello(agent),
-        });
-        Self {
+        let mut m = Self {
             step: HsStep::Reply,
-            buf: [0; wire::OFFER_LEN + wire::NONCE_LEN],
+            buf: [0; wire::OFFER_LEN + NONCE_LEN],
             need: 7,
             agent: agent.to_owned(),
             who,
-            secret,
-            ours: nonce,
-            theirs: [0; wire::NONCE_LEN],
+            auth: None,
             want,
             require,
-            out,
+            out: VecDeque::new(),
+        };
+        match secret {
+            Some(secret) => {
+                let (auth, first) = ClientAuth::start(secret, agent, peer, nonce);
+                m.out.push_back(HandshakeAction::Send {
+                    what: "auth",
+                    bytes: first,
+                });
+                m.ask(HsStep::Auth, auth.need());
+                m.auth = Some(auth);
+            }
+            None => m.hello(),
         }
+        m
+    }
+
+    fn hello(&mut self) {
+        self.out.push_back(HandshakeAction::Send {
+            what: "hello",
+            bytes: wire::hello(&self.agent),
+        });
+        self.ask(HsStep::Reply, 7);
     }
 
     /// The next thing to do, until there is none: then read [`Handshake::need`].
@@ -140,9 +156,8 @@ impl Handshake {
     /// What is being read now, for an I/O error.
     pub(crate) fn what(&self) -> &'static str {
         match self.step {
+            HsStep::Auth => "auth reply",
             HsStep::Reply => "hello reply",
-            HsStep::TargetNonce => "auth",
-            HsStep::AuthStatus | HsStep::Proof => "auth reply",
             HsStep::OfferStatus => "same-host reply",
             HsStep::Offer | HsStep::Opening | HsStep::Over => "same-host offer",
         }
@@ -171,38 +186,26 @@ impl Handshake {
     pub(crate) fn received(&mut self) {
         match self.step {
             HsStep::Reply => self.on_reply(),
-            HsStep::TargetNonce => {
-                self.theirs.copy_from_slice(&self.buf[..wire::NONCE_LEN]);
-                let secret = self.secret.as_ref().expect("asked only with a secret");
-                let mac = secret.sign(
-                    wire::CLIENT_CONTEXT,
-                    &[&self.theirs, &self.ours, self.agent.as_bytes()],
-                );
-                let mut msg = Vec::with_capacity(64);
-                msg.extend_from_slice(&self.ours);
-                msg.extend_from_slice(&mac);
-                self.out.push_back(HandshakeAction::Send {
-                    what: "auth",
-                    bytes: msg,
-                });
-                self.ask(HsStep::AuthStatus, 1);
-            }
-            HsStep::AuthStatus => {
-                if self.buf[0] != wire::ST_OK {
-                    return self.refused("it refused our shared secret");
+            HsStep::Auth => {
+                let auth = self.auth.as_mut().expect("asked only with a secret");
+                match auth.received(&self.buf[..self.need]) {
+                    Err(r) => self.refused(&r.why),
+                    Ok(out) => {
+                        if !out.is_empty() {
+                            self.out.push_back(HandshakeAction::Send {
+                                what: "auth",
+                                bytes: out,
+                            });
+                        }
+                        if auth.is_done() {
+                            self.auth = None;
+                            self.hello();
+                        } else {
+                            let next = auth.need();
+                            self.ask(HsStep::Auth, next);
+                        }
+                    }
                 }
-                self.ask(HsStep::Proof, 32);
-            }
-            HsStep::Proof => {
-                let secret = self.secret.as_ref().expect("asked only with a secret");
-                if !secret.verify(
-                    wire::SERVER_CONTEXT,
-                    &[&self.ours, &self.theirs],
-                    &self.buf[..32],
-                ) {
-                    return self.refused("it failed to prove it knows the shared secret");
-                }
-                self.same_host_request();
             }
             HsStep::OfferStatus => {
                 if self.buf[0] == 1 {
@@ -232,16 +235,13 @@ impl Handshake {
             );
             return self.fail(e);
         }
-        match (reply[6], self.secret.is_some()) {
-            (wire::ST_OK, false) => self.same_host_request(),
-            (wire::ST_OK, true) => {
-                self.refused("it does not authenticate, but a shared secret is configured")
+        match reply[6] {
+            wire::ST_OK => self.same_host_request(),
+            wire::ST_AUTH => self.refused("it requires a shared secret; none is configured"),
+            wire::ST_REFUSED => {
+                self.refused("it refused our hello: the name differs from the one proven")
             }
-            (wire::ST_AUTH, false) => {
-                self.refused("it requires a shared secret; none is configured")
-            }
-            (wire::ST_AUTH, true) => self.ask(HsStep::TargetNonce, wire::NONCE_LEN),
-            (status, _) => self.refused(&format!("handshake refused (status {status})")),
+            status => self.refused(&format!("handshake refused (status {status})")),
         }
     }
 
@@ -336,6 +336,9 @@ pub(crate) enum Frame {
     Ack { id: u64, status: u8, msg: String },
     /// `len` bytes of data for READ `id` follow on the stream.
     Data { id: u64, len: u64 },
+    /// The target stops reading this connection for a while (back-pressure):
+    /// `true`, or reads it again: `false`.
+    Paused(bool),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -407,6 +410,12 @@ impl Responses {
                 id: h.id,
                 len: h.data_len,
             })),
+            wire::RESP_PAUSE | wire::RESP_RESUME => {
+                if (h.status, h.msg_len, h.id, h.data_len) != (0, 0, 0, 0) {
+                    return Err(format!("pause frame {h:?} with non-zero fields"));
+                }
+                Ok(Some(Frame::Paused(h.kind == wire::RESP_PAUSE)))
+            }
             other => Err(format!("unknown response kind {other:#x}")),
         }
     }
@@ -585,6 +594,8 @@ impl<P> Requests<P> {
                 }
                 Answer::Receive(done)
             }
+            // The connection's I/O acts on these; no request is concerned.
+            Frame::Paused(_) => Answer::Kept,
         }
     }
 }

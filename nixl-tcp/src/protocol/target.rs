@@ -2,7 +2,8 @@
 //! it asked for and what the I/O task finished, and says what to do next. No
 //! sockets, no clocks; the I/O task (`crate::target`) only moves bytes.
 //!
-//! The machine reads the hello, the authentication and the same-host request, then
+//! The machine reads the authentication (the core's [`ServerAuth`], where a secret is
+//! set), the hello and the same-host request, then
 //! one request after another: header, a piece's range, the run table and the
 //! notification, each of the length the previous part announced (bounded before
 //! anything is allocated, and read in chunks of at most [`GROW`] bytes, so memory
@@ -17,6 +18,7 @@
 use std::collections::VecDeque;
 
 use bytes::Bytes;
+use nixl::control::{Refusal as AuthRefusal, ServerAuth, AUTH_MAGIC, NONCE_LEN};
 use nixl::SharedSecret;
 
 use crate::wire::{self, Offer, RequestHeader, ResponseHeader, SegEntry};
@@ -77,6 +79,10 @@ pub(crate) enum Action {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Step {
+    /// The first four bytes: [`AUTH_MAGIC`] or, after authentication or without a
+    /// secret, the hello's magic.
+    Start,
+    /// The rest of the hello's header: version and name length.
     Hello,
     Name {
         version_ok: bool,
@@ -109,7 +115,7 @@ pub(crate) struct Target<R: Registry> {
     step: Step,
     /// The bytes asked for: `need` of `small`, or `need` bytes of the table or the
     /// notification, which grow [`GROW`] bytes at a time as they arrive.
-    small: [u8; wire::NONCE_LEN + 32],
+    small: [u8; wire::HEADER_LEN],
     need: usize,
     /// How many bytes of the table or notification arrived.
     have: usize,
@@ -118,7 +124,13 @@ pub(crate) struct Target<R: Registry> {
     /// Most bytes one request moves in all.
     max_request: u64,
     secret: Option<SharedSecret>,
-    nonce: [u8; wire::NONCE_LEN],
+    /// This agent's name, which the authentication proves to the peer.
+    me: String,
+    nonce: [u8; NONCE_LEN],
+    /// The authentication under way.
+    auth: Option<ServerAuth>,
+    /// The name the peer proved; its hello must give the same.
+    proven: Option<String>,
     max_notification: usize,
     peer: String,
     /// The request being read or served.
@@ -142,23 +154,27 @@ fn header_none() -> RequestHeader {
 }
 
 impl<R: Registry> Target<R> {
-    /// A new connection; `nonce` is this side's authentication challenge (used only
-    /// with a secret).
+    /// A new connection to agent `me`; `nonce` is this side's authentication
+    /// challenge (used only with a secret).
     pub(crate) fn new(
         secret: Option<SharedSecret>,
+        me: &str,
         max_notification: usize,
-        nonce: [u8; wire::NONCE_LEN],
+        nonce: [u8; NONCE_LEN],
     ) -> Self {
         Self {
-            step: Step::Hello,
-            small: [0; wire::NONCE_LEN + 32],
-            need: 8,
+            step: Step::Start,
+            small: [0; wire::HEADER_LEN],
+            need: 4,
             have: 0,
             table: Vec::new(),
             notif: Vec::new(),
             max_request: DEFAULT_MAX_REQUEST,
             secret,
+            me: me.to_owned(),
             nonce,
+            auth: None,
+            proven: None,
             max_notification,
             peer: String::new(),
             head: header_none(),
@@ -181,7 +197,12 @@ impl<R: Registry> Target<R> {
     pub(crate) fn handshaking(&self) -> bool {
         matches!(
             self.step,
-            Step::Hello | Step::Name { .. } | Step::Auth | Step::Want | Step::Offering
+            Step::Start
+                | Step::Hello
+                | Step::Name { .. }
+                | Step::Auth
+                | Step::Want
+                | Step::Offering
         )
     }
 
@@ -205,7 +226,9 @@ impl<R: Registry> Target<R> {
     pub(crate) fn need(&mut self) -> Option<&mut [u8]> {
         match self.step {
             Step::Offering | Step::Moving | Step::Closed => None,
-            Step::Table | Step::Name { .. } => Some(grow(&mut self.table, self.have, self.need)),
+            Step::Table | Step::Name { .. } | Step::Auth => {
+                Some(grow(&mut self.table, self.have, self.need))
+            }
             Step::Notif => Some(grow(&mut self.notif, self.have, self.need)),
             _ => Some(&mut self.small[..self.need]),
         }
@@ -231,16 +254,19 @@ impl<R: Registry> Target<R> {
     pub(crate) fn received(&mut self, registry: &R) {
         // The table and the notification arrive a chunk at a time.
         match self.step {
-            Step::Table | Step::Name { .. } => self.have = self.table.len(),
+            Step::Table | Step::Name { .. } | Step::Auth => self.have = self.table.len(),
             Step::Notif => self.have = self.notif.len(),
             _ => {}
         }
-        if matches!(self.step, Step::Table | Step::Name { .. } | Step::Notif)
-            && self.have < self.need
+        if matches!(
+            self.step,
+            Step::Table | Step::Name { .. } | Step::Auth | Step::Notif
+        ) && self.have < self.need
         {
             return;
         }
         match self.step {
+            Step::Start => self.on_start(),
             Step::Hello => self.on_hello(),
             Step::Name { version_ok } => self.on_name(version_ok),
             Step::Auth => self.on_auth(),
@@ -275,13 +301,61 @@ impl<R: Registry> Target<R> {
         }
     }
 
-    fn on_hello(&mut self) {
-        let hello = &self.small[..8];
-        if hello[..4] != wire::MAGIC {
+    fn on_start(&mut self) {
+        let head = [self.small[0], self.small[1], self.small[2], self.small[3]];
+        if head == wire::MAGIC {
+            return self.ask(Step::Hello, 4);
+        }
+        if head != AUTH_MAGIC {
             return self.close("not a nixl-tcp hello");
         }
-        let version_ok = hello[4..6] == wire::VERSION.to_le_bytes();
-        let name_len = u16::from_le_bytes([hello[6], hello[7]]) as usize;
+        match (&self.secret, &self.auth, &self.proven) {
+            (None, _, _) => self.refuse_auth(AuthRefusal::no_secret_here()),
+            (Some(_), None, None) => {
+                let secret = self.secret.clone().expect("matched above");
+                let auth = ServerAuth::new(secret, &self.me, self.nonce);
+                self.table.clear();
+                self.ask(Step::Auth, auth.need());
+                self.auth = Some(auth);
+            }
+            _ => self.close("authenticated twice"),
+        }
+    }
+
+    fn refuse_auth(&mut self, r: AuthRefusal) {
+        if let Some(reply) = r.reply {
+            self.out.push_back(Action::Reply(reply));
+        }
+        self.close(r.why);
+    }
+
+    fn on_auth(&mut self) {
+        let Some(auth) = self.auth.as_mut() else {
+            return self.close("authentication without a secret");
+        };
+        match auth.received(&self.table) {
+            Err(r) => self.refuse_auth(r),
+            Ok(out) => {
+                if !out.is_empty() {
+                    self.out.push_back(Action::Reply(out));
+                }
+                let next = auth.need();
+                if next > 0 {
+                    self.table.clear();
+                    return self.ask(Step::Auth, next);
+                }
+                // Proven: the hello follows.
+                self.proven = auth.proven().map(str::to_owned);
+                self.auth = None;
+                self.ask(Step::Start, 4);
+            }
+        }
+    }
+
+    fn on_hello(&mut self) {
+        let hello = &self.small[..4];
+        let version_ok = hello[..2] == wire::VERSION.to_le_bytes();
+        let name_len = u16::from_le_bytes([hello[2], hello[3]]) as usize;
         if name_len == 0 || name_len > wire::MAX_NAME {
             return self.close(format!("peer name of {name_len} bytes"));
         }
@@ -295,49 +369,31 @@ impl<R: Registry> Target<R> {
             return self.close("peer name is not UTF-8");
         };
         self.peer = peer.to_owned();
-        let mut reply = Vec::with_capacity(7 + wire::NONCE_LEN);
+        let status = match (&self.secret, &self.proven) {
+            _ if !version_ok => 1,
+            (None, _) => wire::ST_OK,
+            (Some(_), None) => wire::ST_AUTH,
+            (Some(_), Some(name)) if *name == self.peer => wire::ST_OK,
+            (Some(_), Some(_)) => wire::ST_REFUSED,
+        };
+        let mut reply = Vec::with_capacity(7);
         reply.extend_from_slice(&wire::MAGIC);
         reply.extend_from_slice(&wire::VERSION.to_le_bytes());
-        match (&self.secret, version_ok) {
-            (_, false) => reply.push(1),
-            (None, true) => reply.push(wire::ST_OK),
-            (Some(_), true) => {
-                reply.push(wire::ST_AUTH);
-                reply.extend_from_slice(&self.nonce);
-            }
-        }
+        reply.push(status);
         self.out.push_back(Action::Reply(reply));
-        if !version_ok {
-            return self.close("unsupported protocol version");
+        match status {
+            wire::ST_OK => self.ask(Step::Want, 1),
+            wire::ST_AUTH => self.close(format!(
+                "peer {:?} did not prove the shared secret",
+                self.peer
+            )),
+            wire::ST_REFUSED => self.close(format!(
+                "peer authenticated as {:?} but says hello as {:?}",
+                self.proven.as_deref().unwrap_or_default(),
+                self.peer
+            )),
+            _ => self.close("unsupported protocol version"),
         }
-        if self.secret.is_some() {
-            // Nothing else is read or served before the peer proves it knows the secret.
-            self.ask(Step::Auth, wire::NONCE_LEN + 32);
-        } else {
-            self.ask(Step::Want, 1);
-        }
-    }
-
-    fn on_auth(&mut self) {
-        let Some(secret) = &self.secret else {
-            return self.close("authentication without a secret");
-        };
-        let (their_nonce, mac) = self.small.split_at(wire::NONCE_LEN);
-        if !secret.verify(
-            wire::CLIENT_CONTEXT,
-            &[&self.nonce, their_nonce, self.peer.as_bytes()],
-            mac,
-        ) {
-            self.out.push_back(Action::Reply(vec![wire::ST_REFUSED]));
-            let why = format!("peer {:?} failed authentication", self.peer);
-            return self.close(why);
-        }
-        let proof = secret.sign(wire::SERVER_CONTEXT, &[their_nonce, &self.nonce]);
-        let mut reply = Vec::with_capacity(1 + proof.len());
-        reply.push(wire::ST_OK);
-        reply.extend_from_slice(&proof);
-        self.out.push_back(Action::Reply(reply));
-        self.ask(Step::Want, 1);
     }
 
     /// The same-host offer the I/O task made (or not) for [`Action::Offer`].

@@ -3,6 +3,9 @@
 //! reading the flooder's connection once its queue is full: the queued bytes stay
 //! under the bound, another peer's transfers and notifications still arrive, and
 //! once the agent reads, every flooded notification arrives, in order, none dropped.
+//! A receiver that reads nothing for several times its peers' dead-peer timeout
+//! does not get them cut for it: the connection it stopped reading says so, and the
+//! flooder does not count the zero window it sees as a dead peer.
 
 use std::time::Duration;
 
@@ -16,8 +19,12 @@ const BOUND: usize = 4 * MIB;
 const FLOOD: usize = 16;
 
 async fn agent(name: &str, limits: NotificationLimits) -> Agent {
+    agent_with(name, limits, tcp_options_from_env()).await
+}
+
+async fn agent_with(name: &str, limits: NotificationLimits, o: nixl_tcp::TcpOptions) -> Agent {
     Agent::builder(name)
-        .backend(nixl_tcp::TcpBackend::with_options(tcp_options_from_env()))
+        .backend(nixl_tcp::TcpBackend::with_options(o))
         .notification_limits(limits)
         .options(AgentOptions {
             drain_timeout: Duration::from_secs(5),
@@ -144,6 +151,71 @@ async fn a_flooding_peer_is_held_back_and_loses_nothing() {
         ),
     );
     for a in [flooder, legit, receiver] {
+        let report = bounded("shutdown", a.shutdown()).await;
+        assert!(report.is_clean(), "{report:?}");
+    }
+}
+
+/// The receiver stops reading the flooder's connection and then reads nothing for
+/// four times the flooder's `dead_peer_timeout`, with enough queued behind the bound
+/// to fill both sockets' buffers (a zero window, which `TCP_USER_TIMEOUT` would count
+/// against a dead peer). Nothing is cut: every notification completes, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_reads_late_does_not_get_its_peer_cut() {
+    const MANY: usize = 40;
+    let dead = Duration::from_secs(1);
+    let o = || nixl_tcp::TcpOptions {
+        dead_peer_timeout: dead,
+        ..tcp_options_from_env()
+    };
+    let limits = NotificationLimits {
+        messages: 4096,
+        bytes: BOUND,
+    };
+    let receiver = agent_with("receiver", limits, o()).await;
+    let flooder = agent_with("flooder", NotificationLimits::default(), o()).await;
+    know_each_other(&receiver, &flooder);
+    let flood: Vec<_> = (0..MANY)
+        .map(|i| tokio::spawn(flooder.notify("receiver", flooded(i)).unwrap()))
+        .collect();
+    bounded("the flooder's queue to fill", async {
+        loop {
+            let s = receiver.notification_stats();
+            if s.peers.get("flooder").map_or(0, |q| q.bytes) >= BOUND {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    // The consumer is busy elsewhere for a while.
+    tokio::time::sleep(dead * 4).await;
+    let failed: Vec<_> = flood
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.is_finished())
+        .map(|(i, _)| i)
+        .collect();
+    assert!(
+        failed.len() <= BOUND / MIB,
+        "notifications {failed:?} ended while the receiver was not reading"
+    );
+    let mut notes = receiver.notifications().unwrap();
+    for i in 0..MANY {
+        let n = bounded("the flooded notifications", notes.recv())
+            .await
+            .expect("the agent is alive");
+        assert_eq!(n.peer, "flooder");
+        assert!(
+            n.msg == flooded(i),
+            "notification {i} out of order or damaged"
+        );
+    }
+    for (i, t) in flood.into_iter().enumerate() {
+        let r = bounded("a flooded notification", t).await.unwrap();
+        assert!(r.is_ok(), "notification {i}: {r:?}");
+    }
+    for a in [flooder, receiver] {
         let report = bounded("shutdown", a.shutdown()).await;
         assert!(report.is_clean(), "{report:?}");
     }

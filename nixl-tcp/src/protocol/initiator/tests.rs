@@ -3,6 +3,8 @@
 //! frames), READ data, the connection dying with requests outstanding, and the
 //! handshake against the real target machine.
 
+use nixl::control::NONCE_LEN;
+
 use super::*;
 use crate::protocol::target::{self, Refusal, Registry, Target};
 
@@ -358,7 +360,7 @@ fn handshake(
     offers: Option<Offer>,
     opens: std::result::Result<(), String>,
 ) -> Ended {
-    let mut t = Target::<NoRegs>::new(target_secret, 1024, [3; wire::NONCE_LEN]);
+    let mut t = Target::<NoRegs>::new(target_secret, "target", 1024, [3; NONCE_LEN]);
     let (mut to_target, mut to_init) = (Vec::<u8>::new(), Vec::<u8>::new());
     let mut end = Ended {
         up: None,
@@ -417,9 +419,10 @@ fn handshake(
 fn init(secret: Option<SharedSecret>, want: Want, require: bool) -> Handshake {
     Handshake::new(
         "initiator",
+        "target",
         "peer \"target\" at 127.0.0.1:1".into(),
         secret,
-        [9; wire::NONCE_LEN],
+        [9; NONCE_LEN],
         want,
         require,
     )
@@ -488,13 +491,28 @@ fn handshake_authenticates_both_ways() {
     let s = || Some(SharedSecret::new("s3cret-s3cret-s3cret").unwrap());
     let end = handshake(init(s(), Want::Yes, false), s(), Some(offer()), Ok(()));
     assert_eq!(end.up, Some(Outcome::SameHost));
-    // The wrong secret: the target refuses, and so does the initiator.
+    // The wrong secret: the target's proof fails at the initiator, which proves
+    // nothing and hangs up.
     let wrong = Some(SharedSecret::new("another-secret-entirely").unwrap());
     let end = handshake(init(wrong, Want::Yes, false), s(), None, Ok(()));
     let e = end.failed.expect("refused");
     assert_eq!(e.kind(), ErrorKind::NotAllowed);
-    assert!(e.context().contains("refused our shared secret"), "{e}");
-    assert!(end.target_closed.is_some() && end.up.is_none());
+    assert!(e.context().contains("failed to prove"), "{e}");
+    assert!(end.up.is_none() && !end.serving);
+    // The right secret at another agent than the one expected: refused too.
+    let elsewhere = Handshake::new(
+        "initiator",
+        "decode-9",
+        "peer \"decode-9\" at 127.0.0.1:1".into(),
+        s(),
+        [9; NONCE_LEN],
+        Want::Yes,
+        false,
+    );
+    let end = handshake(elsewhere, s(), None, Ok(()));
+    let e = end.failed.expect("refused");
+    assert!(e.context().contains("\"decode-9\""), "{e}");
+    assert!(end.up.is_none() && !end.serving);
     // One side has a secret, the other none: refused before anything else.
     for (ours, theirs, why) in [
         (s(), None, "it does not authenticate"),
@@ -511,26 +529,17 @@ fn handshake_authenticates_both_ways() {
 fn a_target_that_cannot_prove_the_secret_is_refused() {
     let s = SharedSecret::new("s3cret-s3cret-s3cret").unwrap();
     let mut m = init(Some(s), Want::Yes, false);
-    assert!(matches!(
-        m.poll(),
-        Some(HandshakeAction::Send { what: "hello", .. })
-    ));
-    let mut reply = wire::MAGIC.to_vec();
-    reply.extend_from_slice(&wire::VERSION.to_le_bytes());
-    reply.push(wire::ST_AUTH);
-    m.need().unwrap().copy_from_slice(&reply);
-    m.received();
-    m.need().unwrap().copy_from_slice(&[1; wire::NONCE_LEN]);
-    m.received();
+    // The authentication comes first; the hello only after it.
     assert!(matches!(
         m.poll(),
         Some(HandshakeAction::Send { what: "auth", .. })
     ));
-    m.need().unwrap().copy_from_slice(&[wire::ST_OK]);
-    m.received();
+    assert!(m.poll().is_none());
     assert_eq!(m.what(), "auth reply");
+    m.need().unwrap().copy_from_slice(&[0]);
+    m.received();
     // A forged proof.
-    m.need().unwrap().copy_from_slice(&[0; 32]);
+    m.need().unwrap().copy_from_slice(&[1; NONCE_LEN + 32]);
     m.received();
     let Some(HandshakeAction::Fail(e)) = m.poll() else {
         panic!("expected the handshake to fail");
@@ -562,7 +571,10 @@ fn a_foreign_or_refusing_endpoint_fails_the_handshake() {
     );
     let e = reply(&wire::MAGIC, wire::VERSION, wire::ST_REFUSED);
     assert_eq!(e.kind(), ErrorKind::NotAllowed);
-    assert!(e.context().contains("handshake refused (status 5)"), "{e}");
+    assert!(e.context().contains("the name differs"), "{e}");
+    let e = reply(&wire::MAGIC, wire::VERSION, 9);
+    assert_eq!(e.kind(), ErrorKind::NotAllowed);
+    assert!(e.context().contains("handshake refused (status 9)"), "{e}");
 }
 
 /// Registrations that take every run: the target machine's parsing alone.
@@ -588,14 +600,15 @@ impl Registry for TakeAll {
 
 /// A target past its handshake (no secret, no same-host path).
 fn serving_target() -> Target<TakeAll> {
-    let mut t = Target::<TakeAll>::new(None, 1024, [0; wire::NONCE_LEN]);
+    let mut t = Target::<TakeAll>::new(None, "target", 1024, [0; NONCE_LEN]);
     let feed = |t: &mut Target<TakeAll>, bytes: &[u8]| {
         let buf = t.need().expect("reading");
         buf.copy_from_slice(&bytes[..buf.len()]);
         t.received(&TakeAll);
     };
     let hello = wire::hello("initiator");
-    feed(&mut t, &hello[..8]);
+    feed(&mut t, &hello[..4]);
+    feed(&mut t, &hello[4..8]);
     feed(&mut t, &hello[8..]);
     feed(&mut t, &[0]);
     while t.poll().is_some() {}

@@ -3,6 +3,8 @@
 
 use std::collections::HashMap;
 
+use nixl::control::ClientAuth;
+
 use super::*;
 
 const BASE: u64 = 0x10_000;
@@ -89,7 +91,7 @@ impl Sim {
         let mut reg = Fake::default();
         reg.0.insert(KEY, (BASE, LEN));
         Self {
-            m: Target::new(secret, 1024, [7; wire::NONCE_LEN]),
+            m: Target::new(secret, "target", 1024, [7; NONCE_LEN]),
             reg,
             input: Vec::new(),
             at: 0,
@@ -552,39 +554,79 @@ fn same_host_request_waits_for_the_offer() {
     assert_eq!(s.take(), vec![Seen::Reply(vec![0])]);
 }
 
+/// Run the core's client side of the authentication against the target as agent
+/// `name`; the target's answers are what it replied so far.
+fn authenticate(s: &mut Sim, key: &SharedSecret, name: &str) -> std::result::Result<(), String> {
+    let (mut c, first) = ClientAuth::start(key.clone(), name, "target", [9; NONCE_LEN]);
+    s.feed(&first);
+    let mut inbox = Vec::new();
+    while !c.is_done() {
+        for seen in s.take() {
+            match seen {
+                Seen::Reply(b) => inbox.extend(b),
+                Seen::Close => {}
+                other => panic!("{other:?} during authentication"),
+            }
+        }
+        let n = c.need();
+        if inbox.len() < n {
+            return Err("the target stopped answering".into());
+        }
+        let b: Vec<u8> = inbox.drain(..n).collect();
+        let out = c.received(&b).map_err(|r| r.why)?;
+        s.feed(&out);
+    }
+    Ok(())
+}
+
 #[test]
 fn shared_secret_gates_every_request() {
     let secret = SharedSecret::new("s3cret-s3cret-s3cret").unwrap();
-    let nonce = [7; wire::NONCE_LEN];
-    let auth = |mac_key: &SharedSecret| {
-        let mut s = Sim::new(Some(secret.clone()));
-        s.feed(&wire::hello("init"));
-        let mut reply = ok_reply();
-        *reply.last_mut().unwrap() = wire::ST_AUTH;
-        reply.extend_from_slice(&nonce);
-        assert_eq!(s.take(), vec![Seen::Reply(reply)]);
-        let ours = [9u8; wire::NONCE_LEN];
-        let mac = mac_key.sign(wire::CLIENT_CONTEXT, &[&nonce, &ours, b"init"]);
-        let mut msg = ours.to_vec();
-        msg.extend_from_slice(&mac);
-        // A request sent before proving the secret is never read as one.
-        msg.extend_from_slice(&[0]);
-        s.feed(&msg);
-        (s, ours)
-    };
-    let (mut s, ours) = auth(&secret);
-    let proof = secret.sign(wire::SERVER_CONTEXT, &[&ours, &nonce]);
-    let mut reply = vec![wire::ST_OK];
-    reply.extend_from_slice(&proof);
-    assert_eq!(s.take(), vec![Seen::Reply(reply)]);
-    assert!(s.m.at_boundary());
-    let wrong = SharedSecret::new("another-secret-entirely").unwrap();
-    let (mut s, _) = auth(&wrong);
-    assert_eq!(
-        s.take(),
-        vec![Seen::Reply(vec![wire::ST_REFUSED]), Seen::Close]
-    );
+    let mut auth_required = ok_reply();
+    *auth_required.last_mut().unwrap() = wire::ST_AUTH;
+    // A hello (and a request) without the proof first: refused, nothing read on.
+    let mut s = Sim::new(Some(secret.clone()));
+    let mut early = wire::hello("init");
+    early.extend_from_slice(&[0; 25]);
+    s.feed(&early);
+    assert_eq!(s.take(), vec![Seen::Reply(auth_required), Seen::Close]);
     assert!(s.m.need().is_none());
+    // The secret proven as "init", then the hello as "init": served.
+    let mut s = Sim::new(Some(secret.clone()));
+    authenticate(&mut s, &secret, "init").unwrap();
+    s.feed(&wire::hello("init"));
+    s.feed(&[0]);
+    assert_eq!(s.take(), vec![Seen::Reply(ok_reply())]);
+    assert!(s.m.at_boundary());
+    assert_eq!(s.m.peer(), "init");
+    // Proven as "init", hello as someone else: refused.
+    let mut s = Sim::new(Some(secret.clone()));
+    authenticate(&mut s, &secret, "init").unwrap();
+    s.feed(&wire::hello("decode-7"));
+    let mut other_name = ok_reply();
+    *other_name.last_mut().unwrap() = wire::ST_REFUSED;
+    assert_eq!(s.take(), vec![Seen::Reply(other_name), Seen::Close]);
+    // Another secret: the client sees the target's proof fail.
+    let wrong = SharedSecret::new("another-secret-entirely").unwrap();
+    let mut s = Sim::new(Some(secret.clone()));
+    let e = authenticate(&mut s, &wrong, "init").unwrap_err();
+    assert!(e.contains("failed to prove"), "{e}");
+    // A client proof that does not verify: refused and closed.
+    let mut s = Sim::new(Some(secret.clone()));
+    let (_, first) = ClientAuth::start(wrong, "init", "target", [9; NONCE_LEN]);
+    s.feed(&first);
+    s.take();
+    let mut forged = 4u16.to_le_bytes().to_vec();
+    forged.extend_from_slice(b"init");
+    forged.extend_from_slice(&[0; 32]);
+    s.feed(&forged);
+    assert_eq!(s.take(), vec![Seen::Reply(vec![1]), Seen::Close]);
+    assert!(s.m.need().is_none());
+    // Authenticating where no secret is configured: refused.
+    let mut s = Sim::new(None);
+    let (_, first) = ClientAuth::start(secret, "init", "target", [9; NONCE_LEN]);
+    s.feed(&first);
+    assert_eq!(s.take(), vec![Seen::Reply(vec![1]), Seen::Close]);
 }
 
 #[test]
