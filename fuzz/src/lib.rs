@@ -305,10 +305,10 @@ pub fn tcp_wire(data: &[u8]) {
     );
 }
 
-/// A side-channel frame (`NXSC`, version 1, kind, two zero bytes, length, payload).
+/// A side-channel frame (`NXSC`, version 2, kind, two zero bytes, length, payload).
 fn side_channel_frame(kind: u8, payload: &[u8]) -> Vec<u8> {
     let mut v = b"NXSC".to_vec();
-    v.extend_from_slice(&[1, kind, 0, 0]);
+    v.extend_from_slice(&[2, kind, 0, 0]);
     v.extend_from_slice(&(payload.len() as u32).to_le_bytes());
     v.extend_from_slice(payload);
     v

@@ -196,9 +196,13 @@ async fn bad_frames_close_only_their_connection() {
         .unwrap();
     // Oversized frame: header claims 1 GiB.
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let mut hello = [0u8; 45];
+    // The server's hello: a 12-byte header, then flags and its name.
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).await.unwrap();
+    let mut hello = vec![0u8; u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize];
     s.read_exact(&mut hello).await.unwrap();
-    let mut h = b"NXSC\x01\x04\x00\x00".to_vec();
+    assert_eq!(hello, b"\x00b", "no secret; agent b");
+    let mut h = b"NXSC\x02\x04\x00\x00".to_vec();
     h.extend_from_slice(&(1u32 << 30).to_le_bytes());
     s.write_all(&h).await.unwrap();
     let mut rest = Vec::new();
@@ -211,7 +215,7 @@ async fn bad_frames_close_only_their_connection() {
     );
     // Truncated frame, then close.
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"NXSC\x01").await.unwrap();
+    s.write_all(b"NXSC\x02").await.unwrap();
     drop(s);
     // Garbage.
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();

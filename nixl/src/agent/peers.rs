@@ -31,19 +31,33 @@ enum Load {
 
 /// How far metadata being loaded is believed: whether it may move a known peer to
 /// other connection info (or make the agent forget one).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Trust {
     /// The application's word ([`Agent::load_metadata`], its own fetches, etcd keys
-    /// it watches), an authenticated side-channel client, or any client of a side
-    /// channel whose application accepts peer updates: may replace anything (a
-    /// peer that restarted elsewhere).
+    /// it watches), or any client of a side channel whose application accepts peer
+    /// updates: may replace anything (a peer that restarted elsewhere).
     Full,
+    /// A side-channel client that proved the shared secret as the agent of this
+    /// name: [`Trust::Full`] for that peer's own metadata, [`Trust::Unverified`] for
+    /// anyone else's.
+    Proven(String),
     /// An unauthenticated side-channel client: may introduce a peer not known yet and
     /// re-send a known peer's metadata (new registrations, a new instance) with the
     /// same connection info, never move a known peer to other connection info.
     Unverified,
     /// NIXL's listener, under NIXL's own rules (see [`Agent::load_nixl_untrusted`]).
     NixlListener,
+}
+
+impl Trust {
+    /// Whether this source may move or forget the peer `name`.
+    pub(crate) fn vouches_for(&self, name: &str) -> bool {
+        match self {
+            Self::Full => true,
+            Self::Proven(n) => n == name,
+            Self::Unverified | Self::NixlListener => false,
+        }
+    }
 }
 
 /// What would move a known peer (of kind `old_nixl`, with backends `old`) if its
@@ -308,6 +322,11 @@ impl Agent {
         if md.name == self.shared.name {
             return err(ErrorKind::InvalidArgument, OP, "this is the agent's own metadata; use the agent's own name as peer for local transfers");
         }
+        let trust = match trust {
+            Trust::Proven(_) if trust.vouches_for(&md.name) => Trust::Full,
+            Trust::Proven(_) => Trust::Unverified,
+            t => t,
+        };
         let _loading = self.shared.loading.lock().unwrap();
         let old = self.shared.peers.read().unwrap().get(&md.name).cloned();
         let has_conn = md.backends.iter().any(|b| b.conn_info.is_some());

@@ -53,6 +53,28 @@ impl Refusal {
     }
 }
 
+/// Feed a whole message of a framed transport to a machine: `bytes` must hold
+/// exactly what it asks for in one or more steps. Returns everything it says to send.
+fn feed(
+    bytes: &[u8],
+    need: impl Fn() -> usize,
+    mut step: impl FnMut(&[u8]) -> Result<Vec<u8>, Refusal>,
+) -> Result<Vec<u8>, Refusal> {
+    let (mut at, mut out) = (0, Vec::new());
+    while at < bytes.len() {
+        let n = need();
+        if n == 0 || bytes.len() - at < n {
+            return Err(Refusal::new(
+                Some(vec![REFUSED]),
+                "an authentication message of the wrong length",
+            ));
+        }
+        out.extend(step(&bytes[at..at + n])?);
+        at += n;
+    }
+    Ok(out)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ClientStep {
     Status,
@@ -159,6 +181,24 @@ impl ClientAuth {
             ClientStep::Done => Ok(Vec::new()),
         }
     }
+
+    /// [`ClientAuth::received`] for a transport that carries each side's message
+    /// whole (in one frame): `bytes` must be exactly one message.
+    ///
+    /// # Errors
+    /// As [`ClientAuth::received`]; also a message of the wrong length.
+    pub fn received_message(&mut self, bytes: &[u8]) -> Result<Vec<u8>, Refusal> {
+        let need = std::cell::Cell::new(self.need());
+        feed(
+            bytes,
+            || need.get(),
+            |b| {
+                let out = self.received(b);
+                need.set(self.need());
+                out
+            },
+        )
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -263,6 +303,24 @@ impl ServerAuth {
             }
             ServerStep::Done => Ok(Vec::new()),
         }
+    }
+
+    /// [`ServerAuth::received`] for a transport that carries each side's message
+    /// whole (in one frame): `bytes` must be exactly one message.
+    ///
+    /// # Errors
+    /// As [`ServerAuth::received`]; also a message of the wrong length.
+    pub fn received_message(&mut self, bytes: &[u8]) -> Result<Vec<u8>, Refusal> {
+        let need = std::cell::Cell::new(self.need());
+        feed(
+            bytes,
+            || need.get(),
+            |b| {
+                let out = self.received(b);
+                need.set(self.need());
+                out
+            },
+        )
     }
 }
 

@@ -4,20 +4,21 @@
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 pub(crate) const MAGIC: [u8; 4] = *b"NXSC";
-pub(crate) const VERSION: u8 = 1;
+/// 2: the core's authentication (`crate::control`), which proves agent names.
+pub(crate) const VERSION: u8 = 2;
 pub(crate) const HEADER_LEN: usize = 12;
-pub(crate) const NONCE_LEN: usize = 32;
-pub(crate) const MAC_LEN: usize = 32;
 
 /// Frame kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub(crate) enum Kind {
-    /// Server -> client, first frame: flags (bit 0: authentication required), nonce.
+    /// Server -> client, first frame: flags (bit 0: authentication required), then
+    /// the server's agent name.
     Hello = 1,
-    /// Client -> server: client nonce, client MAC.
+    /// Client -> server: one message of the core's authentication (the first
+    /// starts with `AUTH_MAGIC`).
     Auth = 2,
-    /// Server -> client: server MAC.
+    /// Server -> client: one message of the core's authentication.
     AuthOk = 3,
     /// Client -> server: fetch metadata; payload is a label (empty: full metadata).
     Fetch = 4,

@@ -1,30 +1,29 @@
 //! The direct side channel: an agent listens on a TCP port; peers fetch its metadata
 //! (full or labelled partial), send theirs, or tell it to forget them.
 //!
-//! With a [`SharedSecret`], both ends prove they know it before anything else is read
-//! or served (HMAC-SHA256 challenge-response over fresh nonces from both sides; the
+//! The server speaks first: a hello with its flags (bit 0: authentication required)
+//! and its agent name. With a [`SharedSecret`], both ends then run the core's
+//! authentication ([`crate::control`], each of its messages in one frame) before
+//! anything else is read or served: both prove the secret and their agent names (the
 //! secret never crosses the wire). A client with a secret also refuses a server that
-//! does not authenticate.
+//! does not authenticate, and one that proves another name than the one asked for.
 //!
 //! What a client may do to the peers the serving agent knows depends on whether it is
-//! trusted: see [`SideChannelOptions::accept_peer_updates`].
+//! trusted, and as whom: see [`SideChannelOptions::accept_peer_updates`].
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::net::TcpStream;
 
-use super::frame::{read_frame, write_frame, FrameError, Kind, MAC_LEN, NONCE_LEN};
+use super::frame::{read_frame, write_frame, FrameError, Kind};
 use super::FULL_LABEL;
 use crate::agent::WeakAgent;
 use crate::agent::{Agent, Trust};
+use crate::control::{nonce, ClientAuth, ServerAuth, AUTH_MAGIC, MAX_NAME};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::region::Registration;
 pub use crate::secret::SharedSecret;
-
-/// HMAC contexts of the side-channel handshake (each side signs both nonces).
-const CLIENT_CONTEXT: &str = "nixl side channel v1 client";
-const SERVER_CONTEXT: &str = "nixl side channel v1 server";
 
 /// Options for both ends of the side channel.
 #[derive(Clone, Debug)]
@@ -59,10 +58,13 @@ pub struct SideChannelOptions {
     /// [`Agent::fetch_metadata`] or [`Agent::fetch_peer_metadata`] (and etcd, whose
     /// keys it watches) replace a known peer whatever it was.
     ///
-    /// With a secret, every client that proved it is trusted as with this option:
-    /// the secret authenticates membership, not identity, so any holder may move or
-    /// forget any peer. Set this only where everyone who reaches the port is trusted
-    /// (as NIXL's listener trusts everyone).
+    /// With a secret, a client proves it and its agent name: it may move or forget
+    /// the peer of that name (its own restart, its own departure), and is treated as
+    /// unauthenticated for every other peer. The secret proves membership: every
+    /// holder can prove any name, so this keeps out whoever lacks it and keeps one
+    /// connection to one name, but members are trusted not to pose as each other.
+    /// Set this option only where everyone who reaches the port is trusted with every
+    /// peer (as NIXL's listener trusts everyone).
     pub accept_peer_updates: bool,
 }
 
@@ -77,12 +79,6 @@ impl Default for SideChannelOptions {
             accept_peer_updates: false,
         }
     }
-}
-
-fn nonce() -> [u8; NONCE_LEN] {
-    let mut n = [0u8; NONCE_LEN];
-    getrandom::getrandom(&mut n).expect("the OS random source works");
-    n
 }
 
 impl Agent {
@@ -211,7 +207,11 @@ impl Agent {
     ) -> Result<String> {
         const OP: &str = "fetch metadata";
         let options = &*self.with_agent_secret(options);
-        let md = request(addr, options, OP, Kind::Fetch, label.as_bytes()).await?;
+        let who = Who {
+            me: self.name(),
+            server: expect,
+        };
+        let md = request(addr, options, who, OP, Kind::Fetch, label.as_bytes()).await?;
         self.load_metadata_from(&md, expect, Trust::Full)
     }
 
@@ -231,7 +231,11 @@ impl Agent {
     ) -> Result<()> {
         let md = self.metadata()?;
         let options = &*self.with_agent_secret(options);
-        request(addr, options, "send metadata", Kind::Send, &md)
+        let who = Who {
+            me: self.name(),
+            server: None,
+        };
+        request(addr, options, who, "send metadata", Kind::Send, &md)
             .await
             .map(drop)
     }
@@ -247,9 +251,14 @@ impl Agent {
         addr: SocketAddr,
         options: &SideChannelOptions,
     ) -> Result<()> {
+        let who = Who {
+            me: self.name(),
+            server: None,
+        };
         request(
             addr,
             &self.with_agent_secret(options),
+            who,
             "invalidate metadata",
             Kind::Invalidate,
             self.name().as_bytes(),
@@ -287,17 +296,26 @@ pub(crate) fn check_label(label: &str, op: &'static str) -> Result<()> {
     Ok(())
 }
 
+/// Who a client is (the name it proves with a secret), and whom it expects to reach
+/// (`None`: whoever the server proves to be).
+#[derive(Clone, Copy, Debug)]
+struct Who<'a> {
+    me: &'a str,
+    server: Option<&'a str>,
+}
+
 /// One client request on a fresh connection, bounded by `options.timeout`.
 async fn request(
     addr: SocketAddr,
     options: &SideChannelOptions,
+    who: Who<'_>,
     op: &'static str,
     kind: Kind,
     payload: &[u8],
 ) -> Result<Vec<u8>> {
     match tokio::time::timeout(
         options.timeout,
-        request_inner(addr, options, op, kind, payload),
+        request_inner(addr, options, who, op, kind, payload),
     )
     .await
     {
@@ -310,9 +328,17 @@ async fn request(
     }
 }
 
+/// The server's hello: flags (bit 0: authentication required), then its agent name.
+fn hello(auth_required: bool, name: &str) -> Vec<u8> {
+    let mut h = vec![u8::from(auth_required)];
+    h.extend_from_slice(name.as_bytes());
+    h
+}
+
 async fn request_inner(
     addr: SocketAddr,
     options: &SideChannelOptions,
+    who: Who<'_>,
     op: &'static str,
     kind: Kind,
     payload: &[u8],
@@ -326,16 +352,19 @@ async fn request_inner(
         .await
         .map_err(|e| io("connect", e))?;
     let _ = s.set_nodelay(true);
-    let (k, hello) = read_frame(&mut s, 1024).await.map_err(frame_err)?;
-    if k != Kind::Hello || hello.len() != 1 + NONCE_LEN {
+    let (k, hello) = read_frame(&mut s, 1 + MAX_NAME).await.map_err(frame_err)?;
+    let server = match (k, hello.split_first()) {
+        (Kind::Hello, Some((flags, name))) if *flags <= 1 => std::str::from_utf8(name).ok(),
+        _ => None,
+    };
+    let Some(server) = server.filter(|n| !n.is_empty()) else {
         return err(
             ErrorKind::Mismatch,
             op,
             format!("{addr} is not a nixl side channel"),
         );
-    }
-    let auth_required = hello[0] & 1 == 1;
-    let server_nonce = &hello[1..];
+    };
+    let auth_required = hello[0] == 1;
     match (&options.secret, auth_required) {
         (None, true) => return err(ErrorKind::NotAllowed, op, format!("{addr} requires a shared secret; none is configured")),
         (Some(_), false) => {
@@ -343,21 +372,22 @@ async fn request_inner(
         }
         (None, false) => {}
         (Some(secret), true) => {
-            let client_nonce = nonce();
-            let mac = secret.sign(CLIENT_CONTEXT, &[server_nonce, &client_nonce]);
-            let mut auth = Vec::with_capacity(NONCE_LEN + MAC_LEN);
-            auth.extend_from_slice(&client_nonce);
-            auth.extend_from_slice(&mac);
-            write_frame(&mut s, Kind::Auth, &auth).await.map_err(|e| io("auth", e))?;
-            let (k, reply) = read_frame(&mut s, 4096).await.map_err(frame_err)?;
-            match k {
-                Kind::AuthOk if reply.len() == MAC_LEN => {
-                    if !secret.verify(SERVER_CONTEXT, &[&client_nonce, server_nonce], &reply) {
-                        return err(ErrorKind::NotAllowed, op, format!("{addr} failed to prove it knows the shared secret"));
-                    }
+            if let Some(expected) = who.server.filter(|e| *e != server) {
+                return err(ErrorKind::Mismatch, op, format!("{addr} serves agent {server:?}, not {expected:?}"));
+            }
+            let (mut auth, first) = ClientAuth::start(secret.clone(), who.me, server, nonce());
+            write_frame(&mut s, Kind::Auth, &first).await.map_err(|e| io("auth", e))?;
+            while !auth.is_done() {
+                let (k, reply) = read_frame(&mut s, 4096).await.map_err(frame_err)?;
+                let next = match k {
+                    Kind::AuthOk => auth.received_message(&reply),
+                    Kind::Error => return err(ErrorKind::NotAllowed, op, format!("{addr} refused: {}", String::from_utf8_lossy(&reply))),
+                    _ => return err(ErrorKind::Mismatch, op, format!("{addr} broke the handshake")),
+                };
+                let next = next.or_else(|r| err(ErrorKind::NotAllowed, op, format!("{addr}: {}", r.why)))?;
+                if !next.is_empty() {
+                    write_frame(&mut s, Kind::Auth, &next).await.map_err(|e| io("auth", e))?;
                 }
-                Kind::Error => return err(ErrorKind::NotAllowed, op, format!("{addr} refused: {}", String::from_utf8_lossy(&reply))),
-                _ => return err(ErrorKind::Mismatch, op, format!("{addr} broke the handshake")),
             }
         }
     }
@@ -402,38 +432,50 @@ async fn serve(
     let from = s
         .peer_addr()
         .map_or_else(|_| "an unknown address".to_owned(), |a| a.to_string());
-    // Reached past the handshake, a client with a secret proved it.
-    let trusted = options.secret.is_some() || options.accept_peer_updates;
-    let trust = if trusted {
-        Trust::Full
-    } else {
-        Trust::Unverified
-    };
-    let server_nonce = nonce();
-    let mut hello = Vec::with_capacity(1 + NONCE_LEN);
-    hello.push(u8::from(options.secret.is_some()));
-    hello.extend_from_slice(&server_nonce);
-    send(&mut s, options, Kind::Hello, &hello).await?;
+    let me = agent
+        .upgrade()
+        .map(|a| a.name().to_owned())
+        .ok_or_else(|| "agent gone".to_owned())?;
+    send(
+        &mut s,
+        options,
+        Kind::Hello,
+        &hello(options.secret.is_some(), &me),
+    )
+    .await?;
+    // The name a client with a secret proved: it may move or forget that peer.
+    let mut proven = None;
     if let Some(secret) = &options.secret {
-        let frame = tokio::time::timeout(options.timeout, read_frame(&mut s, 4096))
-            .await
-            .map_err(|_| "handshake timed out".to_owned())?
-            .map_err(|e| e.to_string())?;
-        let ok = match &frame {
-            (Kind::Auth, p) if p.len() == NONCE_LEN + MAC_LEN => {
-                let (client_nonce, mac) = p.split_at(NONCE_LEN);
-                secret.verify(CLIENT_CONTEXT, &[&server_nonce, client_nonce], mac)
+        let mut auth = ServerAuth::new(secret.clone(), &me, nonce());
+        let mut first = true;
+        while auth.need() > 0 {
+            let frame = tokio::time::timeout(options.timeout, read_frame(&mut s, 4096))
+                .await
+                .map_err(|_| "handshake timed out".to_owned())?
+                .map_err(|e| e.to_string())?;
+            let step = match frame {
+                (Kind::Auth, p) if first && p.len() > 4 && p[..4] == AUTH_MAGIC => {
+                    auth.received_message(&p[4..])
+                }
+                (Kind::Auth, p) if !first => auth.received_message(&p),
+                _ => Err(crate::control::Refusal::no_secret_here()),
+            };
+            first = false;
+            match step {
+                Ok(reply) => send(&mut s, options, Kind::AuthOk, &reply).await?,
+                Err(r) => {
+                    let _ = send(&mut s, options, Kind::Error, b"authentication failed").await;
+                    return Err(format!("authentication failed: {}", r.why));
+                }
             }
-            _ => false,
-        };
-        if !ok {
-            let _ = send(&mut s, options, Kind::Error, b"authentication failed").await;
-            return Err("authentication failed".into());
         }
-        let client_nonce = &frame.1[..NONCE_LEN];
-        let mac = secret.sign(SERVER_CONTEXT, &[client_nonce, &server_nonce]);
-        send(&mut s, options, Kind::AuthOk, &mac).await?;
+        proven = auth.proven().map(str::to_owned);
     }
+    let trust = match (&proven, options.accept_peer_updates) {
+        (_, true) => Trust::Full,
+        (Some(name), false) => Trust::Proven(name.clone()),
+        (None, false) => Trust::Unverified,
+    };
     // The first request comes within the handshake's bound; later ones within the
     // idle timeout.
     let mut wait = options.timeout;
@@ -469,23 +511,23 @@ async fn serve(
                     ),
                 }
             }
-            (Kind::Send, md) => match agent.load_metadata_from(&md, None, trust) {
+            (Kind::Send, md) => match agent.load_metadata_from(&md, None, trust.clone()) {
                 Ok(_) => Ok((Kind::Ok, Vec::new())),
                 Err(e) => {
-                    if !trusted && e.kind() == ErrorKind::NotAllowed {
-                        tracing::warn!(%from, error = %e, "side channel: refused metadata from an unauthenticated client");
+                    if e.kind() == ErrorKind::NotAllowed {
+                        tracing::warn!(%from, error = %e, "side channel: refused metadata that would move a known peer, from a client not authenticated as it");
                     }
                     Err(e)
                 }
             },
             (Kind::Invalidate, name) => {
                 let peer = String::from_utf8_lossy(&name).into_owned();
-                if !trusted && agent.knows_peer(&peer) {
-                    tracing::warn!(%peer, %from, "side channel: refused to forget a known peer for an unauthenticated client");
+                if !trust.vouches_for(&peer) && agent.knows_peer(&peer) {
+                    tracing::warn!(%peer, %from, "side channel: refused to forget a known peer for a client not authenticated as that peer");
                     err(
                         ErrorKind::NotAllowed,
                         "invalidate metadata",
-                        format!("an unauthenticated client may not make this agent forget the known peer {peer:?}"),
+                        format!("a client not authenticated as {peer:?} may not make this agent forget it"),
                     )
                 } else {
                     match agent.forget_peer(&peer) {
@@ -528,5 +570,78 @@ async fn send(
             "the client did not read the reply within {:?}",
             options.timeout
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metadata::{AgentMetadata, BackendMeta};
+
+    fn md(name: &str, instance: u64, conn: &[u8]) -> Vec<u8> {
+        AgentMetadata {
+            name: name.into(),
+            instance,
+            partial: false,
+            backends: vec![BackendMeta {
+                name: "tcp".into(),
+                conn_info: Some(conn.to_vec()),
+            }],
+            regions: vec![],
+        }
+        .encode()
+        .unwrap()
+    }
+
+    /// A client that proved the secret as one agent may move or forget that peer
+    /// only; for any other it is an unauthenticated client.
+    #[tokio::test]
+    async fn a_member_moves_or_forgets_only_the_peer_it_proved() {
+        let options = SideChannelOptions {
+            secret: Some(SharedSecret::new("k").unwrap()),
+            timeout: Duration::from_secs(5),
+            ..Default::default()
+        };
+        let a = Agent::builder("a").build().await.unwrap();
+        a.load_metadata(&md("b", 1, b"b at 1")).unwrap();
+        let addr = a
+            .listen("127.0.0.1:0".parse().unwrap(), &options)
+            .await
+            .unwrap();
+        let call = |me: &'static str, kind: Kind, payload: Vec<u8>| {
+            let options = options.clone();
+            async move {
+                let who = Who { me, server: None };
+                request(addr, &options, who, "test", kind, &payload).await
+            }
+        };
+        // "mallory" holds the secret: it cannot move or forget "b".
+        let e = call("mallory", Kind::Send, md("b", 2, b"mallory's"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+        let e = call("mallory", Kind::Invalidate, b"b".to_vec())
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+        assert_eq!(a.peers(), ["b"]);
+        // It may still introduce itself.
+        call("mallory", Kind::Send, md("mallory", 3, b"m"))
+            .await
+            .unwrap();
+        // Proven as "b", it may: a restart elsewhere, then its departure.
+        call("b", Kind::Send, md("b", 4, b"b at 2")).await.unwrap();
+        call("b", Kind::Invalidate, b"b".to_vec()).await.unwrap();
+        assert_eq!(a.peers(), ["mallory"]);
+        // A client expecting another agent at this address refuses it.
+        let who = Who {
+            me: "b",
+            server: Some("not-a"),
+        };
+        let e = request(addr, &options, who, "test", Kind::Fetch, b"")
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+        let _ = a.shutdown().await;
     }
 }
