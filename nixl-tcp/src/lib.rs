@@ -56,9 +56,11 @@
 //! ## Wire security
 //! Keys stop stale or mistaken requests and peers that never saw the metadata; they
 //! are not encryption: anyone who can read the traffic or the metadata can reuse them.
-//! With [`TcpOptions::secret`], every connection is authenticated first, so only
-//! agents that know the secret can reach registered memory at all. Traffic is still
-//! not encrypted: run it on a trusted network.
+//! With [`TcpOptions::secret`], every connection is authenticated first (the core's
+//! exchange, [`nixl::control`]: both sides prove the secret and their agent names),
+//! so only agents that know the secret can reach registered memory at all, and a
+//! connection's hello, and so its notifications, carry the name it proved. Traffic
+//! is still not encrypted nor MAC'd after the handshake: run it on a trusted network.
 //!
 //! The listener bounds what peers that are not (yet) trusted can take: a handshake
 //! must end within [`TcpOptions::handshake_timeout`]; at most
@@ -66,7 +68,13 @@
 //! closes the oldest) and [`TcpOptions::max_incoming_connections`] are served past
 //! it; a peer that stops reading is cut after [`TcpOptions::dead_peer_timeout`]
 //! without progress (`TCP_USER_TIMEOUT`); buffers grow only as bytes arrive; and one
-//! request moves at most [`TcpOptions::max_request_bytes`].
+//! request moves at most [`TcpOptions::max_request_bytes`]. A target that stops
+//! reading a peer on purpose (its agent's queue of that peer's notifications is
+//! full) tells the peer first, and the peer lifts its user timeout until the target
+//! reads again: a consumer that reads its notifications late does not get its
+//! peers cut. While held back, a target whose host dies is noticed by TCP's own
+//! retransmission limit (`tcp_retries2`, many minutes), not the user timeout; a
+//! target process that dies closes the connection at once.
 //!
 //! ## The same-host path
 //! When initiator and target run on one kernel, data moves without the socket; the

@@ -41,10 +41,11 @@ pub struct TcpOptions {
     /// initiator); a stride-0 run would otherwise let a tiny request stream up to
     /// 2^64 bytes.
     pub max_request_bytes: u64,
-    /// When set, both ends of every connection prove they know this secret
-    /// (HMAC-SHA256 challenge-response) before any request is read: a client without
-    /// it reaches no registered memory, whatever keys it has. Set the same secret on
-    /// every agent of a deployment. `None`: the agent's
+    /// When set, both ends of every connection prove they know this secret and their
+    /// agent names (HMAC-SHA256 challenge-response, [`nixl::control`]) before any
+    /// request is read: a client without it reaches no registered memory, whatever
+    /// keys it has, and a client's hello must name the agent it proved. Set the same
+    /// secret on every agent of a deployment. `None`: the agent's
     /// ([`nixl::AgentBuilder::secret`]), if it has one.
     pub secret: Option<nixl::SharedSecret>,
     /// The same-host path (default [`SameHost::Auto`]).

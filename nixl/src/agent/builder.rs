@@ -91,11 +91,14 @@ impl AgentBuilder {
         }
     }
 
-    /// Authenticate every channel with this shared secret: each backend that
-    /// authenticates its connections (nixl-tcp) and the side channel use it unless
-    /// their own options name one. Peers without it reach nothing. Unset (the
-    /// default), connections are not authenticated, as in NIXL; see the README's
-    /// security section for what that allows.
+    /// Authenticate every channel with this shared secret: the backends'
+    /// connections (nixl-tcp, nixl-verbs' and nixl-uccl's control connections,
+    /// nixl-ucx's messages) and the side channel use it unless their own options name
+    /// one. Peers without it reach nothing; peers with it prove their agent name too,
+    /// and each connection is bound to that name. Every holder can prove any name:
+    /// the secret keeps out whoever lacks it, and members are trusted not to pose as
+    /// each other. Unset (the default), connections are not authenticated, as in
+    /// NIXL; see the README's security section for what that allows.
     #[must_use]
     pub fn secret(mut self, secret: SharedSecret) -> Self {
         self.secret = Some(secret);
