@@ -38,7 +38,8 @@ use crate::direct::{Direct, Unsuitable};
 use crate::io::{recv_slices, send_slices, IO_BUF};
 use crate::options::{Started, TcpOptions};
 use crate::protocol::initiator::{
-    request_head, Answer, Frame, Handshake, HandshakeAction, Outcome, Requests, Responses, Want,
+    request_head, Answer, Frame, Handshake, HandshakeAction, HoldBack, Outcome, Requests,
+    Responses, UserTimeout, Want,
 };
 use crate::runs::local_blocks;
 use crate::same_host::{self, SameHost};
@@ -1160,6 +1161,7 @@ async fn read_loop(
         .with_source(e)
     };
     let mut frames = Responses::default();
+    let mut hold = HoldBack::default();
     loop {
         if let Err(e) = r.read_exact(frames.need()).await {
             return lost(e);
@@ -1169,18 +1171,18 @@ async fn read_loop(
             Ok(None) => continue,
             Err(msg) => return table.lock().unwrap().broke(msg),
         };
+        // A target that stopped reading on purpose is alive: its zero window must
+        // not end the connection while it holds back.
+        if let Some(t) = hold.on_frame(&frame, || table.lock().unwrap().next_id()) {
+            let lifted = t == UserTimeout::Lift;
+            let timeout = (!lifted).then_some(dead_peer_timeout);
+            nixl::control::set_user_timeout(r.get_ref().as_ref(), timeout);
+            tracing::debug!(%peer, lifted, "tcp: the peer holds back reading");
+        }
         let data = match frame {
             Frame::Data { id, len } => Some((id, len)),
             Frame::Ack { .. } => None,
-            Frame::Paused(paused) => {
-                // A target that stopped reading on purpose is alive: its zero window
-                // must not end the connection while it holds back; keepalive and the
-                // user timeout take over again once it reads.
-                let timeout = (!paused).then_some(dead_peer_timeout);
-                nixl::control::set_user_timeout(r.get_ref().as_ref(), timeout);
-                tracing::debug!(%peer, paused, "tcp: the peer holds back reading");
-                continue;
-            }
+            Frame::Paused(_) => continue,
         };
         let answer = table.lock().unwrap().on_frame(frame);
         match answer {

@@ -828,7 +828,7 @@ pub fn initiator_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let secret = SharedSecret::new(b"fuzz secret 0123456789abcdef").expect("a valid secret");
     // The target's side of the authentication, as the core computes it for the
     // initiator's nonce.
-    let proof = ServerAuth::new(secret, FUZZ_PEER, [5u8; NONCE_LEN])
+    let proof = ServerAuth::new(wire::AUTH_PROTOCOL, secret, FUZZ_PEER, [5u8; NONCE_LEN])
         .received(&[3u8; NONCE_LEN])
         .expect("the first step answers");
     let authed = [

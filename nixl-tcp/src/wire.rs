@@ -1,8 +1,8 @@
 //! nixl-tcp's wire format. Little-endian, fixed-size headers, hard limits.
 //!
 //! Connection: with a shared secret, the initiator first runs the core's
-//! authentication (`nixl::control`: both sides prove the secret and their agent
-//! names; the secret never crosses the wire). Then it sends a hello (`MAGIC`,
+//! authentication (`nixl::control`, protocol name `"nixl-tcp"`: both sides prove the
+//! secret and their agent names; the secret never crosses the wire). Then it sends a hello (`MAGIC`,
 //! version, its agent name: the name it proved, where it authenticated); the target
 //! answers with `MAGIC`, version and a status byte (`ST_OK`; `ST_AUTH`: this target
 //! requires the secret and the initiator did not prove it; `ST_REFUSED`: the hello
@@ -71,6 +71,8 @@ pub(crate) const ST_TOO_LARGE: u8 = 3;
 pub(crate) const ST_AUTH: u8 = 4;
 /// Hello reply: the hello names another agent than the one the initiator proved.
 pub(crate) const ST_REFUSED: u8 = 5;
+/// This protocol's name in the authentication (`nixl::control`).
+pub(crate) const AUTH_PROTOCOL: &str = "nixl-tcp";
 
 /// What the target sent for a same-host connection: its pid, its grant table's
 /// descriptor and address, and the nonce the table carries.

@@ -740,6 +740,7 @@ impl Inner {
         let who = format!("{peer:?} at {}", info.control);
         nixl::control::authenticate_client(
             &mut stream,
+            CONTROL_PROTOCOL,
             st.ctx.secret.as_ref(),
             &st.ctx.agent_name,
             peer,
@@ -965,6 +966,9 @@ async fn control_writer(
     }
 }
 
+/// The control connection's name in the authentication ([`nixl::control`]).
+const CONTROL_PROTOCOL: &str = "nixl-uccl control";
+
 /// Target side: one inbound control connection.
 #[allow(clippy::too_many_arguments)] // one connection's whole setup
 async fn serve_control(
@@ -987,7 +991,7 @@ async fn serve_control(
     let mut ticket = admission.admit(evict.clone());
     let auth = tokio::select! {
         _ = evict.cancelled() => return,
-        r = nixl::control::authenticate_server(&mut stream, secret.as_ref(), &me, &peer, connect_timeout) => r,
+        r = nixl::control::authenticate_server(&mut stream, CONTROL_PROTOCOL, secret.as_ref(), &me, &peer, connect_timeout) => r,
     };
     let auth = match auth {
         Ok(nixl::control::Authenticated::Missing) => {

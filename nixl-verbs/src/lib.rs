@@ -661,6 +661,7 @@ impl VerbsBackend {
         let who = format!("peer {:?} at {}", link.peer, info.control);
         nixl::control::authenticate_client(
             &mut s,
+            CONTROL_PROTOCOL,
             secret.as_ref(),
             &me,
             &link.peer,
@@ -783,7 +784,7 @@ impl VerbsBackend {
         let me = self.started(OP)?.ctx.agent_name.clone();
         let authenticated = tokio::select! {
             _ = evict.cancelled() => return Err(evicted()),
-            r = nixl::control::authenticate_server(&mut s, secret.as_ref(), &me, &peer, o.connect_timeout) => r?,
+            r = nixl::control::authenticate_server(&mut s, CONTROL_PROTOCOL, secret.as_ref(), &me, &peer, o.connect_timeout) => r?,
         };
         if authenticated == nixl::control::Authenticated::Missing {
             // Nothing is made for a peer that did not prove the secret.
@@ -915,6 +916,9 @@ fn notification_slots(dev: &Arc<Device>, size: usize, count: usize) -> Result<Sl
 
 /// Most bytes in one control frame.
 const MAX_FRAME: usize = 64 * 1024;
+
+/// The control connection's name in the authentication ([`nixl::control`]).
+const CONTROL_PROTOCOL: &str = "nixl-verbs control";
 
 use nixl::control::write_frame;
 

@@ -746,11 +746,13 @@ async fn a_connection_cannot_say_hello_as_another_agent_than_it_proved() {
     ] {
         let mut s = TcpStream::connect(addr).await.unwrap();
         let (mut auth, first) = nixl::control::ClientAuth::start(
+            "nixl-tcp",
             secret.clone(),
             proven,
             "target",
             nixl::control::nonce(),
-        );
+        )
+        .unwrap();
         s.write_all(&first).await.unwrap();
         while !auth.is_done() {
             let mut b = vec![0u8; auth.need()];

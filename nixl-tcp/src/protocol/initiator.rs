@@ -118,13 +118,17 @@ impl Handshake {
         };
         match secret {
             Some(secret) => {
-                let (auth, first) = ClientAuth::start(secret, agent, peer, nonce);
-                m.out.push_back(HandshakeAction::Send {
-                    what: "auth",
-                    bytes: first,
-                });
-                m.ask(HsStep::Auth, auth.need());
-                m.auth = Some(auth);
+                match ClientAuth::start(wire::AUTH_PROTOCOL, secret, agent, peer, nonce) {
+                    Ok((auth, first)) => {
+                        m.out.push_back(HandshakeAction::Send {
+                            what: "auth",
+                            bytes: first,
+                        });
+                        m.ask(HsStep::Auth, auth.need());
+                        m.auth = Some(auth);
+                    }
+                    Err(r) => m.refused(&r.why),
+                }
             }
             None => m.hello(),
         }
@@ -450,6 +454,58 @@ struct Waiting<P> {
     read: Option<u64>,
 }
 
+/// What to do with the connection's user timeout (`TCP_USER_TIMEOUT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UserTimeout {
+    /// The target stops reading on purpose: its zero window is no sign of death.
+    Lift,
+    /// The target reads again: count unacknowledged data against it again.
+    Restore,
+}
+
+/// Whether the target holds back reading this connection ([`Frame::Paused`]). The
+/// user timeout is lifted at PAUSE and restored only once the target answered a
+/// request sent after its RESUME: restoring at RESUME itself, before the window
+/// reopens, would let Linux count the whole pause against the timeout and cut the
+/// connection at the next zero-window probe.
+#[derive(Debug, Default)]
+pub(crate) struct HoldBack {
+    lifted: bool,
+    /// Restore once a request from this id on is answered.
+    until_answer_from: Option<u64>,
+}
+
+impl HoldBack {
+    /// A frame arrived; `next_id` says the id the next request will get (asked only
+    /// at RESUME).
+    pub(crate) fn on_frame(
+        &mut self,
+        frame: &Frame,
+        next_id: impl FnOnce() -> u64,
+    ) -> Option<UserTimeout> {
+        match frame {
+            Frame::Paused(true) => {
+                self.until_answer_from = None;
+                (!std::mem::replace(&mut self.lifted, true)).then_some(UserTimeout::Lift)
+            }
+            Frame::Paused(false) => {
+                if self.lifted {
+                    self.until_answer_from = Some(next_id());
+                }
+                None
+            }
+            Frame::Ack { id, .. } | Frame::Data { id, .. } => match self.until_answer_from {
+                Some(from) if *id >= from => {
+                    self.until_answer_from = None;
+                    self.lifted = false;
+                    Some(UserTimeout::Restore)
+                }
+                _ => None,
+            },
+        }
+    }
+}
+
 /// The requests of one connection: what waits for an answer, and whether the
 /// connection died (and why).
 #[derive(Debug)]
@@ -471,6 +527,11 @@ impl<P> Requests<P> {
             pending: HashMap::new(),
             early: HashMap::new(),
         }
+    }
+
+    /// The id the next request will get.
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next_id
     }
 
     /// A new request id (ids start at 1 and are never reused).

@@ -313,7 +313,7 @@ impl<R: Registry> Target<R> {
             (None, _, _) => self.refuse_auth(AuthRefusal::no_secret_here()),
             (Some(_), None, None) => {
                 let secret = self.secret.clone().expect("matched above");
-                let auth = ServerAuth::new(secret, &self.me, self.nonce);
+                let auth = ServerAuth::new(wire::AUTH_PROTOCOL, secret, &self.me, self.nonce);
                 self.table.clear();
                 self.ask(Step::Auth, auth.need());
                 self.auth = Some(auth);

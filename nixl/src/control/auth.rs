@@ -33,15 +33,17 @@ fn timed_out<T>(peer: &str, timeout: Duration) -> Result<T> {
     )
 }
 
-/// The connecting side, as agent `me` to the agent named `peer`: with a secret,
-/// prove it and this agent's name and check the server's proof of both, within
-/// `timeout`; without one, nothing. `who` describes the peer in errors.
+/// The connecting side of `protocol` (see [`ClientAuth::start`]), as agent `me` to
+/// the agent named `peer`: with a secret, prove it and this agent's name and check
+/// the server's proof of both, within `timeout`; without one, nothing. `who`
+/// describes the peer in errors.
 ///
 /// # Errors
 /// [`ErrorKind::NotAllowed`] when the server does not authenticate, is not `peer`,
 /// or either proof fails; [`ErrorKind::TimedOut`]; [`ErrorKind::RemoteDisconnected`].
 pub async fn authenticate_client(
     s: &mut TcpStream,
+    protocol: &'static str,
     secret: Option<&SharedSecret>,
     me: &str,
     peer: &str,
@@ -50,7 +52,8 @@ pub async fn authenticate_client(
 ) -> Result<()> {
     let Some(secret) = secret else { return Ok(()) };
     let run = async {
-        let (mut m, first) = ClientAuth::start(secret.clone(), me, peer, nonce());
+        let (mut m, first) = ClientAuth::start(protocol, secret.clone(), me, peer, nonce())
+            .map_err(|r| refused(who, r))?;
         s.write_all(&first).await.map_err(|e| gone(who, e))?;
         let mut buf = Vec::new();
         while !m.is_done() {
@@ -104,10 +107,10 @@ impl Authenticated {
     }
 }
 
-/// The accepting side, agent `me`, before the backend reads its hello: with a
-/// secret, prove it and this agent's name and require the peer's proof; without one,
-/// refuse a peer that tries to authenticate. Within `timeout`; `who` describes the
-/// peer in errors.
+/// The accepting side of `protocol`, agent `me`, before the backend reads its
+/// hello: with a secret, prove it and this agent's name and require the peer's
+/// proof; without one, refuse a peer that tries to authenticate. Within `timeout`;
+/// `who` describes the peer in errors.
 ///
 /// # Errors
 /// [`ErrorKind::NotAllowed`] when the peer's proof fails or it tries to authenticate
@@ -115,6 +118,7 @@ impl Authenticated {
 /// closed); [`ErrorKind::TimedOut`]; [`ErrorKind::RemoteDisconnected`].
 pub async fn authenticate_server(
     s: &mut TcpStream,
+    protocol: &'static str,
     secret: Option<&SharedSecret>,
     me: &str,
     who: &str,
@@ -122,7 +126,10 @@ pub async fn authenticate_server(
 ) -> Result<Authenticated> {
     let run = async {
         let io = |e| gone(who, e);
+        // Peeked, not read: without authentication the bytes are the backend's
+        // hello. A peer that sent fewer than four is polled again, ever less often.
         let mut head = [0u8; 4];
+        let mut nap = Duration::from_millis(1);
         loop {
             let n = s.peek(&mut head).await.map_err(io)?;
             if n == 0 {
@@ -131,7 +138,8 @@ pub async fn authenticate_server(
             if n >= head.len() {
                 break;
             }
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            tokio::time::sleep(nap).await;
+            nap = (nap * 2).min(Duration::from_millis(100));
         }
         let tries = head == AUTH_MAGIC;
         let secret = match (secret, tries) {
@@ -147,7 +155,7 @@ pub async fn authenticate_server(
             (Some(secret), true) => secret,
         };
         s.read_exact(&mut head).await.map_err(io)?;
-        let mut m = ServerAuth::new(secret.clone(), me, nonce());
+        let mut m = ServerAuth::new(protocol, secret.clone(), me, nonce());
         let mut buf = Vec::new();
         while m.need() > 0 {
             buf.resize(m.need(), 0);
@@ -162,7 +170,8 @@ pub async fn authenticate_server(
                 }
             }
         }
-        Ok(Authenticated::As(m.proven().unwrap_or_default().to_owned()))
+        let proven = m.proven().expect("a finished exchange proved a name");
+        Ok(Authenticated::As(proven.to_owned()))
     };
     match tokio::time::timeout(timeout, run).await {
         Ok(r) => r,
@@ -193,7 +202,8 @@ mod tests {
         let t = Duration::from_secs(5);
         // The client's stream goes when it is done, as a backend's would on error.
         let client = async move {
-            let r = authenticate_client(&mut c, cs.as_ref(), "cli", "srv", "server", t).await;
+            let r =
+                authenticate_client(&mut c, "test", cs.as_ref(), "cli", "srv", "server", t).await;
             if r.is_ok() {
                 // The backend's hello.
                 c.write_all(b"\x05\x00\x00\x00hello").await.unwrap();
@@ -201,7 +211,7 @@ mod tests {
             r
         };
         let server = async {
-            let r = authenticate_server(&mut s, ss.as_ref(), "srv", "client", t).await;
+            let r = authenticate_server(&mut s, "test", ss.as_ref(), "srv", "client", t).await;
             if matches!(r, Ok(Authenticated::As(_) | Authenticated::Open)) {
                 let mut h = [0u8; 9];
                 s.read_exact(&mut h).await.unwrap();
@@ -241,7 +251,7 @@ mod tests {
         c.write_all(b"\x05\x00\x00\x00hello").await.unwrap();
         let secret = SharedSecret::new("k").unwrap();
         let t = Duration::from_secs(5);
-        let r = authenticate_server(&mut s, Some(&secret), "srv", "client", t).await;
+        let r = authenticate_server(&mut s, "test", Some(&secret), "srv", "client", t).await;
         assert_eq!(r.unwrap(), Authenticated::Missing);
         // A client with a secret, a server without: both refuse.
         let (c, s) = run(Some("k"), None).await;
@@ -257,11 +267,11 @@ mod tests {
         let k2 = k.clone();
         // The client hangs up on failing, as a backend's would.
         let client = async move {
-            authenticate_client(&mut c, Some(&k2), "cli", "decode-1", "server", t).await
+            authenticate_client(&mut c, "test", Some(&k2), "cli", "decode-1", "server", t).await
         };
         let (c, s) = tokio::join!(
             client,
-            authenticate_server(&mut s, Some(&k), "decode-2", "client", t),
+            authenticate_server(&mut s, "test", Some(&k), "decode-2", "client", t),
         );
         assert_eq!(c.unwrap_err().kind(), ErrorKind::NotAllowed);
         assert_eq!(s.unwrap_err().kind(), ErrorKind::RemoteDisconnected);
@@ -273,6 +283,7 @@ mod tests {
         let secret = SharedSecret::new("k").unwrap();
         let r = authenticate_server(
             &mut s,
+            "test",
             Some(&secret),
             "srv",
             "client",

@@ -16,6 +16,7 @@ pub const MAX_NAME: usize = 1024;
 const MAC: usize = 32;
 const CLIENT_CONTEXT: &str = "nixl control v2 client";
 const SERVER_CONTEXT: &str = "nixl control v2 server";
+const SESSION_CONTEXT: &str = "nixl control v2 session";
 const OK: u8 = 0;
 const REFUSED: u8 = 1;
 
@@ -54,25 +55,70 @@ impl Refusal {
 }
 
 /// Feed a whole message of a framed transport to a machine: `bytes` must hold
-/// exactly what it asks for in one or more steps. Returns everything it says to send.
+/// exactly what it asks for up to where it answers or is done (so a message can
+/// neither be empty nor stop half way and keep the exchange waiting). Returns what it
+/// says to send.
 fn feed(
     bytes: &[u8],
     need: impl Fn() -> usize,
     mut step: impl FnMut(&[u8]) -> Result<Vec<u8>, Refusal>,
 ) -> Result<Vec<u8>, Refusal> {
-    let (mut at, mut out) = (0, Vec::new());
-    while at < bytes.len() {
+    let wrong = || {
+        Refusal::new(
+            Some(vec![REFUSED]),
+            "an authentication message of the wrong length",
+        )
+    };
+    let mut at = 0;
+    loop {
         let n = need();
         if n == 0 || bytes.len() - at < n {
-            return Err(Refusal::new(
-                Some(vec![REFUSED]),
-                "an authentication message of the wrong length",
-            ));
+            return Err(wrong());
         }
-        out.extend(step(&bytes[at..at + n])?);
+        let out = step(&bytes[at..at + n])?;
         at += n;
+        if !out.is_empty() || need() == 0 {
+            return if at == bytes.len() {
+                Ok(out)
+            } else {
+                Err(wrong())
+            };
+        }
     }
-    Ok(out)
+}
+
+fn check_len(got: usize, need: usize) -> Result<(), Refusal> {
+    if got == need {
+        Ok(())
+    } else {
+        Err(Refusal::new(
+            Some(vec![REFUSED]),
+            format!("{got} bytes given where the exchange reads {need}"),
+        ))
+    }
+}
+
+/// The key that the rest of a connection may authenticate its frames with: both
+/// sides derive it, a relay in the middle of the exchange cannot.
+fn session_key(
+    secret: &SharedSecret,
+    protocol: &str,
+    client_nonce: &[u8],
+    server_nonce: &[u8],
+    client: &str,
+    server: &str,
+) -> SharedSecret {
+    let key = secret.sign(
+        SESSION_CONTEXT,
+        &[
+            protocol.as_bytes(),
+            client_nonce,
+            server_nonce,
+            client.as_bytes(),
+            server.as_bytes(),
+        ],
+    );
+    SharedSecret::new(key).expect("32 bytes")
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,32 +133,69 @@ enum ClientStep {
 /// server proves the secret and the name the client expects it to have.
 #[derive(Debug)]
 pub struct ClientAuth {
+    protocol: &'static str,
     secret: SharedSecret,
     me: String,
     peer: String,
     ours: [u8; NONCE_LEN],
+    theirs: [u8; NONCE_LEN],
     step: ClientStep,
 }
 
 impl ClientAuth {
-    /// Start as agent `me`, connecting to the agent named `peer`; `nonce` is this
-    /// side's challenge. Returns the machine and the bytes to send first.
+    /// Start as agent `me`, connecting over `protocol` (each transport names its
+    /// own, so a proof made for one cannot be relayed into another) to the agent
+    /// named `peer`; `nonce` is this side's challenge. Returns the machine and the
+    /// bytes to send first.
+    ///
+    /// # Errors
+    /// `me` is empty or longer than [`MAX_NAME`], or `peer` is `me` (a peer that
+    /// proves our own name is a reflection of our own exchange).
     pub fn start(
+        protocol: &'static str,
         secret: SharedSecret,
         me: &str,
         peer: &str,
         nonce: [u8; NONCE_LEN],
-    ) -> (Self, Vec<u8>) {
+    ) -> Result<(Self, Vec<u8>), Refusal> {
+        if me.is_empty() || me.len() > MAX_NAME {
+            return Err(Refusal::new(
+                None,
+                format!("an agent name of {} bytes cannot be proven", me.len()),
+            ));
+        }
+        if me == peer {
+            return Err(Refusal::new(
+                None,
+                format!("the peer would prove this agent's own name {me:?}"),
+            ));
+        }
         let mut first = AUTH_MAGIC.to_vec();
         first.extend_from_slice(&nonce);
         let m = Self {
+            protocol,
             secret,
             me: me.to_owned(),
             peer: peer.to_owned(),
             ours: nonce,
+            theirs: [0; NONCE_LEN],
             step: ClientStep::Status,
         };
-        (m, first)
+        Ok((m, first))
+    }
+
+    /// Once done: the key both sides derived for the rest of the connection.
+    pub fn session_key(&self) -> Option<SharedSecret> {
+        self.is_done().then(|| {
+            session_key(
+                &self.secret,
+                self.protocol,
+                &self.ours,
+                &self.theirs,
+                &self.me,
+                &self.peer,
+            )
+        })
     }
 
     /// How many bytes to read next; 0 once done.
@@ -135,7 +218,7 @@ impl ClientAuth {
     /// The server does not authenticate, failed its proof (wrong secret or not the
     /// agent expected), or refused ours: close the connection (nothing to send).
     pub fn received(&mut self, bytes: &[u8]) -> Result<Vec<u8>, Refusal> {
-        debug_assert_eq!(bytes.len(), self.need());
+        check_len(bytes.len(), self.need())?;
         match self.step {
             ClientStep::Status => {
                 if bytes[0] != OK {
@@ -149,7 +232,12 @@ impl ClientAuth {
             }
             ClientStep::ServerProof => {
                 let (theirs, mac) = bytes.split_at(NONCE_LEN);
-                let parts: [&[u8]; 3] = [&self.ours, theirs, self.peer.as_bytes()];
+                let parts: [&[u8]; 4] = [
+                    self.protocol.as_bytes(),
+                    &self.ours,
+                    theirs,
+                    self.peer.as_bytes(),
+                ];
                 if !self.secret.verify(SERVER_CONTEXT, &parts, mac) {
                     return Err(Refusal::new(
                         None,
@@ -159,10 +247,17 @@ impl ClientAuth {
                         ),
                     ));
                 }
+                self.theirs.copy_from_slice(theirs);
                 let name = self.me.as_bytes();
                 let proof = self.secret.sign(
                     CLIENT_CONTEXT,
-                    &[theirs, &self.ours, name, self.peer.as_bytes()],
+                    &[
+                        self.protocol.as_bytes(),
+                        theirs,
+                        &self.ours,
+                        name,
+                        self.peer.as_bytes(),
+                    ],
                 );
                 let mut out = Vec::with_capacity(2 + name.len() + MAC);
                 out.extend_from_slice(&(name.len() as u16).to_le_bytes());
@@ -214,6 +309,7 @@ enum ServerStep {
 /// it claims ([`ServerAuth::proven`]).
 #[derive(Debug)]
 pub struct ServerAuth {
+    protocol: &'static str,
     secret: SharedSecret,
     me: String,
     ours: [u8; NONCE_LEN],
@@ -223,9 +319,16 @@ pub struct ServerAuth {
 }
 
 impl ServerAuth {
-    /// This agent is `me`; `nonce` is its challenge.
-    pub fn new(secret: SharedSecret, me: &str, nonce: [u8; NONCE_LEN]) -> Self {
+    /// This agent is `me`, serving `protocol` (see [`ClientAuth::start`]); `nonce`
+    /// is its challenge.
+    pub fn new(
+        protocol: &'static str,
+        secret: SharedSecret,
+        me: &str,
+        nonce: [u8; NONCE_LEN],
+    ) -> Self {
         Self {
+            protocol,
             secret,
             me: me.to_owned(),
             ours: nonce,
@@ -250,19 +353,37 @@ impl ServerAuth {
         self.proven.as_deref()
     }
 
+    /// Once done: the key both sides derived for the rest of the connection.
+    pub fn session_key(&self) -> Option<SharedSecret> {
+        let client = self.proven.as_deref()?;
+        Some(session_key(
+            &self.secret,
+            self.protocol,
+            &self.theirs,
+            &self.ours,
+            client,
+            &self.me,
+        ))
+    }
+
     /// The [`ServerAuth::need`] bytes arrived: what to send next (maybe nothing).
     ///
     /// # Errors
     /// The client's name is malformed or its proof fails: send the refusal's reply,
     /// then close.
     pub fn received(&mut self, bytes: &[u8]) -> Result<Vec<u8>, Refusal> {
-        debug_assert_eq!(bytes.len(), self.need());
+        check_len(bytes.len(), self.need())?;
         match self.step {
             ServerStep::Nonce => {
                 self.theirs.copy_from_slice(bytes);
                 let proof = self.secret.sign(
                     SERVER_CONTEXT,
-                    &[&self.theirs, &self.ours, self.me.as_bytes()],
+                    &[
+                        self.protocol.as_bytes(),
+                        &self.theirs,
+                        &self.ours,
+                        self.me.as_bytes(),
+                    ],
                 );
                 let mut out = Vec::with_capacity(1 + NONCE_LEN + MAC);
                 out.push(OK);
@@ -284,7 +405,13 @@ impl ServerAuth {
             }
             ServerStep::Proof { name_len } => {
                 let (name, mac) = bytes.split_at(name_len);
-                let parts: [&[u8]; 4] = [&self.ours, &self.theirs, name, self.me.as_bytes()];
+                let parts: [&[u8]; 5] = [
+                    self.protocol.as_bytes(),
+                    &self.ours,
+                    &self.theirs,
+                    name,
+                    self.me.as_bytes(),
+                ];
                 if !self.secret.verify(CLIENT_CONTEXT, &parts, mac) {
                     return Err(Refusal::new(
                         Some(vec![REFUSED]),
@@ -343,9 +470,39 @@ mod tests {
         server_name: &str,
         tamper: impl Fn(&mut Vec<u8>),
     ) -> (Result<(), Refusal>, Result<String, Refusal>) {
-        let (mut c, first) = ClientAuth::start(secret(client_secret), me, expected_server, nonce());
+        run_over(
+            ("test", client_secret, me, expected_server),
+            ("test", server_secret, server_name),
+            tamper,
+        )
+        .map_or_else(|(c, s)| (c, s), |(c, s, _)| (c, s))
+    }
+
+    /// [`run`] with each side's protocol; on success also both session keys' MACs
+    /// of the same bytes.
+    #[allow(clippy::type_complexity)]
+    fn run_over(
+        (client_protocol, client_secret, me, expected_server): (&'static str, &str, &str, &str),
+        (server_protocol, server_secret, server_name): (&'static str, &str, &str),
+        tamper: impl Fn(&mut Vec<u8>),
+    ) -> std::result::Result<
+        (
+            Result<(), Refusal>,
+            Result<String, Refusal>,
+            ([u8; 32], [u8; 32]),
+        ),
+        (Result<(), Refusal>, Result<String, Refusal>),
+    > {
+        let (mut c, first) = ClientAuth::start(
+            client_protocol,
+            secret(client_secret),
+            me,
+            expected_server,
+            nonce(),
+        )
+        .unwrap();
         assert_eq!(first[..4], AUTH_MAGIC);
-        let mut s = ServerAuth::new(secret(server_secret), server_name, nonce());
+        let mut s = ServerAuth::new(server_protocol, secret(server_secret), server_name, nonce());
         let (mut to_server, mut to_client) = (first[4..].to_vec(), Vec::new());
         let (mut client, mut server) = (None, None);
         for _ in 0..8 {
@@ -377,10 +534,17 @@ mod tests {
             }
         }
         let stalled = Refusal::new(None, "stalled");
-        (
+        let (client, server) = (
             client.unwrap_or_else(|| Err(stalled.clone())),
             server.unwrap_or(Err(stalled)),
-        )
+        );
+        match (c.session_key(), s.session_key()) {
+            (Some(ck), Some(sk)) if client.is_ok() && server.is_ok() => {
+                let keys = (ck.sign("t", &[b"x"]), sk.sign("t", &[b"x"]));
+                Ok((client, server, keys))
+            }
+            _ => Err((client, server)),
+        }
     }
 
     #[test]
@@ -418,10 +582,10 @@ mod tests {
 
     #[test]
     fn names_out_of_bounds_are_refused_before_they_are_read() {
-        let mut s = ServerAuth::new(secret("k"), "srv", nonce());
+        let mut s = ServerAuth::new("test", secret("k"), "srv", nonce());
         s.received(&nonce()).unwrap();
         for n in [0u16, (MAX_NAME + 1) as u16, u16::MAX] {
-            let mut t = ServerAuth::new(secret("k"), "srv", nonce());
+            let mut t = ServerAuth::new("test", secret("k"), "srv", nonce());
             t.received(&nonce()).unwrap();
             assert!(t.received(&n.to_le_bytes()).is_err(), "{n}");
         }
@@ -431,9 +595,55 @@ mod tests {
 
     #[test]
     fn a_refusing_server_is_reported_by_the_client() {
-        let (mut c, _) = ClientAuth::start(secret("k"), "a", "b", nonce());
+        let (mut c, _) = ClientAuth::start("test", secret("k"), "a", "b", nonce()).unwrap();
         let r = Refusal::no_secret_here();
         let e = c.received(r.reply.as_ref().unwrap()).unwrap_err();
         assert!(e.why.contains("does not authenticate"));
+    }
+
+    #[test]
+    fn a_proof_made_for_one_protocol_fails_in_another() {
+        let r = run_over(
+            ("nixl-tcp", "k", "a", "b"),
+            ("side channel", "k", "b"),
+            |_| {},
+        );
+        let (c, _) = r.unwrap_err();
+        assert!(c.unwrap_err().why.contains("failed to prove"));
+    }
+
+    #[test]
+    fn both_sides_derive_the_same_session_key() {
+        let (_, _, (ck, sk)) = run_over(("p", "k", "a", "b"), ("p", "k", "b"), |_| {}).unwrap();
+        assert_eq!(ck, sk);
+        let (_, _, (other, _)) = run_over(("p", "k", "a", "b"), ("p", "k", "b"), |_| {}).unwrap();
+        assert_ne!(ck, other, "fresh nonces, another key");
+    }
+
+    #[test]
+    fn messages_must_end_where_the_other_side_answers() {
+        let fresh = || {
+            let mut s = ServerAuth::new("p", secret("k"), "srv", nonce());
+            s.received_message(&nonce()).unwrap();
+            s
+        };
+        // Empty, cut after the length, or with bytes left over: refused.
+        assert!(fresh().received_message(&[]).is_err());
+        assert!(fresh().received_message(&3u16.to_le_bytes()).is_err());
+        let mut long = 1u16.to_le_bytes().to_vec();
+        long.extend_from_slice(&[b'x'; 1 + 32 + 1]);
+        assert!(fresh().received_message(&long).is_err());
+        // And the steps themselves refuse a wrong length instead of panicking.
+        assert!(fresh().received(&[0; 5]).is_err());
+        let (mut c, _) = ClientAuth::start("p", secret("k"), "a", "b", nonce()).unwrap();
+        assert!(c.received(&[0, 0]).is_err());
+    }
+
+    #[test]
+    fn names_that_cannot_be_proven_are_refused_at_start() {
+        let long = "n".repeat(MAX_NAME + 1);
+        for (me, peer) in [("", "b"), (long.as_str(), "b"), ("a", "a")] {
+            assert!(ClientAuth::start("p", secret("k"), me, peer, nonce()).is_err());
+        }
     }
 }

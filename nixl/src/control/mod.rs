@@ -15,17 +15,26 @@
 //!
 //! ```text
 //! client: "NXAU" client_nonce[32]
-//! server: 0, server_nonce[32], HMAC(server context; client_nonce, server_nonce, server_name)
+//! server: 0, server_nonce[32], HMAC(server context; protocol, client_nonce,
+//!         server_nonce, server_name)
 //!         or 1 (this side has no secret: refused)
-//! client: name_len u16, client_name, HMAC(client context; server_nonce, client_nonce,
-//!         client_name, server_name)
+//! client: name_len u16, client_name, HMAC(client context; protocol, server_nonce,
+//!         client_nonce, client_name, server_name)
 //! server: 0 (accepted) or 1 (refused, then closed)
 //! ```
+//!
+//! `protocol` names the transport (`"nixl-tcp"`, `"nixl side channel"`,
+//! `"nixl-verbs control"`, `"nixl-uccl control"`), so a proof made for one cannot be
+//! relayed into another. Both sides can then derive a session key
+//! ([`ClientAuth::session_key`]) to authenticate the frames that follow; the side
+//! channel does.
 //!
 //! Then the backend's hello follows as without a secret, and must give the name the
 //! client proved ([`Authenticated::check_hello`]): the connection is bound to that
 //! name, and so is everything that arrives on it (notifications included). The client
-//! checks that the server proved the name the client expected to reach. A server with
+//! checks that the server proved the name the client expected to reach (which the
+//! backends always know, so a relay that passes one member's exchange through to
+//! another agent fails there). A server with
 //! a secret refuses a connection whose first four bytes are not [`AUTH_MAGIC`] (the
 //! backend answers in its own protocol); one without refuses a connection that starts
 //! with them. The secret never crosses the wire, both sides prove it, each run's
@@ -34,9 +43,9 @@
 //!
 //! A shared secret proves membership: every holder can prove any name, so it keeps
 //! out whoever does not hold it, and binds each connection to one name, but does not
-//! stop one member from posing as another. Frames after the handshake carry no MAC:
-//! an attacker who can read or alter the traffic is not kept out (see the README's
-//! threat model).
+//! stop one member from posing as another. The backends' frames after the handshake
+//! carry no MAC: an attacker who can read or alter the traffic is not kept out (see
+//! the README's threat model).
 
 mod admission;
 mod auth;

@@ -20,10 +20,74 @@ use super::frame::{read_frame, write_frame, FrameError, Kind};
 use super::FULL_LABEL;
 use crate::agent::WeakAgent;
 use crate::agent::{Agent, Trust};
-use crate::control::{nonce, ClientAuth, ServerAuth, AUTH_MAGIC, MAX_NAME};
+use crate::control::{nonce, ClientAuth, Refusal, ServerAuth, AUTH_MAGIC, MAX_NAME};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::region::Registration;
 pub use crate::secret::SharedSecret;
+
+/// This protocol's name in the authentication ([`crate::control`]).
+const AUTH_PROTOCOL: &str = "nixl side channel";
+const FRAME_CONTEXT: &str = "nixl side channel v2 frame";
+const MAC_LEN: usize = 32;
+
+/// After an authenticated handshake, every frame carries a MAC under the session's
+/// key over its direction, sequence number, kind and payload: a relay that passed
+/// the handshake through cannot add, change, reorder or replay frames.
+struct Session {
+    key: SharedSecret,
+    client: bool,
+    sent: u64,
+    received: u64,
+}
+
+impl Session {
+    fn new(key: SharedSecret, client: bool) -> Self {
+        Self {
+            key,
+            client,
+            sent: 0,
+            received: 0,
+        }
+    }
+
+    fn mac(&self, from_client: bool, seq: u64, kind: Kind, payload: &[u8]) -> [u8; MAC_LEN] {
+        self.key.sign(
+            FRAME_CONTEXT,
+            &[
+                &[u8::from(from_client), kind as u8],
+                &seq.to_le_bytes(),
+                payload,
+            ],
+        )
+    }
+
+    /// The payload to send, with its MAC.
+    fn seal(&mut self, kind: Kind, payload: &[u8]) -> Vec<u8> {
+        let mac = self.mac(self.client, self.sent, kind, payload);
+        self.sent += 1;
+        let mut v = Vec::with_capacity(payload.len() + MAC_LEN);
+        v.extend_from_slice(payload);
+        v.extend_from_slice(&mac);
+        v
+    }
+
+    /// The payload of a received frame, if its MAC holds.
+    fn open(&mut self, kind: Kind, mut framed: Vec<u8>) -> Option<Vec<u8>> {
+        let at = framed.len().checked_sub(MAC_LEN)?;
+        let (payload, mac) = framed.split_at(at);
+        let parts: [&[u8]; 3] = [
+            &[u8::from(!self.client), kind as u8],
+            &self.received.to_le_bytes(),
+            payload,
+        ];
+        if !self.key.verify(FRAME_CONTEXT, &parts, mac) {
+            return None;
+        }
+        self.received += 1;
+        framed.truncate(at);
+        Some(framed)
+    }
+}
 
 /// Options for both ends of the side channel.
 #[derive(Clone, Debug)]
@@ -211,7 +275,9 @@ impl Agent {
             me: self.name(),
             server: expect,
         };
-        let md = request(addr, options, who, OP, Kind::Fetch, label.as_bytes()).await?;
+        let (md, proven) = request(addr, options, who, OP, Kind::Fetch, label.as_bytes()).await?;
+        // A server that proved its name vouches for its own metadata only.
+        let expect = expect.or(proven.as_deref());
         self.load_metadata_from(&md, expect, Trust::Full)
     }
 
@@ -304,7 +370,8 @@ struct Who<'a> {
     server: Option<&'a str>,
 }
 
-/// One client request on a fresh connection, bounded by `options.timeout`.
+/// One client request on a fresh connection, bounded by `options.timeout`: the
+/// reply, and the server's name where it proved it (with a secret).
 async fn request(
     addr: SocketAddr,
     options: &SideChannelOptions,
@@ -312,7 +379,7 @@ async fn request(
     op: &'static str,
     kind: Kind,
     payload: &[u8],
-) -> Result<Vec<u8>> {
+) -> Result<(Vec<u8>, Option<String>)> {
     match tokio::time::timeout(
         options.timeout,
         request_inner(addr, options, who, op, kind, payload),
@@ -342,7 +409,7 @@ async fn request_inner(
     op: &'static str,
     kind: Kind,
     payload: &[u8],
-) -> Result<Vec<u8>> {
+) -> Result<(Vec<u8>, Option<String>)> {
     let io = |what: &str, e: std::io::Error| {
         Error::new(ErrorKind::RemoteDisconnected, op, format!("{addr}: {what}")).with_source(e)
     };
@@ -365,6 +432,7 @@ async fn request_inner(
         );
     };
     let auth_required = hello[0] == 1;
+    let mut session = None;
     match (&options.secret, auth_required) {
         (None, true) => return err(ErrorKind::NotAllowed, op, format!("{addr} requires a shared secret; none is configured")),
         (Some(_), false) => {
@@ -375,7 +443,9 @@ async fn request_inner(
             if let Some(expected) = who.server.filter(|e| *e != server) {
                 return err(ErrorKind::Mismatch, op, format!("{addr} serves agent {server:?}, not {expected:?}"));
             }
-            let (mut auth, first) = ClientAuth::start(secret.clone(), who.me, server, nonce());
+            let (mut auth, first) =
+                ClientAuth::start(AUTH_PROTOCOL, secret.clone(), who.me, server, nonce())
+                    .or_else(|r| err(ErrorKind::NotAllowed, op, format!("{addr}: {}", r.why)))?;
             write_frame(&mut s, Kind::Auth, &first).await.map_err(|e| io("auth", e))?;
             while !auth.is_done() {
                 let (k, reply) = read_frame(&mut s, 4096).await.map_err(frame_err)?;
@@ -389,16 +459,37 @@ async fn request_inner(
                     write_frame(&mut s, Kind::Auth, &next).await.map_err(|e| io("auth", e))?;
                 }
             }
+            session = auth.session_key().map(|k| Session::new(k, true));
         }
     }
+    let proven = session.as_ref().map(|_| server.to_owned());
+    let sealed;
+    let payload = match session.as_mut() {
+        Some(sn) => {
+            sealed = sn.seal(kind, payload);
+            &sealed[..]
+        }
+        None => payload,
+    };
     write_frame(&mut s, kind, payload)
         .await
         .map_err(|e| io("request", e))?;
-    let (k, reply) = read_frame(&mut s, options.max_frame)
+    let extra = if session.is_some() { MAC_LEN } else { 0 };
+    let (k, reply) = read_frame(&mut s, options.max_frame + extra)
         .await
         .map_err(frame_err)?;
+    let reply = match session.as_mut() {
+        Some(sn) => sn.open(k, reply).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotAllowed,
+                op,
+                format!("{addr}: the reply failed authentication"),
+            )
+        })?,
+        None => reply,
+    };
     match k {
-        Kind::Metadata | Kind::Ok => Ok(reply),
+        Kind::Metadata | Kind::Ok => Ok((reply, proven)),
         Kind::Error => {
             let msg = String::from_utf8_lossy(&reply).into_owned();
             let kind = if msg.starts_with("not found") {
@@ -439,17 +530,20 @@ async fn serve(
     send(
         &mut s,
         options,
+        None,
         Kind::Hello,
         &hello(options.secret.is_some(), &me),
     )
     .await?;
     // The name a client with a secret proved: it may move or forget that peer.
-    let mut proven = None;
+    let (mut proven, mut session) = (None, None);
     if let Some(secret) = &options.secret {
-        let mut auth = ServerAuth::new(secret.clone(), &me, nonce());
+        // One bound for the whole exchange, however its messages are paced.
+        let deadline = tokio::time::Instant::now() + options.timeout;
+        let mut auth = ServerAuth::new(AUTH_PROTOCOL, secret.clone(), &me, nonce());
         let mut first = true;
         while auth.need() > 0 {
-            let frame = tokio::time::timeout(options.timeout, read_frame(&mut s, 4096))
+            let frame = tokio::time::timeout_at(deadline, read_frame(&mut s, 4096))
                 .await
                 .map_err(|_| "handshake timed out".to_owned())?
                 .map_err(|e| e.to_string())?;
@@ -458,18 +552,24 @@ async fn serve(
                     auth.received_message(&p[4..])
                 }
                 (Kind::Auth, p) if !first => auth.received_message(&p),
-                _ => Err(crate::control::Refusal::no_secret_here()),
+                _ => Err(Refusal {
+                    reply: None,
+                    why: "the client did not authenticate, but a shared secret is configured here"
+                        .into(),
+                }),
             };
             first = false;
             match step {
-                Ok(reply) => send(&mut s, options, Kind::AuthOk, &reply).await?,
+                Ok(reply) => send(&mut s, options, None, Kind::AuthOk, &reply).await?,
                 Err(r) => {
-                    let _ = send(&mut s, options, Kind::Error, b"authentication failed").await;
+                    let _ =
+                        send(&mut s, options, None, Kind::Error, b"authentication failed").await;
                     return Err(format!("authentication failed: {}", r.why));
                 }
             }
         }
         proven = auth.proven().map(str::to_owned);
+        session = auth.session_key().map(|k| Session::new(k, false));
     }
     let trust = match (&proven, options.accept_peer_updates) {
         (_, true) => Trust::Full,
@@ -479,21 +579,38 @@ async fn serve(
     // The first request comes within the handshake's bound; later ones within the
     // idle timeout.
     let mut wait = options.timeout;
+    let extra = if session.is_some() { MAC_LEN } else { 0 };
     loop {
-        let frame = match tokio::time::timeout(wait, read_frame(&mut s, options.max_frame)).await {
+        let read = read_frame(&mut s, options.max_frame + extra);
+        let frame = match tokio::time::timeout(wait, read).await {
             Err(_) => return Err("idle timeout".into()),
             Ok(Err(FrameError::Closed)) => return Ok(()),
             Ok(Err(e)) => {
                 if let FrameError::Malformed(m) = &e {
-                    let _ = send(&mut s, options, Kind::Error, m.as_bytes()).await;
+                    let _ =
+                        send(&mut s, options, session.as_mut(), Kind::Error, m.as_bytes()).await;
                 }
                 return Err(e.to_string());
             }
             Ok(Ok(f)) => f,
         };
+        let frame = match session.as_mut() {
+            None => frame,
+            Some(sn) => match sn.open(frame.0, frame.1) {
+                Some(p) => (frame.0, p),
+                None => return Err("a frame failed authentication".into()),
+            },
+        };
         wait = options.idle_timeout;
         let Some(agent) = agent.upgrade() else {
-            let _ = send(&mut s, options, Kind::Error, b"the agent is gone").await;
+            let _ = send(
+                &mut s,
+                options,
+                session.as_mut(),
+                Kind::Error,
+                b"the agent is gone",
+            )
+            .await;
             return Err("agent gone".into());
         };
         let reply = match frame {
@@ -538,32 +655,56 @@ async fn serve(
                 }
             }
             (k, _) => {
-                let _ = send(&mut s, options, Kind::Error, b"unexpected frame").await;
+                let _ = send(
+                    &mut s,
+                    options,
+                    session.as_mut(),
+                    Kind::Error,
+                    b"unexpected frame",
+                )
+                .await;
                 return Err(format!("unexpected {k:?} frame"));
             }
         };
         drop(agent);
         match reply {
-            Ok((k, p)) => send(&mut s, options, k, &p).await?,
+            Ok((k, p)) => send(&mut s, options, session.as_mut(), k, &p).await?,
             Err(e) => {
                 let msg = match e.kind() {
                     ErrorKind::NotFound => e.context().to_owned(),
                     ErrorKind::NotAllowed => format!("{NOT_ALLOWED}{e}"),
                     _ => e.to_string(),
                 };
-                send(&mut s, options, Kind::Error, msg.as_bytes()).await?
+                send(
+                    &mut s,
+                    options,
+                    session.as_mut(),
+                    Kind::Error,
+                    msg.as_bytes(),
+                )
+                .await?
             }
         }
     }
 }
 
-/// Write one frame within `options.timeout`: a client that stops reading is cut.
+/// Write one frame within `options.timeout` (sealed, past an authenticated
+/// handshake): a client that stops reading is cut.
 async fn send(
     s: &mut TcpStream,
     options: &SideChannelOptions,
+    session: Option<&mut Session>,
     kind: Kind,
     payload: &[u8],
 ) -> std::result::Result<(), String> {
+    let sealed;
+    let payload = match session {
+        Some(sn) => {
+            sealed = sn.seal(kind, payload);
+            &sealed[..]
+        }
+        None => payload,
+    };
     match tokio::time::timeout(options.timeout, write_frame(s, kind, payload)).await {
         Ok(r) => r.map_err(|e| e.to_string()),
         Err(_) => Err(format!(
@@ -612,7 +753,9 @@ mod tests {
             let options = options.clone();
             async move {
                 let who = Who { me, server: None };
-                request(addr, &options, who, "test", kind, &payload).await
+                request(addr, &options, who, "test", kind, &payload)
+                    .await
+                    .map(drop)
             }
         };
         // "mallory" holds the secret: it cannot move or forget "b".
@@ -642,6 +785,114 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Mismatch, "{e}");
+        let _ = a.shutdown().await;
+    }
+
+    /// What a relay that passed an honest member's handshake through can do next:
+    /// frames it writes itself lack the session's MAC, and the server closes.
+    #[tokio::test]
+    async fn frames_after_the_handshake_must_carry_the_sessions_mac() {
+        let secret = SharedSecret::new("k").unwrap();
+        let options = SideChannelOptions {
+            secret: Some(secret.clone()),
+            timeout: Duration::from_secs(5),
+            ..Default::default()
+        };
+        let a = Agent::builder("a").build().await.unwrap();
+        a.load_metadata(&md("b", 1, b"b at 1")).unwrap();
+        let addr = a
+            .listen("127.0.0.1:0".parse().unwrap(), &options)
+            .await
+            .unwrap();
+        for forged in [None, Some(SharedSecret::new("a guessed key").unwrap())] {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            let (k, hello) = read_frame(&mut s, 4096).await.unwrap();
+            assert_eq!((k, &hello[..]), (Kind::Hello, &b"\x01a"[..]));
+            let (mut auth, first) =
+                ClientAuth::start(AUTH_PROTOCOL, secret.clone(), "b", "a", nonce()).unwrap();
+            write_frame(&mut s, Kind::Auth, &first).await.unwrap();
+            while !auth.is_done() {
+                let (_, p) = read_frame(&mut s, 4096).await.unwrap();
+                let next = auth.received_message(&p).unwrap();
+                if !next.is_empty() {
+                    write_frame(&mut s, Kind::Auth, &next).await.unwrap();
+                }
+            }
+            // Proven as "b": a sealed send would move "b". Unsealed or sealed
+            // under another key, it is not read as a request.
+            let payload = md("b", 2, b"the relay's");
+            let framed = match &forged {
+                None => payload,
+                Some(k) => Session::new(k.clone(), true).seal(Kind::Send, &payload),
+            };
+            write_frame(&mut s, Kind::Send, &framed).await.unwrap();
+            assert!(
+                matches!(
+                    read_frame(&mut s, 4096).await,
+                    Err(FrameError::Closed | FrameError::Io(_))
+                ),
+                "the server closes"
+            );
+        }
+        let peers = a.peers();
+        assert_eq!(peers, ["b"]);
+        // The honest client, sealing with the session key, still moves "b".
+        let who = Who {
+            me: "b",
+            server: None,
+        };
+        request(
+            addr,
+            &options,
+            who,
+            "test",
+            Kind::Send,
+            &md("b", 3, b"b at 2"),
+        )
+        .await
+        .unwrap();
+        let _ = a.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn a_handshake_paced_out_is_cut_at_its_deadline() {
+        let options = SideChannelOptions {
+            secret: Some(SharedSecret::new("k").unwrap()),
+            timeout: Duration::from_millis(300),
+            ..Default::default()
+        };
+        let a = Agent::builder("a").build().await.unwrap();
+        let addr = a
+            .listen("127.0.0.1:0".parse().unwrap(), &options)
+            .await
+            .unwrap();
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        read_frame(&mut s, 4096).await.unwrap();
+        let (_, first) = ClientAuth::start(
+            AUTH_PROTOCOL,
+            SharedSecret::new("k").unwrap(),
+            "b",
+            "a",
+            nonce(),
+        )
+        .unwrap();
+        write_frame(&mut s, Kind::Auth, &first).await.unwrap();
+        assert_eq!(read_frame(&mut s, 4096).await.unwrap().0, Kind::AuthOk);
+        let start = std::time::Instant::now();
+        // Empty authentication messages, one every 100 ms: never an answer, and
+        // the connection ends within the handshake's bound.
+        let ended = loop {
+            if write_frame(&mut s, Kind::Auth, b"").await.is_err() {
+                break true;
+            }
+            match tokio::time::timeout(Duration::from_millis(100), read_frame(&mut s, 4096)).await {
+                Ok(Ok((Kind::AuthOk, _))) => panic!("an empty message was answered"),
+                Ok(_) => break true,
+                Err(_) if start.elapsed() > Duration::from_secs(5) => break false,
+                Err(_) => {}
+            }
+        };
+        assert!(ended, "the handshake outlived its bound");
         let _ = a.shutdown().await;
     }
 }

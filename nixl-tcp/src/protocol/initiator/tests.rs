@@ -699,3 +699,31 @@ fn a_read_with_a_notification_and_a_notification_alone_reach_the_target() {
         [target::Action::Deliver(n), target::Action::Ack { id: 9, status: wire::ST_OK, .. }] if &n[..] == b"bye"
     ));
 }
+
+#[test]
+fn the_user_timeout_comes_back_only_once_the_target_answers_after_resuming() {
+    let mut h = HoldBack::default();
+    let ack = |id| Frame::Ack {
+        id,
+        status: wire::ST_OK,
+        msg: String::new(),
+    };
+    // Answers with nothing held back change nothing.
+    assert_eq!(h.on_frame(&ack(1), || 2), None);
+    assert_eq!(
+        h.on_frame(&Frame::Paused(true), || 5),
+        Some(UserTimeout::Lift)
+    );
+    assert_eq!(h.on_frame(&Frame::Paused(true), || 5), None, "lifted once");
+    assert_eq!(h.on_frame(&ack(3), || 5), None);
+    // RESUME, then answers to requests sent before it: still lifted.
+    assert_eq!(h.on_frame(&Frame::Paused(false), || 5), None);
+    assert_eq!(h.on_frame(&ack(4), || 9), None);
+    // An answer to a request sent after RESUME: the target reads again.
+    let data = Frame::Data { id: 5, len: 8 };
+    assert_eq!(h.on_frame(&data, || 9), Some(UserTimeout::Restore));
+    assert_eq!(h.on_frame(&ack(6), || 9), None);
+    // A RESUME without a PAUSE is nothing to act on.
+    assert_eq!(h.on_frame(&Frame::Paused(false), || 9), None);
+    assert_eq!(h.on_frame(&ack(10), || 11), None);
+}

@@ -557,7 +557,14 @@ fn same_host_request_waits_for_the_offer() {
 /// Run the core's client side of the authentication against the target as agent
 /// `name`; the target's answers are what it replied so far.
 fn authenticate(s: &mut Sim, key: &SharedSecret, name: &str) -> std::result::Result<(), String> {
-    let (mut c, first) = ClientAuth::start(key.clone(), name, "target", [9; NONCE_LEN]);
+    let (mut c, first) = ClientAuth::start(
+        wire::AUTH_PROTOCOL,
+        key.clone(),
+        name,
+        "target",
+        [9; NONCE_LEN],
+    )
+    .unwrap();
     s.feed(&first);
     let mut inbox = Vec::new();
     while !c.is_done() {
@@ -613,7 +620,8 @@ fn shared_secret_gates_every_request() {
     assert!(e.contains("failed to prove"), "{e}");
     // A client proof that does not verify: refused and closed.
     let mut s = Sim::new(Some(secret.clone()));
-    let (_, first) = ClientAuth::start(wrong, "init", "target", [9; NONCE_LEN]);
+    let (_, first) =
+        ClientAuth::start(wire::AUTH_PROTOCOL, wrong, "init", "target", [9; NONCE_LEN]).unwrap();
     s.feed(&first);
     s.take();
     let mut forged = 4u16.to_le_bytes().to_vec();
@@ -624,7 +632,14 @@ fn shared_secret_gates_every_request() {
     assert!(s.m.need().is_none());
     // Authenticating where no secret is configured: refused.
     let mut s = Sim::new(None);
-    let (_, first) = ClientAuth::start(secret, "init", "target", [9; NONCE_LEN]);
+    let (_, first) = ClientAuth::start(
+        wire::AUTH_PROTOCOL,
+        secret,
+        "init",
+        "target",
+        [9; NONCE_LEN],
+    )
+    .unwrap();
     s.feed(&first);
     assert_eq!(s.take(), vec![Seen::Reply(vec![1]), Seen::Close]);
 }
