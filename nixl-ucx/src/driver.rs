@@ -1063,6 +1063,18 @@ impl Core {
             });
     }
 
+    /// Probe `peer` now (as a stalled transfer would), on its data endpoint.
+    #[cfg(test)]
+    pub(crate) fn probe_now(&mut self, peer: &str) {
+        self.send_probe(peer, Liveness::within(Duration::from_secs(60)), false);
+    }
+
+    /// Whether a probe of `peer` waits for its answer.
+    #[cfg(test)]
+    pub(crate) fn probing(&self, peer: &str) -> bool {
+        self.peers.get(peer).is_some_and(|p| p.probe.is_some())
+    }
+
     /// Send a PING on `peer`'s connection: on its data endpoint, or (`second`) on
     /// its probe endpoint (see [`Liveness`]).
     fn send_probe(&mut self, peer: &str, liveness: Liveness, second: bool) {

@@ -624,3 +624,56 @@ async fn nixl_agents_are_refused_with_a_secret() {
         assert!(a.shutdown().await.is_clean());
     }
 }
+
+/// Liveness probes between agents with a secret: the PING is MAC'd for the peer, the
+/// PONG for the prober, and the answer is taken (the probe ends). With different
+/// secrets the PING is refused and the probe stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn liveness_probes_are_authenticated() {
+    const TEST: &str = "liveness_probes_are_authenticated";
+    let o = UcxOptions::default();
+    if backend(TEST, &o).is_none() {
+        return;
+    }
+    let (s, other) = (secret("probe secret"), secret("another"));
+    for (sb, answered) in [(&s, true), (&other, false)] {
+        let ba = UcxBackend::with_options(o.clone()).unwrap();
+        let bb = UcxBackend::with_options(o.clone()).unwrap();
+        let a = agent_with("a", &ba, Some(&s)).await;
+        let b = agent_with("b", &bb, Some(sb)).await;
+        a.load_metadata(&b.metadata().unwrap()).unwrap();
+        a.connect("b").await.unwrap();
+        ba.inner
+            .shared
+            .core
+            .lock()
+            .unwrap()
+            .as_mut()
+            .unwrap()
+            .probe_now("b");
+        let probing = || {
+            let g = ba.inner.shared.core.lock().unwrap();
+            g.as_ref().unwrap().probing("b")
+        };
+        assert!(probing());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        if answered {
+            while probing() {
+                assert!(Instant::now() < deadline, "the PONG was not taken");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert_eq!(unauthenticated(&ba), 0);
+            assert_eq!(unauthenticated(&bb), 0);
+        } else {
+            // a's HELLO and its PING, refused at b (an answered PING would not be
+            // counted); the probe waits on.
+            while unauthenticated(&bb) < 2 {
+                assert!(Instant::now() < deadline, "the PING was not refused");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert!(probing(), "a PING with another secret was answered");
+        }
+        assert!(a.shutdown().await.is_clean());
+        assert!(b.shutdown().await.is_clean());
+    }
+}
