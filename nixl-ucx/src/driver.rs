@@ -21,11 +21,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use nixl::{Completer, Error, ErrorKind, NotificationSink, Result};
+use nixl::{Completer, Error, ErrorKind, NotificationSink, Result, SharedSecret};
 use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 
@@ -212,6 +212,62 @@ const MAX_ADDRESS: usize = 64 << 10;
 /// Most HELLO senders remembered that are not (yet) known peers.
 const MAX_INBOUND: usize = 64;
 
+/// Who this backend is to its peers: the agent's name and, where set, the shared
+/// secret every message of ours carries a MAC of ([`wire`]'s version 2). Known once
+/// the backend is attached to an agent.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Identity {
+    pub(crate) agent: String,
+    pub(crate) secret: Option<SharedSecret>,
+}
+
+impl Identity {
+    /// Our header for a message to `peer`: version 1 without a secret, else version
+    /// 2 with a MAC over it and `data` for `peer`.
+    fn header(&self, peer: &str, kind: Kind, stream: u64, seq: u64, data: &[u8]) -> Vec<u8> {
+        match &self.secret {
+            None => wire::encode_header(kind, stream, seq, &self.agent),
+            Some(s) => wire::encode_signed_header(s, peer, kind, stream, seq, &self.agent, data),
+        }
+    }
+
+    /// The PONG answering `ping` (already checked): with a secret, MAC'd for the
+    /// PING's sender and naming us; without, as before version 2 (no name).
+    fn pong(&self, ping: &wire::Header) -> Vec<u8> {
+        match &self.secret {
+            None => wire::encode_header(Kind::Pong, ping.stream, ping.seq, ""),
+            Some(s) => wire::encode_signed_header(
+                s,
+                &ping.name,
+                Kind::Pong,
+                ping.stream,
+                ping.seq,
+                &self.agent,
+                &[],
+            ),
+        }
+    }
+
+    /// Why a message with `header` and `data` is refused as unauthenticated, if it
+    /// is: with a secret, one without a MAC or whose MAC does not prove the secret for
+    /// us (another secret, another receiver, altered); without one, one that carries
+    /// a MAC (the sender has a secret we lack: a configuration mismatch, never
+    /// accepted unchecked).
+    fn refuse(&self, header: &wire::Header, data: &[u8]) -> Option<&'static str> {
+        match (&self.secret, header.mac.is_some()) {
+            (None, false) => None,
+            (None, true) => Some(
+                "it carries a MAC but this agent has no shared secret (set the same AgentBuilder::secret on both)",
+            ),
+            (Some(_), false) => Some(
+                "no MAC: the sender has no shared secret (this agent requires AgentBuilder::secret)",
+            ),
+            (Some(s), true) => (!header.verify(s, &self.agent, data))
+                .then_some("its MAC does not verify (another secret, or made for another agent)"),
+        }
+    }
+}
+
 /// What the receive path refused, for tests and logs.
 #[derive(Debug, Default)]
 pub(crate) struct Refused {
@@ -221,6 +277,10 @@ pub(crate) struct Refused {
     pub(crate) malformed: AtomicU64,
     /// Messages offered by rendezvous, declined.
     pub(crate) rendezvous: AtomicU64,
+    /// Messages whose sender did not prove our shared secret (no MAC, a wrong one,
+    /// one made for another agent; every NIXL notification when we have a secret), or
+    /// that carry a MAC when we have no secret.
+    pub(crate) unauthenticated: AtomicU64,
 }
 
 /// Logs a refusal at most once a second, saying how many went unlogged.
@@ -267,7 +327,11 @@ pub(crate) struct Core {
     pings: Vec<FlightId>,
     /// Set once shutdown began: PINGs are no longer answered.
     closing: Arc<AtomicBool>,
-    pub(crate) agent: String,
+    /// Our name and secret, for the messages we send.
+    pub(crate) me: Identity,
+    /// The same, for the message handlers (set once at start; until then they refuse
+    /// everything).
+    identity: Arc<OnceLock<Identity>>,
     /// The bound UCX's version, for messages.
     pub(crate) ucx_version: String,
     pub(crate) sink: Option<NotificationSink>,
@@ -386,13 +450,13 @@ fn fail_cmd(cmd: Cmd, kind: ErrorKind, why: &str) {
 
 /// Introduce ourselves on `p`'s connection once (the peer learns our address, to say
 /// goodbye to us at its shutdown).
-fn say_hello(ucx: &mut Ucx<Work>, agent: &str, p: &mut PeerConn, now: Instant) {
+fn say_hello(ucx: &mut Ucx<Work>, me: &Identity, peer: &str, p: &mut PeerConn, now: Instant) {
     let (false, false, Ok(ep)) = (p.nixl, p.hello_sent, p.ep.clone()) else {
         return;
     };
     p.hello_sent = true;
-    let h = wire::encode_header(Kind::Hello, p.epoch, 0, agent);
     let data = Bytes::copy_from_slice(ucx.address());
+    let h = me.header(peer, Kind::Hello, p.epoch, 0, &data);
     let flight = ucx.am_send(ep, wire::AM_ID, h, data, false, Work::Internal);
     p.push(
         InFlight {
@@ -401,6 +465,16 @@ fn say_hello(ucx: &mut Ucx<Work>, agent: &str, p: &mut PeerConn, now: Instant) {
         },
         now,
     );
+}
+
+/// Talking to NIXL agents (`what`: which, or what for) while this agent has a
+/// shared secret.
+pub(crate) fn nixl_refused(what: &str) -> Error {
+    Error::new(
+        ErrorKind::NotAllowed,
+        "ucx NIXL agent",
+        format!("{what}: this agent has a shared secret (AgentBuilder::secret or UcxOptions::secret) and NIXL's protocol has no authentication, so nixl-ucx does not talk to NIXL agents; work with NIXL agents from an agent without a secret"),
+    )
 }
 
 fn disconnected(peer: &str, why: &str) -> Error {
@@ -420,14 +494,16 @@ impl Core {
     ) -> std::result::Result<Self, UcxError> {
         let events: Arc<Mutex<Vec<AmEvent>>> = Arc::default();
         let refused: Arc<Refused> = Arc::default();
-        let ev = events.clone();
+        let identity: Arc<OnceLock<Identity>> = Arc::default();
+        let (ev, ident) = (events.clone(), identity.clone());
         let closing = Arc::new(AtomicBool::new(false));
         let closing2 = closing.clone();
         let (count, mut log) = (refused.clone(), Throttle::default());
         // Data arrives eagerly, already in UCX's buffers: it is looked at before it is
-        // copied, and copied only when within its limit. Rendezvous (which would
-        // fetch a payload of the sender's choosing) is declined unread: we never send
-        // by rendezvous (see `RNDV_THRESH` in lib.rs).
+        // copied, and copied only when within its limit and (with a secret) once its
+        // MAC verifies. Rendezvous (which would fetch a payload of the sender's
+        // choosing) is declined unread: we never send by rendezvous (see
+        // `RNDV_THRESH` in lib.rs).
         ucx.set_am_handler(
             wire::AM_ID,
             Box::new(move |m| {
@@ -444,22 +520,30 @@ impl Core {
                     }
                     None
                 };
+                let Some(id) = ident.get() else {
+                    return refuse(
+                        &count.unauthenticated,
+                        "not attached to an agent yet (nothing to check it against)",
+                        "",
+                    );
+                };
                 let Some(header) = wire::decode_header(m.header) else {
                     return refuse(&count.malformed, "malformed header", "");
                 };
                 if header.name.len() > MAX_NAME {
                     return refuse(&count.malformed, "sender name too long", "");
                 }
+                // Answered here, on the reply endpoint, while the driver runs.
+                let answer =
+                    |h: &wire::Header| (!closing2.load(Ordering::Acquire)).then(|| id.pong(h));
+                if header.kind == Kind::Ping && id.secret.is_none() && header.mac.is_none() {
+                    // As before version 2: whatever comes with it.
+                    return answer(&header);
+                }
                 let limit = match header.kind {
-                    Kind::Ping => {
-                        // Answered here, on the reply endpoint, while the driver runs.
-                        return (!closing2.load(Ordering::Acquire)).then(|| {
-                            wire::encode_header(Kind::Pong, header.stream, header.seq, "")
-                        });
-                    }
                     Kind::Notif => max_notification,
                     Kind::Hello | Kind::Bye => MAX_ADDRESS,
-                    Kind::Pong => 0,
+                    Kind::Ping | Kind::Pong => 0,
                 };
                 let Some(data) = m.data else {
                     return refuse(
@@ -475,6 +559,14 @@ impl Core {
                     };
                     return refuse(c, why, &header.name);
                 }
+                // Before anything is done with it (HELLO bookkeeping, a PONG, a BYE,
+                // delivery): the sender must prove our secret, for us.
+                if let Some(why) = id.refuse(&header, data) {
+                    return refuse(&count.unauthenticated, why, &header.name);
+                }
+                if header.kind == Kind::Ping {
+                    return answer(&header);
+                }
                 ev.lock().unwrap().push(AmEvent::Ours {
                     header,
                     data: Bytes::copy_from_slice(data),
@@ -482,7 +574,7 @@ impl Core {
                 None
             }),
         )?;
-        let ev = events.clone();
+        let (ev, ident) = (events.clone(), identity.clone());
         let (count, mut log) = (refused.clone(), Throttle::default());
         // The serdes framing around the message: prefix, two tags, lengths, bars.
         let max_nixl = max_notification.saturating_add(64 + MAX_NAME);
@@ -500,6 +592,21 @@ impl Core {
                     }
                     None
                 };
+                match ident.get() {
+                    Some(id) if id.secret.is_none() => {}
+                    Some(_) => {
+                        return refuse(
+                            &count.unauthenticated,
+                            &"this agent has a shared secret and NIXL's protocol cannot prove one",
+                        )
+                    }
+                    None => {
+                        return refuse(
+                            &count.unauthenticated,
+                            &"not attached to an agent yet (nothing to check it against)",
+                        )
+                    }
+                }
                 let Some(data) = m.data else {
                     return refuse(
                         &count.rendezvous,
@@ -535,7 +642,8 @@ impl Core {
             inbound: HashMap::new(),
             pings: Vec::new(),
             closing,
-            agent: String::new(),
+            me: Identity::default(),
+            identity,
             ucx_version: String::new(),
             sink: None,
             max_notification,
@@ -544,6 +652,14 @@ impl Core {
             scratch: Vec::new(),
             gpu: None,
         })
+    }
+
+    /// Take the agent's name and secret (at start): from now on every message of
+    /// ours carries them, and the message handlers check incoming ones against them.
+    pub(crate) fn attach(&mut self, me: Identity) {
+        // Started once (the backend's attachment refuses a second start).
+        let _ = self.identity.set(me.clone());
+        self.me = me;
     }
 
     /// Learn a peer's worker address; keeps a healthy connection to the same address.
@@ -672,7 +788,7 @@ impl Core {
 
     fn ensure_hello(&mut self, peer: &str) {
         if let Some(p) = self.peers.get_mut(peer) {
-            say_hello(&mut self.ucx, &self.agent, p, self.now);
+            say_hello(&mut self.ucx, &self.me, peer, p, self.now);
         }
     }
 
@@ -710,7 +826,7 @@ impl Core {
                 let Ok(ep) = p.ep else {
                     return done.complete(Err(disconnected(&xfer.peer, "unreachable")));
                 };
-                say_hello(&mut self.ucx, &self.agent, p, now);
+                say_hello(&mut self.ucx, &self.me, &xfer.peer, p, now);
                 let flight = self.ucx.rma(ep, xfer.write, &xfer.segs, Work::Done(done));
                 p.push(InFlight { flight, notif }, now);
             }
@@ -796,7 +912,12 @@ impl Core {
             return None;
         };
         if p.nixl {
-            let data = Bytes::from(nixl::interop::encode_notification(&self.agent, &msg));
+            if self.me.secret.is_some() {
+                // Refused when the peer was loaded; kept here so no path sends one.
+                done.complete(Err(nixl_refused(&format!("NIXL agent {peer:?}"))));
+                return None;
+            }
+            let data = Bytes::from(nixl::interop::encode_notification(&self.me.agent, &msg));
             return Some(self.ucx.am_send(
                 ep,
                 wire::NIXL_NOTIF_AM_ID,
@@ -806,7 +927,7 @@ impl Core {
                 Work::Done(done),
             ));
         }
-        let h = wire::encode_header(Kind::Notif, p.epoch, p.next_seq, &self.agent);
+        let h = self.me.header(peer, Kind::Notif, p.epoch, p.next_seq, &msg);
         p.next_seq += 1;
         Some(
             self.ucx
@@ -942,6 +1063,18 @@ impl Core {
             });
     }
 
+    /// Probe `peer` now (as a stalled transfer would), on its data endpoint.
+    #[cfg(test)]
+    pub(crate) fn probe_now(&mut self, peer: &str) {
+        self.send_probe(peer, Liveness::within(Duration::from_secs(60)), false);
+    }
+
+    /// Whether a probe of `peer` waits for its answer.
+    #[cfg(test)]
+    pub(crate) fn probing(&self, peer: &str) -> bool {
+        self.peers.get(peer).is_some_and(|p| p.probe.is_some())
+    }
+
     /// Send a PING on `peer`'s connection: on its data endpoint, or (`second`) on
     /// its probe endpoint (see [`Liveness`]).
     fn send_probe(&mut self, peer: &str, liveness: Liveness, second: bool) {
@@ -973,7 +1106,7 @@ impl Core {
             deadline: Instant::now() + liveness.answer,
             second,
         });
-        let h = wire::encode_header(Kind::Ping, p.epoch, seq, &self.agent);
+        let h = self.me.header(peer, Kind::Ping, p.epoch, seq, &[]);
         let flight = self
             .ucx
             .am_send(ep, wire::AM_ID, h, Bytes::new(), true, Work::Internal);
@@ -1133,17 +1266,20 @@ impl Core {
     /// Log (once, at teardown) what the receive path refused or gave up.
     fn log_refused(&self) {
         let r = &self.refused;
-        let (oversized, malformed, rendezvous) = (
+        let (oversized, malformed, rendezvous, unauthenticated) = (
             r.oversized.load(Ordering::Relaxed),
             r.malformed.load(Ordering::Relaxed),
             r.rendezvous.load(Ordering::Relaxed),
+            r.unauthenticated.load(Ordering::Relaxed),
         );
         let s = self.reorder.stats();
-        if oversized + malformed + rendezvous + s.gaps_skipped + s.evicted + s.protocol_errors > 0 {
+        let refused = oversized + malformed + rendezvous + unauthenticated;
+        if refused + s.gaps_skipped + s.evicted + s.protocol_errors > 0 {
             tracing::info!(
                 oversized,
                 malformed,
                 rendezvous,
+                unauthenticated,
                 gaps_skipped = s.gaps_skipped,
                 streams_evicted = s.evicted,
                 protocol_errors = s.protocol_errors,
@@ -1164,16 +1300,16 @@ impl Core {
         while let Ok(cmd) = self.rx.try_recv() {
             fail_cmd(cmd, ErrorKind::ShutDown, "the ucx backend is shutting down");
         }
-        let targets: Vec<EpId> = self
+        let targets: Vec<(Arc<str>, EpId)> = self
             .peers
-            .values()
-            .filter(|p| (p.hello_sent || p.heard_hello) && !p.nixl && p.failed.is_none())
-            .filter_map(|p| p.ep.clone().ok())
+            .iter()
+            .filter(|(_, p)| (p.hello_sent || p.heard_hello) && !p.nixl && p.failed.is_none())
+            .filter_map(|(n, p)| Some((n.clone(), p.ep.clone().ok()?)))
             .collect();
         let mut flights = Vec::new();
         let me = Bytes::copy_from_slice(self.ucx.address());
-        for ep in targets {
-            let h = wire::encode_header(Kind::Bye, 0, 0, &self.agent);
+        for (peer, ep) in targets {
+            let h = self.me.header(&peer, Kind::Bye, 0, 0, &me);
             flights.push(
                 self.ucx
                     .am_send(ep, wire::AM_ID, h, me.clone(), false, Work::Internal),

@@ -9,16 +9,46 @@ use bytes::Bytes;
 
 use crate::wire;
 
+/// The secret and receiver the `am_header` seeds' version 2 headers are made with.
+const FUZZ_SECRET: &[u8] = b"nixl-ucx fuzz secret";
+const FUZZ_RECEIVER: &str = "decode-0";
+
+fn fuzz_secret() -> nixl::SharedSecret {
+    nixl::SharedSecret::new(FUZZ_SECRET).expect("not empty")
+}
+
 /// Everything the driver does with an incoming active message's bytes before any
-/// state: this backend's header (`wire::decode_header`) and NIXL's notification
-/// payload; and with a peer's registration blob (`wire::decode_blob`).
+/// state: this backend's header of either version (`wire::decode_header`) and the
+/// MAC check of version 2 (`wire::Header::verify`, here for a fixed secret and
+/// receiver and empty data), and NIXL's notification payload; and with a peer's
+/// registration blob (`wire::decode_blob`).
 ///
 /// # Panics
-/// When whatever decodes does not re-encode to the bytes it came from.
+/// When whatever decodes does not re-encode to the bytes it came from (a version 2
+/// header exactly, nothing after its MAC), or when a header whose MAC verifies is
+/// not the one the signing encoder makes from its fields (so the MAC covers every
+/// byte of it).
 pub fn am_header(data: &[u8]) {
     if let Some(h) = wire::decode_header(data) {
-        let again = wire::encode_header(h.kind, h.stream, h.seq, &h.name);
-        assert!(data.starts_with(&again), "the header re-encodes as it came");
+        let again = h.encode();
+        if h.mac.is_some() {
+            assert_eq!(again, data, "a version 2 header re-encodes exactly");
+        } else {
+            assert!(data.starts_with(&again), "the header re-encodes as it came");
+        }
+        let secret = fuzz_secret();
+        if h.verify(&secret, FUZZ_RECEIVER, &[]) {
+            let signed = wire::encode_signed_header(
+                &secret,
+                FUZZ_RECEIVER,
+                h.kind,
+                h.stream,
+                h.seq,
+                &h.name,
+                &[],
+            );
+            assert_eq!(signed, data, "a header that verifies is the signer's");
+        }
     }
     if let Some(b) = wire::decode_blob(data) {
         assert_eq!(&wire::encode_blob(b.base, b.len, b.rkey)[..], data);
@@ -128,20 +158,27 @@ pub fn notification_order(data: &[u8]) {
     }
 }
 
-/// Seeds for `am_header`: a header of each kind, a registration blob and a NIXL
-/// notification, from the encoders.
+/// Seeds for `am_header`: a header of each kind in either version (version 2 made
+/// for the target's fixed secret and receiver, with no data), a registration blob and
+/// a NIXL notification, from the encoders.
 pub fn am_seeds() -> Vec<(&'static str, Vec<u8>)> {
     use wire::Kind;
-    let mut v: Vec<(&'static str, Vec<u8>)> = [
-        ("notif", Kind::Notif),
-        ("hello", Kind::Hello),
-        ("bye", Kind::Bye),
-        ("ping", Kind::Ping),
-        ("pong", Kind::Pong),
-    ]
-    .into_iter()
-    .map(|(n, k)| (n, wire::encode_header(k, 7, 42, "prefill-0")))
-    .collect();
+    let kinds = [
+        ("notif", "notif-v2", Kind::Notif),
+        ("hello", "hello-v2", Kind::Hello),
+        ("bye", "bye-v2", Kind::Bye),
+        ("ping", "ping-v2", Kind::Ping),
+        ("pong", "pong-v2", Kind::Pong),
+    ];
+    let secret = fuzz_secret();
+    let mut v: Vec<(&'static str, Vec<u8>)> = kinds
+        .iter()
+        .map(|&(n, _, k)| (n, wire::encode_header(k, 7, 42, "prefill-0")))
+        .collect();
+    v.extend(kinds.iter().map(|&(_, n, k)| {
+        let h = wire::encode_signed_header(&secret, FUZZ_RECEIVER, k, 7, 42, "prefill-0", &[]);
+        (n, h)
+    }));
     v.push((
         "blob",
         wire::encode_blob(0x7f00_1000, 4096, &[1, 2, 3, 4]).to_vec(),

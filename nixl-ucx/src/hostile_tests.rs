@@ -8,14 +8,20 @@
 //! address it learned only from a HELLO. Lives inside the crate (not in the
 //! conformance suite) because it needs the raw active-message sender.
 //!
-//! Needs libucp at run time; without it the test prints a SKIP line.
+//! With a shared secret, the same kind of worker forges what only a holder of the
+//! secret could make (notifications, HELLO, BYE and PING of either header version,
+//! MAC'd with another secret or for another agent, NIXL's notifications), and agents
+//! with different or one-sided secrets talk to each other: nothing unauthenticated
+//! is acted on.
+//!
+//! Needs libucp at run time; without it the tests print a SKIP line.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use nixl::{Agent, AgentOptions, ErrorKind};
+use nixl::{Agent, AgentOptions, ErrorKind, SharedSecret};
 
 use crate::driver::Work;
 use crate::ffi::{EpId, FlightId, Ucx, UcxInit};
@@ -48,15 +54,54 @@ fn send(
 }
 
 async fn agent(name: &str, b: &UcxBackend) -> Agent {
-    Agent::builder(name)
+    agent_with(name, b, None).await
+}
+
+async fn agent_with(name: &str, b: &UcxBackend, secret: Option<&SharedSecret>) -> Agent {
+    let mut builder = Agent::builder(name)
         .backend_arc(Arc::new(b.clone()))
         .options(AgentOptions {
             drain_timeout: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(5),
-        })
-        .build()
-        .await
+        });
+    if let Some(s) = secret {
+        builder = builder.secret(s.clone());
+    }
+    builder.build().await.unwrap()
+}
+
+/// A UCX backend, or `None` (after a SKIP line naming `test`) without libucp.
+fn backend(test: &str, o: &UcxOptions) -> Option<UcxBackend> {
+    match UcxBackend::with_options(o.clone()) {
+        Ok(b) => Some(b),
+        Err(e) if e.kind() == ErrorKind::UnavailableLibrary => {
+            println!("SKIP {test}: {e}");
+            None
+        }
+        Err(e) => panic!("ucx backend: {e}"),
+    }
+}
+
+/// A bare UCX worker of this crate's binding (no agent), as a hostile sender uses.
+fn bare_worker(o: &UcxOptions) -> Ucx<Work> {
+    let (req, src) = o.request();
+    let (lib, _) = library::bind(&req, src, &o.expectations()).unwrap();
+    let init = UcxInit {
+        config: vec![("RNDV_THRESH".into(), "inf".into())],
+        optional: Vec::new(),
+    };
+    Ucx::<Work>::new(lib, &init).unwrap()
+}
+
+/// An endpoint from `ucx` to the worker at `addr`.
+fn dial(ucx: &mut Ucx<Work>, addr: &[u8]) -> EpId {
+    ucx.ep_create(addr, true)
+        .or_else(|_| ucx.ep_create(addr, false))
         .unwrap()
+}
+
+fn secret(s: &str) -> SharedSecret {
+    SharedSecret::new(s).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -81,14 +126,8 @@ async fn hostile_sender_is_bounded_and_a_good_one_served() {
     let mut notes = target.notifications().unwrap();
 
     // The hostile worker, and a bystander whose address the hostile one hands out.
-    let (req, src) = o.request();
-    let (lib, _) = library::bind(&req, src, &o.expectations()).unwrap();
-    let init = UcxInit {
-        config: vec![("RNDV_THRESH".into(), "inf".into())],
-        optional: Vec::new(),
-    };
-    let mut evil = Ucx::<Work>::new(lib, &init).unwrap();
-    let mut bystander = Ucx::<Work>::new(lib, &init).unwrap();
+    let mut evil = bare_worker(&o);
+    let mut bystander = bare_worker(&o);
     let dialled = Arc::new(AtomicUsize::new(0));
     let d = dialled.clone();
     bystander
@@ -100,11 +139,7 @@ async fn hostile_sender_is_bounded_and_a_good_one_served() {
             }),
         )
         .unwrap();
-    let addr = tb.inner.address.clone();
-    let ep = evil
-        .ep_create(&addr, true)
-        .or_else(|_| evil.ep_create(&addr, false))
-        .unwrap();
+    let ep = dial(&mut evil, &tb.inner.address);
 
     // The good peer's first notification, received before the flood: its stream's
     // state is then the oldest, the first the flood below replaces.
@@ -237,4 +272,408 @@ async fn hostile_sender_is_bounded_and_a_good_one_served() {
         "the bystander was dialled"
     );
     assert!(good.shutdown().await.is_clean());
+}
+
+/// What a bare worker got on this backend's message id: the headers, decoded.
+fn record_headers(ucx: &mut Ucx<Work>) -> Arc<Mutex<Vec<wire::Header>>> {
+    let got: Arc<Mutex<Vec<wire::Header>>> = Arc::default();
+    let g = got.clone();
+    ucx.set_am_handler(
+        wire::AM_ID,
+        Box::new(move |m| {
+            if let Some(h) = wire::decode_header(m.header) {
+                g.lock().unwrap().push(h);
+            }
+            None
+        }),
+    )
+    .unwrap();
+    got
+}
+
+/// The next notification, within a bound that only catches hangs.
+async fn next(notes: &mut nixl::Notifications) -> nixl::Notification {
+    tokio::time::timeout(Duration::from_secs(20), notes.recv())
+        .await
+        .expect("a notification arrives")
+        .expect("notifications open")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_messages_are_refused_with_a_secret() {
+    const TEST: &str = "forged_messages_are_refused_with_a_secret";
+    let o = UcxOptions::default();
+    let Some(tb) = backend(TEST, &o) else { return };
+    let gb = UcxBackend::with_options(o.clone()).unwrap();
+    let s = secret("the deployment's secret");
+    let target = agent_with("target", &tb, Some(&s)).await;
+    let good = agent_with("good", &gb, Some(&s)).await;
+    good.load_metadata(&target.metadata().unwrap()).unwrap();
+    target.load_metadata(&good.metadata().unwrap()).unwrap();
+    good.connect("target").await.unwrap();
+    target.connect("good").await.unwrap();
+    let mut notes = target.notifications().unwrap();
+    let mut good_notes = good.notifications().unwrap();
+    good.notify("target", "good-0").unwrap().await.unwrap();
+    let n = next(&mut notes).await;
+    assert_eq!((n.peer.as_str(), &n.msg[..]), ("good", &b"good-0"[..]));
+
+    let mut evil = bare_worker(&o);
+    let answers = record_headers(&mut evil);
+    let ep = dial(&mut evil, &tb.inner.address);
+    let other = secret("another secret");
+    let good_addr = gb.inner.address.clone();
+    let forged = Bytes::from_static(b"forged: KV ready");
+    let mut sent: Vec<(&str, u32, Vec<u8>, Bytes, bool)> = vec![
+        // Notifications in good's name: no MAC; another secret's; the right secret's
+        // made for another agent; the right secret's for the target, over other data
+        // (the payload changed on the way); a MAC of zeros.
+        (
+            "v1 notification",
+            wire::AM_ID,
+            wire::encode_header(Kind::Notif, 1, 0, "good"),
+            forged.clone(),
+            false,
+        ),
+        (
+            "another secret",
+            wire::AM_ID,
+            wire::encode_signed_header(&other, "target", Kind::Notif, 1, 1, "good", &forged),
+            forged.clone(),
+            false,
+        ),
+        (
+            "made for another agent",
+            wire::AM_ID,
+            wire::encode_signed_header(&s, "decode-1", Kind::Notif, 1, 2, "good", &forged),
+            forged.clone(),
+            false,
+        ),
+        (
+            "other data",
+            wire::AM_ID,
+            wire::encode_signed_header(&s, "target", Kind::Notif, 1, 3, "good", b"real"),
+            forged.clone(),
+            false,
+        ),
+        (
+            "zero MAC",
+            wire::AM_ID,
+            {
+                let mut h =
+                    wire::encode_signed_header(&s, "target", Kind::Notif, 1, 4, "good", &forged);
+                let n = h.len();
+                h[n - wire::MAC_LEN..].fill(0);
+                h
+            },
+            forged.clone(),
+            false,
+        ),
+        // NIXL's notification, which cannot carry a MAC.
+        (
+            "NIXL notification",
+            wire::NIXL_NOTIF_AM_ID,
+            Vec::new(),
+            Bytes::from(nixl::interop::encode_notification("good", &forged)),
+            false,
+        ),
+        // HELLO and BYE in good's name from good's address: a BYE acted on would end
+        // the target's connection to good.
+        (
+            "v1 HELLO",
+            wire::AM_ID,
+            wire::encode_header(Kind::Hello, 1, 0, "good"),
+            good_addr.clone(),
+            false,
+        ),
+        (
+            "v1 BYE",
+            wire::AM_ID,
+            wire::encode_header(Kind::Bye, 0, 0, "good"),
+            good_addr.clone(),
+            false,
+        ),
+        (
+            "BYE for another agent",
+            wire::AM_ID,
+            wire::encode_signed_header(&s, "decode-1", Kind::Bye, 0, 0, "good", &good_addr),
+            good_addr.clone(),
+            false,
+        ),
+        // PINGs asking for an answer on the reply endpoint.
+        (
+            "v1 PING",
+            wire::AM_ID,
+            wire::encode_header(Kind::Ping, 5, 1, "good"),
+            Bytes::new(),
+            true,
+        ),
+        (
+            "PING with another secret",
+            wire::AM_ID,
+            wire::encode_signed_header(&other, "target", Kind::Ping, 5, 2, "good", &[]),
+            Bytes::new(),
+            true,
+        ),
+        (
+            "PING for another agent",
+            wire::AM_ID,
+            wire::encode_signed_header(&s, "decode-1", Kind::Ping, 5, 3, "good", &[]),
+            Bytes::new(),
+            true,
+        ),
+    ];
+    let forgeries = sent.len() as u64;
+    // Then what a holder of the secret sends the target (a bare worker can too): once
+    // these are answered and delivered, the forgeries before them on this endpoint
+    // were taken in.
+    sent.push((
+        "a holder's PING",
+        wire::AM_ID,
+        wire::encode_signed_header(&s, "target", Kind::Ping, 5, 100, "holder", &[]),
+        Bytes::new(),
+        true,
+    ));
+    sent.push((
+        "a holder's notification",
+        wire::AM_ID,
+        wire::encode_signed_header(&s, "target", Kind::Notif, 9, 0, "holder", b"sync"),
+        Bytes::from_static(b"sync"),
+        false,
+    ));
+    let flights = sent
+        .into_iter()
+        .map(|(_, id, h, data, reply)| evil.am_send(ep, id, h, data, reply, Work::Internal))
+        .collect();
+    settle(&mut evil, flights);
+    let n = next(&mut notes).await;
+    assert_eq!(
+        (n.peer.as_str(), &n.msg[..]),
+        ("holder", &b"sync"[..]),
+        "only the holder's notification is delivered"
+    );
+    // The holder's PING is answered with a PONG MAC'd for it; no forged one is.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while answers.lock().unwrap().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the holder's PING was not answered"
+        );
+        evil.progress();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    for _ in 0..100 {
+        evil.progress();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    {
+        let answers = answers.lock().unwrap();
+        assert_eq!(answers.len(), 1, "answers: {answers:?}");
+        let a = &answers[0];
+        assert_eq!(
+            (a.kind, a.stream, a.seq, a.name.as_str()),
+            (Kind::Pong, 5, 100, "target")
+        );
+        assert!(a.verify(&s, "holder", &[]), "the PONG proves the secret");
+    }
+    {
+        let g = tb.inner.shared.core.lock().unwrap();
+        let r = &g.as_ref().unwrap().refused;
+        assert_eq!(r.unauthenticated.load(Ordering::Relaxed), forgeries);
+        assert_eq!(r.malformed.load(Ordering::Relaxed), 0);
+    }
+
+    // The forged BYE ended nothing: the target still reaches good.
+    target.notify("good", "still here").unwrap().await.unwrap();
+    let n = next(&mut good_notes).await;
+    assert_eq!(
+        (n.peer.as_str(), &n.msg[..]),
+        ("target", &b"still here"[..])
+    );
+    // And good's notifications still come through, in order, and nothing forged.
+    for i in 1..=20 {
+        good.notify("target", format!("good-{i}"))
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    for i in 1..=20 {
+        let n = next(&mut notes).await;
+        assert_eq!(n.peer, "good");
+        assert_eq!(n.msg, format!("good-{i}"));
+    }
+    assert!(notes.try_recv().is_none());
+    assert!(target.shutdown().await.is_clean());
+    assert!(good.shutdown().await.is_clean());
+}
+
+/// The receive path's count of unauthenticated messages at `b`.
+fn unauthenticated(b: &UcxBackend) -> u64 {
+    let g = b.inner.shared.core.lock().unwrap();
+    g.as_ref()
+        .map_or(0, |c| c.refused.unauthenticated.load(Ordering::Relaxed))
+}
+
+/// Two agents with these secrets notify each other; returns whether each side got
+/// the other's notification (`a` got b's, `b` got a's). A side that refuses is
+/// waited for until it counted the other's HELLO and notification as unauthenticated.
+async fn exchange(
+    test: &str,
+    sa: Option<&SharedSecret>,
+    sb: Option<&SharedSecret>,
+) -> Option<(bool, bool)> {
+    let o = UcxOptions::default();
+    let ba = backend(test, &o)?;
+    let bb = UcxBackend::with_options(o).unwrap();
+    let a = agent_with("a", &ba, sa).await;
+    let b = agent_with("b", &bb, sb).await;
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    b.load_metadata(&a.metadata().unwrap()).unwrap();
+    let (mut na, mut nb) = (a.notifications().unwrap(), b.notifications().unwrap());
+    // The send itself succeeds either way: UCX delivered it; the receiver judges it.
+    a.notify("b", "from a").unwrap().await.unwrap();
+    b.notify("a", "from b").unwrap().await.unwrap();
+    let mut got = Vec::new();
+    for (backend, notes, from) in [(&ba, &mut na, "b"), (&bb, &mut nb, "a")] {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let delivered = loop {
+            if let Some(n) = notes.try_recv() {
+                assert_eq!(
+                    (n.peer.as_str(), &n.msg[..]),
+                    (from, format!("from {from}").as_bytes())
+                );
+                break true;
+            }
+            // Its HELLO and its notification, both refused.
+            if unauthenticated(backend) >= 2 {
+                break false;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{from}'s notification neither delivered nor refused"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        if delivered {
+            assert_eq!(unauthenticated(backend), 0);
+        } else {
+            assert_eq!(unauthenticated(backend), 2);
+            assert!(notes.try_recv().is_none(), "delivered although refused");
+        }
+        got.push(delivered);
+    }
+    assert!(a.shutdown().await.is_clean());
+    assert!(b.shutdown().await.is_clean());
+    Some((got[0], got[1]))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_need_the_same_secret_on_both_sides() {
+    const TEST: &str = "notifications_need_the_same_secret_on_both_sides";
+    let (s1, s2) = (secret("secret one"), secret("secret two"));
+    let Some(same) = exchange(TEST, Some(&s1), Some(&s1.clone())).await else {
+        return;
+    };
+    assert_eq!(same, (true, true), "the same secret");
+    let differ = exchange(TEST, Some(&s1), Some(&s2)).await.unwrap();
+    assert_eq!(differ, (false, false), "different secrets");
+    // A secret on one side only: the side with it refuses the other's unsigned
+    // messages, the side without refuses signed ones (a configuration mismatch).
+    let one_sided = exchange(TEST, Some(&s1), None).await.unwrap();
+    assert_eq!(one_sided, (false, false), "a secret on a only");
+    let other_side = exchange(TEST, None, Some(&s2)).await.unwrap();
+    assert_eq!(other_side, (false, false), "a secret on b only");
+    // Without secrets, as before.
+    assert_eq!(exchange(TEST, None, None).await.unwrap(), (true, true));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_agents_are_refused_with_a_secret() {
+    const TEST: &str = "nixl_agents_are_refused_with_a_secret";
+    let o = UcxOptions::default();
+    let Some(pb) = backend(TEST, &o) else { return };
+    let sb = UcxBackend::with_options(o.clone()).unwrap();
+    // `plain` stands in for a NIXL agent: its metadata in NIXL's format.
+    let plain = agent("plain", &pb).await;
+    let guarded = agent_with("guarded", &sb, Some(&secret("s"))).await;
+    let nixl_md = plain.nixl_metadata().unwrap();
+    let e = guarded.load_metadata(&nixl_md).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+    assert!(e.to_string().contains("shared secret"), "{e}");
+    assert!(
+        guarded.remote_regions("plain").is_err(),
+        "nothing was loaded"
+    );
+    // Our metadata in NIXL's format (what NIXL agents load) is refused too.
+    let _r = guarded.register(vec![0u8; 4096]).unwrap();
+    let e = guarded.nixl_metadata().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+    // Without a secret, as before.
+    let _r = plain.register(vec![0u8; 4096]).unwrap();
+    plain.nixl_metadata().unwrap();
+    // A secret in the backend's options overrides the agent's (none here).
+    let ob = UcxBackend::with_options(UcxOptions {
+        secret: Some(secret("s")),
+        ..o
+    })
+    .unwrap();
+    let optioned = agent("optioned", &ob).await;
+    let e = optioned.load_metadata(&nixl_md).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+    for a in [plain, guarded, optioned] {
+        assert!(a.shutdown().await.is_clean());
+    }
+}
+
+/// Liveness probes between agents with a secret: the PING is MAC'd for the peer, the
+/// PONG for the prober, and the answer is taken (the probe ends). With different
+/// secrets the PING is refused and the probe stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn liveness_probes_are_authenticated() {
+    const TEST: &str = "liveness_probes_are_authenticated";
+    let o = UcxOptions::default();
+    if backend(TEST, &o).is_none() {
+        return;
+    }
+    let (s, other) = (secret("probe secret"), secret("another"));
+    for (sb, answered) in [(&s, true), (&other, false)] {
+        let ba = UcxBackend::with_options(o.clone()).unwrap();
+        let bb = UcxBackend::with_options(o.clone()).unwrap();
+        let a = agent_with("a", &ba, Some(&s)).await;
+        let b = agent_with("b", &bb, Some(sb)).await;
+        a.load_metadata(&b.metadata().unwrap()).unwrap();
+        a.connect("b").await.unwrap();
+        ba.inner
+            .shared
+            .core
+            .lock()
+            .unwrap()
+            .as_mut()
+            .unwrap()
+            .probe_now("b");
+        let probing = || {
+            let g = ba.inner.shared.core.lock().unwrap();
+            g.as_ref().unwrap().probing("b")
+        };
+        assert!(probing());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        if answered {
+            while probing() {
+                assert!(Instant::now() < deadline, "the PONG was not taken");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert_eq!(unauthenticated(&ba), 0);
+            assert_eq!(unauthenticated(&bb), 0);
+        } else {
+            // a's HELLO and its PING, refused at b (an answered PING would not be
+            // counted); the probe waits on.
+            while unauthenticated(&bb) < 2 {
+                assert!(Instant::now() < deadline, "the PING was not refused");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert!(probing(), "a PING with another secret was answered");
+        }
+        assert!(a.shutdown().await.is_clean());
+        assert!(b.shutdown().await.is_clean());
+    }
 }

@@ -57,12 +57,33 @@
 //!   make no progress, the driver probes the peer (a PING its progress loop answers,
 //!   on the connection, then on a separate endpoint); a peer that does not answer
 //!   fails its transfers within [`UcxOptions::liveness_timeout`] (5 s by default).
-//! - **Hostile senders.** Anyone who reaches the worker can send active messages, and
-//!   nothing in them is authenticated. Notifications over
-//!   [`UcxOptions::max_notification`] are dropped before they are copied, rendezvous
-//!   offers are declined unread, and the reorder buffer is bounded per stream, per
-//!   sender and in all, with a gap timeout (the limits are in the `reorder` module and
-//!   the README's security section); refusals are counted and logged.
+//! - **Hostile senders.** Anyone who reaches the worker can send active messages.
+//!   Notifications over [`UcxOptions::max_notification`] are dropped before they are
+//!   copied, rendezvous offers are declined unread, and the reorder buffer is bounded
+//!   per stream, per sender and in all, with a gap timeout (the limits are in the
+//!   `reorder` module and the README's security section); refusals are counted and
+//!   logged. Without a shared secret nothing in a message is authenticated: anyone
+//!   who reaches the worker can deliver a notification in any agent's name.
+//! - **Shared secret.** With the agent's secret ([`nixl::AgentBuilder::secret`], or
+//!   [`UcxOptions::secret`], which overrides it), every message of this backend's
+//!   own protocol (notification, HELLO, BYE, PING, PONG) carries an HMAC-SHA256 over
+//!   the receiving agent's name, its kind, stream, sequence number, the sender's name
+//!   and its whole payload (header version 2, see the `wire` module). The receiver
+//!   checks it in the message handler, after the size limits and before anything
+//!   else: a message without a MAC, with one under another secret, made for another
+//!   agent or altered is dropped, counted and logged (nothing delivered, no HELLO
+//!   remembered, no PONG answered, no BYE acted on); so is a MAC'd message at an
+//!   agent without a secret (a configuration mismatch, never accepted unchecked).
+//!   The name a notification is delivered under is the one its sender signed. This
+//!   stops processes that reach the worker without the secret, as nixl-tcp's secret
+//!   does; like nixl-tcp's, it is not encryption, and there is no replay protection:
+//!   someone who can read the traffic can send a captured message again to the same
+//!   agent (a repeated stream and sequence number is delivered again, or replaces a
+//!   held one), though never altered, to another agent, or under another name. Without
+//!   a secret the header (version 1) and behaviour are as before. The cost is one
+//!   HMAC-SHA256 per message sent and one per message received, over its payload.
+//!   One-sided READs and WRITEs are not covered: they are UCX's, checked by UCX's
+//!   remote keys only (see **One-sided**).
 //! - **Teardown.** [`nixl::Backend::shutdown`] says goodbye to known peers (loaded
 //!   from metadata; an address heard only in a HELLO is never dialled), fails what is
 //!   left and closes every endpoint; UCX's memory mappings, worker and context stay
@@ -88,7 +109,11 @@
 //!   an endpoint to a NIXL agent is only ever made with peer-failure handling, and a
 //!   NIXL agent unreachable that way fails its transfers with an error naming the
 //!   UCX bound here, rather than connecting without it (which ends in an assertion
-//!   inside UCX 1.13).
+//!   inside UCX 1.13). NIXL's protocol has no authentication, so with a shared secret
+//!   this backend does not talk to NIXL agents: loading a NIXL agent's metadata fails
+//!   with [`ErrorKind::NotAllowed`] (nothing is loaded), so does exporting this
+//!   agent's registrations in NIXL's format ([`nixl::Agent::nixl_metadata`]), and
+//!   NIXL notifications that arrive are dropped, counted and logged.
 //! - **VRAM** ([`nixl::gpu`]) is mapped with `UCS_MEMORY_TYPE_CUDA` when the bound UCX
 //!   supports CUDA memory ([`UcxBackend::cuda_supported`]: its `cuda_copy` transport
 //!   loaded and sees a GPU; the PyPI `libucx-cu12` build can, Debian's 1.13 cannot),
@@ -211,6 +236,15 @@ pub struct UcxOptions {
     pub teardown_bound: Duration,
     /// Longest notification accepted.
     pub max_notification: usize,
+    /// When set, every message of this backend's own protocol (notifications, HELLO,
+    /// BYE, liveness probes and their answers) carries an HMAC-SHA256 under this
+    /// secret, made for the receiving agent's name, and every incoming one must
+    /// carry a valid one: a process that reaches the worker without the secret can
+    /// neither deliver a notification nor name a sender (see the crate docs, "Shared
+    /// secret"). NIXL agents cannot prove a secret, so with one this backend does not
+    /// talk to them. Set the same secret on every agent of a deployment. `None`: the
+    /// agent's ([`nixl::AgentBuilder::secret`]), if it has one.
+    pub secret: Option<nixl::SharedSecret>,
 }
 
 impl Default for UcxOptions {
@@ -243,6 +277,7 @@ impl Default for UcxOptions {
             ),
             teardown_bound: Duration::from_millis(500),
             max_notification: 1 << 20,
+            secret: None,
         }
     }
 }
@@ -329,6 +364,8 @@ pub fn probe(options: &UcxOptions) -> Result<UcxLibraryReport> {
 #[derive(Debug)]
 struct Started {
     cancel: CancellationToken,
+    /// [`UcxOptions::secret`], or else the agent's.
+    secret: Option<nixl::SharedSecret>,
 }
 
 #[derive(Debug)]
@@ -540,6 +577,19 @@ impl UcxBackend {
         self.inner.started.get(op)
     }
 
+    /// Refuse to talk to NIXL agents (`what`: which, or what for) when this agent has
+    /// a shared secret.
+    fn nixl_allowed(&self, what: &str) -> Result<()> {
+        let secret = match self.inner.started.try_get() {
+            Some(s) => s.secret.is_some(),
+            None => self.inner.options.secret.is_some(),
+        };
+        if secret {
+            return Err(driver::nixl_refused(what));
+        }
+        Ok(())
+    }
+
     fn with_core<T>(&self, op: &'static str, f: impl FnOnce(&mut Core) -> Result<T>) -> Result<T> {
         let mut g = self.inner.shared.core.lock().unwrap();
         match g.as_mut() {
@@ -575,12 +625,17 @@ impl Backend for UcxBackend {
     async fn start(&self, ctx: BackendContext) -> Result<()> {
         const OP: &str = "start ucx backend";
         let cancel = ctx.cancel.child_token();
+        let secret = self.inner.options.secret.clone().or(ctx.secret.clone());
         let started = Started {
             cancel: cancel.clone(),
+            secret: secret.clone(),
         };
         self.inner.started.attach(OP, async { Ok(started) }).await?;
         self.with_core(OP, |core| {
-            core.agent = ctx.agent_name.clone();
+            core.attach(driver::Identity {
+                agent: ctx.agent_name.clone(),
+                secret,
+            });
             core.sink = Some(ctx.notifications.clone());
             Ok(())
         })?;
@@ -875,6 +930,8 @@ impl NixlDialect for UcxBackend {
     }
 
     fn export_blob(&self, blob: &[u8]) -> Result<Vec<u8>> {
+        // What NIXL agents would load to reach us; they could not talk to us.
+        self.nixl_allowed("metadata in NIXL's format")?;
         wire::decode_blob(blob)
             .map(|b| b.rkey.to_vec())
             .ok_or_else(|| {
@@ -898,6 +955,7 @@ impl NixlDialect for UcxBackend {
     }
 
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+        self.nixl_allowed(&format!("NIXL agent {peer:?}"))?;
         if conn_info.is_empty() {
             return Err(Error::new(
                 ErrorKind::Corrupt,

@@ -2,9 +2,11 @@
 //!
 //! Each of this backend's notifications carries its sender's name, a stream id (one
 //! per sender connection) and a sequence number on that stream ([`crate::wire`]).
-//! None of the three is authenticated: any process that can reach the worker can send
-//! any of them. So everything kept per stream is bounded, and a sender that breaks
-//! the rules costs only its own ordering:
+//! Without a shared secret none of the three is authenticated: any process that can
+//! reach the worker can send any of them. With one, the driver has checked their MAC
+//! before they get here, but a holder of the secret (or someone replaying a captured
+//! message) can still send any numbers. So everything kept per stream is bounded, and
+//! a sender that breaks the rules costs only its own ordering:
 //!
 //! - A stream delivers sequence `next` at once, then whatever it held that follows.
 //!   A later sequence waits (is *held*) only while it is within [`Limits::window`] of
