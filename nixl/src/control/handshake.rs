@@ -54,15 +54,35 @@ impl Refusal {
     }
 }
 
+/// What [`feed`] drives: either side's machine.
+trait Steps {
+    fn need(&self) -> usize;
+    fn step(&mut self, bytes: &[u8]) -> Result<Vec<u8>, Refusal>;
+}
+
+impl Steps for ClientAuth {
+    fn need(&self) -> usize {
+        Self::need(self)
+    }
+    fn step(&mut self, bytes: &[u8]) -> Result<Vec<u8>, Refusal> {
+        self.received(bytes)
+    }
+}
+
+impl Steps for ServerAuth {
+    fn need(&self) -> usize {
+        Self::need(self)
+    }
+    fn step(&mut self, bytes: &[u8]) -> Result<Vec<u8>, Refusal> {
+        self.received(bytes)
+    }
+}
+
 /// Feed a whole message of a framed transport to a machine: `bytes` must hold
 /// exactly what it asks for up to where it answers or is done (so a message can
 /// neither be empty nor stop half way and keep the exchange waiting). Returns what it
 /// says to send.
-fn feed(
-    bytes: &[u8],
-    need: impl Fn() -> usize,
-    mut step: impl FnMut(&[u8]) -> Result<Vec<u8>, Refusal>,
-) -> Result<Vec<u8>, Refusal> {
+fn feed(m: &mut impl Steps, bytes: &[u8]) -> Result<Vec<u8>, Refusal> {
     let wrong = || {
         Refusal::new(
             Some(vec![REFUSED]),
@@ -71,13 +91,13 @@ fn feed(
     };
     let mut at = 0;
     loop {
-        let n = need();
+        let n = m.need();
         if n == 0 || bytes.len() - at < n {
             return Err(wrong());
         }
-        let out = step(&bytes[at..at + n])?;
+        let out = m.step(&bytes[at..at + n])?;
         at += n;
-        if !out.is_empty() || need() == 0 {
+        if !out.is_empty() || m.need() == 0 {
             return if at == bytes.len() {
                 Ok(out)
             } else {
@@ -283,16 +303,7 @@ impl ClientAuth {
     /// # Errors
     /// As [`ClientAuth::received`]; also a message of the wrong length.
     pub fn received_message(&mut self, bytes: &[u8]) -> Result<Vec<u8>, Refusal> {
-        let need = std::cell::Cell::new(self.need());
-        feed(
-            bytes,
-            || need.get(),
-            |b| {
-                let out = self.received(b);
-                need.set(self.need());
-                out
-            },
-        )
+        feed(self, bytes)
     }
 }
 
@@ -438,16 +449,7 @@ impl ServerAuth {
     /// # Errors
     /// As [`ServerAuth::received`]; also a message of the wrong length.
     pub fn received_message(&mut self, bytes: &[u8]) -> Result<Vec<u8>, Refusal> {
-        let need = std::cell::Cell::new(self.need());
-        feed(
-            bytes,
-            || need.get(),
-            |b| {
-                let out = self.received(b);
-                need.set(self.need());
-                out
-            },
-        )
+        feed(self, bytes)
     }
 }
 

@@ -734,6 +734,17 @@ mod tests {
         .unwrap()
     }
 
+    /// Agent "a", knowing peer "b", serving a side channel with `options`.
+    async fn serving_a_that_knows_b(options: &SideChannelOptions) -> (Agent, SocketAddr) {
+        let a = Agent::builder("a").build().await.unwrap();
+        a.load_metadata(&md("b", 1, b"b at 1")).unwrap();
+        let addr = a
+            .listen("127.0.0.1:0".parse().unwrap(), options)
+            .await
+            .unwrap();
+        (a, addr)
+    }
+
     /// A client that proved the secret as one agent may move or forget that peer
     /// only; for any other it is an unauthenticated client.
     #[tokio::test]
@@ -743,12 +754,7 @@ mod tests {
             timeout: Duration::from_secs(5),
             ..Default::default()
         };
-        let a = Agent::builder("a").build().await.unwrap();
-        a.load_metadata(&md("b", 1, b"b at 1")).unwrap();
-        let addr = a
-            .listen("127.0.0.1:0".parse().unwrap(), &options)
-            .await
-            .unwrap();
+        let (a, addr) = serving_a_that_knows_b(&options).await;
         let call = |me: &'static str, kind: Kind, payload: Vec<u8>| {
             let options = options.clone();
             async move {
@@ -798,12 +804,7 @@ mod tests {
             timeout: Duration::from_secs(5),
             ..Default::default()
         };
-        let a = Agent::builder("a").build().await.unwrap();
-        a.load_metadata(&md("b", 1, b"b at 1")).unwrap();
-        let addr = a
-            .listen("127.0.0.1:0".parse().unwrap(), &options)
-            .await
-            .unwrap();
+        let (a, addr) = serving_a_that_knows_b(&options).await;
         for forged in [None, Some(SharedSecret::new("a guessed key").unwrap())] {
             let mut s = TcpStream::connect(addr).await.unwrap();
             let (k, hello) = read_frame(&mut s, 4096).await.unwrap();
