@@ -128,14 +128,85 @@ impl Inbound {
     /// Destroy the queue pair (the peer's next work request fails); the buffers go
     /// when this is dropped. Should the device refuse to destroy it, the buffers are
     /// leaked instead (the device may still write them).
+    ///
+    /// Returns only once the queue pair is destroyed, whoever closes it: the lock is
+    /// held across the destroy, so a second caller (the connection's task and a
+    /// shutdown race here) waits for the first. A shutdown deregisters memory right
+    /// after this returns, and the peer must not reach it through a queue pair still
+    /// being destroyed.
     pub(crate) fn close(&self) {
-        let qp = self.qp.lock().unwrap().take();
-        if let Some(mut qp) = qp {
+        let mut slot = self.qp.lock().unwrap();
+        if let Some(mut qp) = slot.take() {
             if let Err(e) = qp.destroy() {
                 tracing::error!(peer = %self.peer, error = %e, "verbs: a queue pair could not be destroyed; its receive buffers are leaked");
                 self.leak.store(true, std::sync::atomic::Ordering::Release);
                 std::mem::forget(qp);
             }
         }
+    }
+}
+
+#[cfg(all(test, feature = "test-double"))]
+mod tests {
+    use super::*;
+    use crate::ffi::device::QpUse;
+    use crate::VerbsOptions;
+
+    /// Whether the double still has queue pair number `num` (numbers are handed
+    /// out in sequence, so another test's queue pair does not take it).
+    fn qp_alive(num: u32) -> bool {
+        let tag = format!("(qp {num}) ");
+        crate::test_double::live_details()
+            .iter()
+            .any(|d| d.contains(&tag))
+    }
+
+    /// Two threads close the same inbound queue pair at once (a connection's task
+    /// and a shutdown): when either `close` returns, the queue pair is destroyed.
+    /// Before the destroy ran under the lock, the loser could return while the
+    /// winner was still destroying, and a shutdown then deregistered memory the
+    /// peer could still reach.
+    #[test]
+    fn close_returns_only_once_the_queue_pair_is_destroyed() {
+        let o = VerbsOptions::default();
+        let dev = Arc::new(Device::open(crate::test_double::api(), &o).unwrap());
+        for _ in 0..200 {
+            let qp = QueuePair::create(&dev, dev.caps(&o), QpUse::Recv).unwrap();
+            // INIT, as the backend leaves it before posting receives.
+            let [init, _, _] = crate::plan::connect(
+                &dev.endpoint,
+                1,
+                &dev.endpoint,
+                qp.qp.qp_num,
+                1,
+                &o.reliability,
+                1,
+                1,
+            );
+            qp.modify(&[init]).unwrap();
+            let inb = Arc::new(Inbound::new("peer", &dev, qp, 64).unwrap());
+            assert!(qp_alive(inb.qp_num));
+            let start = Arc::new(std::sync::Barrier::new(2));
+            let closers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (inb, start) = (inb.clone(), start.clone());
+                    std::thread::spawn(move || {
+                        start.wait();
+                        inb.close();
+                        qp_alive(inb.qp_num)
+                    })
+                })
+                .collect();
+            for c in closers {
+                assert!(
+                    !c.join().unwrap(),
+                    "a close returned before the queue pair was destroyed"
+                );
+            }
+        }
+        assert_eq!(
+            crate::test_double::violations_of(dev.ctx),
+            Vec::<String>::new()
+        );
     }
 }
