@@ -1,23 +1,38 @@
 //! The gate every backend access to a registration passes: deregistration closes it,
-//! and once [`Gate::close`] has returned no byte of the memory is touched again.
+//! and once it is closed no byte of the memory is touched again.
 //!
 //! A target that moves bytes itself (nixl-tcp receiving a peer's WRITE into
 //! registered memory, or sending a READ from it) copies at the peer's pace; a request
 //! that passed its key check before the registration was withdrawn would otherwise go
 //! on writing into memory the application has already freed (a framework's tensor
 //! handed in by address). Each access is one copy or one non-blocking system call,
-//! entered and left around it, never held across an await; closing waits only for the
-//! accesses running at that moment, so it takes microseconds and cannot deadlock on a
-//! single-threaded runtime.
+//! entered and left around it, never held across an await.
+//!
+//! Deregistration does not simply close: it may still be refused (transfers of this
+//! agent use the memory), and a refused deregistration must be invisible to every
+//! access. So closing is a decision taken with the gate held ([`Gate::close_if`]):
+//! the gate stops admitting, waits for the accesses running at that moment, asks the
+//! caller whether to close, and then either closes for good or opens again. An access
+//! that arrives meanwhile waits for the decision instead of being refused. The
+//! decision takes microseconds (one running copy, one counter read), so waiting for
+//! it cannot deadlock a single-threaded runtime.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering::SeqCst};
+use std::sync::Mutex;
 use std::time::Duration;
 
-/// Accesses in progress and whether new ones are refused.
+const OPEN: u8 = 0;
+/// A closer is deciding: accesses wait.
+const DECIDING: u8 = 1;
+const CLOSED: u8 = 2;
+
+/// Accesses in progress and whether new ones are admitted.
 #[derive(Debug, Default)]
 pub(crate) struct Gate {
     active: AtomicUsize,
-    closed: AtomicBool,
+    state: AtomicU8,
+    /// Held by the one closer deciding at a time.
+    closers: Mutex<()>,
 }
 
 /// One access in progress; leaving the gate when dropped.
@@ -30,36 +45,78 @@ impl Drop for Access<'_> {
     }
 }
 
-impl Gate {
-    /// Enter for one access, or `None` once the gate is closed.
-    pub(crate) fn enter(&self) -> Option<Access<'_>> {
-        // Counted first, checked second; `close` sets the flag first and counts
-        // second: with sequentially consistent order one of the two sees the other.
-        self.active.fetch_add(1, SeqCst);
-        let access = Access(self);
-        (!self.closed.load(SeqCst)).then_some(access)
+/// Wait a little, longer the more often it is called: spin, then yield, then sleep.
+fn back_off(round: &mut u32) {
+    *round += 1;
+    if *round < 100 {
+        std::hint::spin_loop();
+    } else if *round < 1000 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(20));
     }
+}
 
-    /// Refuse new accesses and wait for those in progress (each a single copy or
-    /// system call) to end.
-    pub(crate) fn close(&self) {
-        self.closed.store(true, SeqCst);
-        let mut waited = 0u32;
-        while self.active.load(SeqCst) != 0 {
-            waited += 1;
-            if waited < 100 {
-                std::hint::spin_loop();
-            } else if waited < 1000 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(20));
+impl Gate {
+    /// Enter for one access, or `None` once the gate is closed. While a closer is
+    /// deciding, waits for its decision.
+    pub(crate) fn enter(&self) -> Option<Access<'_>> {
+        let mut round = 0;
+        loop {
+            // Counted first, checked second; a closer sets the state first and counts
+            // second: with sequentially consistent order one of the two sees the
+            // other.
+            self.active.fetch_add(1, SeqCst);
+            let access = Access(self);
+            match self.state.load(SeqCst) {
+                OPEN => return Some(access),
+                CLOSED => return None,
+                _ => {
+                    // Not counted while waiting, so the closer's wait ends.
+                    drop(access);
+                    while self.state.load(SeqCst) == DECIDING {
+                        back_off(&mut round);
+                    }
+                }
             }
         }
     }
 
-    /// Admit accesses again (a deregistration that was refused after closing).
-    pub(crate) fn reopen(&self) {
-        self.closed.store(false, SeqCst);
+    /// Stop admitting accesses, wait for those in progress (each a single copy or
+    /// system call) to end, then close for good if `close` says so, or admit again
+    /// as if nothing happened. Returns whether the gate is closed. Accesses that
+    /// arrive while `close` runs wait for the decision; none is refused unless the
+    /// gate closes.
+    ///
+    /// `close` must be quick and must not enter this gate.
+    pub(crate) fn close_if(&self, close: impl FnOnce() -> bool) -> bool {
+        let _one = self.closers.lock().unwrap_or_else(|p| p.into_inner());
+        if self.state.load(SeqCst) == CLOSED {
+            return true;
+        }
+        self.state.store(DECIDING, SeqCst);
+        let mut round = 0;
+        while self.active.load(SeqCst) != 0 {
+            back_off(&mut round);
+        }
+        // A panic in `close` must not leave accesses waiting forever.
+        struct Reopen<'a>(&'a AtomicU8);
+        impl Drop for Reopen<'_> {
+            fn drop(&mut self) {
+                let _ = self.0.compare_exchange(DECIDING, OPEN, SeqCst, SeqCst);
+            }
+        }
+        let reopen = Reopen(&self.state);
+        let closed = close();
+        self.state.store(if closed { CLOSED } else { OPEN }, SeqCst);
+        drop(reopen);
+        closed
+    }
+
+    /// Close for good: refuse new accesses and wait for those in progress to end.
+    #[cfg(test)]
+    pub(crate) fn close(&self) {
+        self.close_if(|| true);
     }
 }
 
@@ -71,13 +128,15 @@ mod tests {
     use super::Gate;
 
     #[test]
-    fn closed_gate_refuses_and_reopens() {
+    fn closed_gate_refuses_and_a_refused_close_changes_nothing() {
         let g = Gate::default();
         assert!(g.enter().is_some());
-        g.close();
-        assert!(g.enter().is_none());
-        g.reopen();
+        assert!(!g.close_if(|| false));
         assert!(g.enter().is_some());
+        assert!(g.close_if(|| true));
+        assert!(g.enter().is_none());
+        assert!(g.close_if(|| false), "closed stays closed");
+        assert!(g.enter().is_none());
     }
 
     /// Threads write through the gate while another closes it: after `close`
@@ -112,5 +171,53 @@ mod tests {
                 w.join().unwrap();
             }
         }
+    }
+
+    /// A close that is refused is invisible: threads entering all the while are
+    /// never turned away (the old close, read, reopen order turned some away).
+    #[test]
+    fn a_refused_close_never_refuses_an_access() {
+        let gate = Arc::new(Gate::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let refused = Arc::new(AtomicU64::new(0));
+        let entered = Arc::new(AtomicU64::new(0));
+        let users: Vec<_> = (0..2)
+            .map(|_| {
+                let (gate, stop) = (gate.clone(), stop.clone());
+                let (refused, entered) = (refused.clone(), entered.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        match gate.enter() {
+                            Some(_a) => entered.fetch_add(1, Ordering::Relaxed),
+                            None => refused.fetch_add(1, Ordering::Relaxed),
+                        };
+                    }
+                })
+            })
+            .collect();
+        for _ in 0..20_000 {
+            assert!(!gate.close_if(|| false));
+        }
+        stop.store(true, Ordering::Relaxed);
+        for u in users {
+            u.join().unwrap();
+        }
+        assert!(entered.load(Ordering::Relaxed) > 0);
+        assert_eq!(
+            refused.load(Ordering::Relaxed),
+            0,
+            "a refused close turned accesses away"
+        );
+    }
+
+    /// A panic while deciding leaves the gate open, not stuck deciding.
+    #[test]
+    fn a_panicking_decision_reopens() {
+        let g = Gate::default();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            g.close_if(|| panic!("decision failed"))
+        }));
+        assert!(r.is_err());
+        assert!(g.enter().is_some());
     }
 }

@@ -222,12 +222,15 @@ impl Agent {
                 ),
             );
         }
-        // Closed before the count is read: a backend copy that started before (a
-        // staging copy counts in flight) is seen, and none starts after.
-        region.gate.close();
-        let n = region.inflight.load(Ordering::Acquire);
-        if n > 0 {
-            region.gate.reopen();
+        // The count is read with the gate held: a backend copy that started before
+        // (a staging copy counts in flight) is seen, and none starts while it is
+        // read. A refusal reopens the gate before any access saw it closed (they
+        // wait for the decision), so refusing changes nothing for any transfer.
+        let mut n = 0;
+        if !region.gate.close_if(|| {
+            n = region.inflight.load(Ordering::Acquire);
+            n == 0
+        }) {
             return err(
                 ErrorKind::NotAllowed,
                 OP,

@@ -1,0 +1,156 @@
+//! A refused deregistration changes nothing: while transfers of this agent keep a
+//! registration in flight, `deregister` is refused, and a backend serving a peer from
+//! that memory at the same moment (a target sending a READ, receiving a WRITE) is
+//! never turned away. Once allowed, nothing reaches the memory any more.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use nixl::{
+    Agent, Backend, BackendContext, Capabilities, Completer, DescList, ErrorKind, MemKind, Op,
+    PreparedTransfer, RegionRef, Result, TransferPlan,
+};
+
+/// Test double: a backend whose transfers stay in flight until the test completes
+/// them, and which hands the test its registrations (as a target serving peers
+/// would use them).
+#[derive(Debug, Default)]
+struct HeldDouble {
+    regions: Arc<Mutex<Vec<RegionRef>>>,
+    held: Arc<Mutex<Vec<Completer>>>,
+}
+
+#[derive(Debug)]
+struct Held(Arc<Mutex<Vec<Completer>>>);
+
+impl PreparedTransfer for Held {
+    fn post(&self, _notif: Option<Bytes>, done: Completer) {
+        self.0.lock().unwrap().push(done);
+    }
+}
+
+#[async_trait]
+impl Backend for HeldDouble {
+    fn name(&self) -> &str {
+        "held"
+    }
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            remote: true,
+            dram: true,
+            ..Capabilities::default()
+        }
+    }
+    async fn start(&self, _ctx: BackendContext) -> Result<()> {
+        Ok(())
+    }
+    fn connection_info(&self) -> Bytes {
+        Bytes::from_static(b"held")
+    }
+    fn register(&self, region: &RegionRef) -> Result<Bytes> {
+        self.regions.lock().unwrap().push(region.clone());
+        Ok(Bytes::new())
+    }
+    fn deregister(&self, _region_id: u64) -> Result<()> {
+        Ok(())
+    }
+    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
+        Ok(())
+    }
+    async fn connect(&self, _peer: &str) -> Result<()> {
+        Ok(())
+    }
+    fn remove_peer(&self, _peer: &str) -> Result<()> {
+        Ok(())
+    }
+    fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
+        Ok(Box::new(Held(self.held.clone())))
+    }
+    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
+        done.complete(Ok(()));
+    }
+    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
+        Ok(())
+    }
+}
+
+fn one(d: nixl::Desc) -> DescList {
+    DescList::from_descs(MemKind::Dram, [d])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_deregistration_is_invisible_to_the_backend() {
+    let double = HeldDouble::default();
+    let (regions, held) = (double.regions.clone(), double.held.clone());
+    let a = Agent::builder("initiator")
+        .backend(double)
+        .build()
+        .await
+        .unwrap();
+    let b = Agent::builder("target")
+        .backend(HeldDouble::default())
+        .build()
+        .await
+        .unwrap();
+    let dst = b.register(vec![0u8; 4096]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let src = a.register(vec![7u8; 4096]).unwrap();
+    let region = regions.lock().unwrap()[0].clone();
+    let t = a
+        .transfer(
+            Op::Write,
+            &one(src.whole()),
+            "target",
+            &one(dst.whole()),
+            None,
+        )
+        .unwrap();
+    assert_eq!(src.inflight(), 1);
+
+    // A "target" thread serves a peer from the same registration all along.
+    let slice = region.slice(0, 4096).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (served, refused) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let server = {
+        let (stop, served, refused) = (stop.clone(), served.clone(), refused.clone());
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while !stop.load(Ordering::Relaxed) {
+                match slice.read_into(0, &mut buf) {
+                    Ok(()) => served.fetch_add(1, Ordering::Relaxed),
+                    Err(_) => refused.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+        })
+    };
+    for _ in 0..20_000 {
+        let e = a.deregister(&src).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+    }
+    stop.store(true, Ordering::Relaxed);
+    server.join().unwrap();
+    assert!(served.load(Ordering::Relaxed) > 0);
+    assert_eq!(
+        refused.load(Ordering::Relaxed),
+        0,
+        "a refused deregistration turned the backend's accesses away"
+    );
+    assert!(src.is_registered());
+
+    // Once the transfer is done, deregistration is allowed and the gate stays shut.
+    for c in held.lock().unwrap().drain(..) {
+        c.complete(Ok(()));
+    }
+    t.await.unwrap();
+    a.deregister(&src).unwrap();
+    let mut buf = [0u8; 16];
+    let e = region
+        .slice(0, 16)
+        .unwrap()
+        .read_into(0, &mut buf)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+}
