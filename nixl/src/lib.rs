@@ -60,8 +60,8 @@ mod thread;
 mod transfer;
 
 pub use agent::{
-    Agent, AgentBuilder, AgentOptions, Indices, PreparedDescs, RegisterOptions, RequestOptions,
-    ShutdownReport, TaskMonitor,
+    Agent, AgentBuilder, AgentOptions, Indices, PeerLimits, PreparedDescs, RegisterOptions,
+    RequestOptions, ShutdownReport, TaskMonitor,
 };
 pub use backend::{
     Attachment, Backend, BackendContext, Capabilities, NixlDialect, NotificationSink,

@@ -75,6 +75,7 @@ pub struct AgentBuilder {
     telemetry: TelemetryOptions,
     huge_pages: bool,
     notification_limits: NotificationLimits,
+    peer_limits: super::PeerLimits,
     secret: Option<SharedSecret>,
 }
 
@@ -87,6 +88,7 @@ impl AgentBuilder {
             telemetry: TelemetryOptions::default(),
             huge_pages: true,
             notification_limits: NotificationLimits::default(),
+            peer_limits: super::PeerLimits::default(),
             secret: None,
         }
     }
@@ -110,6 +112,15 @@ impl AgentBuilder {
     #[must_use]
     pub fn notification_limits(mut self, limits: NotificationLimits) -> Self {
         self.notification_limits = limits;
+        self
+    }
+
+    /// How many peers, and regions of theirs, the agent keeps (default 16,384 peers,
+    /// 4,000,000 regions; fewer from unauthenticated sources); see
+    /// [`PeerLimits`](super::PeerLimits).
+    #[must_use]
+    pub fn peer_limits(mut self, limits: super::PeerLimits) -> Self {
+        self.peer_limits = limits;
         self
     }
 
@@ -210,6 +221,7 @@ impl AgentBuilder {
             backends: self.backends,
             regions: RwLock::new(Regions::default()),
             next_region_id: AtomicU64::new(1),
+            peer_limits: self.peer_limits,
             peers: RwLock::new(HashMap::new()),
             loading: Mutex::new(()),
             next_generation: AtomicU64::new(1),

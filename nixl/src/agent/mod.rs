@@ -41,6 +41,7 @@ use crate::thread::ThreadSet;
 use crate::transfer::{PeerSlot, RequestOwner, Transfer};
 
 pub use builder::{AgentBuilder, AgentOptions, RegisterOptions, RequestOptions};
+pub use peers::PeerLimits;
 pub use request::{Indices, PreparedDescs};
 pub use shutdown::ShutdownReport;
 
@@ -93,6 +94,9 @@ struct Regions {
 struct Peer {
     /// Loaded from NIXL-format metadata: a NIXL agent, spoken to in NIXL's dialect.
     nixl: bool,
+    /// Loaded or confirmed by a trusted source (not only by unauthenticated ones);
+    /// see [`PeerLimits`].
+    verified: bool,
     instance: u64,
     generation: u64,
     /// Where posts read which generation is current.
@@ -121,6 +125,8 @@ struct Shared {
     caps: Vec<Capabilities>,
     regions: RwLock<Regions>,
     next_region_id: AtomicU64,
+    /// How many peers and regions of theirs are kept.
+    peer_limits: PeerLimits,
     /// Known peers. Loads build the new state without this lock and swap it in;
     /// posts never take it.
     peers: RwLock<HashMap<String, Arc<Peer>>>,

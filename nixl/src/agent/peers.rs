@@ -17,6 +17,39 @@ use crate::metadata::{AgentMetadata, BackendMeta, RegionBlob, RegionMeta};
 use crate::region::{RemoteRegion, RemoteRegionInfo};
 use crate::transfer::{PeerSlot, RequestOwner};
 
+/// How many peers, and regions of theirs, an agent keeps; set with
+/// [`AgentBuilder::peer_limits`](crate::AgentBuilder::peer_limits).
+///
+/// Metadata that would go over a limit is refused ([`ErrorKind::NotAllowed`], naming
+/// the limit) and changes nothing. The `unverified_*` limits bound what sources that
+/// did not authenticate (a side channel's client without the shared secret, NIXL's
+/// listener) can make the agent hold: peers they introduced and no trusted source
+/// (the application, or the peer itself proving the secret) has confirmed since, and
+/// those peers' regions. Room above them is left to the application.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerLimits {
+    /// Peers known at once; default 16,384.
+    pub peers: usize,
+    /// Regions of all peers together; default 4,000,000.
+    pub regions: usize,
+    /// Peers introduced by unauthenticated sources and not confirmed since; default
+    /// 1,024.
+    pub unverified_peers: usize,
+    /// Regions of those peers together; default 262,144.
+    pub unverified_regions: usize,
+}
+
+impl Default for PeerLimits {
+    fn default() -> Self {
+        Self {
+            peers: 16_384,
+            regions: 4_000_000,
+            unverified_peers: 1_024,
+            unverified_regions: 262_144,
+        }
+    }
+}
+
 /// What loading a peer's metadata does to what is known of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Load {
@@ -41,9 +74,10 @@ pub(crate) enum Trust {
     /// name: [`Trust::Full`] for that peer's own metadata, [`Trust::Unverified`] for
     /// anyone else's.
     Proven(String),
-    /// An unauthenticated side-channel client: may introduce a peer not known yet and
-    /// re-send a known peer's metadata (new registrations, a new instance) with the
-    /// same connection info, never move a known peer to other connection info.
+    /// An unauthenticated side-channel client: may introduce a peer not known yet
+    /// and add registrations to a known peer's instance; never moves a known peer to
+    /// other connection info, never replaces its instance, and never changes or
+    /// drops a region already known (see [`PeerLimits`] for how much it may add).
     Unverified,
     /// NIXL's listener, under NIXL's own rules (see [`Agent::load_nixl_untrusted`]).
     NixlListener,
@@ -117,6 +151,11 @@ fn plan_load(
             restarted: known.is_some_and(|k| k != instance),
         }),
     }
+}
+
+/// Whether two descriptions of a remote region say the same.
+fn same_region(a: &RemoteRegion, b: &RemoteRegion) -> bool {
+    a.id == b.id && a.kind == b.kind && a.addr == b.addr && a.len == b.len && a.blobs == b.blobs
 }
 
 impl Agent {
@@ -365,13 +404,32 @@ impl Agent {
                 _ => md.partial = !has_conn,
             }
         }
-        let load = plan_load(
+        let mut load = plan_load(
             old.as_ref().map(|p| p.instance),
             md.instance,
             md.partial,
             has_conn,
         )
         .or_else(|(kind, why)| err(kind, OP, format!("peer {:?}: {why}", md.name)))?;
+        // An unauthenticated sender adds to a known peer and never replaces it: a new
+        // instance is refused, and full metadata of the known instance only adds.
+        let add_only = trust == Trust::Unverified && old.is_some();
+        if add_only {
+            match load {
+                Load::Replace { restarted: true } => {
+                    return err(
+                        ErrorKind::NotAllowed,
+                        OP,
+                        format!(
+                            "peer {:?} is known as another instance; an unauthenticated sender may add to a known peer, never replace it (the application can forget it first, or authenticate the sender with the shared secret)",
+                            md.name
+                        ),
+                    )
+                }
+                Load::Replace { restarted: false } => load = Load::Extend,
+                Load::Extend => {}
+            }
+        }
         let base = match load {
             Load::Extend => old.clone(),
             Load::Replace { .. } => None,
@@ -439,7 +497,17 @@ impl Agent {
             // agent, whose loads only ever add, a known descriptor that overlaps a new
             // one was deregistered there (its memory registered anew): newest wins.
             for r in b.by_id.values() {
-                if by_id.contains_key(&r.id) {
+                if let Some(new) = by_id.get(&r.id) {
+                    if add_only && !same_region(new, r) {
+                        return err(
+                            ErrorKind::NotAllowed,
+                            OP,
+                            format!(
+                                "peer {:?}: this metadata would change its known region {}; an unauthenticated sender may add regions, never change one",
+                                md.name, r.id
+                            ),
+                        );
+                    }
                     continue;
                 }
                 match regions.insert(r.clone(), OP) {
@@ -459,6 +527,12 @@ impl Agent {
                 }
             }
         }
+        // A trusted source confirms the peer; an unauthenticated one leaves it as it was.
+        let verified = match trust {
+            Trust::Full | Trust::Proven(_) => true,
+            Trust::Unverified | Trust::NixlListener => old.as_ref().is_some_and(|p| p.verified),
+        };
+        self.check_peer_limits(&md.name, old.is_none(), verified, by_id.len())?;
         if load == (Load::Replace { restarted: true }) {
             // A peer restarted under the same name: drop connections to the old instance.
             for b in &self.shared.backends {
@@ -486,6 +560,7 @@ impl Agent {
                 md.name.clone(),
                 Arc::new(Peer {
                     nixl,
+                    verified,
                     instance: md.instance,
                     generation,
                     slot: slot.clone(),
@@ -503,6 +578,62 @@ impl Agent {
         }
         tracing::debug!(agent = %self.shared.name, peer = %md.name, generation, partial = md.partial, nixl, regions = md.regions.len(), "loaded peer metadata");
         Ok(md.name)
+    }
+
+    /// Refuse a load that would take the peer table over [`PeerLimits`]: `name` with
+    /// `regions` regions (`new`: not known yet), `verified` or not. Called with the
+    /// loading lock held, so the table cannot change meanwhile.
+    fn check_peer_limits(
+        &self,
+        name: &str,
+        new: bool,
+        verified: bool,
+        regions: usize,
+    ) -> Result<()> {
+        const OP: &str = "load metadata";
+        let limits = &self.shared.peer_limits;
+        let peers = self.shared.peers.read().unwrap();
+        let others = peers.iter().filter(|(n, _)| n.as_str() != name);
+        let (mut all, mut unverified, mut unverified_regions) =
+            (regions, usize::from(!verified), 0);
+        if !verified {
+            unverified_regions = regions;
+        }
+        for (_, p) in others {
+            all += p.by_id.len();
+            if !p.verified {
+                unverified += 1;
+                unverified_regions += p.by_id.len();
+            }
+        }
+        let over = if new && peers.len() >= limits.peers {
+            Some(format!("{} peers (PeerLimits::peers)", limits.peers))
+        } else if all > limits.regions {
+            Some(format!(
+                "{} regions of all peers (PeerLimits::regions)",
+                limits.regions
+            ))
+        } else if !verified && unverified > limits.unverified_peers {
+            Some(format!(
+                "{} peers introduced by unauthenticated senders (PeerLimits::unverified_peers)",
+                limits.unverified_peers
+            ))
+        } else if !verified && unverified_regions > limits.unverified_regions {
+            Some(format!(
+                "{} regions of peers introduced by unauthenticated senders (PeerLimits::unverified_regions)",
+                limits.unverified_regions
+            ))
+        } else {
+            None
+        };
+        match over {
+            Some(limit) => err(
+                ErrorKind::NotAllowed,
+                OP,
+                format!("peer {name:?} with {regions} regions would exceed this agent's limit of {limit}; nothing was loaded"),
+            ),
+            None => Ok(()),
+        }
     }
 
     /// Give each backend the peer's new connection info. On the first refusal, the
@@ -722,6 +853,118 @@ mod tests {
         }
         assert!(moved(false, &known, true, &known).is_some());
         assert!(moved(true, &known, false, &known).is_some());
+    }
+
+    fn md(name: &str, instance: u64, regions: &[(u64, u64)]) -> Vec<u8> {
+        AgentMetadata {
+            name: name.into(),
+            instance,
+            partial: false,
+            backends: vec![BackendMeta {
+                name: "tcp".into(),
+                conn_info: Some(format!("{name}:1").into_bytes()),
+            }],
+            regions: regions
+                .iter()
+                .map(|&(id, addr)| RegionMeta {
+                    id,
+                    kind: MemKind::Dram,
+                    addr,
+                    len: 4096,
+                    blobs: vec![RegionBlob {
+                        backend: 0,
+                        blob: id.to_le_bytes().to_vec(),
+                    }],
+                })
+                .collect(),
+        }
+        .encode()
+        .unwrap()
+    }
+
+    fn regions(a: &Agent, peer: &str) -> Vec<(u64, u64)> {
+        let mut v: Vec<_> = a
+            .remote_regions(peer)
+            .unwrap()
+            .iter()
+            .map(|r| (r.id, r.addr))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// An unauthenticated sender adds to a known peer and nothing else: it cannot
+    /// replace the peer's instance (which would close its connections), change a
+    /// known region, or drop one.
+    #[tokio::test]
+    async fn unverified_metadata_adds_and_never_replaces_or_remaps() {
+        let a = Agent::builder("a").build().await.unwrap();
+        let load = |bytes: &[u8], trust| a.load_metadata_from(bytes, None, trust);
+        load(&md("b", 1, &[(1, 0x1000)]), Trust::Full).unwrap();
+        let kind = |r: Result<String>| r.unwrap_err().kind();
+        // Another instance, same connection info.
+        assert_eq!(
+            kind(load(&md("b", 2, &[(1, 0x9000)]), Trust::Unverified)),
+            ErrorKind::NotAllowed
+        );
+        // The same instance with a known region moved elsewhere.
+        assert_eq!(
+            kind(load(&md("b", 1, &[(1, 0x9000)]), Trust::Unverified)),
+            ErrorKind::NotAllowed
+        );
+        assert_eq!(regions(&a, "b"), [(1, 0x1000)]);
+        // The same instance with a new region, and without the known one: added, the
+        // known one kept.
+        load(&md("b", 1, &[(2, 0x3000)]), Trust::Unverified).unwrap();
+        assert_eq!(regions(&a, "b"), [(1, 0x1000), (2, 0x3000)]);
+        // The application's word still replaces.
+        load(&md("b", 2, &[(1, 0x9000)]), Trust::Full).unwrap();
+        assert_eq!(regions(&a, "b"), [(1, 0x9000)]);
+    }
+
+    #[tokio::test]
+    async fn peer_limits_bound_what_is_loaded() {
+        let a = Agent::builder("a")
+            .peer_limits(PeerLimits {
+                peers: 4,
+                regions: 8,
+                unverified_peers: 2,
+                unverified_regions: 3,
+            })
+            .build()
+            .await
+            .unwrap();
+        let load = |bytes: &[u8], trust| a.load_metadata_from(bytes, None, trust);
+        let refused = |r: Result<String>| {
+            let e = r.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+            e.to_string()
+        };
+        load(&md("u1", 1, &[(1, 0x1000)]), Trust::Unverified).unwrap();
+        load(&md("u2", 1, &[(1, 0x1000), (2, 0x2000)]), Trust::Unverified).unwrap();
+        assert!(refused(load(&md("u3", 1, &[]), Trust::Unverified)).contains("unverified_peers"));
+        // Adding to an unverified peer counts against its sources' region budget.
+        assert!(
+            refused(load(&md("u1", 1, &[(3, 0x3000)]), Trust::Unverified))
+                .contains("unverified_regions")
+        );
+        // The application's loads have the rest, and confirm the peers they load.
+        load(&md("u1", 1, &[(1, 0x1000), (3, 0x3000)]), Trust::Full).unwrap();
+        load(&md("v1", 1, &[(1, 0x1000)]), Trust::Full).unwrap();
+        load(&md("v2", 1, &[(1, 0x1000)]), Trust::Full).unwrap();
+        assert!(refused(load(&md("v3", 1, &[]), Trust::Full)).contains("PeerLimits::peers"));
+        assert!(refused(load(
+            &md(
+                "v2",
+                1,
+                &[(1, 0x1000), (2, 0x2000), (3, 0x3000), (4, 0x4000)]
+            ),
+            Trust::Full
+        ))
+        .contains("PeerLimits::regions"));
+        assert_eq!(a.peers(), ["u1", "u2", "v1", "v2"]);
+        // A refused load changed nothing.
+        assert_eq!(regions(&a, "v2"), [(1, 0x1000)]);
     }
 
     #[test]

@@ -106,15 +106,17 @@ pub struct SideChannelOptions {
     /// Most connections a listener serves at once (default 1024); one more closes the
     /// oldest, so idle or slow clients never lock others out.
     pub max_connections: usize,
-    /// Server: let clients that did not authenticate move a known peer to other
-    /// connection info (a restarted agent's [`Agent::send_metadata`]) or make this
-    /// agent forget a known peer ([`Agent::invalidate_at`]). Default `false`.
+    /// Server: let clients that did not authenticate replace a known peer (a
+    /// restarted agent's [`Agent::send_metadata`]: a new instance, other connection
+    /// info) or make this agent forget a known peer ([`Agent::invalidate_at`]).
+    /// Default `false`.
     ///
     /// Without it and without [`SideChannelOptions::secret`], a client may introduce
-    /// a peer this agent does not know yet, and re-send a known peer's metadata
-    /// (new registrations, a new instance) as long as every backend's connection
-    /// info stays the same; a send that would change, add or remove a known peer's
-    /// connection info, and an invalidate of a known peer, are refused: the client
+    /// a peer this agent does not know yet (within
+    /// [`PeerLimits`](crate::PeerLimits)), and add registrations to a known peer's
+    /// instance; a send that would change, add or remove a known peer's connection
+    /// info, replace its instance, or change or drop a region already known, and an
+    /// invalidate of a known peer, are refused: the client
     /// gets [`ErrorKind::NotAllowed`], the refusal is logged with the peer's name and
     /// the client's address, and nothing changes. Nothing in metadata proves who sent
     /// it (a new instance id can be forged), so a restart elsewhere is recognised
