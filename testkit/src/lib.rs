@@ -84,6 +84,40 @@ pub fn figure(name: &str, value: impl std::fmt::Display) {
     emit("NIXL_FIGURE_LOG", &format!("FIGURE {name}: {value}"));
 }
 
+/// Run the calling test, named `test` (its path inside the test binary), in a child
+/// process of its own: for a test that binds process-wide state other tests of its
+/// binary must not share (one UCX per process). nextest already gives each test a
+/// process; plain `cargo test` runs a binary's tests as threads of one.
+///
+/// Returns `false` in the child: the caller then runs its body there. Returns `true`
+/// in the parent once the child passed (its output is printed; its SKIP and FIGURE
+/// lines reach the logs from the child); panics with the child's output when it
+/// failed.
+pub fn in_own_process(test: &str) -> bool {
+    const VAR: &str = "NIXL_TEST_OWN_PROCESS";
+    if std::env::var(VAR).as_deref() == Ok(test) {
+        return false;
+    }
+    let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(VAR, test)
+        .output()
+        .expect("the test binary runs again as a child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{test} in a child process:\n{stdout}\n{stderr}");
+    assert!(
+        out.status.success(),
+        "{test} failed in its child process ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(
+        stdout.contains("1 passed"),
+        "{test}: the child ran no test named so:\n{stdout}"
+    );
+    true
+}
+
 /// `len` deterministic pattern bytes of stream `seed` (xorshift).
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
