@@ -643,6 +643,40 @@ impl Cli {
             ));
         }
 
+        // Every size must fit this machine before anything is allocated: the
+        // buffers (twice over when the target is a child on this host) and the
+        // timing samples.
+        if let Some(machine) = nixl::host_memory() {
+            // Host buffers in this process and, for a local run, its child target.
+            let (init, target) = (
+                u64::from(self.initiator_seg_type == SegType::Dram),
+                u64::from(self.target_seg_type == SegType::Dram),
+            );
+            let agents = match role {
+                Role::Local => init + target,
+                Role::Initiator => init,
+                Role::Target => target,
+                Role::Auto => init.max(target),
+            };
+            let buffers = total_buffer_size.saturating_mul(agents);
+            if buffers > machine {
+                let (flag, why) = match self.total_buffer_size.or(preset.total_buffer_size) {
+                    Some(_) => ("--total-buffer-size", format!("{total_buffer_size} bytes")),
+                    None => (
+                        "--max-block-size",
+                        format!(
+                            "--max-block-size {max_block_size} x --max-batch-size {max_batch_size} x --pipeline-depth {pipeline_depth} x --num-threads {num_threads}{} = {total_buffer_size} bytes",
+                            if self.descriptor_layout.spacing(1) > 1 { " x 2 (scattered)" } else { "" }
+                        ),
+                    ),
+                };
+                return fail(format!(
+                    "{flag} is too large for this machine: the buffers need {why}{} but it has {machine} bytes of memory (RAM and swap)",
+                    if agents == 2 { " in each of the two agents on this host" } else { "" }
+                ));
+            }
+        }
+
         let mut notes = Vec::new();
         // As nixlbench, iteration counts divide evenly between threads and by the large
         // block factor; unlike it, the factor only counts when the sweep has large blocks.
@@ -674,6 +708,17 @@ impl Cli {
         );
         if num_iter == 0 {
             return fail("--num-iter must be at least 1");
+        }
+        // Three timing samples (8 bytes each) per iteration are kept for the report.
+        if let Some(machine) = nixl::host_memory() {
+            for (flag, n) in [("--num-iter", num_iter), ("--warmup-iter", warmup_iter)] {
+                if (n as u64).saturating_mul(24) > machine / 2 {
+                    return fail(format!(
+                        "{flag} {n} is too large for this machine: its timing samples need {} bytes, more than half of its {machine} bytes of memory",
+                        (n as u64).saturating_mul(24)
+                    ));
+                }
+            }
         }
         let format = if self.json {
             Format::Json

@@ -376,6 +376,24 @@ fn usage_errors_say_why_and_exit_2() {
             "--benchmark-group is for etcd mode",
         ),
         (&["--max-block-size", "1Q"][..], "unknown size suffix"),
+        // Sizes beyond this machine are refused before anything is allocated, naming
+        // the flag and the machine's memory (1T used to abort the process).
+        (
+            &["--max-block-size", "1T"][..],
+            "--max-block-size is too large for this machine",
+        ),
+        (
+            &["--max-block-size", "1G", "--max-batch-size", "100000"][..],
+            "bytes of memory (RAM and swap)",
+        ),
+        (
+            &["--total-buffer-size", "64T"][..],
+            "--total-buffer-size is too large for this machine",
+        ),
+        (
+            &["--num-iter", "1000000000000000"][..],
+            "--num-iter 1000000000000000 is too large",
+        ),
     ] {
         let out = run(args);
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -35,9 +35,9 @@ impl AlignedBuf {
     /// Allocate `len` zeroed bytes aligned to a page.
     ///
     /// # Panics
-    /// On allocation failure, like `Vec`.
+    /// When the allocation fails (see [`AlignedBuf::try_new`], which says why instead).
     pub fn new(len: usize) -> Self {
-        Self::with_alignment(len, PAGE_SIZE).expect("page alignment is a valid alignment")
+        Self::try_new(len).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Allocate `len` zeroed bytes that ask the kernel for transparent huge pages
@@ -50,12 +50,29 @@ impl AlignedBuf {
     /// enabled` is `never`), or refuses the advice, the buffer is ordinary memory.
     ///
     /// # Panics
-    /// On allocation failure, like `Vec`.
+    /// When the allocation fails (see [`AlignedBuf::try_with_huge_pages`]).
     pub fn with_huge_pages(len: usize) -> Self {
+        Self::try_with_huge_pages(len).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Allocate `len` zeroed bytes aligned to a page, or say why not.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] when `len` is more than this machine's memory
+    /// ([`host_memory`]) or the allocator refuses it.
+    pub fn try_new(len: usize) -> Result<Self> {
+        Self::with_alignment(len, PAGE_SIZE)
+    }
+
+    /// [`AlignedBuf::with_huge_pages`], or say why not.
+    ///
+    /// # Errors
+    /// As [`AlignedBuf::try_new`].
+    pub fn try_with_huge_pages(len: usize) -> Result<Self> {
         if len < HUGE_PAGE_SIZE {
-            return Self::new(len);
+            return Self::try_new(len);
         }
-        let b = Self::with_alignment(len, HUGE_PAGE_SIZE).expect("a valid alignment");
+        let b = Self::with_alignment(len, HUGE_PAGE_SIZE)?;
         // Only whole huge pages can be backed by them; the tail stays small pages.
         let span = len - len % HUGE_PAGE_SIZE;
         // SAFETY: `ptr..ptr+span` lies in this buffer's own allocation; MADV_HUGEPAGE
@@ -67,14 +84,15 @@ impl AlignedBuf {
                 "the kernel refused huge pages for a buffer; using small pages"
             );
         }
-        b
+        Ok(b)
     }
 
     /// Allocate `len` zeroed bytes aligned to `align` (a power of two).
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`] when `align` is not a power of two or the size
-    /// overflows.
+    /// [`ErrorKind::InvalidArgument`] when `align` is not a power of two, the size
+    /// overflows, is more than this machine's memory ([`host_memory`]) or the
+    /// allocator refuses it.
     pub fn with_alignment(len: usize, align: usize) -> Result<Self> {
         let total = len.checked_add(align);
         let (true, Some(total)) = (align.is_power_of_two(), total) else {
@@ -84,10 +102,10 @@ impl AlignedBuf {
                 format!("alignment {align} is not a power of two or size {len} overflows"),
             );
         };
-        // Over-allocate by `align` and start at the first aligned byte: a plain zeroed
-        // Vec comes from calloc, which the OS zeroes lazily (an aligned zeroed
-        // allocation would memset every page up front).
-        let mut storage = vec![0u8; total];
+        // Over-allocate by `align` and start at the first aligned byte: a zeroed
+        // byte allocation comes from calloc, which the OS zeroes lazily (an aligned
+        // zeroed allocation would memset every page up front).
+        let mut storage = zeroed_vec(total)?;
         let base = storage.as_mut_ptr();
         let offset = base.align_offset(align);
         debug_assert!(offset < align);
@@ -116,6 +134,68 @@ impl AlignedBuf {
     pub fn as_mut_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
+}
+
+/// This machine's memory: RAM plus swap, the most any allocation can be backed by;
+/// `None` where the system does not say.
+pub fn host_memory() -> Option<u64> {
+    // SAFETY: sysinfo only writes the struct it is given, which is plain data.
+    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+    // SAFETY: `info` is a valid, writable sysinfo struct.
+    if unsafe { libc::sysinfo(&mut info) } != 0 {
+        return None;
+    }
+    let unit = u64::from(info.mem_unit.max(1));
+    // c_ulong: 64 bits on the platforms we build for, 32 on some others.
+    #[allow(clippy::unnecessary_cast)]
+    let total = (info.totalram as u64).saturating_add(info.totalswap as u64);
+    Some(total.saturating_mul(unit))
+}
+
+/// Refuse a host allocation of `len` bytes larger than this machine's memory, naming
+/// the limit, before anything is allocated. `what` says what the bytes are for.
+///
+/// # Errors
+/// [`ErrorKind::InvalidArgument`] when `len` exceeds [`host_memory`].
+pub(crate) fn check_host_len(len: u64, what: &str, op: &'static str) -> Result<()> {
+    match host_memory() {
+        Some(limit) if len > limit => err(
+            ErrorKind::InvalidArgument,
+            op,
+            format!("{what} of {len} bytes is more than this machine's memory ({limit} bytes of RAM and swap)"),
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// `len` zeroed bytes from the global allocator (calloc: zeroed lazily by the OS),
+/// or an error where `vec![0; len]` would abort the process.
+fn zeroed_vec(len: usize) -> Result<Vec<u8>> {
+    const OP: &str = "allocate aligned buffer";
+    check_host_len(len as u64, "a buffer", OP)?;
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).or_else(|_| {
+        err(
+            ErrorKind::InvalidArgument,
+            OP,
+            format!("{len} bytes is more than one allocation can hold"),
+        )
+    })?;
+    // SAFETY: the layout has a non-zero size (len > 0).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return err(
+            ErrorKind::InvalidArgument,
+            OP,
+            format!("the allocator refused {len} bytes (out of memory)"),
+        );
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of
+    // `[u8; len]`, and all `len` bytes are initialised (zeroed): exactly what
+    // Vec::from_raw_parts requires for length and capacity `len`.
+    Ok(unsafe { Vec::from_raw_parts(ptr, len, len) })
 }
 
 impl std::ops::Deref for AlignedBuf {

@@ -72,7 +72,7 @@ pub use completion::{Completer, Op, Status};
 pub use descriptor::{Desc, DescList, Strided};
 pub use error::{Error, ErrorKind, Result};
 pub use exchange::{NixlListenerOptions, SharedSecret, SideChannelOptions};
-pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, HUGE_PAGE_SIZE, PAGE_SIZE};
+pub use memory::{host_memory, AlignedBuf, MemKind, MemSegment, Memory, HUGE_PAGE_SIZE, PAGE_SIZE};
 pub use notification::{
     Notification, NotificationLimits, NotificationStats, Notifications, QueuedNotifications,
 };

@@ -115,3 +115,24 @@ async fn alloc_falls_back_to_host_memory() {
     r.write_at(0, b"hello").unwrap();
     assert_eq!(&r.to_vec().unwrap()[..5], b"hello");
 }
+
+/// A size beyond this machine is an error naming the limit, never an abort.
+#[tokio::test]
+async fn alloc_beyond_this_machine_is_refused() {
+    let plain = Arc::new(Fake::default());
+    let a = Agent::builder("a")
+        .backend_arc(plain)
+        .build()
+        .await
+        .unwrap();
+    let machine = nixl::host_memory().expect("sysinfo answers on Linux");
+    for len in [machine as usize + 1, usize::MAX / 2, usize::MAX - 4096] {
+        let e = a.alloc(len).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        assert!(e.to_string().contains("this machine's memory"), "{e}");
+        let e = AlignedBuf::try_new(len).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        assert!(AlignedBuf::try_with_huge_pages(len).is_err());
+    }
+    assert_eq!(a.alloc(1 << 20).unwrap().len(), 1 << 20);
+}

@@ -23,23 +23,26 @@ impl Agent {
     /// usual; it works with every backend.
     ///
     /// # Errors
-    /// [`ErrorKind::ZeroLength`] for `len == 0`; the backend's error when its
-    /// allocation fails (no silent fallback: the caller asked for the fast path).
+    /// [`ErrorKind::ZeroLength`] for `len == 0`; [`ErrorKind::InvalidArgument`] for
+    /// more than this machine's memory ([`host_memory`](crate::host_memory)) or an
+    /// allocation the system refuses; the backend's error when its allocation fails
+    /// (no silent fallback: the caller asked for the fast path).
     pub fn alloc(&self, len: usize) -> Result<Memory> {
         const OP: &str = "allocate memory";
         self.shared.check_running(OP)?;
         if len == 0 {
             return err(ErrorKind::ZeroLength, OP, "cannot allocate zero bytes");
         }
+        crate::aligned::check_host_len(len as u64, "memory", OP)?;
         for b in &self.shared.backends {
             if let Some(m) = b.alloc(len) {
                 return m;
             }
         }
         Ok(if self.shared.huge_pages {
-            AlignedBuf::with_huge_pages(len)
+            AlignedBuf::try_with_huge_pages(len)?
         } else {
-            AlignedBuf::new(len)
+            AlignedBuf::try_new(len)?
         }
         .into())
     }
