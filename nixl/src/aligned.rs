@@ -59,7 +59,7 @@ impl AlignedBuf {
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] when `len` is more than this machine's memory
-    /// ([`host_memory`]) or the allocator refuses it.
+    /// ([`host_memory`](crate::host_memory)) or the allocator refuses it.
     pub fn try_new(len: usize) -> Result<Self> {
         Self::with_alignment(len, PAGE_SIZE)
     }
@@ -91,7 +91,7 @@ impl AlignedBuf {
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] when `align` is not a power of two, the size
-    /// overflows, is more than this machine's memory ([`host_memory`]) or the
+    /// overflows, is more than this machine's memory ([`host_memory`](crate::host_memory)) or the
     /// allocator refuses it.
     pub fn with_alignment(len: usize, align: usize) -> Result<Self> {
         let total = len.checked_add(align);
@@ -136,43 +136,11 @@ impl AlignedBuf {
     }
 }
 
-/// This machine's memory: RAM plus swap, the most any allocation can be backed by;
-/// `None` where the system does not say.
-pub fn host_memory() -> Option<u64> {
-    // SAFETY: sysinfo only writes the struct it is given, which is plain data.
-    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
-    // SAFETY: `info` is a valid, writable sysinfo struct.
-    if unsafe { libc::sysinfo(&mut info) } != 0 {
-        return None;
-    }
-    let unit = u64::from(info.mem_unit.max(1));
-    // c_ulong: 64 bits on the platforms we build for, 32 on some others.
-    #[allow(clippy::unnecessary_cast)]
-    let total = (info.totalram as u64).saturating_add(info.totalswap as u64);
-    Some(total.saturating_mul(unit))
-}
-
-/// Refuse a host allocation of `len` bytes larger than this machine's memory, naming
-/// the limit, before anything is allocated. `what` says what the bytes are for.
-///
-/// # Errors
-/// [`ErrorKind::InvalidArgument`] when `len` exceeds [`host_memory`].
-pub(crate) fn check_host_len(len: u64, what: &str, op: &'static str) -> Result<()> {
-    match host_memory() {
-        Some(limit) if len > limit => err(
-            ErrorKind::InvalidArgument,
-            op,
-            format!("{what} of {len} bytes is more than this machine's memory ({limit} bytes of RAM and swap)"),
-        ),
-        _ => Ok(()),
-    }
-}
-
 /// `len` zeroed bytes from the global allocator (calloc: zeroed lazily by the OS),
 /// or an error where `vec![0; len]` would abort the process.
 fn zeroed_vec(len: usize) -> Result<Vec<u8>> {
     const OP: &str = "allocate aligned buffer";
-    check_host_len(len as u64, "a buffer", OP)?;
+    crate::system::check_host_len(len as u64, "a buffer", OP)?;
     if len == 0 {
         return Ok(Vec::new());
     }

@@ -55,6 +55,7 @@ pub mod native;
 mod notification;
 mod region;
 mod secret;
+mod system;
 pub mod telemetry;
 mod thread;
 mod transfer;
@@ -72,11 +73,12 @@ pub use completion::{Completer, Op, Status};
 pub use descriptor::{Desc, DescList, Strided};
 pub use error::{Error, ErrorKind, Result};
 pub use exchange::{NixlListenerOptions, SharedSecret, SideChannelOptions};
-pub use memory::{host_memory, AlignedBuf, MemKind, MemSegment, Memory, HUGE_PAGE_SIZE, PAGE_SIZE};
+pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, HUGE_PAGE_SIZE, PAGE_SIZE};
 pub use notification::{
     Notification, NotificationLimits, NotificationStats, Notifications, QueuedNotifications,
 };
 pub use region::{RegionRef, RegionSlice, Registration, RemoteRegionInfo};
+pub use system::{host_memory, open_files_limit};
 pub use telemetry::{TelemetryOptions, TransferTelemetry};
 pub use thread::{ThreadSpawner, ThreadWake};
 pub use transfer::{Transfer, XferRequest};

@@ -16,7 +16,7 @@ use bytes::BytesMut;
 
 use crate::error::{err, Error, ErrorKind, Result};
 
-pub use crate::aligned::{host_memory, AlignedBuf, HUGE_PAGE_SIZE, PAGE_SIZE};
+pub use crate::aligned::{AlignedBuf, HUGE_PAGE_SIZE, PAGE_SIZE};
 
 /// Kind of memory a registration or descriptor refers to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

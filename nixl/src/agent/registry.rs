@@ -33,7 +33,7 @@ impl Agent {
         if len == 0 {
             return err(ErrorKind::ZeroLength, OP, "cannot allocate zero bytes");
         }
-        crate::aligned::check_host_len(len as u64, "memory", OP)?;
+        crate::system::check_host_len(len as u64, "memory", OP)?;
         for b in &self.shared.backends {
             if let Some(m) = b.alloc(len) {
                 return m;
