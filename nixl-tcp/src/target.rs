@@ -40,7 +40,7 @@ pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: 
             match accepted {
                 Ok((stream, from)) => {
                     let conn_cancel = cancel.child_token();
-                    let ticket = admission.admit(conn_cancel.clone());
+                    let ticket = admission.admit(from.ip(), conn_cancel.clone());
                     let (inner, sink, secret) = (inner.clone(), sink.clone(), secret.clone());
                     let me = me.clone();
                     let deadline = tokio::time::Instant::now() + inner.options.handshake_timeout;
@@ -117,6 +117,9 @@ async fn serve(
     let mut r = BufReader::with_capacity(IO_BUF, rd);
     let mut w = BufWriter::with_capacity(IO_BUF, wr);
     let nonce = nixl::control::nonce();
+    // A connection that proved the agent's secret is a member's: never closed to
+    // make room for another.
+    let authenticated = secret.is_some();
     let mut m = Target::<Inner>::new(secret, &me, inner.options.max_notification, nonce)
         .with_max_request(inner.options.max_request_bytes);
     let mut _grants = None;
@@ -191,7 +194,7 @@ async fn serve(
             }
         }
         let handshaking = m.handshaking();
-        if !handshaking && !ticket.establish() {
+        if !handshaking && !ticket.establish_with(authenticated) {
             return Err(proto(
                 "too many incoming connections (TcpOptions::max_incoming_connections)",
             ));
@@ -212,6 +215,9 @@ async fn serve(
                 return Ok(())
             }
             Err(e) => return Err(e),
+        }
+        if !handshaking {
+            ticket.touch();
         }
         m.received(&inner);
     }

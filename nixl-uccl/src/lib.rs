@@ -988,7 +988,7 @@ async fn serve_control(
     // that does not prove it.
     let peer = format!("UCCL control connection from {from}");
     let evict = tokio_util::sync::CancellationToken::new();
-    let mut ticket = admission.admit(evict.clone());
+    let mut ticket = admission.admit(from.ip(), evict.clone());
     let auth = tokio::select! {
         _ = evict.cancelled() => return,
         r = nixl::control::authenticate_server(&mut stream, CONTROL_PROTOCOL, secret.as_ref(), &me, &peer, connect_timeout) => r,
@@ -1025,7 +1025,7 @@ async fn serve_control(
         tracing::info!(%from, error = %e, "UCCL control: refused");
         return;
     }
-    if !ticket.establish() {
+    if !ticket.establish_with(matches!(auth, nixl::control::Authenticated::As(_))) {
         tracing::info!(%from, "UCCL control: too many peers connected (UcclOptions::max_incoming_connections)");
         return;
     }

@@ -459,7 +459,7 @@ impl VerbsBackend {
                     Ok((s, from)) => {
                         let (me, cc, secret) = (me.clone(), c.child_token(), secret.clone());
                         let evict = CancellationToken::new();
-                        let ticket = admission.admit(evict.clone());
+                        let ticket = admission.admit(from.ip(), evict.clone());
                         tracker.spawn(async move {
                             if let Err(e) = me.serve(s, from, secret, (ticket, evict), cc).await {
                                 tracing::debug!(%from, error = %e, "verbs: control connection ended");
@@ -808,7 +808,7 @@ impl VerbsBackend {
             let _ = write_frame(&mut s, &Reply::Refused(e.to_string()).encode()).await;
             return Err(e);
         }
-        if !ticket.establish() {
+        if !ticket.establish_with(matches!(authenticated, nixl::control::Authenticated::As(_))) {
             // Refused before any queue pair is made for it.
             let why = "too many peers connected (VerbsOptions::max_incoming_connections)";
             let _ = write_frame(&mut s, &Reply::Refused(why.into()).encode()).await;

@@ -3,6 +3,8 @@
 //! inside a same-host copy) against real agents, one module per area, each proving
 //! its limit holds and legitimate peers are still served.
 
+#[path = "hostile/admission.rs"]
+mod hostile_admission;
 #[path = "hostile/identity.rs"]
 mod hostile_identity;
 #[path = "hostile/listeners.rs"]

@@ -31,16 +31,23 @@ pub(crate) use nixl_listener::fuzz_frames as fuzz_nixl_listener;
 pub use nixl_listener::{NixlListenerOptions, NIXL_DEFAULT_PORT};
 pub use side_channel::{SharedSecret, SideChannelOptions};
 
+use crate::control::Ticket;
+
 /// The label reserved for full metadata.
 pub const FULL_LABEL: &str = "full";
 
 /// Bind `addr` and serve every connection with `serve` until the agent shuts down
 /// or is dropped: the accept loop and each connection are tasks on the agent's
-/// tracker, cancelled with its token; at most `max_connections` are served at once:
-/// one more closes the oldest, so idle or slow clients cannot lock others out (each
-/// `serve` bounds its own handshake, reads and writes in time). `what` names the
-/// listener in logs. Returns the bound address. Shared by the side channel and NIXL's
-/// listener protocol.
+/// tracker, cancelled with its token. Connections are admitted by the one policy
+/// of [`Admission`](crate::control::Admission): at most a quarter of
+/// `max_connections` in their handshake (a newcomer closes the oldest of those,
+/// first its own address's) and `max_connections` established, clamped to the
+/// process's open-files limit. `serve` gets the connection's [`Ticket`]: it
+/// establishes it once the client identified itself (authenticated with the
+/// secret: never closed to make room) and touches it on every request, so only a
+/// connection idle for a while gives its place to a newcomer. `what` names the
+/// listener in logs. Returns the bound address. Shared by the side channel and
+/// NIXL's listener protocol.
 pub(crate) async fn serve_connections<O, F, Fut>(
     agent: &crate::agent::Agent,
     addr: std::net::SocketAddr,
@@ -52,7 +59,7 @@ pub(crate) async fn serve_connections<O, F, Fut>(
 ) -> crate::error::Result<std::net::SocketAddr>
 where
     O: Send + Sync + 'static,
-    F: Fn(crate::agent::WeakAgent, tokio::net::TcpStream, std::sync::Arc<O>) -> Fut
+    F: Fn(crate::agent::WeakAgent, tokio::net::TcpStream, std::sync::Arc<O>, Ticket) -> Fut
         + Send
         + Sync
         + 'static,
@@ -61,6 +68,7 @@ where
     use std::sync::Arc;
     use std::time::Duration;
 
+    use crate::control::Admission;
     use crate::error::{err, Error, ErrorKind};
 
     if !agent.is_running() {
@@ -77,10 +85,8 @@ where
     let weak = agent.downgrade();
     let options = Arc::new(options);
     let serve = Arc::new(serve);
-    let live = Arc::new(Live {
-        max: max_connections.max(1),
-        conns: std::sync::Mutex::default(),
-    });
+    let max = max_connections.max(1);
+    let admission = Admission::new(max.div_ceil(4), max);
     let name = agent.name().to_owned();
     agent.tracker().spawn(async move {
         loop {
@@ -89,10 +95,10 @@ where
                 r = listener.accept() => match r {
                     Ok(x) => x,
                     Err(e) => {
-                        // Out of descriptors, most likely: free the oldest
-                        // connection's, so idle clients cannot keep others out.
+                        // Out of descriptors, most likely: free one held by a
+                        // connection still in its handshake.
                         tracing::warn!(error = %e, "{what}: accept failed");
-                        live.shed_oldest();
+                        admission.shed_oldest();
                         tokio::select! {
                             _ = cancel.cancelled() => break,
                             _ = tokio::time::sleep(Duration::from_millis(50)) => continue,
@@ -101,10 +107,9 @@ where
                 },
             };
             let token = cancel.child_token();
-            let place = live.admit(token.clone(), what);
-            let conn = serve(weak.clone(), stream, options.clone());
+            let ticket = admission.admit(from.ip(), token.clone());
+            let conn = serve(weak.clone(), stream, options.clone(), ticket);
             tracker.spawn(async move {
-                let _place = place;
                 tokio::select! {
                     _ = token.cancelled() => {}
                     r = conn => {
@@ -118,63 +123,4 @@ where
         tracing::debug!(agent = %name, %bound, "{what} listener stopped");
     });
     Ok(bound)
-}
-
-/// The connections a listener serves, oldest first, each with the token that closes
-/// it.
-struct Live {
-    max: usize,
-    conns: std::sync::Mutex<(
-        u64,
-        std::collections::VecDeque<(u64, tokio_util::sync::CancellationToken)>,
-    )>,
-}
-
-impl Live {
-    /// Count a new connection, closing the oldest when `max` are served already.
-    fn admit(
-        self: &std::sync::Arc<Self>,
-        close: tokio_util::sync::CancellationToken,
-        what: &str,
-    ) -> Place {
-        let mut g = self.conns.lock().unwrap();
-        let (next, conns) = &mut *g;
-        while conns.len() >= self.max {
-            if let Some((_, oldest)) = conns.pop_front() {
-                tracing::debug!("{what}: {} connections; closing the oldest", self.max);
-                oldest.cancel();
-            }
-        }
-        let id = *next;
-        *next += 1;
-        conns.push_back((id, close));
-        Place {
-            live: self.clone(),
-            id,
-        }
-    }
-
-    /// Close the oldest connection served, if any.
-    fn shed_oldest(&self) {
-        if let Some((_, oldest)) = self.conns.lock().unwrap().1.pop_front() {
-            oldest.cancel();
-        }
-    }
-}
-
-/// A connection's place in [`Live`], freed on drop.
-struct Place {
-    live: std::sync::Arc<Live>,
-    id: u64,
-}
-
-impl Drop for Place {
-    fn drop(&mut self) {
-        self.live
-            .conns
-            .lock()
-            .unwrap()
-            .1
-            .retain(|(id, _)| *id != self.id);
-    }
 }

@@ -165,16 +165,19 @@ impl Agent {
         addr: SocketAddr,
         options: &NixlListenerOptions,
     ) -> Result<SocketAddr> {
-        let bound = super::serve_connections(
-            self,
-            addr,
-            "listen for NIXL agents",
-            "NIXL listener",
-            options.max_connections,
-            options.clone(),
-            |agent, stream, options| async move { serve(agent, stream, &options).await },
-        )
-        .await?;
+        let bound =
+            super::serve_connections(
+                self,
+                addr,
+                "listen for NIXL agents",
+                "NIXL listener",
+                options.max_connections,
+                options.clone(),
+                |agent, stream, options, ticket| async move {
+                    serve(agent, stream, &options, ticket).await
+                },
+            )
+            .await?;
         tracing::info!(agent = %self.name(), %bound, "NIXL listener listening");
         Ok(bound)
     }
@@ -322,6 +325,7 @@ async fn serve(
     agent: WeakAgent,
     mut stream: TcpStream,
     options: &NixlListenerOptions,
+    mut ticket: crate::control::Ticket,
 ) -> std::result::Result<(), String> {
     let _ = stream.set_nodelay(true);
     loop {
@@ -337,6 +341,11 @@ async fn serve(
             Ok(Ok(f)) => f,
         };
         let cmds = parse(&frame)?;
+        // NIXL's protocol has no authentication: established at its first command.
+        if !ticket.establish() {
+            return Err("too many connections (NixlListenerOptions::max_connections)".into());
+        }
+        ticket.touch();
         for cmd in cmds {
             // Held only while a command runs, never across a write: a client that
             // stops reading must not keep the agent alive.

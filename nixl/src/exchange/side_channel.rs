@@ -20,7 +20,7 @@ use super::frame::{read_frame, write_frame, FrameError, Kind};
 use super::FULL_LABEL;
 use crate::agent::WeakAgent;
 use crate::agent::{Agent, Trust};
-use crate::control::{nonce, ClientAuth, Refusal, ServerAuth, AUTH_MAGIC, MAX_NAME};
+use crate::control::{nonce, ClientAuth, Refusal, ServerAuth, Ticket, AUTH_MAGIC, MAX_NAME};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::region::Registration;
 pub use crate::secret::SharedSecret;
@@ -161,16 +161,19 @@ impl Agent {
         options: &SideChannelOptions,
     ) -> Result<SocketAddr> {
         let options = &*self.with_agent_secret(options);
-        let bound = super::serve_connections(
-            self,
-            addr,
-            "listen",
-            "side channel",
-            options.max_connections,
-            options.clone(),
-            |agent, stream, options| async move { serve(agent, stream, &options).await },
-        )
-        .await?;
+        let bound =
+            super::serve_connections(
+                self,
+                addr,
+                "listen",
+                "side channel",
+                options.max_connections,
+                options.clone(),
+                |agent, stream, options, ticket| async move {
+                    serve(agent, stream, &options, ticket).await
+                },
+            )
+            .await?;
         tracing::info!(agent = %self.name(), %bound, auth = options.secret.is_some(), "side channel listening");
         Ok(bound)
     }
@@ -520,6 +523,7 @@ async fn serve(
     agent: WeakAgent,
     mut s: TcpStream,
     options: &SideChannelOptions,
+    mut ticket: Ticket,
 ) -> std::result::Result<(), String> {
     let _ = s.set_nodelay(true);
     let from = s
@@ -603,6 +607,20 @@ async fn serve(
                 None => return Err("a frame failed authentication".into()),
             },
         };
+        // Established once the client made its first request (after its
+        // authentication, where a secret is set); every request after is activity.
+        if !ticket.establish_with(proven.is_some()) {
+            let _ = send(
+                &mut s,
+                options,
+                session.as_mut(),
+                Kind::Error,
+                b"too many connections (SideChannelOptions::max_connections)",
+            )
+            .await;
+            return Err("too many connections (SideChannelOptions::max_connections)".into());
+        }
+        ticket.touch();
         wait = options.idle_timeout;
         let Some(agent) = agent.upgrade() else {
             let _ = send(
