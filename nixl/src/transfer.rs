@@ -42,6 +42,30 @@ impl Transfer {
         self.state.status()
     }
 
+    /// Await the outcome for at most `timeout`: past it, the transfer is canceled (as
+    /// dropping it does) and this returns [`ErrorKind::TimedOut`]. For a peer that
+    /// stalls without disconnecting (a target that stops answering), whose transfers
+    /// would otherwise wait for as long as the connection lives.
+    ///
+    /// As with a dropped transfer, its memory stays counted in flight until the
+    /// backend reports the transfer finished or aborted.
+    ///
+    /// # Errors
+    /// The transfer's own error, or [`ErrorKind::TimedOut`].
+    pub async fn timeout(mut self, timeout: std::time::Duration) -> Result<()> {
+        match tokio::time::timeout(timeout, &mut self).await {
+            Ok(r) => r,
+            Err(_) => {
+                drop(self);
+                err(
+                    ErrorKind::TimedOut,
+                    "transfer",
+                    format!("not finished within {timeout:?}; canceled"),
+                )
+            }
+        }
+    }
+
     /// This post's record, when the agent records transfers
     /// ([`TelemetryOptions::transfers`](crate::TelemetryOptions::transfers)); `None`
     /// otherwise, and for standalone notifications. Await `&mut transfer` to read it

@@ -1,7 +1,8 @@
 //! A refused deregistration changes nothing: while transfers of this agent keep a
 //! registration in flight, `deregister` is refused, and a backend serving a peer from
 //! that memory at the same moment (a target sending a READ, receiving a WRITE) is
-//! never turned away. Once allowed, nothing reaches the memory any more.
+//! never turned away. Once allowed, nothing reaches the memory any more. And a
+//! transfer awaited with a deadline ends there, canceled.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -153,4 +154,57 @@ async fn a_refused_deregistration_is_invisible_to_the_backend() {
         .read_into(0, &mut buf)
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+}
+
+/// A transfer that never completes ends at its deadline as `TimedOut`, and its
+/// memory stays in flight until the backend lets go.
+#[tokio::test]
+async fn a_transfer_deadline_cancels_a_stalled_transfer() {
+    let double = HeldDouble::default();
+    let held = double.held.clone();
+    let a = Agent::builder("initiator")
+        .backend(double)
+        .build()
+        .await
+        .unwrap();
+    let b = Agent::builder("target")
+        .backend(HeldDouble::default())
+        .build()
+        .await
+        .unwrap();
+    let dst = b.register(vec![0u8; 64]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let src = a.register(vec![7u8; 64]).unwrap();
+    let t = a
+        .transfer(
+            Op::Write,
+            &one(src.whole()),
+            "target",
+            &one(dst.whole()),
+            None,
+        )
+        .unwrap();
+    let e = t.timeout(Duration::from_millis(50)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert_eq!(src.inflight(), 1, "the backend still holds it");
+    for c in held.lock().unwrap().drain(..) {
+        c.complete(Ok(()));
+    }
+    assert_eq!(src.inflight(), 0);
+    a.deregister(&src).unwrap();
+    // A transfer that finishes in time reports its outcome.
+    let src = a.register(vec![7u8; 64]).unwrap();
+    let t = a
+        .transfer(
+            Op::Write,
+            &one(src.whole()),
+            "target",
+            &one(dst.whole()),
+            None,
+        )
+        .unwrap();
+    for c in held.lock().unwrap().drain(..) {
+        c.complete(Ok(()));
+    }
+    t.timeout(Duration::from_secs(5)).await.unwrap();
 }
