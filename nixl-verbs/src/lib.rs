@@ -44,6 +44,30 @@
 //! event channel; the control connection also carries the agent's name, so peers are
 //! keyed by name, never by address.)
 //!
+//! ## Admission
+//! Nothing is made for an incoming control connection until it is admitted:
+//! - **Authentication.** Where the agent has a secret ([`nixl::AgentBuilder::secret`]),
+//!   the connection first proves it and the agent name it speaks for (the core's
+//!   challenge-response, [`nixl::control`]), and its hello must carry that name; one
+//!   that does not is refused and closed. Without a secret (NIXL's behaviour), the
+//!   hello's name is the peer's own claim.
+//! - **Connection limits.** At most [`VerbsOptions::max_incoming_handshakes`]
+//!   connections wait in their handshake (a newer one closes the oldest) and
+//!   [`VerbsOptions::max_incoming_connections`] are served past it.
+//! - **Queue-pair budget.** Every incoming queue pair reserves room in the agent's one
+//!   completion queue, and a full queue would refuse every queue pair, incoming and
+//!   outgoing. So peers' queue pairs together use at most the queue less
+//!   [`VerbsOptions::outgoing_cq_reserve`] (half of it by default: 512 queue pairs
+//!   with the default depths), and the connections of one source hold at most
+//!   [`VerbsOptions::max_qps_per_source`] (32) of them; the source is the proven
+//!   agent name with a secret, the connection's IP address without one. A hello
+//!   past either is refused with the reason, before any queue pair is made for it,
+//!   and the place comes free when the connection's queue pairs are destroyed.
+//!   Without a secret, clients on enough addresses can still fill the peers' share
+//!   (new peers are then refused until they leave); this agent's own connections
+//!   keep their reserve whatever peers do. Set a secret where the control listener
+//!   is reachable by untrusted hosts.
+//!
 //! ## Data path
 //! - One protection domain, one completion queue and one completion channel per
 //!   agent; one memory region per registration. GPU memory ([`nixl::MemKind::Vram`])
@@ -69,7 +93,7 @@
 //!
 //! Not done yet: asynchronous device events (port down and fatal device errors
 //! show only as failed work requests), `ibv_fork_init`, iWARP devices (RC there
-//! needs rdma_cm), authentication of the control connection.
+//! needs rdma_cm).
 //!
 //! ## Notifications
 //! A notification is a SEND on the same queue pair, after the transfer's RDMA WRITEs,
@@ -110,6 +134,7 @@
 #![deny(unsafe_code)]
 
 pub mod api;
+mod budget;
 mod ffi;
 mod inbound;
 mod link;
@@ -174,6 +199,20 @@ pub struct VerbsOptions {
     /// fit is refused with [`ErrorKind::NotSupported`], since an overflow is fatal to
     /// a device.
     pub cq_depth: u32,
+    /// Entries of the completion queue that only this agent's own (outgoing) queue
+    /// pairs may use; peers' (incoming) queue pairs share the rest, so no number of
+    /// peers keeps this agent from connecting out. Default (`None`): half the queue
+    /// (with the default depths, 512 incoming queue pairs fit beside it). A value
+    /// of the whole queue or more admits no incoming queue pair at all.
+    pub outgoing_cq_reserve: Option<u32>,
+    /// Incoming queue pairs that the connections of one source may hold at once
+    /// (default 32: two connections of the most queue pairs a hello may ask for,
+    /// 16). The source is the agent name a connection proved where the agent has a
+    /// secret ([`nixl::AgentBuilder::secret`]); without one, a hello's name proves
+    /// nothing and the source is the connection's IP address, so agents sharing a
+    /// host share this budget. A hello past it is refused before any queue pair is
+    /// made for it.
+    pub max_qps_per_source: usize,
     /// RC queue pairs per peer; transfers are spread over them in shares of whole
     /// work requests.
     pub qps_per_peer: usize,
@@ -213,6 +252,8 @@ impl Default for VerbsOptions {
             send_queue_depth: 512,
             recv_queue_depth: 64,
             cq_depth: 65536,
+            outgoing_cq_reserve: None,
+            max_qps_per_source: 2 * wire::MAX_QPS,
             qps_per_peer: 1,
             max_notification: 4096,
             control_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -254,6 +295,8 @@ struct PeerEntry {
 
 struct Inner {
     options: VerbsOptions,
+    /// Incoming queue pairs admitted, in all and per source.
+    budget: Arc<budget::Budget>,
     report: Option<LibraryReport>,
     /// `None` after [`Backend::destroy`].
     dev: Mutex<Option<Arc<Device>>>,
@@ -369,10 +412,19 @@ impl VerbsBackend {
                 format!("qps_per_peer must be 1 to {}", wire::MAX_QPS),
             ));
         }
+        if options.max_qps_per_source == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                "verbs options",
+                "max_qps_per_source must be at least 1 (no peer could connect)",
+            ));
+        }
         let dev = Device::open(api, &options)?;
-        tracing::info!(device = %dev.name, port = dev.endpoint.port, link_layer = ?dev.endpoint.link_layer, gid_index = dev.endpoint.gid_index, "verbs: device opened");
+        let inbound = dev.inbound_qps(&options);
+        tracing::info!(device = %dev.name, port = dev.endpoint.port, link_layer = ?dev.endpoint.link_layer, gid_index = dev.endpoint.gid_index, inbound_qps = inbound, "verbs: device opened");
         Ok(Self {
             inner: Arc::new(Inner {
+                budget: budget::Budget::new(inbound, options.max_qps_per_source),
                 options,
                 report,
                 dev: Mutex::new(Some(Arc::new(dev))),
@@ -818,6 +870,25 @@ impl VerbsBackend {
                 format!("{peer}: {why}"),
             ));
         }
+        // Admitted only within its source's budget and the completion queue's
+        // share for peers; nothing is made for it before.
+        let proven = match &authenticated {
+            nixl::control::Authenticated::As(name) => Some(name.as_str()),
+            _ => None,
+        };
+        let source = budget::Source::of(proven, from.ip());
+        let grant = match self.inner.budget.admit(source, hello.qps.len()) {
+            Ok(g) => g,
+            Err(why) => {
+                let why = why.to_string();
+                let _ = write_frame(&mut s, &Reply::Refused(why.clone()).encode()).await;
+                return Err(Error::new(
+                    ErrorKind::NotAllowed,
+                    OP,
+                    format!("{peer} (hello as {:?}): {why}", hello.agent),
+                ));
+            }
+        };
         let made = self.accept_qps(&hello);
         if let Err(e) = &made {
             if matches!(e.kind(), ErrorKind::ShutDown | ErrorKind::Canceled) {
@@ -873,6 +944,9 @@ impl VerbsBackend {
             .lock()
             .unwrap()
             .retain(|x| !inbound.iter().any(|i| Arc::ptr_eq(i, x)));
+        // Their place in the budget goes once they are destroyed (`close` returns
+        // only then), so the next peer admitted finds the completion queue's room.
+        drop(grant);
         sent.map_err(|e| io("reply", e))
     }
 

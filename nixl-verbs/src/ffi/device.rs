@@ -12,7 +12,7 @@
 
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use nixl::{AlignedBuf, Error, ErrorKind, RegionRef, Result};
 use tokio::io::unix::{AsyncFd, AsyncFdRegisterError};
@@ -42,10 +42,21 @@ pub(crate) struct Device {
     pub(crate) unacked: AtomicU32,
     /// Entries of the completion queue.
     cq_size: u32,
+    /// Entries inbound queue pairs may reserve together: `cq_size` less the room
+    /// kept for outgoing ones ([`VerbsOptions::outgoing_cq_reserve`]).
+    inbound_limit: u32,
     /// Entries the live queue pairs can fill at once (their send queues, or receive
-    /// queues, as each uses): never more than `cq_size`, since an overflow is fatal
-    /// on real devices.
-    cq_reserved: AtomicU32,
+    /// queues, as each uses).
+    cq_reserved: Mutex<CqReserved>,
+}
+
+/// Completion-queue entries reserved by live queue pairs: never more than the
+/// queue's size in all (an overflow is fatal on real devices), nor more than
+/// `inbound_limit` by inbound ones.
+#[derive(Debug, Default)]
+struct CqReserved {
+    all: u32,
+    inbound: u32,
 }
 
 impl std::fmt::Debug for Device {
@@ -236,7 +247,7 @@ impl Device {
             }
         };
         let cqe = o.cq_depth.clamp(16, limits.max_cqe.max(16));
-        // (The budget of `cq_reserved` keeps the queue pairs within `cqe`.)
+        // (The reservations of `cq_reserved` keep the queue pairs within `cqe`.)
         let cq = match api.create_cq(ctx, cqe, channel.handle) {
             Ok(cq) => cq,
             Err(e) => {
@@ -261,8 +272,17 @@ impl Device {
             endpoint,
             unacked: AtomicU32::new(0),
             cq_size: cqe,
-            cq_reserved: AtomicU32::new(0),
+            // Half the queue unless told otherwise; all of it for outgoing queue
+            // pairs leaves none for peers (an agent that only initiates).
+            inbound_limit: cqe - o.outgoing_cq_reserve.unwrap_or(cqe / 2).min(cqe),
+            cq_reserved: Mutex::new(CqReserved::default()),
         })
+    }
+
+    /// How many inbound queue pairs (as [`Device::caps`] asks for them) the
+    /// completion queue's inbound share holds.
+    pub(crate) fn inbound_qps(&self, o: &VerbsOptions) -> usize {
+        (self.inbound_limit / self.caps(o).max_recv_wr.max(1)) as usize
     }
 
     /// The send queue depth to ask for.
@@ -580,6 +600,7 @@ pub(crate) struct QueuePair {
     pub(crate) qp: Qp,
     /// Completion-queue entries reserved for it.
     reserved: u32,
+    role: QpUse,
     destroyed: bool,
 }
 
@@ -602,42 +623,61 @@ pub(crate) enum QpUse {
 
 impl QueuePair {
     /// A queue pair whose completions fit the completion queue with everyone
-    /// else's.
+    /// else's; an inbound one ([`QpUse::Recv`]) also fits the queue's inbound share,
+    /// so peers never take the room this agent's own connections need.
     ///
     /// # Errors
-    /// [`ErrorKind::NotSupported`] when the completion queue has no room left for it
-    /// (raise [`VerbsOptions::cq_depth`](crate::VerbsOptions) or lower the queue
-    /// depths); the device's own errors.
+    /// [`ErrorKind::NotSupported`] when the completion queue (or its inbound share)
+    /// has no room left for it (raise [`VerbsOptions::cq_depth`](crate::VerbsOptions)
+    /// or lower the queue depths); the device's own errors.
     pub(crate) fn create(dev: &Arc<Device>, caps: QpCaps, role: QpUse) -> Result<Self> {
         let qp = dev.api.create_qp(dev.pd, dev.cq, caps)?;
         let need = match role {
             QpUse::Send => qp.caps.max_send_wr,
             QpUse::Recv => qp.caps.max_recv_wr,
         };
+        // Dropped (destroyed) without a reservation if it does not fit.
         let mut me = Self {
             dev: dev.clone(),
             qp,
             reserved: 0,
+            role,
             destroyed: false,
         };
-        let fits = dev
-            .cq_reserved
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
-                r.checked_add(need).filter(|&t| t <= dev.cq_size)
-            });
-        match fits {
-            Ok(_) => {
+        let mut r = dev.cq_reserved.lock().unwrap();
+        let all = r.all.checked_add(need).filter(|&t| t <= dev.cq_size);
+        let inbound = match role {
+            QpUse::Send => Some(r.inbound),
+            QpUse::Recv => r
+                .inbound
+                .checked_add(need)
+                .filter(|&t| t <= dev.inbound_limit),
+        };
+        match (all, inbound) {
+            (Some(all), Some(inbound)) => {
+                *r = CqReserved { all, inbound };
+                drop(r);
                 me.reserved = need;
                 Ok(me)
             }
-            Err(now) => Err(Error::new(
+            (None, _) => Err(Error::new(
                 ErrorKind::NotSupported,
                 "verbs queue pair",
                 format!(
                     "the completion queue of {} entries has {} left, and a queue pair needs {need}: raise VerbsOptions::cq_depth (device limit {}) or lower the queue depths",
                     dev.cq_size,
-                    dev.cq_size.saturating_sub(now),
+                    dev.cq_size.saturating_sub(r.all),
                     dev.limits.max_cqe
+                ),
+            )),
+            (Some(_), None) => Err(Error::new(
+                ErrorKind::NotSupported,
+                "verbs queue pair",
+                format!(
+                    "peers' queue pairs may take {} of the completion queue's {} entries (the rest is kept for this agent's own connections: VerbsOptions::outgoing_cq_reserve); {} are left, and a queue pair needs {need}",
+                    dev.inbound_limit,
+                    dev.cq_size,
+                    dev.inbound_limit.saturating_sub(r.inbound),
                 ),
             )),
         }
@@ -718,9 +758,11 @@ impl QueuePair {
         // SAFETY: the owner of this queue pair is its only user and lets go now.
         unsafe { api.destroy_qp(self.qp.handle) }?;
         self.destroyed = true;
-        self.dev
-            .cq_reserved
-            .fetch_sub(self.reserved, Ordering::AcqRel);
+        let mut r = self.dev.cq_reserved.lock().unwrap();
+        r.all -= self.reserved;
+        if matches!(self.role, QpUse::Recv) {
+            r.inbound -= self.reserved;
+        }
         Ok(())
     }
 }
