@@ -72,9 +72,12 @@
 //! reading a peer on purpose (its agent's queue of that peer's notifications is
 //! full) tells the peer first, and the peer lifts its user timeout until the target
 //! reads again: a consumer that reads its notifications late does not get its
-//! peers cut. While held back, a target whose host dies is noticed by TCP's own
-//! retransmission limit (`tcp_retries2`, many minutes), not the user timeout; a
-//! target process that dies closes the connection at once.
+//! peers cut. The hold-back is bounded: a target that answers no request for
+//! [`TcpOptions::pause_timeout`] while it holds back (one that paused and never
+//! reads again, or keeps saying PAUSE and RESUME without reading) is cut, and the
+//! transfers it stalled fail with `TimedOut` naming the stall; so is, through that
+//! bound, a target whose host dies while it holds back. A target process that dies
+//! closes the connection at once.
 //!
 //! ## The same-host path
 //! When initiator and target run on one kernel, data moves without the socket; the
