@@ -96,7 +96,13 @@
 //!   only after the data is visible.
 //!
 //! *Proven, not guessed.* The path is tried only when both sides' connection info
-//! carries the same kernel boot id, and used only after the initiator mapped the
+//! carries the same kernel boot id. The target offers its grant table (which names
+//! its pid, and the table's descriptor and address) only to a peer proven to be on
+//! its host as its user: the connection comes from loopback or from the target's own
+//! address, its other end is a socket of the target's network namespace owned by
+//! the target's user (`/proc/net/tcp`), and, with a secret, the peer authenticated
+//! first; any other peer is told "no offer" and learns none of it. The path is used
+//! only after the initiator mapped the
 //! target's grant table through `/proc/<pid>/fd` and found in it the nonce the target
 //! sent over the (authenticated, with [`TcpOptions::secret`]) TCP connection: same
 //! host, same process, access allowed. Cross-memory attach is used only after reading
@@ -114,7 +120,10 @@
 //! alive until it lets go and deregistration reports it). An initiator holds a shared
 //! `flock` on the table while it has it mapped, so one that died inside a copy is
 //! seen gone at once and never waited for; shutdown waits asynchronously (at most half
-//! its bound) and a connection's end not at all.
+//! its bound) and a connection's end not at all. A new registration is published in
+//! each table without the lock other registrations take, so a peer that holds a slot
+//! busy (it may wait for a live initiator to leave one it looked at while free, 10 s
+//! at most in all) holds up only that registration.
 //!
 //! *Hostile peers.* Every memfd is sealed at its size, so a target cannot truncate one
 //! under the initiator's mapping (SIGBUS). The initiator opens `/proc/<pid>/fd/<fd>`

@@ -11,5 +11,7 @@ mod hostile_listeners;
 mod hostile_notifications;
 #[path = "hostile/same_host.rs"]
 mod hostile_same_host;
+#[path = "hostile/same_host_offer.rs"]
+mod hostile_same_host_offer;
 #[path = "hostile/stalls.rs"]
 mod hostile_stalls;
