@@ -336,18 +336,31 @@ impl Grants {
 
     /// Revoke every grant in every table (shutdown): no peer touches this agent's
     /// memory afterwards. Waits asynchronously, up to `bound` (and at most
-    /// [`REVOKE_BOUND`]), only for live peers with a copy in progress.
-    pub(crate) async fn revoke_everything(&self, bound: Duration) {
+    /// [`REVOKE_BOUND`]), only for live peers with a copy in progress; one still in
+    /// a copy then is an error (for the shutdown report), not a silent overrun.
+    pub(crate) async fn revoke_everything(&self, bound: Duration) -> Result<()> {
         let tables = std::mem::take(&mut self.state.lock().unwrap().tables);
         for t in &tables {
             t.withdraw_all();
         }
-        let deadline = Instant::now() + bound.min(REVOKE_BOUND);
+        let bound = bound.min(REVOKE_BOUND);
+        let deadline = Instant::now() + bound;
         let mut pause = Duration::from_micros(100);
-        while !tables.iter().all(|t| t.settled()) {
+        loop {
+            let busy = tables.iter().filter(|t| !t.settled()).count();
+            if busy == 0 {
+                return Ok(());
+            }
             if Instant::now() >= deadline {
-                tracing::warn!("tcp: a same-host peer kept copying past the revoke bound");
-                return;
+                tracing::warn!(
+                    peers = busy,
+                    "tcp: a same-host peer kept copying past the revoke bound"
+                );
+                return Err(Error::new(
+                    ErrorKind::TimedOut,
+                    "tcp shutdown",
+                    format!("{busy} same-host peer(s) still inside a copy of this agent's memory after {bound:?}"),
+                ));
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(10));
