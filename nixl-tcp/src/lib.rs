@@ -99,11 +99,11 @@
 //! carries the same kernel boot id. The target offers its grant table (which names
 //! its pid, and the table's descriptor and address) only to a peer proven to be on
 //! its host as its user: the connection comes from loopback or from the target's own
-//! address, its other end is a socket of the target's network namespace owned by
-//! the target's user (`/proc/net/tcp`), and, with a secret, the peer authenticated
-//! first; any other peer is told "no offer" and learns none of it. The path is used
-//! only after the initiator mapped the
-//! target's grant table through `/proc/<pid>/fd` and found in it the nonce the target
+//! address, its other end is a socket of the target's network namespace owned by the
+//! target's user (asked of the kernel's socket diagnostics, `/proc/net/tcp` where
+//! those are missing), and, with a secret, the peer authenticated first; any other
+//! peer is told "no offer" and learns none of it. The path is used only after the
+//! initiator mapped the target's grant table through `/proc/<pid>/fd` and found in it the nonce the target
 //! sent over the (authenticated, with [`TcpOptions::secret`]) TCP connection: same
 //! host, same process, access allowed. Cross-memory attach is used only after reading
 //! that nonce with `process_vm_readv` worked. Where any step fails the connection uses
@@ -159,6 +159,7 @@ mod route;
 mod runs;
 mod same_host;
 mod shm;
+mod sock_diag;
 mod state;
 mod target;
 mod wire;

@@ -13,6 +13,7 @@ use crate::cma::{CallLimits, Copies, Piece, Split};
 use crate::direct::{not_granted, Direct, Unsuitable};
 use crate::gpu_direct::GpuPeer;
 use crate::shm::{self, Access, GpuGrant, Grant, Mapping, Table};
+use crate::sock_diag::{self, SocketFacts};
 use crate::wire::Offer;
 
 /// Whether nixl-tcp moves data between agents on one host without the socket.
@@ -435,20 +436,22 @@ fn proc_net_forms(a: SocketAddr) -> Vec<String> {
     forms
 }
 
-/// What this network namespace's `/proc/net/tcp{,6}` says of one TCP socket.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct ProcSocket {
-    /// The state, as printed (`01`: established).
-    state: String,
-    /// The user owning it.
-    uid: u32,
-    /// Its inode (0: no process holds it any more).
-    inode: u64,
+/// The TCP socket from `from` to `to` in this network namespace, if there is one:
+/// asked of the kernel's socket diagnostics ([`sock_diag`]), or where those cannot be
+/// asked, found in `/proc/net/tcp{,6}`.
+fn socket_facts(from: SocketAddr, to: SocketAddr) -> Option<SocketFacts> {
+    match sock_diag::lookup(from, to) {
+        Ok(found) => found,
+        Err(e) => {
+            tracing::debug!(error = %e, "tcp: no socket diagnostics; reading /proc/net/tcp");
+            proc_socket(from, to)
+        }
+    }
 }
 
 /// The TCP socket from `from` to `to` in this network namespace
 /// (`/proc/net/tcp{,6}`), if there is one.
-fn proc_socket(from: SocketAddr, to: SocketAddr) -> Option<ProcSocket> {
+fn proc_socket(from: SocketAddr, to: SocketAddr) -> Option<SocketFacts> {
     let (local, remote) = (proc_net_forms(from), proc_net_forms(to));
     ["/proc/self/net/tcp", "/proc/self/net/tcp6"]
         .into_iter()
@@ -460,8 +463,8 @@ fn proc_socket(from: SocketAddr, to: SocketAddr) -> Option<ProcSocket> {
                 if !(local.iter().any(|x| x == l) && remote.iter().any(|x| x == r)) {
                     return None;
                 }
-                Some(ProcSocket {
-                    state: (*st).to_owned(),
+                Some(SocketFacts {
+                    state: u8::from_str_radix(st, 16).ok()?,
                     uid: f.get(7)?.parse().ok()?,
                     inode: f.get(9)?.parse().ok()?,
                 })
@@ -478,8 +481,8 @@ fn proc_socket(from: SocketAddr, to: SocketAddr) -> Option<ProcSocket> {
 ///   connection to a routable address of this host from this host comes from that
 ///   address), and
 /// - its other end is a socket of this host's network namespace, held by a
-///   process (`theirs()`: that socket's owner and inode, from `/proc/net/tcp`, read
-///   only once the address passed), and
+///   process (`theirs()`: that socket's owner and inode, asked of the kernel only
+///   once the address passed), and
 /// - that socket belongs to `me`, this process's user (the initiator's
 ///   `open_peer_memfd` accepts only a target of its own user too).
 ///
@@ -519,16 +522,14 @@ pub(crate) fn offer_allowed(
     let me = std::fs::metadata("/proc/self")
         .map_err(|e| format!("cannot tell this process's user ({e})"))?
         .uid();
-    let theirs = || proc_socket(peer, local).map(|s| (s.uid, s.inode));
+    let theirs = || socket_facts(peer, local).map(|s| (s.uid, s.inode));
     may_offer(local, peer, theirs, me)
 }
 
 /// Whether our connection from `local` to `remote` is known to be closing (the peer
 /// closed its end: its setup failing then says nothing about the same-host path).
 pub(crate) fn connection_closed(local: SocketAddr, remote: SocketAddr) -> bool {
-    /// `TCP_ESTABLISHED`, as `/proc/net/tcp` prints it.
-    const ESTABLISHED: &str = "01";
-    proc_socket(local, remote).is_some_and(|s| s.state != ESTABLISHED)
+    socket_facts(local, remote).is_some_and(|s| s.state != sock_diag::ESTABLISHED)
 }
 
 /// Check that process `pid` holds the socket at the other end of our TCP connection
@@ -538,8 +539,8 @@ pub(crate) fn connection_closed(local: SocketAddr, remote: SocketAddr) -> bool {
 /// process the network picked. Fails where it cannot tell (another network
 /// namespace, a proxy in between): then the connection uses TCP.
 fn holds_connection(pid: u32, local: SocketAddr, remote: SocketAddr) -> std::io::Result<()> {
-    let inode = match proc_socket(remote, local) {
-        Some(ProcSocket { inode, .. }) if inode != 0 => format!("socket:[{inode}]"),
+    let inode = match socket_facts(remote, local) {
+        Some(SocketFacts { inode, .. }) if inode != 0 => format!("socket:[{inode}]"),
         _ => {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::Unsupported,
