@@ -25,7 +25,8 @@ pub struct TcpOptions {
     /// It also bounds a target that stops reading without saying so: data it leaves
     /// unread (a zero window) for this long closes the connection (`TCP_USER_TIMEOUT`
     /// counts zero-window probes, Linux 5.11 and later), and the transfers on it fail
-    /// with `RemoteDisconnected` naming the stall.
+    /// with `RemoteDisconnected` (naming this timeout where the connection's reader
+    /// or writer saw the kernel's `ETIMEDOUT`; the other sees only the closed socket).
     pub dead_peer_timeout: Duration,
     /// Longest a target may hold back reading a connection without answering any
     /// request (default 60 s). A target pauses a connection (it says so: PAUSE)
