@@ -25,6 +25,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use nixl::{Completer, Error, ErrorKind, Op, Result, Segments};
@@ -300,6 +301,8 @@ pub(crate) struct Conn {
     /// How data moves to this peer, once connected.
     path: Arc<OnceLock<String>>,
     require: bool,
+    /// [`TcpOptions::dead_peer_timeout`], for messages.
+    dead_peer: Duration,
 }
 
 /// The error of a transfer that cannot go same-host when the options require it.
@@ -392,6 +395,7 @@ impl Conn {
             same_host: Arc::default(),
             path: Arc::default(),
             require: options.same_host == SameHost::Require,
+            dead_peer: options.dead_peer_timeout,
         });
         let task = Task {
             held: Held::default(),
@@ -617,12 +621,7 @@ impl Conn {
                     fail(
                         &self.table,
                         &self.dead,
-                        Error::new(
-                            ErrorKind::RemoteDisconnected,
-                            "tcp transfer",
-                            format!("sending to peer {:?} failed", self.peer),
-                        )
-                        .with_source(e),
+                        socket_error(&self.peer, "sending", self.dead_peer, e),
                     );
                     self.cancel.cancel();
                     return None;
@@ -740,7 +739,10 @@ impl Task {
         let (rd, wr) = stream.into_split();
         self.tracker.spawn(reader(
             rd,
-            self.options.dead_peer_timeout,
+            Timeouts {
+                dead_peer: self.options.dead_peer_timeout,
+                pause: self.options.pause_timeout,
+            },
             self.peer.clone(),
             self.table.clone(),
             self.dead.clone(),
@@ -904,12 +906,7 @@ impl Task {
         let mut own = Some(BufWriter::with_capacity(IO_BUF, wr));
         let mut scratch = Vec::new();
         let failed = |e: std::io::Error| {
-            Error::new(
-                ErrorKind::RemoteDisconnected,
-                "tcp transfer",
-                format!("sending to peer {:?} failed", self.peer),
-            )
-            .with_source(e)
+            socket_error(&self.peer, "sending", self.options.dead_peer_timeout, e)
         };
         loop {
             if let (Some(w), true) = (own.as_mut(), rx.is_empty()) {
@@ -1028,8 +1025,10 @@ impl Task {
                     )));
                     return Ok(());
                 }
-                // `held` keeps the memory alive while the payload is sent.
+                // `held` keeps the memory alive while the payload is sent; the
+                // table counts the request as waiting for the target meanwhile.
                 self.held.put(done);
+                self.table.lock().unwrap().sending(id);
                 w.write_all(head).await?;
                 w.write_all(&table).await?;
                 w.write_all(notif).await?;
@@ -1119,7 +1118,7 @@ fn park(
 
 async fn reader(
     rd: OwnedReadHalf,
-    dead_peer_timeout: std::time::Duration,
+    timeouts: Timeouts,
     peer: String,
     table: Arc<Mutex<Table>>,
     dead: Arc<AtomicBool>,
@@ -1128,7 +1127,7 @@ async fn reader(
     let held = Held::default();
     let e = tokio::select! {
         _ = cancel.cancelled() => None,
-        e = read_loop(rd, dead_peer_timeout, &peer, &table, &held) => Some(e),
+        e = read_loop(rd, timeouts, &peer, &table, &held) => Some(e),
     };
     if let Some(e) = e {
         tracing::debug!(%peer, error = %e, "tcp connection closed");
@@ -1139,32 +1138,103 @@ async fn reader(
     held.fail(&table);
 }
 
+/// The connection's timeouts, as the reader applies them.
+#[derive(Clone, Copy, Debug)]
+struct Timeouts {
+    /// [`TcpOptions::dead_peer_timeout`]: the socket's `TCP_USER_TIMEOUT`.
+    dead_peer: Duration,
+    /// [`TcpOptions::pause_timeout`]: how long the target may hold back unanswering.
+    pause: Duration,
+}
+
+/// The error of a socket that failed while `doing` (sending or receiving): a timeout
+/// there is the kernel's `TCP_USER_TIMEOUT` (or keepalive) giving up on a peer that
+/// left our data unacknowledged, or unread behind a zero window, for `dead` or more.
+fn socket_error(peer: &str, doing: &str, dead: Duration, e: std::io::Error) -> Error {
+    let why = match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => format!("{doing}: the peer closed the connection"),
+        std::io::ErrorKind::TimedOut => format!(
+            "{doing} failed: the peer read nothing of what was sent (or did not acknowledge it) for {dead:?} (TcpOptions::dead_peer_timeout); the connection is closed"
+        ),
+        _ => format!("{doing} failed"),
+    };
+    Error::new(
+        ErrorKind::RemoteDisconnected,
+        "tcp transfer",
+        format!("peer {peer:?}: {why}"),
+    )
+    .with_source(e)
+}
+
+/// Fill `buf` from `r` while the target holds back: reads (each cancel-safe, so
+/// nothing that arrived is lost) stop at the hold-back's deadline to let [`HoldBack`]
+/// judge the stall, and go on unless the stall ends the connection.
+async fn fill_held_back(
+    r: &mut BufReader<OwnedReadHalf>,
+    buf: &mut [u8],
+    hold: &mut HoldBack,
+    table: &Mutex<Table>,
+    timeouts: Timeouts,
+    peer: &str,
+) -> std::result::Result<(), Error> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let Some(at) = hold.deadline() else {
+            r.read_exact(&mut buf[filled..])
+                .await
+                .map_err(|e| socket_error(peer, "receiving", timeouts.dead_peer, e))?;
+            return Ok(());
+        };
+        tokio::select! {
+            n = r.read(&mut buf[filled..]) => match n {
+                Ok(0) => {
+                    let eof = std::io::ErrorKind::UnexpectedEof.into();
+                    return Err(socket_error(peer, "receiving", timeouts.dead_peer, eof));
+                }
+                Ok(n) => filled += n,
+                Err(e) => return Err(socket_error(peer, "receiving", timeouts.dead_peer, e)),
+            },
+            _ = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {
+                let outstanding = table.lock().unwrap().outstanding();
+                if let Some(t) = hold.timed_out(Instant::now(), outstanding)? {
+                    user_timeout(r, t, timeouts, peer);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Lift or restore the socket's `TCP_USER_TIMEOUT`.
+fn user_timeout(r: &BufReader<OwnedReadHalf>, t: UserTimeout, timeouts: Timeouts, peer: &str) {
+    let lifted = t == UserTimeout::Lift;
+    let timeout = (!lifted).then_some(timeouts.dead_peer);
+    nixl::control::set_user_timeout(r.get_ref().as_ref(), timeout);
+    tracing::debug!(%peer, lifted, "tcp: the peer holds back reading");
+}
+
 async fn read_loop(
     rd: OwnedReadHalf,
-    dead_peer_timeout: std::time::Duration,
+    timeouts: Timeouts,
     peer: &str,
     table: &Mutex<Table>,
     held: &Held,
 ) -> Error {
     let mut r = BufReader::with_capacity(IO_BUF, rd);
-    let lost = |e: std::io::Error| {
-        let what = if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            "the peer closed the connection"
-        } else {
-            "receiving failed"
-        };
-        Error::new(
-            ErrorKind::RemoteDisconnected,
-            "tcp transfer",
-            format!("peer {peer:?}: {what}"),
-        )
-        .with_source(e)
-    };
+    let lost = |e: std::io::Error| socket_error(peer, "receiving", timeouts.dead_peer, e);
     let mut frames = Responses::default();
-    let mut hold = HoldBack::default();
+    let mut hold = HoldBack::new(peer, timeouts.pause);
     loop {
-        if let Err(e) = r.read_exact(frames.need()).await {
-            return lost(e);
+        // Not held back (nearly always): one plain read. Held back: a read that
+        // stops at the hold-back's deadline.
+        if hold.deadline().is_none() {
+            if let Err(e) = r.read_exact(frames.need()).await {
+                return lost(e);
+            }
+        } else if let Err(e) =
+            fill_held_back(&mut r, frames.need(), &mut hold, table, timeouts, peer).await
+        {
+            return e;
         }
         let frame = match frames.received() {
             Ok(Some(f)) => f,
@@ -1172,12 +1242,11 @@ async fn read_loop(
             Err(msg) => return table.lock().unwrap().broke(msg),
         };
         // A target that stopped reading on purpose is alive: its zero window must
-        // not end the connection while it holds back.
-        if let Some(t) = hold.on_frame(&frame, || table.lock().unwrap().next_id()) {
-            let lifted = t == UserTimeout::Lift;
-            let timeout = (!lifted).then_some(dead_peer_timeout);
-            nixl::control::set_user_timeout(r.get_ref().as_ref(), timeout);
-            tracing::debug!(%peer, lifted, "tcp: the peer holds back reading");
+        // not end the connection while it holds back (for `pause_timeout` at most
+        // without answers: `fill_held_back`).
+        let next_id = || table.lock().unwrap().next_id();
+        if let Some(t) = hold.on_frame(&frame, next_id, Instant::now()) {
+            user_timeout(&r, t, timeouts, peer);
         }
         let data = match frame {
             Frame::Data { id, len } => Some((id, len)),
@@ -1185,6 +1254,9 @@ async fn read_loop(
             Frame::Paused(_) => continue,
         };
         let answer = table.lock().unwrap().on_frame(frame);
+        if matches!(answer, Answer::Complete(..) | Answer::Receive(_)) {
+            hold.answered(Instant::now());
+        }
         match answer {
             Answer::Complete(p, result) => p.done.complete(result),
             Answer::Kept => {}

@@ -72,9 +72,12 @@
 //! reading a peer on purpose (its agent's queue of that peer's notifications is
 //! full) tells the peer first, and the peer lifts its user timeout until the target
 //! reads again: a consumer that reads its notifications late does not get its
-//! peers cut. While held back, a target whose host dies is noticed by TCP's own
-//! retransmission limit (`tcp_retries2`, many minutes), not the user timeout; a
-//! target process that dies closes the connection at once.
+//! peers cut. The hold-back is bounded: a target that answers no request for
+//! [`TcpOptions::pause_timeout`] while it holds back (one that paused and never
+//! reads again, or keeps saying PAUSE and RESUME without reading) is cut, and the
+//! transfers it stalled fail with `TimedOut` naming the stall; so is, through that
+//! bound, a target whose host dies while it holds back. A target process that dies
+//! closes the connection at once.
 //!
 //! ## The same-host path
 //! When initiator and target run on one kernel, data moves without the socket; the
@@ -93,8 +96,14 @@
 //!   only after the data is visible.
 //!
 //! *Proven, not guessed.* The path is tried only when both sides' connection info
-//! carries the same kernel boot id, and used only after the initiator mapped the
-//! target's grant table through `/proc/<pid>/fd` and found in it the nonce the target
+//! carries the same kernel boot id. The target offers its grant table (which names
+//! its pid, and the table's descriptor and address) only to a peer proven to be on
+//! its host as its user: the connection comes from loopback or from the target's own
+//! address, its other end is a socket of the target's network namespace owned by the
+//! target's user (asked of the kernel's socket diagnostics, `/proc/net/tcp` where
+//! those are missing), and, with a secret, the peer authenticated first; any other
+//! peer is told "no offer" and learns none of it. The path is used only after the
+//! initiator mapped the target's grant table through `/proc/<pid>/fd` and found in it the nonce the target
 //! sent over the (authenticated, with [`TcpOptions::secret`]) TCP connection: same
 //! host, same process, access allowed. Cross-memory attach is used only after reading
 //! that nonce with `process_vm_readv` worked. Where any step fails the connection uses
@@ -111,7 +120,10 @@
 //! alive until it lets go and deregistration reports it). An initiator holds a shared
 //! `flock` on the table while it has it mapped, so one that died inside a copy is
 //! seen gone at once and never waited for; shutdown waits asynchronously (at most half
-//! its bound) and a connection's end not at all.
+//! its bound) and a connection's end not at all. A new registration is published in
+//! each table without the lock other registrations take, so a peer that holds a slot
+//! busy (it may wait for a live initiator to leave one it looked at while free, 10 s
+//! at most in all) holds up only that registration.
 //!
 //! *Hostile peers.* Every memfd is sealed at its size, so a target cannot truncate one
 //! under the initiator's mapping (SIGBUS). The initiator opens `/proc/<pid>/fd/<fd>`
@@ -147,6 +159,7 @@ mod route;
 mod runs;
 mod same_host;
 mod shm;
+mod sock_diag;
 mod state;
 mod target;
 mod wire;
@@ -588,7 +601,7 @@ impl Backend for TcpBackend {
     async fn shutdown(&self, timeout: Duration) -> Result<()> {
         // Same-host peers stop touching our memory first: waits for copies running in
         // live peers, for half the bound at most, leaving the rest for the rest.
-        self.inner.grants.revoke_everything(timeout / 2).await;
+        let revoked = self.inner.grants.revoke_everything(timeout / 2).await;
         self.inner.copier.lock().unwrap().take();
         if let Some(s) = self.inner.started.try_get() {
             s.cancel.cancel();
@@ -599,7 +612,8 @@ impl Backend for TcpBackend {
         }
         self.inner.regions.write().unwrap().clear();
         self.inner.keys.lock().unwrap().clear();
-        Ok(())
+        // A peer still copying past the bound is the shutdown report's to name.
+        revoked
     }
 }
 

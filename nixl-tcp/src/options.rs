@@ -22,7 +22,23 @@ pub struct TcpOptions {
     /// Bound on noticing a peer that went silent (host crash, cut link): TCP keepalive
     /// probes and `TCP_USER_TIMEOUT` are set from it. A peer process that dies is
     /// noticed at once (its kernel closes the connection).
+    /// It also bounds a target that stops reading without saying so: data it leaves
+    /// unread (a zero window) for this long closes the connection (`TCP_USER_TIMEOUT`
+    /// counts zero-window probes, Linux 5.11 and later), and the transfers on it fail
+    /// with `RemoteDisconnected` (naming this timeout where the connection's reader
+    /// or writer saw the kernel's `ETIMEDOUT`; the other sees only the closed socket).
     pub dead_peer_timeout: Duration,
+    /// Longest a target may hold back reading a connection without answering any
+    /// request (default 60 s). A target pauses a connection (it says so: PAUSE)
+    /// while its application leaves notifications unread, and `TCP_USER_TIMEOUT` is
+    /// lifted meanwhile, so the zero window of a deliberate pause does not count as a
+    /// dead peer. Each answer starts the bound again, so a slow but moving target is
+    /// never cut; one that pauses and then never reads (or keeps saying PAUSE and
+    /// RESUME without reading) is: when the bound runs out with requests waiting, the
+    /// connection is closed and every transfer on it fails with `TimedOut` naming the
+    /// stall. Raise it where applications may leave their notifications unread for
+    /// longer; a deadline per transfer is the caller's (cancel or drop the transfer).
+    pub pause_timeout: Duration,
     /// Longest notification accepted.
     pub max_notification: usize,
     /// An incoming connection that has not finished its handshake (hello, shared
@@ -92,6 +108,7 @@ impl Default for TcpOptions {
             advertise: None,
             connect_timeout: Duration::from_secs(5),
             dead_peer_timeout: Duration::from_secs(10),
+            pause_timeout: Duration::from_secs(60),
             max_notification: 1 << 20,
             handshake_timeout: Duration::from_secs(10),
             max_incoming_handshakes: 256,

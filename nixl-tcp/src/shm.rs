@@ -521,6 +521,15 @@ impl Table {
         Some((access, self.read_grant(slot)))
     }
 
+    /// Count an access to `slot` whether or not it is granted (tests: an initiator
+    /// caught between looking at a free slot and leaving it).
+    #[cfg(test)]
+    pub(crate) fn hold(&self, slot: u32) -> Access<'_> {
+        let [state, ..] = self.words(slot).expect("in range");
+        state.fetch_add(1, Ordering::Acquire);
+        Access { state }
+    }
+
     /// [`acquire`](Self::acquire) with an access that holds the table itself, for
     /// accesses that end on another thread (GPU copies end in a driver callback).
     pub(crate) fn acquire_owned(self: &Arc<Self>, slot: u32) -> Option<(OwnedAccess, Grant)> {

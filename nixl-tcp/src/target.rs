@@ -4,6 +4,7 @@
 //! each segment's key must name a live registration and the segment must lie inside
 //! it. A refused WRITE's payload is read and discarded, so the connection stays usable.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +17,7 @@ use crate::io::{recv_slices, send_slices, IO_BUF};
 use crate::options::Started;
 use crate::protocol::target::{Action, Refusal, Registry, Target};
 use crate::runs::{blocks, range, LocalRun};
-use crate::same_host::{ConnTable, SameHost};
+use crate::same_host::{self, ConnTable, SameHost};
 use crate::shm;
 use crate::state::Inner;
 use crate::wire::{self, Offer, ResponseHeader, SegEntry};
@@ -113,6 +114,10 @@ async fn serve(
     deadline: tokio::time::Instant,
 ) -> std::io::Result<()> {
     nixl::control::tune(&stream, inner.options.dead_peer_timeout);
+    // Both ends, for deciding whether the peer may see a same-host offer.
+    let ends = stream
+        .local_addr()
+        .and_then(|l| Ok((l, stream.peer_addr()?)));
     let (rd, wr) = stream.into_split();
     let mut r = BufReader::with_capacity(IO_BUF, rd);
     let mut w = BufWriter::with_capacity(IO_BUF, wr);
@@ -140,7 +145,7 @@ async fn serve(
                 }
                 Action::Ack { id, status, msg } => ack(&mut w, id, status, &msg).await?,
                 Action::Offer => {
-                    let offered = offer(&inner);
+                    let offered = offer(&inner, ends.as_ref().ok().copied());
                     m.offered(offered.as_ref().map(|(_, o)| o));
                     if let Some((t, _)) = offered {
                         tracing::debug!(peer = %m.peer(), "tcp: same-host path offered");
@@ -223,9 +228,18 @@ async fn serve(
     }
 }
 
-/// A grant table for a new same-host connection, unless the path is off here.
-fn offer(inner: &Inner) -> Option<(Arc<ConnTable>, Offer)> {
+/// A grant table for a new same-host connection between `ends` (ours, the peer's),
+/// unless the path is off here or the peer is not proven to be on this host as our
+/// user ([`same_host::may_offer`]): nothing of the table, nor this process's pid,
+/// is revealed to any other peer. Runs only after the handshake authenticated the
+/// peer, where a secret is set.
+fn offer(inner: &Inner, ends: Option<(SocketAddr, SocketAddr)>) -> Option<(Arc<ConnTable>, Offer)> {
     if inner.options.same_host == SameHost::Off {
+        return None;
+    }
+    let (local, peer) = ends?;
+    if let Err(why) = same_host::offer_allowed(local, peer) {
+        tracing::debug!(%peer, reason = %why, "tcp: no same-host offer for this connection");
         return None;
     }
     let mut nonce = [0u8; shm::NONCE_LEN];

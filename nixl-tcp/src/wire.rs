@@ -34,7 +34,8 @@
 //! text. DATA: then `data length` bytes. PAUSE and RESUME (header only): the target
 //! stops reading the connection while its agent's queue of the initiator's
 //! notifications is full (back-pressure), and reads it again; in between, the
-//! initiator does not take the zero window it sees for a dead peer.
+//! initiator does not take the zero window it sees for a dead peer, for as long as
+//! the target answers some request every `TcpOptions::pause_timeout`.
 
 pub(crate) const MAGIC: [u8; 4] = *b"NXTC";
 /// 6: authentication (`nixl::control`) before the hello, binding agent names;

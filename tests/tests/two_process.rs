@@ -198,8 +198,9 @@ async fn killed_target_fails_in_flight_and_initiator_keeps_serving() {
 
 /// Across a real permission boundary: an initiator running as another, unprivileged
 /// user may not open this (root) process's descriptors, so the same-host path cannot
-/// be set up. With `auto` it falls back to TCP and says why; with `require` every
-/// transfer fails with the reason instead. Needs root (to start the other user's
+/// be set up; the target does not even offer it (its pid and grant table are for
+/// peers of its own user only). With `auto` it falls back to TCP and says why; with
+/// `require` every transfer fails with the reason instead. Needs root (to start the other user's
 /// process); skips visibly otherwise.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unprivileged_initiator_falls_back_to_tcp_or_is_refused() {
@@ -261,7 +262,7 @@ async fn unprivileged_initiator_falls_back_to_tcp_or_is_refused() {
         match mode {
             "auto" => {
                 assert!(
-                    path.starts_with("TCP") && path.contains("could not be used"),
+                    path.starts_with("TCP") && path.contains("the target does not offer it"),
                     "{path}"
                 );
                 assert!(first.starts_with("OK"), "{first}");

@@ -19,6 +19,7 @@
 //! call carries the action out, after letting go of the lock.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use nixl::control::{ClientAuth, NONCE_LEN};
 use nixl::{Error, ErrorKind, Result, SharedSecret};
@@ -463,30 +464,63 @@ pub(crate) enum UserTimeout {
     Restore,
 }
 
-/// Whether the target holds back reading this connection ([`Frame::Paused`]). The
-/// user timeout is lifted at PAUSE and restored only once the target answered a
+/// Whether the target holds back reading this connection ([`Frame::Paused`]), and
+/// for how long it may.
+///
+/// The user timeout is lifted at PAUSE and restored only once the target answered a
 /// request sent after its RESUME: restoring at RESUME itself, before the window
 /// reopens, would let Linux count the whole pause against the timeout and cut the
 /// connection at the next zero-window probe.
-#[derive(Debug, Default)]
+///
+/// While it is lifted nothing in the kernel notices a target that never reads again,
+/// so the hold-back is bounded here: the target must answer some request within
+/// `limit` of its PAUSE, and within `limit` of each answer after it. PAUSE and RESUME
+/// frames themselves move nothing on (a target cycling them without reading stalls
+/// like one that paused once). When the bound runs out with requests still waiting
+/// ([`HoldBack::timed_out`]), the connection is closed with a `TimedOut` naming the
+/// stall; with none waiting, the hold-back simply ends: every byte sent was answered,
+/// so nothing is left for the restored user timeout to count.
+#[derive(Debug)]
 pub(crate) struct HoldBack {
+    peer: String,
+    limit: Duration,
     lifted: bool,
     /// Restore once a request from this id on is answered.
     until_answer_from: Option<u64>,
+    /// While lifted: the PAUSE, or the last answer since.
+    since: Option<Instant>,
 }
 
 impl HoldBack {
-    /// A frame arrived; `next_id` says the id the next request will get (asked only
-    /// at RESUME).
+    /// Nothing held back yet; `limit` bounds a hold-back without answers.
+    pub(crate) fn new(peer: &str, limit: Duration) -> Self {
+        Self {
+            peer: peer.to_owned(),
+            limit,
+            lifted: false,
+            until_answer_from: None,
+            since: None,
+        }
+    }
+
+    /// A frame arrived at `now`; `next_id` says the id the next request will get
+    /// (asked only at RESUME).
     pub(crate) fn on_frame(
         &mut self,
         frame: &Frame,
         next_id: impl FnOnce() -> u64,
+        now: Instant,
     ) -> Option<UserTimeout> {
         match frame {
             Frame::Paused(true) => {
                 self.until_answer_from = None;
-                (!std::mem::replace(&mut self.lifted, true)).then_some(UserTimeout::Lift)
+                if self.lifted {
+                    // Pausing again restarts nothing: only answers do.
+                    return None;
+                }
+                self.lifted = true;
+                self.since = Some(now);
+                Some(UserTimeout::Lift)
             }
             Frame::Paused(false) => {
                 if self.lifted {
@@ -496,13 +530,62 @@ impl HoldBack {
             }
             Frame::Ack { id, .. } | Frame::Data { id, .. } => match self.until_answer_from {
                 Some(from) if *id >= from => {
-                    self.until_answer_from = None;
-                    self.lifted = false;
+                    self.end();
                     Some(UserTimeout::Restore)
                 }
                 _ => None,
             },
         }
+    }
+
+    /// The target answered a request at `now` (the request table completed it, or
+    /// its READ data arrives): it makes progress, the bound starts again.
+    pub(crate) fn answered(&mut self, now: Instant) {
+        if self.lifted {
+            self.since = Some(now);
+        }
+    }
+
+    /// When the hold-back runs out: call [`HoldBack::timed_out`] then. `None` while
+    /// the target does not hold back.
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        // A limit too large to add is no limit.
+        self.since
+            .filter(|_| self.lifted)
+            .and_then(|since| since.checked_add(self.limit))
+    }
+
+    /// The time is `now`; `outstanding` says whether requests wait for the target
+    /// (sent or being sent, unanswered). Past the deadline with some waiting: the
+    /// error to close the connection with. Past it with none: the hold-back is over
+    /// (restore the user timeout).
+    pub(crate) fn timed_out(
+        &mut self,
+        now: Instant,
+        outstanding: bool,
+    ) -> std::result::Result<Option<UserTimeout>, Error> {
+        match self.deadline() {
+            Some(at) if now >= at => {}
+            _ => return Ok(None),
+        }
+        if outstanding {
+            return Err(Error::new(
+                ErrorKind::TimedOut,
+                "tcp transfer",
+                format!(
+                    "peer {:?} stalled: it held back reading this connection (PAUSE) and answered no request for {:?} (TcpOptions::pause_timeout); the connection is closed",
+                    self.peer, self.limit
+                ),
+            ));
+        }
+        self.end();
+        Ok(Some(UserTimeout::Restore))
+    }
+
+    fn end(&mut self) {
+        self.lifted = false;
+        self.until_answer_from = None;
+        self.since = None;
     }
 }
 
@@ -516,6 +599,9 @@ pub(crate) struct Requests<P> {
     pending: HashMap<u64, Waiting<P>>,
     /// Answers that arrived before the sender handed its request over.
     early: HashMap<u64, Result<()>>,
+    /// The WRITE whose payload the sender is sending (its request is with the
+    /// sender meanwhile, not in `pending`).
+    sending: Option<u64>,
 }
 
 impl<P> Requests<P> {
@@ -526,7 +612,20 @@ impl<P> Requests<P> {
             dead: None,
             pending: HashMap::new(),
             early: HashMap::new(),
+            sending: None,
         }
+    }
+
+    /// WRITE `id`'s payload is being sent: until [`Requests::sent`], it waits for
+    /// the target as much as a request in the table does.
+    pub(crate) fn sending(&mut self, id: u64) {
+        self.sending = Some(id);
+    }
+
+    /// Whether any request waits for the target: sent (or being sent) and not
+    /// answered yet.
+    pub(crate) fn outstanding(&self) -> bool {
+        !self.pending.is_empty() || self.sending.is_some()
     }
 
     /// The id the next request will get.
@@ -569,6 +668,9 @@ impl<P> Requests<P> {
     /// WRITE `id`'s payload is sent: wait for its answer, or finish it when the
     /// answer came already (or the connection died meanwhile).
     pub(crate) fn sent(&mut self, id: u64, done: P) -> Option<(P, Result<()>)> {
+        if self.sending == Some(id) {
+            self.sending = None;
+        }
         if let Some(r) = self.early.remove(&id) {
             return Some((done, r));
         }
@@ -602,6 +704,7 @@ impl<P> Requests<P> {
             self.dead = Some(e.cloned());
         }
         self.early.clear();
+        self.sending = None;
         let waiting = self.pending.drain().map(|(_, w)| w.done).collect();
         (waiting, e)
     }

@@ -111,71 +111,171 @@ async fn tcp_initiator() -> Agent {
         .unwrap()
 }
 
+/// The target's process in these listener tests may hold this many descriptors: the
+/// usual default soft limit, below the idle sockets sent at it. A listener that kept
+/// every idle socket would run out of descriptors and stop accepting, the
+/// legitimate peer's connection with the rest.
+const TARGET_FILES: usize = 1024;
+const _: () = assert!(
+    IDLE > TARGET_FILES,
+    "more idle sockets than the target may hold"
+);
+
+/// A nixl-tcp target in a process of its own (`nixl-peer`, 1 MiB registered, data
+/// over TCP) whose soft open-files limit is [`TARGET_FILES`]: its address and
+/// metadata.
+struct FileBoundTarget {
+    _child: Kill,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+    addr: SocketAddr,
+    md: Vec<u8>,
+}
+
+/// Kills the child however the test ends.
+struct Kill(std::process::Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl FileBoundTarget {
+    fn spawn() -> Self {
+        use std::io::BufRead;
+        let mut child = Kill(
+            std::process::Command::new("bash")
+                .arg("-c")
+                .arg(format!("ulimit -Sn {TARGET_FILES} && exec \"$0\" \"$@\""))
+                .arg(env!("CARGO_BIN_EXE_nixl-peer"))
+                .arg((1usize << 20).to_string())
+                .env("NIXL_TCP_SAME_HOST", "off")
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn nixl-peer"),
+        );
+        let mut lines = std::io::BufReader::new(child.0.stdout.take().unwrap()).lines();
+        let first = lines
+            .next()
+            .expect("the target printed its metadata")
+            .unwrap();
+        let md =
+            nixl_conformance::support::unhex(first.strip_prefix("METADATA ").expect("METADATA"))
+                .expect("hex metadata");
+        let info = AgentMetadata::decode(&md).unwrap().backends[0]
+            .conn_info
+            .clone()
+            .expect("the tcp backend's address");
+        let info = String::from_utf8(info).unwrap();
+        let addr = info.split(';').next().unwrap().parse().unwrap();
+        Self {
+            _child: child,
+            lines,
+            addr,
+            md,
+        }
+    }
+
+    /// The rest of the line the target prints that starts with `prefix`.
+    fn line(&mut self, prefix: &str) -> String {
+        loop {
+            let l = self.lines.next().expect("target output").unwrap();
+            if let Some(rest) = l.strip_prefix(prefix) {
+                return rest.to_owned();
+            }
+        }
+    }
+}
+
+/// Idle sockets and a slowloris against a nixl-tcp target allowed [`TARGET_FILES`]
+/// descriptors, more idle sockets than that: the target closes the oldest in their
+/// handshake to admit newer ones, so a legitimate peer still connects and its WRITE,
+/// READ and notifications are served, its data checked in the target's memory. (A
+/// listener that kept them all could not accept it: with admission's eviction and
+/// the handshake timeout taken out, the WRITE fails.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nixl_tcp_serves_a_peer_past_idle_sockets_and_a_slowloris() {
     if !enough_files("nixl_tcp_serves_a_peer_past_idle_sockets_and_a_slowloris") {
         return;
     }
-    let (b, addr) = tcp_target(TcpOptions {
-        same_host: SameHost::Off,
-        ..TcpOptions::default()
-    })
-    .await;
-    let dst = b.register(vec![0u8; 4096]).unwrap();
-    let mut idle = idle_sockets(addr).await;
+    let mut target = tokio::task::spawn_blocking(FileBoundTarget::spawn)
+        .await
+        .unwrap();
+    let addr = target.addr;
+    // Connected one after the other; a connect that does not complete means the
+    // listener stopped accepting (its backlog is full): the peer below meets the
+    // same, so go on with what connected.
+    let mut idle = Vec::with_capacity(IDLE);
+    while idle.len() < IDLE {
+        match tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => idle.push(s),
+            _ => break,
+        }
+    }
     let slow = slowloris(addr, nixl_tcp_hello(&"s".repeat(200)));
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let a = tcp_initiator().await;
-    a.load_metadata(&b.metadata().unwrap()).unwrap();
-    let mut notes = b.notifications().unwrap();
-    let rd = remote(&a, "target", dst.id());
-    let src = a.register(pattern(7, 4096)).unwrap();
+    a.load_metadata(&target.md).unwrap();
+    let rd = a.remote_regions("target").unwrap()[0].clone();
+    const LEN: usize = 1 << 20;
+    let src = a.register(pattern(7, LEN)).unwrap();
     bounded(
         "write",
         a.write(
             &one(src.whole()),
             "target",
-            &one(rd.desc(0, 4096)),
+            &one(rd.desc(0, LEN as u64)),
             Some(Bytes::from_static(b"wrote")),
         ),
     )
     .await
-    .unwrap();
-    assert_eq!(dst.to_vec().unwrap(), src.to_vec().unwrap());
-    let n = bounded("notification", notes.recv()).await.unwrap();
-    assert_eq!((n.peer.as_str(), &n.msg[..]), ("initiator", &b"wrote"[..]));
-    let back = a.register(vec![0u8; 4096]).unwrap();
+    .expect("the legitimate peer's WRITE is served");
+    let back = a.register(vec![0u8; LEN]).unwrap();
     bounded(
         "read",
-        a.read(&one(back.whole()), "target", &one(rd.desc(0, 4096)), None),
+        a.read(
+            &one(back.whole()),
+            "target",
+            &one(rd.desc(0, LEN as u64)),
+            None,
+        ),
     )
     .await
-    .unwrap();
+    .expect("the legitimate peer's READ is served");
     assert_eq!(back.to_vec().unwrap(), src.to_vec().unwrap());
-    bounded("notify", a.notify("target", "hi").unwrap())
-        .await
-        .unwrap();
-    let n = bounded("notification", notes.recv()).await.unwrap();
-    assert_eq!(&n.msg[..], b"hi");
-
     // The target did not keep the idle sockets: all but the newest of those in
-    // their handshake were closed to admit newer connections.
+    // their handshake were closed to admit newer connections (counted while it
+    // runs: the notification `done` ends it).
     let max = TcpOptions::default().max_incoming_handshakes;
     let shut = closed(&mut idle).await;
     assert!(
-        shut >= IDLE - max,
-        "{shut} of {IDLE} idle sockets closed; at most {max} may wait in their handshake"
+        idle.len() == IDLE && shut >= IDLE - max,
+        "{shut} of {} idle sockets closed ({IDLE} sent); at most {max} may wait in their handshake",
+        idle.len()
     );
+    bounded("notify", a.notify("target", "done").unwrap())
+        .await
+        .expect("the legitimate peer's notification is served");
+    // The target saw both notifications, the WRITE's first, and its memory holds
+    // what was written.
+    let (notes, sum) = tokio::task::spawn_blocking(move || {
+        let notes = [target.line("NOTIF "), target.line("NOTIF ")];
+        (notes, target.line("CHECKSUM "))
+    })
+    .await
+    .unwrap();
+    assert_eq!(notes, ["wrote", "done"]);
+    assert_eq!(sum, nixl_conformance::support::checksum(&src).to_string());
     figure(
         "hostile: nixl-tcp listener, idle sockets and a slowloris",
-        format!("{IDLE} idle sockets: {shut} closed by the target (at most {max} wait in a handshake); a peer's WRITE, READ and notifications served meanwhile"),
+        format!("{IDLE} idle sockets at a target allowed {TARGET_FILES} descriptors: {shut} closed by the target (at most {max} wait in a handshake); a peer's WRITE, READ and notifications served meanwhile, its data checked in the target's memory"),
     );
     for s in slow {
         s.abort();
     }
     let _ = a.shutdown().await;
-    let _ = b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

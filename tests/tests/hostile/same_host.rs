@@ -35,7 +35,10 @@ async fn an_initiator_killed_inside_a_copy_holds_up_neither_deregistration_nor_s
 }
 
 /// As above, the memory still registered at shutdown: the shutdown's revocation of
-/// every grant finds the initiator gone.
+/// every grant finds the initiator gone. (Its wait is bounded by half the shutdown
+/// bound, so the shutdown's duration alone could not tell a revocation that found
+/// the initiator gone from one that waited it out; a wait that runs out is named in
+/// the shutdown report, which must be clean.)
 #[tokio::test]
 async fn an_initiator_killed_inside_a_copy_does_not_stretch_shutdown() {
     killed_inside_a_copy(false).await;

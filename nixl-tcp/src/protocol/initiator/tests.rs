@@ -700,30 +700,152 @@ fn a_read_with_a_notification_and_a_notification_alone_reach_the_target() {
     ));
 }
 
-#[test]
-fn the_user_timeout_comes_back_only_once_the_target_answers_after_resuming() {
-    let mut h = HoldBack::default();
-    let ack = |id| Frame::Ack {
+/// A hold-back with a bound of 10 s, and the instant `s` seconds after its start.
+fn hold_back() -> (HoldBack, impl Fn(u64) -> Instant) {
+    let t0 = Instant::now();
+    (HoldBack::new("target", Duration::from_secs(10)), move |s| {
+        t0 + Duration::from_secs(s)
+    })
+}
+
+fn ok_ack(id: u64) -> Frame {
+    Frame::Ack {
         id,
         status: wire::ST_OK,
         msg: String::new(),
-    };
+    }
+}
+
+#[test]
+fn the_user_timeout_comes_back_only_once_the_target_answers_after_resuming() {
+    let (mut h, at) = hold_back();
+    let ack = ok_ack;
     // Answers with nothing held back change nothing.
-    assert_eq!(h.on_frame(&ack(1), || 2), None);
+    assert_eq!(h.on_frame(&ack(1), || 2, at(0)), None);
     assert_eq!(
-        h.on_frame(&Frame::Paused(true), || 5),
+        h.on_frame(&Frame::Paused(true), || 5, at(0)),
         Some(UserTimeout::Lift)
     );
-    assert_eq!(h.on_frame(&Frame::Paused(true), || 5), None, "lifted once");
-    assert_eq!(h.on_frame(&ack(3), || 5), None);
+    assert_eq!(
+        h.on_frame(&Frame::Paused(true), || 5, at(0)),
+        None,
+        "lifted once"
+    );
+    assert_eq!(h.on_frame(&ack(3), || 5, at(0)), None);
     // RESUME, then answers to requests sent before it: still lifted.
-    assert_eq!(h.on_frame(&Frame::Paused(false), || 5), None);
-    assert_eq!(h.on_frame(&ack(4), || 9), None);
+    assert_eq!(h.on_frame(&Frame::Paused(false), || 5, at(0)), None);
+    assert_eq!(h.on_frame(&ack(4), || 9, at(0)), None);
     // An answer to a request sent after RESUME: the target reads again.
     let data = Frame::Data { id: 5, len: 8 };
-    assert_eq!(h.on_frame(&data, || 9), Some(UserTimeout::Restore));
-    assert_eq!(h.on_frame(&ack(6), || 9), None);
+    assert_eq!(h.on_frame(&data, || 9, at(0)), Some(UserTimeout::Restore));
+    assert_eq!(h.deadline(), None, "nothing held back, nothing to time");
+    assert_eq!(h.on_frame(&ack(6), || 9, at(0)), None);
     // A RESUME without a PAUSE is nothing to act on.
-    assert_eq!(h.on_frame(&Frame::Paused(false), || 9), None);
-    assert_eq!(h.on_frame(&ack(10), || 11), None);
+    assert_eq!(h.on_frame(&Frame::Paused(false), || 9, at(0)), None);
+    assert_eq!(h.on_frame(&ack(10), || 11, at(0)), None);
+}
+
+/// Hole 8 of issue 39: a target that says PAUSE and then never reads again stalled
+/// its initiator's requests forever (the user timeout lifted, nothing else timing).
+/// The hold-back is bounded: past it, with a request waiting, the connection closes
+/// with a `TimedOut` naming the stall.
+#[test]
+fn a_target_that_pauses_and_never_answers_is_cut_at_the_bound() {
+    let (mut h, at) = hold_back();
+    assert_eq!(h.deadline(), None);
+    assert_eq!(
+        h.on_frame(&Frame::Paused(true), || 2, at(0)),
+        Some(UserTimeout::Lift)
+    );
+    assert_eq!(h.deadline(), Some(at(10)));
+    // Before the bound: nothing.
+    assert!(matches!(h.timed_out(at(9), true), Ok(None)));
+    let e = h.timed_out(at(10), true).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut);
+    assert!(e.context().contains("\"target\" stalled"), "{e}");
+    assert!(e.context().contains("TcpOptions::pause_timeout"), "{e}");
+}
+
+/// PAUSE and RESUME frames move nothing on: a target cycling them without reading
+/// (or answering) is cut at the same bound as one that paused once.
+#[test]
+fn pausing_and_resuming_without_answers_does_not_stretch_the_bound() {
+    let (mut h, at) = hold_back();
+    h.on_frame(&Frame::Paused(true), || 2, at(0));
+    for s in 1..10 {
+        let paused = s % 2 == 0;
+        assert_eq!(h.on_frame(&Frame::Paused(paused), || 2, at(s)), None);
+    }
+    assert_eq!(h.deadline(), Some(at(10)));
+    assert!(h.timed_out(at(10), true).is_err());
+}
+
+/// A slow target that keeps answering is never cut: each answer starts the bound
+/// again, however long the hold-back lasts in all.
+#[test]
+fn each_answer_while_held_back_starts_the_bound_again() {
+    let (mut h, at) = hold_back();
+    h.on_frame(&Frame::Paused(true), || 2, at(0));
+    for s in (9..=90).step_by(9) {
+        assert!(matches!(h.timed_out(at(s), true), Ok(None)), "at {s} s");
+        // An answer to a request sent before any RESUME: still held back.
+        h.answered(at(s));
+        assert_eq!(h.on_frame(&ok_ack(1), || 2, at(s)), None);
+        assert_eq!(h.deadline(), Some(at(s + 10)));
+    }
+    assert!(h.timed_out(at(100), true).is_err(), "then silence is cut");
+}
+
+/// With nothing waiting for the target when the bound runs out (the connection went
+/// idle after a pause), nothing is cut: the hold-back ends and the user timeout
+/// comes back; a later PAUSE starts a new bound from its own time.
+#[test]
+fn a_hold_back_with_nothing_waiting_ends_without_a_cut() {
+    let (mut h, at) = hold_back();
+    h.on_frame(&Frame::Paused(true), || 2, at(0));
+    h.on_frame(&Frame::Paused(false), || 3, at(1));
+    h.answered(at(1));
+    assert_eq!(h.deadline(), Some(at(11)));
+    assert!(matches!(
+        h.timed_out(at(11), false),
+        Ok(Some(UserTimeout::Restore))
+    ));
+    assert_eq!(h.deadline(), None);
+    assert!(matches!(h.timed_out(at(50), true), Ok(None)));
+    assert_eq!(
+        h.on_frame(&Frame::Paused(true), || 4, at(60)),
+        Some(UserTimeout::Lift)
+    );
+    assert_eq!(h.deadline(), Some(at(70)));
+}
+
+/// A bound too large to add to the clock is no bound (never an instant cut).
+#[test]
+fn an_endless_pause_bound_never_cuts() {
+    let mut h = HoldBack::new("target", Duration::MAX);
+    h.on_frame(&Frame::Paused(true), || 2, Instant::now());
+    assert_eq!(h.deadline(), None);
+    assert!(matches!(h.timed_out(Instant::now(), true), Ok(None)));
+}
+
+/// What waits for the target: requests in the table and a WRITE whose payload is
+/// being sent; none once answered or once the connection died.
+#[test]
+fn outstanding_counts_requests_sent_and_being_sent() {
+    let mut t = table();
+    assert!(!t.outstanding());
+    let id = t.issue();
+    t.sending(id);
+    assert!(t.outstanding(), "a payload being sent waits for the target");
+    assert!(t.sent(id, Done(id)).is_none());
+    assert!(t.outstanding(), "sent, not answered");
+    assert!(matches!(
+        t.on_frame(ack(id, wire::ST_OK, "")),
+        Answer::Complete(..)
+    ));
+    assert!(!t.outstanding());
+    let id = t.issue();
+    t.sending(id);
+    let _ = t.fail(Error::new(ErrorKind::RemoteDisconnected, "t", "gone"));
+    assert!(!t.outstanding());
 }

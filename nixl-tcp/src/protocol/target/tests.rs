@@ -644,6 +644,31 @@ fn shared_secret_gates_every_request() {
     assert_eq!(s.take(), vec![Seen::Reply(vec![1]), Seen::Close]);
 }
 
+/// With a secret, the same-host offer (which names the target's pid and table) is
+/// asked for only past the authentication: a peer that skips it, or fails it,
+/// never gets that far.
+#[test]
+fn the_same_host_offer_is_made_only_after_authentication() {
+    let secret = SharedSecret::new("s3cret-s3cret-s3cret").unwrap();
+    let mut s = Sim::new(Some(secret.clone()));
+    let mut bytes = wire::hello("init");
+    bytes.push(1);
+    s.feed(&bytes);
+    assert!(!s.take().contains(&Seen::Offer), "no offer unauthenticated");
+    let wrong = SharedSecret::new("another-secret-entirely").unwrap();
+    let mut s = Sim::new(Some(secret.clone()));
+    let _ = authenticate(&mut s, &wrong, "init");
+    s.feed(&bytes);
+    assert!(
+        !s.take().contains(&Seen::Offer),
+        "no offer to a wrong secret"
+    );
+    let mut s = Sim::new(Some(secret.clone()));
+    authenticate(&mut s, &secret, "init").unwrap();
+    s.feed(&bytes);
+    assert_eq!(s.take(), vec![Seen::Reply(ok_reply()), Seen::Offer]);
+}
+
 #[test]
 fn random_bytes_never_panic() {
     // xorshift: deterministic, no dependency.
