@@ -502,8 +502,9 @@ impl Core {
         // Data arrives eagerly, already in UCX's buffers: it is looked at before it is
         // copied, and copied only when within its limit and (with a secret) once its
         // MAC verifies. Rendezvous (which would fetch a payload of the sender's
-        // choosing) is declined unread: we never send by rendezvous (see
-        // `RNDV_THRESH` in lib.rs).
+        // choosing) is declined unread, and its sender's send fails: this crate and
+        // NIXL force eager sends (`UCP_AM_SEND_FLAG_EAGER`, whatever their size), so
+        // only a hostile or foreign sender offers one.
         ucx.set_am_handler(
             wire::AM_ID,
             Box::new(move |m| {
@@ -533,6 +534,15 @@ impl Core {
                 if header.name.len() > MAX_NAME {
                     return refuse(&count.malformed, "sender name too long", "");
                 }
+                // Before anything else, PINGs included: a declined offer gets no
+                // answer (its sender's send fails).
+                let Some(data) = m.data else {
+                    return refuse(
+                        &count.rendezvous,
+                        "offered by rendezvous (never requested)",
+                        &header.name,
+                    );
+                };
                 // Answered here, on the reply endpoint, while the driver runs.
                 let answer =
                     |h: &wire::Header| (!closing2.load(Ordering::Acquire)).then(|| id.pong(h));
@@ -544,13 +554,6 @@ impl Core {
                     Kind::Notif => max_notification,
                     Kind::Hello | Kind::Bye => MAX_ADDRESS,
                     Kind::Ping | Kind::Pong => 0,
-                };
-                let Some(data) = m.data else {
-                    return refuse(
-                        &count.rendezvous,
-                        "offered by rendezvous (never requested)",
-                        &header.name,
-                    );
                 };
                 if data.len() > limit {
                     let (c, why) = match header.kind {

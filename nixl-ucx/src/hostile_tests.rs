@@ -677,3 +677,170 @@ async fn liveness_probes_are_authenticated() {
         assert!(b.shutdown().await.is_clean());
     }
 }
+
+/// Send everything in `msgs` from `ucx` on `ep` by rendezvous, `rounds` times, and
+/// progress until every send finished (bounded); returns how many were rejected by
+/// the receiver and how many succeeded, per message of `msgs` (any other outcome
+/// panics).
+fn rendezvous_flood(
+    ucx: &mut Ucx<Work>,
+    ep: EpId,
+    msgs: &[(u32, Vec<u8>, Bytes)],
+    rounds: usize,
+) -> Vec<(usize, usize)> {
+    let mut outcome = vec![(0, 0); msgs.len()];
+    let mut flights: Vec<(usize, FlightId)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // Progress until at most `left` sends are in flight.
+    let mut drain = |ucx: &mut Ucx<Work>, flights: &mut Vec<(usize, FlightId)>, left: usize| {
+        while flights.len() > left {
+            assert!(Instant::now() < deadline, "rendezvous sends did not finish");
+            ucx.progress();
+            flights.retain(|&(i, f)| {
+                let Some((_, r)) = ucx.poll(f) else {
+                    return true;
+                };
+                match r {
+                    Err(e) if e.is_rejected() => outcome[i].0 += 1,
+                    Err(e) => panic!("message {i}: {e} (expected a rejection)"),
+                    Ok(()) => outcome[i].1 += 1,
+                }
+                false
+            });
+        }
+    };
+    for _ in 0..rounds {
+        for (i, (id, h, data)) in msgs.iter().enumerate() {
+            let f = ucx.am_send_rndv(ep, *id, h.clone(), data.clone(), Work::Internal);
+            flights.push((i, f));
+        }
+        // A few rounds at a time in flight, so the receiver sees them interleaved
+        // with the legitimate peer's traffic rather than all at once.
+        drain(ucx, &mut flights, 4 * msgs.len());
+    }
+    drain(ucx, &mut flights, 0);
+    outcome
+}
+
+/// Rendezvous offers (`UCP_AM_SEND_FLAG_RNDV`, which neither this backend nor NIXL
+/// ever sends: both force eager) on every id the backend listens on, with payloads
+/// from nothing to 1 MiB, while a legitimate peer keeps notifying: each offer is
+/// declined through UCX's own path (the sender's send fails with the declining
+/// status, UCX drops the descriptor once), counted, and nothing of it is delivered;
+/// the peer's notifications all arrive, in order. Before the fix the handler released
+/// the descriptor itself and returned `UCS_OK`, so UCX released it a second time (and
+/// acknowledged twice): the sender saw success, and the receiver's heap was corrupted
+/// (valgrind's memcheck names the double release).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rendezvous_offers_are_declined_while_traffic_flows() {
+    const TEST: &str = "rendezvous_offers_are_declined_while_traffic_flows";
+    const ROUNDS: usize = 40;
+    const GOOD: usize = 200;
+    let o = UcxOptions::default();
+    let Some(tb) = backend(TEST, &o) else { return };
+    let gb = UcxBackend::with_options(o.clone()).unwrap();
+    let target = agent("target", &tb).await;
+    let good = agent("good", &gb).await;
+    good.load_metadata(&target.metadata().unwrap()).unwrap();
+    good.connect("target").await.unwrap();
+    let mut notes = target.notifications().unwrap();
+
+    let mut evil = bare_worker(&o);
+    let ep = dial(&mut evil, &tb.inner.address);
+    let n = |len: usize| Bytes::from(vec![b'r'; len]);
+    // Ours (notifications of every size within the limit, a PING asking for an
+    // answer, a HELLO), then NIXL's notification. Each is refused for coming by
+    // rendezvous alone: the same messages sent eagerly would be delivered.
+    let msgs: Vec<(u32, Vec<u8>, Bytes)> = vec![
+        (
+            wire::AM_ID,
+            wire::encode_header(Kind::Notif, 7, 0, "evil"),
+            n(0),
+        ),
+        (
+            wire::AM_ID,
+            wire::encode_header(Kind::Notif, 7, 0, "evil"),
+            n(1),
+        ),
+        (
+            wire::AM_ID,
+            wire::encode_header(Kind::Notif, 7, 0, "evil"),
+            n(64 << 10),
+        ),
+        (
+            wire::AM_ID,
+            wire::encode_header(Kind::Notif, 7, 0, "evil"),
+            n(1 << 20),
+        ),
+        (
+            wire::AM_ID,
+            wire::encode_header(Kind::Ping, 7, 1, "evil"),
+            Bytes::new(),
+        ),
+        (
+            wire::AM_ID,
+            wire::encode_header(Kind::Hello, 7, 0, "evil"),
+            Bytes::copy_from_slice(evil.address()),
+        ),
+        (
+            wire::NIXL_NOTIF_AM_ID,
+            Vec::new(),
+            Bytes::from(nixl::interop::encode_notification("evil", &[b'n'; 100_000])),
+        ),
+    ];
+    let offers = (msgs.len() * ROUNDS) as u64;
+    let flood = tokio::task::spawn_blocking(move || {
+        let out = rendezvous_flood(&mut evil, ep, &msgs, ROUNDS);
+        (evil, out)
+    });
+    // Meanwhile the legitimate peer notifies.
+    for i in 0..GOOD {
+        good.notify("target", format!("good-{i}"))
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let (mut evil, outcome) = flood.await.unwrap();
+    for (i, &(failed, succeeded)) in outcome.iter().enumerate() {
+        assert_eq!(
+            (failed, succeeded),
+            (ROUNDS, 0),
+            "message {i}: every rendezvous offer fails at its sender"
+        );
+    }
+    let refused = |b: &UcxBackend| {
+        let g = b.inner.shared.core.lock().unwrap();
+        g.as_ref()
+            .unwrap()
+            .refused
+            .rendezvous
+            .load(Ordering::Relaxed)
+    };
+    assert_eq!(refused(&tb), offers, "every offer counted");
+    // The peer's notifications, in order, and nothing else.
+    for i in 0..GOOD {
+        let n = next(&mut notes).await;
+        assert_eq!(
+            (n.peer.as_str(), n.msg),
+            ("good", format!("good-{i}").into())
+        );
+    }
+    // The same worker's eager notification is delivered: it was the protocol, not
+    // the sender, that was refused.
+    let f = send(
+        &mut evil,
+        ep,
+        Kind::Notif,
+        "evil",
+        8,
+        0,
+        Bytes::from_static(b"eager"),
+    );
+    settle(&mut evil, vec![f]);
+    let n = next(&mut notes).await;
+    assert_eq!((n.peer.as_str(), &n.msg[..]), ("evil", &b"eager"[..]));
+    assert!(notes.try_recv().is_none());
+    drop(evil);
+    assert!(target.shutdown().await.is_clean());
+    assert!(good.shutdown().await.is_clean());
+}

@@ -59,7 +59,10 @@
 //!   fails its transfers within [`UcxOptions::liveness_timeout`] (5 s by default).
 //! - **Hostile senders.** Anyone who reaches the worker can send active messages.
 //!   Notifications over [`UcxOptions::max_notification`] are dropped before they are
-//!   copied, rendezvous offers are declined unread, and the reorder buffer is bounded
+//!   copied; rendezvous offers (`UCP_AM_SEND_FLAG_RNDV`; this backend and NIXL send
+//!   every message eagerly, whatever its size) are declined unread, through UCX's
+//!   own path (UCX drops the descriptor and the sender's send fails with
+//!   `UCS_ERR_REJECTED`); and the reorder buffer is bounded
 //!   per stream, per sender and in all, with a gap timeout (the limits are in the
 //!   `reorder` module and the README's security section); refusals are counted and
 //!   logged. Without a shared secret nothing in a message is authenticated: anyone

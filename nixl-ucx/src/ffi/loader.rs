@@ -62,7 +62,6 @@ pub(crate) fn open(name: &str) -> Result<Loaded, LoadError> {
         put_nbx: sym!("ucp_put_nbx"),
         get_nbx: sym!("ucp_get_nbx"),
         am_send_nbx: sym!("ucp_am_send_nbx"),
-        am_data_release: sym!("ucp_am_data_release"),
         request_check_status: sym!("ucp_request_check_status"),
         request_free: sym!("ucp_request_free"),
     };

@@ -61,6 +61,15 @@ impl UcxError {
     }
 }
 
+impl UcxError {
+    /// The receiver declined the message (`UCS_ERR_REJECTED`): how a rendezvous offer
+    /// to this crate's handlers fails at its sender.
+    #[cfg(test)]
+    pub(crate) fn is_rejected(&self) -> bool {
+        self.status == sys::UCS_ERR_REJECTED
+    }
+}
+
 impl fmt::Display for UcxError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {} ({})", self.what, self.text, self.status)
@@ -299,8 +308,9 @@ pub(crate) fn allocation_memory(a: Arc<Allocation>) -> nixl::Result<nixl::Memory
 pub(crate) struct AmIn<'a> {
     /// Our header.
     pub(crate) header: &'a [u8],
-    /// The payload; `None` when UCX offered it by rendezvous (we never ask for that, so
-    /// it was released unread).
+    /// The payload; `None` when UCX offered it by rendezvous. This crate and NIXL send
+    /// eagerly only, so only a hostile or foreign sender offers one: it is declined
+    /// unread (UCX drops it, and the sender's send fails with `UCS_ERR_REJECTED`).
     pub(crate) data: Option<&'a [u8]>,
 }
 
@@ -313,7 +323,6 @@ struct AmSlot {
     f: AmFn,
     id: u32,
     api: sys::Api,
-    worker: sys::Worker,
     /// Replies UCX has not finished sending: the request and the header it reads.
     replies: Vec<(*mut c_void, Vec<u8>)>,
 }
@@ -454,9 +463,13 @@ unsafe extern "C" fn am_trampoline(
         }
     }
     if rndv {
-        // SAFETY: `data` is the rendezvous descriptor UCX just gave us; releasing it
-        // declines the payload.
-        unsafe { (slot.api.am_data_release)(slot.worker, data) };
+        // Declined: an error status makes UCX drop the descriptor itself and fail the
+        // sender's `ucp_am_send_nbx` with this status (`ucp_am_recv_callback_t`'s
+        // contract, the same in 1.13 and 1.22). The descriptor must not be released
+        // here as well: `ucp_am_rndv_process_rts` releases it (and acknowledges the
+        // sender) after every callback that neither returned `UCS_INPROGRESS` nor
+        // started a receive, so a release here would be a second one.
+        return sys::UCS_ERR_REJECTED;
     }
     sys::UCS_OK
 }
@@ -598,7 +611,6 @@ impl<K: HoldsMemory> Ucx<K> {
             f,
             id,
             api: self.api,
-            worker: self.worker,
             replies: Vec::new(),
         }));
         let param = sys::AmHandlerParam {
@@ -1212,12 +1224,39 @@ impl<K: HoldsMemory> Ucx<K> {
         reply: bool,
         keep: K,
     ) -> FlightId {
+        let flags = sys::AM_SEND_FLAG_EAGER | if reply { sys::AM_SEND_FLAG_REPLY } else { 0 };
+        self.am_send_flags(id, am_id, header, data, flags, keep)
+    }
+
+    /// [`Ucx::am_send`] by rendezvous (`UCP_AM_SEND_FLAG_RNDV`), as only a hostile
+    /// sender does: the receiver gets a descriptor, not the data.
+    #[cfg(test)]
+    pub(crate) fn am_send_rndv(
+        &mut self,
+        id: EpId,
+        am_id: u32,
+        header: Vec<u8>,
+        data: Bytes,
+        keep: K,
+    ) -> FlightId {
+        self.am_send_flags(id, am_id, header, data, sys::AM_SEND_FLAG_RNDV, keep)
+    }
+
+    fn am_send_flags(
+        &mut self,
+        id: EpId,
+        am_id: u32,
+        header: Vec<u8>,
+        data: Bytes,
+        flags: u32,
+        keep: K,
+    ) -> FlightId {
         let Some((ep, _)) = self.open_ep(id) else {
             return self.done_flight(sys::UCS_ERR_NOT_CONNECTED, keep);
         };
         let param = sys::RequestParam {
             op_attr_mask: sys::OP_ATTR_FIELD_FLAGS,
-            flags: sys::AM_SEND_FLAG_EAGER | if reply { sys::AM_SEND_FLAG_REPLY } else { 0 },
+            flags,
             ..Default::default()
         };
         // SAFETY: live endpoint; header and data are heap buffers moved into the

@@ -34,6 +34,7 @@ pub(crate) const UCS_ERR_FIRST_LINK_FAILURE: Status = -40;
 pub(crate) const UCS_ERR_LAST_ENDPOINT_FAILURE: Status = -89;
 pub(crate) const UCS_ERR_TIMED_OUT: Status = -20;
 pub(crate) const UCS_ERR_NOT_CONNECTED: Status = -24;
+pub(crate) const UCS_ERR_REJECTED: Status = -23;
 /// `UCS_ERR_LAST`: status pointers are the values at or above this, as unsigned.
 pub(crate) const UCS_ERR_LAST: isize = -100;
 
@@ -78,6 +79,8 @@ pub(crate) const OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub(crate) const EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
 pub(crate) const AM_SEND_FLAG_REPLY: u32 = 1 << 0;
 pub(crate) const AM_SEND_FLAG_EAGER: u32 = 1 << 1;
+#[cfg(test)]
+pub(crate) const AM_SEND_FLAG_RNDV: u32 = 1 << 2;
 
 // ucp_am_handler_param_t
 pub(crate) const AM_HANDLER_PARAM_FIELD_ID: u64 = 1 << 0;
@@ -302,7 +305,6 @@ pub(crate) struct Api {
         usize,
         *const RequestParam,
     ) -> StatusPtr,
-    pub(crate) am_data_release: unsafe extern "C" fn(Worker, *mut c_void),
     pub(crate) request_check_status: unsafe extern "C" fn(*mut c_void) -> Status,
     pub(crate) request_free: unsafe extern "C" fn(*mut c_void),
 }
