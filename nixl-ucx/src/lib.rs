@@ -173,6 +173,21 @@ pub const ENV_POST_INLINE: &str = "NIXL_UCX_POST_INLINE";
 const CUDA_IPC_GET: &str = "CUDA_IPC_ENABLE_GET_ZCOPY";
 const ENV_UCX_CUDA_IPC_GET: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
 
+/// Whether a `UCX_TLS` value may allow the `cuda_ipc` transport: `all`, a list that
+/// names it or its alias `cuda`, or an exclusion list (`^...`) that names neither.
+/// (`sm`/`shm` do not include it.)
+fn tls_may_include_cuda_ipc(tls: &str) -> bool {
+    let (exclude, list) = match tls.trim().strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, tls.trim()),
+    };
+    let named = list
+        .split(',')
+        .map(|t| t.trim().split(':').next().unwrap_or(""))
+        .any(|t| matches!(t, "cuda" | "cuda_ipc" | "all"));
+    named != exclude
+}
+
 /// Who drives UCX progress.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ProgressMode {
@@ -416,10 +431,13 @@ impl UcxBackend {
     ///
     /// UCX's settings come from its `UCX_*` environment variables and
     /// [`UcxOptions::ucx_config`], over two defaults of nixl-ucx: no rendezvous
-    /// (`RNDV_THRESH=inf`) and, where UCX's CUDA transports are loaded, one-sided
-    /// gets over CUDA IPC (`CUDA_IPC_ENABLE_GET_ZCOPY=y`; UCX turns them off without
-    /// NVLink, and READs of GPU memory on one host then run hundreds of times
-    /// slower). Either is left alone when the environment or the options set it.
+    /// (`RNDV_THRESH=inf`) and, where the bound UCX has the `cuda_ipc` transport (its
+    /// module loaded and sees a GPU) and `UCX_TLS` allows it, one-sided gets over
+    /// CUDA IPC (`CUDA_IPC_ENABLE_GET_ZCOPY=y`; UCX turns them off without NVLink, and
+    /// READs of GPU memory on one host then run hundreds of times slower). Elsewhere
+    /// the key is not given at all (UCX 1.13 would warn about it at every worker
+    /// creation). Either is left alone when the environment or the options set it;
+    /// [`UcxBackend::library_report`]'s notes say whether `cuda_ipc` is present.
     ///
     /// # Errors
     /// [`ErrorKind::UnavailableLibrary`] when libucp cannot be loaded (the message
@@ -447,10 +465,32 @@ impl UcxBackend {
         // GPUs on PCIe), and READs of GPU memory on one host then crawl through
         // staged copies (0.5 GB/s instead of 1.5 TB/s at 64 MiB on an H200, NIXL
         // 1.5.1 and nixl-ucx alike). The get is a device copy like the put: on.
+        let cuda_ipc = lib.has_transport("cuda_ipc");
+        // Only where the bound UCX has the cuda_ipc transport, with a GPU, and the
+        // transports allowed include it: UCX 1.13 takes the key whether or not a
+        // transport reads it, and warns at every worker creation about one nothing
+        // read (`UCX WARN invalid configuration`), as Debian's 1.13 (no CUDA) did.
         if std::env::var_os(ENV_UCX_CUDA_IPC_GET).is_none()
             && !init.config.iter().any(|(k, _)| k == CUDA_IPC_GET)
         {
-            init.optional.push((CUDA_IPC_GET.into(), "y".into()));
+            let tls = init
+                .config
+                .iter()
+                .rev()
+                .find(|(k, _)| k == "TLS")
+                .map(|(_, v)| v.clone())
+                .or_else(|| std::env::var("UCX_TLS").ok());
+            match cuda_ipc {
+                Some(true) if tls.as_deref().is_none_or(tls_may_include_cuda_ipc) => {
+                    init.optional.push((CUDA_IPC_GET.into(), "y".into()));
+                }
+                // libuct cannot be asked: as before (UCX 1.14 and later refuse the
+                // key of a transport that is not loaded, and `optional` skips it).
+                None => init.optional.push((CUDA_IPC_GET.into(), "y".into())),
+                Some(_) => {
+                    tracing::debug!("ucx: no cuda_ipc transport here (or not allowed by UCX_TLS); {CUDA_IPC_GET} left unset");
+                }
+            }
         }
         if let Some(why) = abort_risk(&report, &options) {
             static WARNED: std::sync::Once = std::sync::Once::new();
@@ -474,6 +514,14 @@ impl UcxBackend {
         let address = Bytes::copy_from_slice(ucx.address());
         let cuda = ucx.cuda_supported();
         let mut report = report;
+        report.notes.push(
+            match cuda_ipc {
+                Some(true) => "cuda_ipc transport: present (its module loaded and sees a GPU)",
+                Some(false) => "cuda_ipc transport: absent (no module, or no GPU)",
+                None => "cuda_ipc transport: unknown (libuct's component query is missing)",
+            }
+            .to_owned(),
+        );
         // (UCX 1.13 takes any key; the note needs its CUDA transports too.)
         if cuda && ucx.optional_applied.iter().any(|k| k == CUDA_IPC_GET) {
             report.notes.push(format!(
@@ -988,5 +1036,36 @@ impl PreparedTransfer for RemotePrepared {
             notif,
             done,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tls_may_include_cuda_ipc as may;
+
+    #[test]
+    fn cuda_ipc_allowed_by_tls() {
+        for yes in [
+            "all",
+            "cuda",
+            "cuda_ipc",
+            "shm,cuda",
+            "tcp, cuda_ipc:aux",
+            "^tcp",
+            "^",
+        ] {
+            assert!(may(yes), "{yes}");
+        }
+        for no in [
+            "shm,self",
+            "sm",
+            "tcp",
+            "cuda_copy",
+            "^cuda",
+            "^tcp,cuda_ipc",
+            "^all",
+        ] {
+            assert!(!may(no), "{no}");
+        }
     }
 }

@@ -239,7 +239,8 @@ zeroed_default!(
     RequestParam,
     AmHandlerParam,
     ContextAttr,
-    MemAttr
+    MemAttr,
+    UctComponentAttr
 );
 
 /// `UCS_PTR_IS_ERR`.
@@ -255,6 +256,34 @@ pub(crate) fn ptr_is_ptr(p: StatusPtr) -> bool {
 /// `UCS_PTR_RAW_STATUS`.
 pub(crate) fn ptr_status(p: StatusPtr) -> Status {
     p as isize as Status
+}
+
+/// `uct_component_h`.
+pub(crate) type UctComponent = *mut c_void;
+
+// uct_component_attr_t
+pub(crate) const UCT_COMPONENT_ATTR_FIELD_NAME: u64 = 1 << 0;
+pub(crate) const UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT: u64 = 1 << 1;
+
+/// `uct_component_attr_t` (48 bytes, the same in 1.13 and 1.22).
+#[repr(C)]
+pub(crate) struct UctComponentAttr {
+    pub(crate) field_mask: u64,
+    /// `UCT_COMPONENT_NAME_MAX`.
+    pub(crate) name: [c_char; 16],
+    pub(crate) md_resource_count: c_uint,
+    pub(crate) md_resources: *mut c_void,
+    pub(crate) flags: u64,
+}
+
+/// The few libuct functions we call (resolved through libucp's dependency scope, so
+/// they are the libuct that libucp itself uses).
+#[derive(Clone, Copy)]
+pub(crate) struct UctApi {
+    pub(crate) query_components:
+        unsafe extern "C" fn(*mut *mut UctComponent, *mut c_uint) -> Status,
+    pub(crate) release_component_list: unsafe extern "C" fn(*mut UctComponent),
+    pub(crate) component_query: unsafe extern "C" fn(UctComponent, *mut UctComponentAttr) -> Status,
 }
 
 /// The function table, resolved from the loaded `libucp` at run time.
@@ -370,6 +399,12 @@ mod tests {
         assert_eq!(offset_of!(MemAttr, length), 16);
         assert_eq!(offset_of!(MemAttr, mem_type), 24);
         assert_eq!(size_of::<MemAttr>(), 32);
+
+        assert_eq!(offset_of!(UctComponentAttr, name), 8);
+        assert_eq!(offset_of!(UctComponentAttr, md_resource_count), 24);
+        assert_eq!(offset_of!(UctComponentAttr, md_resources), 32);
+        assert_eq!(offset_of!(UctComponentAttr, flags), 40);
+        assert_eq!(size_of::<UctComponentAttr>(), 48);
     }
 
     #[test]
