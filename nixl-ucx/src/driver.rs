@@ -30,6 +30,7 @@ use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::ffi::{EpId, FlightId, HoldsMemory, RkeyId, RmaSeg, Ucx, UcxError, WakeFd};
+use crate::packed::Padded;
 use crate::reorder::{self, Reorder};
 use crate::wire::{self, Kind};
 
@@ -675,7 +676,12 @@ impl Core {
         }
         self.remove_peer(peer, "the peer's connection info changed");
         let mut peer_failure = true;
-        let ep = match self.ucx.ep_create(address, true) {
+        // Checked (and padded) before UCX parses it; the backend refused a malformed
+        // one already, so this only repeats the check.
+        let padded = Padded::address(address);
+        let ep = match &padded {
+            Err(e) => Err(e.to_string()),
+            Ok(padded) => match self.ucx.ep_create(padded, true) {
             // NIXL makes every endpoint with peer-failure handling; a NIXL agent we
             // cannot reach so is one whose UCX build ours cannot talk to (connecting
             // anyway can end in an assertion inside UCX).
@@ -690,7 +696,7 @@ impl Core {
                     "ucx: no transport to the peer supports peer-failure handling; connecting without it (set UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y for shared memory); a crashed peer is then noticed only by its transfers' errors"
                 );
                 peer_failure = false;
-                self.ucx.ep_create(address, false)
+                self.ucx.ep_create(padded, false)
             }
             r => r,
         }
@@ -704,7 +710,8 @@ impl Core {
             } else {
                 e.to_string()
             }
-        });
+        }),
+        };
         tracing::debug!(peer, ok = ep.is_ok(), peer_failure, "ucx endpoint created");
         self.peers.insert(
             Arc::from(peer),
@@ -777,7 +784,15 @@ impl Core {
                 return Ok((p.epoch, *k));
             }
         }
-        let k = self.ucx.rkey_unpack(ep, packed).map_err(|e| {
+        // Checked (and padded) before UCX parses it.
+        let padded = Padded::rkey(packed).map_err(|e| {
+            Error::new(
+                ErrorKind::Corrupt,
+                OP,
+                format!("peer {peer:?} region {region}: malformed remote key: {e}"),
+            )
+        })?;
+        let k = self.ucx.rkey_unpack(ep, &padded).map_err(|e| {
             Error::new(
                 ErrorKind::Corrupt,
                 OP,
@@ -1088,7 +1103,13 @@ impl Core {
         let ep = match (second, p.probe_ep) {
             (false, _) => data_ep,
             (true, Some(ep)) => ep,
-            (true, None) => match self.ucx.ep_create(&p.address, p.peer_failure) {
+            (true, None) => match Padded::address(&p.address)
+                .map_err(|e| e.to_string())
+                .and_then(|a| {
+                    self.ucx
+                        .ep_create(&a, p.peer_failure)
+                        .map_err(|e| e.to_string())
+                }) {
                 Ok(ep) => {
                     p.probe_ep = Some(ep);
                     ep

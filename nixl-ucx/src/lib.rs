@@ -67,6 +67,19 @@
 //!   `reorder` module and the README's security section); refusals are counted and
 //!   logged. Without a shared secret nothing in a message is authenticated: anyone
 //!   who reaches the worker can deliver a notification in any agent's name.
+//! - **Peers' UCX objects.** A peer's worker address (its connection info) and packed
+//!   remote keys (in its registrations' blobs) go to UCX parsers that take no length.
+//!   Before UCX sees one, its structure is checked (an address's header: version 1 or
+//!   2, known flags, the ids and name its flags announce; a key's whole layout: a
+//!   known memory type, each memory domain's key inside it; sizes bounded), a bad
+//!   one is refused with [`ErrorKind::Corrupt`] naming what is wrong, and UCX gets a
+//!   copy followed by enough zeroed padding that no parse can read past it. This
+//!   stops reads past the buffer and UCX's abort on an unknown address version
+//!   (both seen in tests before the check). It cannot check what the bytes *mean*:
+//!   an address or key changed inside (a transport's attributes, a memory domain's
+//!   key) can still trip UCX's own assertions (lane selection's `score >= 0.0`, the
+//!   tcp transport's, 1.13's `ucp_rkey_destroy` after a failed key), so metadata from
+//!   untrusted senders needs the shared secret.
 //! - **Shared secret.** With the agent's secret ([`nixl::AgentBuilder::secret`], or
 //!   [`UcxOptions::secret`], which overrides it), every message of this backend's
 //!   own protocol (notification, HELLO, BYE, PING, PONG) carries an HMAC-SHA256 over
@@ -134,6 +147,7 @@ pub mod fuzzing;
 #[cfg(test)]
 mod hostile_tests;
 mod library;
+mod packed;
 mod reorder;
 mod wire;
 
@@ -796,13 +810,14 @@ impl Backend for UcxBackend {
     }
 
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
-        if conn_info.is_empty() {
-            return Err(Error::new(
+        // Checked before UCX parses it (see the `packed` module).
+        packed::check_address(conn_info).map_err(|e| {
+            Error::new(
                 ErrorKind::Corrupt,
                 "ucx add peer",
-                format!("peer {peer:?}: empty worker address"),
-            ));
-        }
+                format!("peer {peer:?}: malformed worker address: {e}"),
+            )
+        })?;
         self.with_core("ucx add peer", |core| {
             core.add_peer(peer, conn_info, false);
             Ok(())
@@ -995,25 +1010,25 @@ impl NixlDialect for UcxBackend {
     }
 
     fn import_blob(&self, addr: u64, len: u64, blob: &[u8]) -> Result<Bytes> {
-        if blob.is_empty() {
-            return Err(Error::new(
+        packed::check_rkey(blob).map_err(|e| {
+            Error::new(
                 ErrorKind::Corrupt,
                 "ucx load NIXL metadata",
-                format!("descriptor {addr:#x}+{len}: no packed remote key"),
-            ));
-        }
+                format!("descriptor {addr:#x}+{len}: malformed packed remote key: {e}"),
+            )
+        })?;
         Ok(wire::encode_blob(addr, len, blob))
     }
 
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
         self.nixl_allowed(&format!("NIXL agent {peer:?}"))?;
-        if conn_info.is_empty() {
-            return Err(Error::new(
+        packed::check_address(conn_info).map_err(|e| {
+            Error::new(
                 ErrorKind::Corrupt,
                 "ucx add NIXL peer",
-                format!("NIXL agent {peer:?}: empty worker address"),
-            ));
-        }
+                format!("NIXL agent {peer:?}: malformed worker address: {e}"),
+            )
+        })?;
         self.with_core("ucx add NIXL peer", |core| {
             core.add_peer(peer, conn_info, true);
             Ok(())

@@ -33,6 +33,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use nixl::{Completer, MemSegment, RegionRef};
 
+use crate::packed::Padded;
+
 pub(crate) use loader::{open, Loaded};
 
 /// A UCX call that failed.
@@ -758,6 +760,12 @@ impl<K: HoldsMemory> Ucx<K> {
         Ok(packed)
     }
 
+    /// The packed remote key of an allocation of this context.
+    #[cfg(test)]
+    pub(crate) fn pack_allocation(&self, a: &Allocation) -> Result<Vec<u8>, UcxError> {
+        self.pack(a.memh)
+    }
+
     /// The live allocation of this context that holds `addr..addr+len`, if any.
     fn allocation_of(&self, addr: u64, len: usize) -> Option<Arc<Allocation>> {
         let (_, w) = self.allocs.range(..=addr).next_back()?;
@@ -841,7 +849,7 @@ impl<K: HoldsMemory> Ucx<K> {
     /// The failing UCX call.
     pub(crate) fn ep_create(
         &mut self,
-        address: &[u8],
+        address: &Padded,
         peer_failure: bool,
     ) -> Result<EpId, UcxError> {
         let err = Box::into_raw(Box::new(AtomicI8::new(0)));
@@ -849,7 +857,7 @@ impl<K: HoldsMemory> Ucx<K> {
             field_mask: sys::EP_PARAM_FIELD_REMOTE_ADDRESS
                 | sys::EP_PARAM_FIELD_ERR_HANDLING_MODE
                 | sys::EP_PARAM_FIELD_ERR_HANDLER,
-            address: address.as_ptr() as *const sys::Address,
+            address: address.bytes().as_ptr() as *const sys::Address,
             err_mode: if peer_failure {
                 sys::ERR_HANDLING_MODE_PEER
             } else {
@@ -860,8 +868,10 @@ impl<K: HoldsMemory> Ucx<K> {
             ..Default::default()
         };
         let mut ep: sys::Ep = std::ptr::null_mut();
-        // SAFETY: live worker; `address` holds a worker address (UCX validates its
-        // contents and fails cleanly on garbage) for the duration of the call; the
+        // SAFETY: live worker; `address` holds a worker address whose header was
+        // checked and after which enough zeroed padding follows that UCX's parse,
+        // which takes no length, stays inside it whatever the bytes say (see
+        // `packed`), for the duration of the call (UCX copies what it keeps); the
         // error slot outlives the endpoint (freed only after it is closed).
         let st = unsafe { (self.api.ep_create)(self.worker, &params, &mut ep) };
         if let Err(e) = check(&self.api, "ucp_ep_create", st) {
@@ -944,16 +954,17 @@ impl<K: HoldsMemory> Ucx<K> {
     ///
     /// # Errors
     /// The failing UCX call, or "not connected" for a closed endpoint.
-    pub(crate) fn rkey_unpack(&mut self, id: EpId, packed: &[u8]) -> Result<RkeyId, UcxError> {
+    pub(crate) fn rkey_unpack(&mut self, id: EpId, packed: &Padded) -> Result<RkeyId, UcxError> {
         let Some((ep, _)) = self.open_ep(id) else {
             return Err(self.not_connected("ucp_ep_rkey_unpack"));
         };
         let mut rkey: sys::RKey = std::ptr::null_mut();
-        // SAFETY: live endpoint; `packed` is readable for the call. UCX parses the
-        // buffer (it came from a peer's metadata, which passed our checksum), and
-        // fails cleanly on what it does not understand.
+        // SAFETY: live endpoint; `packed` is a packed key whose layout was checked
+        // (memory type, each domain's length inside it), followed by enough zeroed
+        // padding that each transport's unpacking, which takes no length, stays
+        // inside it (see `packed`), readable for the call (UCX copies what it keeps).
         check(&self.api, "ucp_ep_rkey_unpack", unsafe {
-            (self.api.ep_rkey_unpack)(ep, packed.as_ptr() as *const c_void, &mut rkey)
+            (self.api.ep_rkey_unpack)(ep, packed.bytes().as_ptr() as *const c_void, &mut rkey)
         })?;
         let Some(EpSlot {
             state: EpState::Open { rkeys, .. },
