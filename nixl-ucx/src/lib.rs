@@ -109,6 +109,20 @@
 //!   peer goes away during the tcp transport's connection handshake; no setting
 //!   avoids it. The backend warns once when it binds such a UCX with tcp allowed; see
 //!   [`teardown_abort_risk`].
+//! - **Deregistration.** nixl's promise that nothing touches memory once
+//!   [`nixl::Agent::deregister`] returned holds on nixl-ucx only where UCX's transport
+//!   checks remote keys in hardware (RDMA): deregistering unmaps the region
+//!   (`ucp_mem_unmap`), and a peer's later WRITE or READ with the old key fails. It
+//!   does **not** hold on shared memory or tcp, for any memory: with the metadata it
+//!   loaded before, a peer's WRITE after deregistration completes and its bytes land
+//!   (measured on UCX 1.13 and 1.22, `UCX_TLS=shm,self` and `tcp,self`, ordinary and
+//!   [`UcxBackend::alloc`] memory: `tests/after_deregister.rs`). Nothing at the target
+//!   can revoke it: CMA writes the target's addresses with a system call, UCX 1.13's
+//!   software RMA (what peer-failure endpoints use there) writes any address it is
+//!   sent, and an allocation's shared segment stays mapped in every peer that mapped
+//!   it. Until peers are told (reload or invalidate the metadata at every peer that
+//!   loaded it, and wait for their transfers), keep deregistered memory alive and
+//!   unused, and do not free memory handed in by address after deregistering it.
 //! - **One-sided.** The target does not see requests, so it cannot refuse forged keys
 //!   or out-of-range access itself: [`Capabilities::target_checks`] is `false`; the
 //!   initiating agent checks every descriptor, and the transport checks keys and
@@ -794,6 +808,8 @@ impl Backend for UcxBackend {
     }
 
     fn deregister(&self, region_id: u64) -> Result<()> {
+        // Unmapping revokes the region's key only on transports that check keys in
+        // hardware; see the crate docs, "Deregistration".
         // While running, the driver's UCX; after shutdown, the parked one (the agent
         // deregisters between closing connections and destroying the context); after
         // destroy, nothing is left to unmap.
