@@ -30,6 +30,7 @@ use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::ffi::{EpId, FlightId, HoldsMemory, RkeyId, RmaSeg, Ucx, UcxError, WakeFd};
+use crate::packed::Padded;
 use crate::reorder::{self, Reorder};
 use crate::wire::{self, Kind};
 
@@ -502,8 +503,9 @@ impl Core {
         // Data arrives eagerly, already in UCX's buffers: it is looked at before it is
         // copied, and copied only when within its limit and (with a secret) once its
         // MAC verifies. Rendezvous (which would fetch a payload of the sender's
-        // choosing) is declined unread: we never send by rendezvous (see
-        // `RNDV_THRESH` in lib.rs).
+        // choosing) is declined unread, and its sender's send fails: this crate and
+        // NIXL force eager sends (`UCP_AM_SEND_FLAG_EAGER`, whatever their size), so
+        // only a hostile or foreign sender offers one.
         ucx.set_am_handler(
             wire::AM_ID,
             Box::new(move |m| {
@@ -533,6 +535,15 @@ impl Core {
                 if header.name.len() > MAX_NAME {
                     return refuse(&count.malformed, "sender name too long", "");
                 }
+                // Before anything else, PINGs included: a declined offer gets no
+                // answer (its sender's send fails).
+                let Some(data) = m.data else {
+                    return refuse(
+                        &count.rendezvous,
+                        "offered by rendezvous (never requested)",
+                        &header.name,
+                    );
+                };
                 // Answered here, on the reply endpoint, while the driver runs.
                 let answer =
                     |h: &wire::Header| (!closing2.load(Ordering::Acquire)).then(|| id.pong(h));
@@ -544,13 +555,6 @@ impl Core {
                     Kind::Notif => max_notification,
                     Kind::Hello | Kind::Bye => MAX_ADDRESS,
                     Kind::Ping | Kind::Pong => 0,
-                };
-                let Some(data) = m.data else {
-                    return refuse(
-                        &count.rendezvous,
-                        "offered by rendezvous (never requested)",
-                        &header.name,
-                    );
                 };
                 if data.len() > limit {
                     let (c, why) = match header.kind {
@@ -672,7 +676,12 @@ impl Core {
         }
         self.remove_peer(peer, "the peer's connection info changed");
         let mut peer_failure = true;
-        let ep = match self.ucx.ep_create(address, true) {
+        // Checked (and padded) before UCX parses it; the backend refused a malformed
+        // one already, so this only repeats the check.
+        let padded = Padded::address(address);
+        let ep = match &padded {
+            Err(e) => Err(e.to_string()),
+            Ok(padded) => match self.ucx.ep_create(padded, true) {
             // NIXL makes every endpoint with peer-failure handling; a NIXL agent we
             // cannot reach so is one whose UCX build ours cannot talk to (connecting
             // anyway can end in an assertion inside UCX).
@@ -687,7 +696,7 @@ impl Core {
                     "ucx: no transport to the peer supports peer-failure handling; connecting without it (set UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y for shared memory); a crashed peer is then noticed only by its transfers' errors"
                 );
                 peer_failure = false;
-                self.ucx.ep_create(address, false)
+                self.ucx.ep_create(padded, false)
             }
             r => r,
         }
@@ -701,7 +710,8 @@ impl Core {
             } else {
                 e.to_string()
             }
-        });
+        }),
+        };
         tracing::debug!(peer, ok = ep.is_ok(), peer_failure, "ucx endpoint created");
         self.peers.insert(
             Arc::from(peer),
@@ -774,7 +784,15 @@ impl Core {
                 return Ok((p.epoch, *k));
             }
         }
-        let k = self.ucx.rkey_unpack(ep, packed).map_err(|e| {
+        // Checked (and padded) before UCX parses it.
+        let padded = Padded::rkey(packed).map_err(|e| {
+            Error::new(
+                ErrorKind::Corrupt,
+                OP,
+                format!("peer {peer:?} region {region}: malformed remote key: {e}"),
+            )
+        })?;
+        let k = self.ucx.rkey_unpack(ep, &padded).map_err(|e| {
             Error::new(
                 ErrorKind::Corrupt,
                 OP,
@@ -1085,7 +1103,13 @@ impl Core {
         let ep = match (second, p.probe_ep) {
             (false, _) => data_ep,
             (true, Some(ep)) => ep,
-            (true, None) => match self.ucx.ep_create(&p.address, p.peer_failure) {
+            (true, None) => match Padded::address(&p.address)
+                .map_err(|e| e.to_string())
+                .and_then(|a| {
+                    self.ucx
+                        .ep_create(&a, p.peer_failure)
+                        .map_err(|e| e.to_string())
+                }) {
                 Ok(ep) => {
                     p.probe_ep = Some(ep);
                     ep

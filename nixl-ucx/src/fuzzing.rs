@@ -21,7 +21,8 @@ fn fuzz_secret() -> nixl::SharedSecret {
 /// state: this backend's header of either version (`wire::decode_header`) and the
 /// MAC check of version 2 (`wire::Header::verify`, here for a fixed secret and
 /// receiver and empty data), and NIXL's notification payload; and with a peer's
-/// registration blob (`wire::decode_blob`).
+/// registration blob (`wire::decode_blob`) and UCX's packed objects in it or in its
+/// connection info (the `packed` checks: worker address, packed remote key).
 ///
 /// # Panics
 /// When whatever decodes does not re-encode to the bytes it came from (a version 2
@@ -52,10 +53,30 @@ pub fn am_header(data: &[u8]) {
     }
     if let Some(b) = wire::decode_blob(data) {
         assert_eq!(&wire::encode_blob(b.base, b.len, b.rkey)[..], data);
+        check_packed(b.rkey);
     }
+    check_packed(data);
     if let Ok((name, msg)) = nixl::interop::decode_notification(data, 4096) {
         assert!(name.len() <= 4096);
         assert_eq!(nixl::interop::encode_notification(&name, msg), data);
+    }
+}
+
+/// The checks of UCX's packed objects (`packed`) on `data` as a worker address and
+/// as a packed remote key: no panic, and what passes has what UCX reads first.
+fn check_packed(data: &[u8]) {
+    if crate::packed::check_address(data).is_ok() {
+        assert!(
+            data.len() >= 2 && data[0] & 0x0f <= 1,
+            "a header UCX accepts"
+        );
+        let p = crate::packed::Padded::address(data).expect("checked");
+        assert!(p.bytes()[data.len()..].iter().all(|&b| b == 0));
+    }
+    if crate::packed::check_rkey(data).is_ok() {
+        assert!(data.len() >= 9 && data[8] <= 4, "a key UCX accepts");
+        let p = crate::packed::Padded::rkey(data).expect("checked");
+        assert!(p.bytes().len() > data.len());
     }
 }
 

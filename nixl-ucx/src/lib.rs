@@ -59,11 +59,27 @@
 //!   fails its transfers within [`UcxOptions::liveness_timeout`] (5 s by default).
 //! - **Hostile senders.** Anyone who reaches the worker can send active messages.
 //!   Notifications over [`UcxOptions::max_notification`] are dropped before they are
-//!   copied, rendezvous offers are declined unread, and the reorder buffer is bounded
+//!   copied; rendezvous offers (`UCP_AM_SEND_FLAG_RNDV`; this backend and NIXL send
+//!   every message eagerly, whatever its size) are declined unread, through UCX's
+//!   own path (UCX drops the descriptor and the sender's send fails with
+//!   `UCS_ERR_REJECTED`); and the reorder buffer is bounded
 //!   per stream, per sender and in all, with a gap timeout (the limits are in the
 //!   `reorder` module and the README's security section); refusals are counted and
 //!   logged. Without a shared secret nothing in a message is authenticated: anyone
 //!   who reaches the worker can deliver a notification in any agent's name.
+//! - **Peers' UCX objects.** A peer's worker address (its connection info) and packed
+//!   remote keys (in its registrations' blobs) go to UCX parsers that take no length.
+//!   Before UCX sees one, its structure is checked (an address's header: version 1 or
+//!   2, known flags, the ids and name its flags announce; a key's whole layout: a
+//!   known memory type, each memory domain's key inside it; sizes bounded), a bad
+//!   one is refused with [`ErrorKind::Corrupt`] naming what is wrong, and UCX gets a
+//!   copy followed by enough zeroed padding that no parse can read past it. This
+//!   stops reads past the buffer and UCX's abort on an unknown address version
+//!   (both seen in tests before the check). It cannot check what the bytes *mean*:
+//!   an address or key changed inside (a transport's attributes, a memory domain's
+//!   key) can still trip UCX's own assertions (lane selection's `score >= 0.0`, the
+//!   tcp transport's, 1.13's `ucp_rkey_destroy` after a failed key), so metadata from
+//!   untrusted senders needs the shared secret.
 //! - **Shared secret.** With the agent's secret ([`nixl::AgentBuilder::secret`], or
 //!   [`UcxOptions::secret`], which overrides it), every message of this backend's
 //!   own protocol (notification, HELLO, BYE, PING, PONG) carries an HMAC-SHA256 over
@@ -93,6 +109,20 @@
 //!   peer goes away during the tcp transport's connection handshake; no setting
 //!   avoids it. The backend warns once when it binds such a UCX with tcp allowed; see
 //!   [`teardown_abort_risk`].
+//! - **Deregistration.** nixl's promise that nothing touches memory once
+//!   [`nixl::Agent::deregister`] returned holds on nixl-ucx only where UCX's transport
+//!   checks remote keys in hardware (RDMA): deregistering unmaps the region
+//!   (`ucp_mem_unmap`), and a peer's later WRITE or READ with the old key fails. It
+//!   does **not** hold on shared memory or tcp, for any memory: with the metadata it
+//!   loaded before, a peer's WRITE after deregistration completes and its bytes land
+//!   (measured on UCX 1.13 and 1.22, `UCX_TLS=shm,self` and `tcp,self`, ordinary and
+//!   [`UcxBackend::alloc`] memory: `tests/after_deregister.rs`). Nothing at the target
+//!   can revoke it: CMA writes the target's addresses with a system call, UCX 1.13's
+//!   software RMA (what peer-failure endpoints use there) writes any address it is
+//!   sent, and an allocation's shared segment stays mapped in every peer that mapped
+//!   it. Until peers are told (reload or invalidate the metadata at every peer that
+//!   loaded it, and wait for their transfers), keep deregistered memory alive and
+//!   unused, and do not free memory handed in by address after deregistering it.
 //! - **One-sided.** The target does not see requests, so it cannot refuse forged keys
 //!   or out-of-range access itself: [`Capabilities::target_checks`] is `false`; the
 //!   initiating agent checks every descriptor, and the transport checks keys and
@@ -131,6 +161,7 @@ pub mod fuzzing;
 #[cfg(test)]
 mod hostile_tests;
 mod library;
+mod packed;
 mod reorder;
 mod wire;
 
@@ -169,6 +200,21 @@ pub const ENV_POST_INLINE: &str = "NIXL_UCX_POST_INLINE";
 /// UCX's setting for one-sided gets over CUDA IPC (see `UcxBackend::with_options`).
 const CUDA_IPC_GET: &str = "CUDA_IPC_ENABLE_GET_ZCOPY";
 const ENV_UCX_CUDA_IPC_GET: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
+
+/// Whether a `UCX_TLS` value may allow the `cuda_ipc` transport: `all`, a list that
+/// names it or its alias `cuda`, or an exclusion list (`^...`) that names neither.
+/// (`sm`/`shm` do not include it.)
+fn tls_may_include_cuda_ipc(tls: &str) -> bool {
+    let (exclude, list) = match tls.trim().strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, tls.trim()),
+    };
+    let named = list
+        .split(',')
+        .map(|t| t.trim().split(':').next().unwrap_or(""))
+        .any(|t| matches!(t, "cuda" | "cuda_ipc" | "all"));
+    named != exclude
+}
 
 /// Who drives UCX progress.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -413,10 +459,13 @@ impl UcxBackend {
     ///
     /// UCX's settings come from its `UCX_*` environment variables and
     /// [`UcxOptions::ucx_config`], over two defaults of nixl-ucx: no rendezvous
-    /// (`RNDV_THRESH=inf`) and, where UCX's CUDA transports are loaded, one-sided
-    /// gets over CUDA IPC (`CUDA_IPC_ENABLE_GET_ZCOPY=y`; UCX turns them off without
-    /// NVLink, and READs of GPU memory on one host then run hundreds of times
-    /// slower). Either is left alone when the environment or the options set it.
+    /// (`RNDV_THRESH=inf`) and, where the bound UCX has the `cuda_ipc` transport (its
+    /// module loaded and sees a GPU) and `UCX_TLS` allows it, one-sided gets over
+    /// CUDA IPC (`CUDA_IPC_ENABLE_GET_ZCOPY=y`; UCX turns them off without NVLink, and
+    /// READs of GPU memory on one host then run hundreds of times slower). Elsewhere
+    /// the key is not given at all (UCX 1.13 would warn about it at every worker
+    /// creation). Either is left alone when the environment or the options set it;
+    /// [`UcxBackend::library_report`]'s notes say whether `cuda_ipc` is present.
     ///
     /// # Errors
     /// [`ErrorKind::UnavailableLibrary`] when libucp cannot be loaded (the message
@@ -444,10 +493,32 @@ impl UcxBackend {
         // GPUs on PCIe), and READs of GPU memory on one host then crawl through
         // staged copies (0.5 GB/s instead of 1.5 TB/s at 64 MiB on an H200, NIXL
         // 1.5.1 and nixl-ucx alike). The get is a device copy like the put: on.
+        let cuda_ipc = lib.has_transport("cuda_ipc");
+        // Only where the bound UCX has the cuda_ipc transport, with a GPU, and the
+        // transports allowed include it: UCX 1.13 takes the key whether or not a
+        // transport reads it, and warns at every worker creation about one nothing
+        // read (`UCX WARN invalid configuration`), as Debian's 1.13 (no CUDA) did.
         if std::env::var_os(ENV_UCX_CUDA_IPC_GET).is_none()
             && !init.config.iter().any(|(k, _)| k == CUDA_IPC_GET)
         {
-            init.optional.push((CUDA_IPC_GET.into(), "y".into()));
+            let tls = init
+                .config
+                .iter()
+                .rev()
+                .find(|(k, _)| k == "TLS")
+                .map(|(_, v)| v.clone())
+                .or_else(|| std::env::var("UCX_TLS").ok());
+            match cuda_ipc {
+                Some(true) if tls.as_deref().is_none_or(tls_may_include_cuda_ipc) => {
+                    init.optional.push((CUDA_IPC_GET.into(), "y".into()));
+                }
+                // libuct cannot be asked: as before (UCX 1.14 and later refuse the
+                // key of a transport that is not loaded, and `optional` skips it).
+                None => init.optional.push((CUDA_IPC_GET.into(), "y".into())),
+                Some(_) => {
+                    tracing::debug!("ucx: no cuda_ipc transport here (or not allowed by UCX_TLS); {CUDA_IPC_GET} left unset");
+                }
+            }
         }
         if let Some(why) = abort_risk(&report, &options) {
             static WARNED: std::sync::Once = std::sync::Once::new();
@@ -471,6 +542,14 @@ impl UcxBackend {
         let address = Bytes::copy_from_slice(ucx.address());
         let cuda = ucx.cuda_supported();
         let mut report = report;
+        report.notes.push(
+            match cuda_ipc {
+                Some(true) => "cuda_ipc transport: present (its module loaded and sees a GPU)",
+                Some(false) => "cuda_ipc transport: absent (no module, or no GPU)",
+                None => "cuda_ipc transport: unknown (libuct's component query is missing)",
+            }
+            .to_owned(),
+        );
         // (UCX 1.13 takes any key; the note needs its CUDA transports too.)
         if cuda && ucx.optional_applied.iter().any(|k| k == CUDA_IPC_GET) {
             report.notes.push(format!(
@@ -729,6 +808,8 @@ impl Backend for UcxBackend {
     }
 
     fn deregister(&self, region_id: u64) -> Result<()> {
+        // Unmapping revokes the region's key only on transports that check keys in
+        // hardware; see the crate docs, "Deregistration".
         // While running, the driver's UCX; after shutdown, the parked one (the agent
         // deregisters between closing connections and destroying the context); after
         // destroy, nothing is left to unmap.
@@ -745,13 +826,14 @@ impl Backend for UcxBackend {
     }
 
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
-        if conn_info.is_empty() {
-            return Err(Error::new(
+        // Checked before UCX parses it (see the `packed` module).
+        packed::check_address(conn_info).map_err(|e| {
+            Error::new(
                 ErrorKind::Corrupt,
                 "ucx add peer",
-                format!("peer {peer:?}: empty worker address"),
-            ));
-        }
+                format!("peer {peer:?}: malformed worker address: {e}"),
+            )
+        })?;
         self.with_core("ucx add peer", |core| {
             core.add_peer(peer, conn_info, false);
             Ok(())
@@ -944,25 +1026,25 @@ impl NixlDialect for UcxBackend {
     }
 
     fn import_blob(&self, addr: u64, len: u64, blob: &[u8]) -> Result<Bytes> {
-        if blob.is_empty() {
-            return Err(Error::new(
+        packed::check_rkey(blob).map_err(|e| {
+            Error::new(
                 ErrorKind::Corrupt,
                 "ucx load NIXL metadata",
-                format!("descriptor {addr:#x}+{len}: no packed remote key"),
-            ));
-        }
+                format!("descriptor {addr:#x}+{len}: malformed packed remote key: {e}"),
+            )
+        })?;
         Ok(wire::encode_blob(addr, len, blob))
     }
 
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
         self.nixl_allowed(&format!("NIXL agent {peer:?}"))?;
-        if conn_info.is_empty() {
-            return Err(Error::new(
+        packed::check_address(conn_info).map_err(|e| {
+            Error::new(
                 ErrorKind::Corrupt,
                 "ucx add NIXL peer",
-                format!("NIXL agent {peer:?}: empty worker address"),
-            ));
-        }
+                format!("NIXL agent {peer:?}: malformed worker address: {e}"),
+            )
+        })?;
         self.with_core("ucx add NIXL peer", |core| {
             core.add_peer(peer, conn_info, true);
             Ok(())
@@ -985,5 +1067,36 @@ impl PreparedTransfer for RemotePrepared {
             notif,
             done,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tls_may_include_cuda_ipc as may;
+
+    #[test]
+    fn cuda_ipc_allowed_by_tls() {
+        for yes in [
+            "all",
+            "cuda",
+            "cuda_ipc",
+            "shm,cuda",
+            "tcp, cuda_ipc:aux",
+            "^tcp",
+            "^",
+        ] {
+            assert!(may(yes), "{yes}");
+        }
+        for no in [
+            "shm,self",
+            "sm",
+            "tcp",
+            "cuda_copy",
+            "^cuda",
+            "^tcp,cuda_ipc",
+            "^all",
+        ] {
+            assert!(!may(no), "{no}");
+        }
     }
 }

@@ -12,6 +12,9 @@ use nixl::native::LoadError;
 /// being unloaded, and function pointers into it live as long as the process.
 pub(crate) struct Loaded {
     pub(crate) api: Api,
+    /// libuct's component queries; `None` if libuct does not export them (every UCX
+    /// since 1.7 does).
+    uct: Option<sys::UctApi>,
     lib: NativeLibrary,
 }
 
@@ -62,11 +65,28 @@ pub(crate) fn open(name: &str) -> Result<Loaded, LoadError> {
         put_nbx: sym!("ucp_put_nbx"),
         get_nbx: sym!("ucp_get_nbx"),
         am_send_nbx: sym!("ucp_am_send_nbx"),
-        am_data_release: sym!("ucp_am_data_release"),
         request_check_status: sym!("ucp_request_check_status"),
         request_free: sym!("ucp_request_free"),
     };
-    Ok(Loaded { api, lib })
+    // SAFETY: functions of the libuct libucp depends on, with exactly the signatures
+    // declared in `UctApi`; the library is never unloaded.
+    let uct = unsafe {
+        match (
+            lib.symbol("uct_query_components"),
+            lib.symbol("uct_release_component_list"),
+            lib.symbol("uct_component_query"),
+        ) {
+            (Ok(query_components), Ok(release_component_list), Ok(component_query)) => {
+                Some(sys::UctApi {
+                    query_components,
+                    release_component_list,
+                    component_query,
+                })
+            }
+            _ => None,
+        }
+    };
+    Ok(Loaded { api, uct, lib })
 }
 
 impl Loaded {
@@ -76,6 +96,50 @@ impl Loaded {
         // SAFETY: three valid out-pointers; the call only writes them.
         unsafe { (self.api.get_version)(&mut a, &mut b, &mut c) };
         (a, b, c)
+    }
+
+    /// Whether the bound UCX has the transport component `name` (`"cuda_ipc"`) with at
+    /// least one memory domain here: its module loaded (its own libraries found) and
+    /// found a device. `None` when libuct cannot be asked.
+    ///
+    /// Settings of a transport's interface are used only where such a domain exists;
+    /// UCX 1.13 takes any key in `ucp_config_modify` and warns at every worker creation
+    /// about one nothing used ("invalid configuration"), so optional settings are given
+    /// only to a UCX that has their transport.
+    pub(crate) fn has_transport(&self, name: &str) -> Option<bool> {
+        let uct = self.uct?;
+        let mut list: *mut sys::UctComponent = std::ptr::null_mut();
+        let mut n: std::ffi::c_uint = 0;
+        // SAFETY: valid out-pointers; on success UCX hands us a list of `n` components
+        // that we release below, once.
+        let st = unsafe { (uct.query_components)(&mut list, &mut n) };
+        if st != sys::UCS_OK || list.is_null() {
+            return None;
+        }
+        let mut found = false;
+        for i in 0..n as usize {
+            let mut attr = sys::UctComponentAttr {
+                field_mask: sys::UCT_COMPONENT_ATTR_FIELD_NAME
+                    | sys::UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT,
+                ..Default::default()
+            };
+            // SAFETY: `i < n` indexes the list UCX returned; `attr` is a valid out
+            // struct of the declared layout, and with this mask UCX writes only its
+            // name (NUL-terminated within the array) and resource count.
+            let st = unsafe { (uct.component_query)(*list.add(i), &mut attr) };
+            if st != sys::UCS_OK {
+                continue;
+            }
+            // Up to its NUL, never past the array.
+            let len = attr.name.iter().position(|&c| c == 0).unwrap_or(16);
+            let got = attr.name[..len].iter().map(|&c| c as u8);
+            if got.eq(name.bytes()) && attr.md_resource_count > 0 {
+                found = true;
+            }
+        }
+        // SAFETY: the list query_components returned, released once.
+        unsafe { (uct.release_component_list)(list) };
+        Some(found)
     }
 
     /// The file each of libucp, libucs and libuct was really bound from: found with

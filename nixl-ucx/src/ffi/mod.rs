@@ -33,6 +33,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use nixl::{Completer, MemSegment, RegionRef};
 
+use crate::packed::Padded;
+
 pub(crate) use loader::{open, Loaded};
 
 /// A UCX call that failed.
@@ -58,6 +60,15 @@ impl UcxError {
                 | sys::UCS_ERR_CANCELED
         ) || (sys::UCS_ERR_LAST_ENDPOINT_FAILURE..=sys::UCS_ERR_FIRST_LINK_FAILURE)
             .contains(&self.status)
+    }
+}
+
+impl UcxError {
+    /// The receiver declined the message (`UCS_ERR_REJECTED`): how a rendezvous offer
+    /// to this crate's handlers fails at its sender.
+    #[cfg(test)]
+    pub(crate) fn is_rejected(&self) -> bool {
+        self.status == sys::UCS_ERR_REJECTED
     }
 }
 
@@ -299,8 +310,9 @@ pub(crate) fn allocation_memory(a: Arc<Allocation>) -> nixl::Result<nixl::Memory
 pub(crate) struct AmIn<'a> {
     /// Our header.
     pub(crate) header: &'a [u8],
-    /// The payload; `None` when UCX offered it by rendezvous (we never ask for that, so
-    /// it was released unread).
+    /// The payload; `None` when UCX offered it by rendezvous. This crate and NIXL send
+    /// eagerly only, so only a hostile or foreign sender offers one: it is declined
+    /// unread (UCX drops it, and the sender's send fails with `UCS_ERR_REJECTED`).
     pub(crate) data: Option<&'a [u8]>,
 }
 
@@ -313,7 +325,6 @@ struct AmSlot {
     f: AmFn,
     id: u32,
     api: sys::Api,
-    worker: sys::Worker,
     /// Replies UCX has not finished sending: the request and the header it reads.
     replies: Vec<(*mut c_void, Vec<u8>)>,
 }
@@ -454,9 +465,13 @@ unsafe extern "C" fn am_trampoline(
         }
     }
     if rndv {
-        // SAFETY: `data` is the rendezvous descriptor UCX just gave us; releasing it
-        // declines the payload.
-        unsafe { (slot.api.am_data_release)(slot.worker, data) };
+        // Declined: an error status makes UCX drop the descriptor itself and fail the
+        // sender's `ucp_am_send_nbx` with this status (`ucp_am_recv_callback_t`'s
+        // contract, the same in 1.13 and 1.22). The descriptor must not be released
+        // here as well: `ucp_am_rndv_process_rts` releases it (and acknowledges the
+        // sender) after every callback that neither returned `UCS_INPROGRESS` nor
+        // started a receive, so a release here would be a second one.
+        return sys::UCS_ERR_REJECTED;
     }
     sys::UCS_OK
 }
@@ -598,7 +613,6 @@ impl<K: HoldsMemory> Ucx<K> {
             f,
             id,
             api: self.api,
-            worker: self.worker,
             replies: Vec::new(),
         }));
         let param = sys::AmHandlerParam {
@@ -746,6 +760,12 @@ impl<K: HoldsMemory> Ucx<K> {
         Ok(packed)
     }
 
+    /// The packed remote key of an allocation of this context.
+    #[cfg(test)]
+    pub(crate) fn pack_allocation(&self, a: &Allocation) -> Result<Vec<u8>, UcxError> {
+        self.pack(a.memh)
+    }
+
     /// The live allocation of this context that holds `addr..addr+len`, if any.
     fn allocation_of(&self, addr: u64, len: usize) -> Option<Arc<Allocation>> {
         let (_, w) = self.allocs.range(..=addr).next_back()?;
@@ -829,7 +849,7 @@ impl<K: HoldsMemory> Ucx<K> {
     /// The failing UCX call.
     pub(crate) fn ep_create(
         &mut self,
-        address: &[u8],
+        address: &Padded,
         peer_failure: bool,
     ) -> Result<EpId, UcxError> {
         let err = Box::into_raw(Box::new(AtomicI8::new(0)));
@@ -837,7 +857,7 @@ impl<K: HoldsMemory> Ucx<K> {
             field_mask: sys::EP_PARAM_FIELD_REMOTE_ADDRESS
                 | sys::EP_PARAM_FIELD_ERR_HANDLING_MODE
                 | sys::EP_PARAM_FIELD_ERR_HANDLER,
-            address: address.as_ptr() as *const sys::Address,
+            address: address.bytes().as_ptr() as *const sys::Address,
             err_mode: if peer_failure {
                 sys::ERR_HANDLING_MODE_PEER
             } else {
@@ -848,8 +868,10 @@ impl<K: HoldsMemory> Ucx<K> {
             ..Default::default()
         };
         let mut ep: sys::Ep = std::ptr::null_mut();
-        // SAFETY: live worker; `address` holds a worker address (UCX validates its
-        // contents and fails cleanly on garbage) for the duration of the call; the
+        // SAFETY: live worker; `address` holds a worker address whose header was
+        // checked and after which enough zeroed padding follows that UCX's parse,
+        // which takes no length, stays inside it whatever the bytes say (see
+        // `packed`), for the duration of the call (UCX copies what it keeps); the
         // error slot outlives the endpoint (freed only after it is closed).
         let st = unsafe { (self.api.ep_create)(self.worker, &params, &mut ep) };
         if let Err(e) = check(&self.api, "ucp_ep_create", st) {
@@ -932,16 +954,17 @@ impl<K: HoldsMemory> Ucx<K> {
     ///
     /// # Errors
     /// The failing UCX call, or "not connected" for a closed endpoint.
-    pub(crate) fn rkey_unpack(&mut self, id: EpId, packed: &[u8]) -> Result<RkeyId, UcxError> {
+    pub(crate) fn rkey_unpack(&mut self, id: EpId, packed: &Padded) -> Result<RkeyId, UcxError> {
         let Some((ep, _)) = self.open_ep(id) else {
             return Err(self.not_connected("ucp_ep_rkey_unpack"));
         };
         let mut rkey: sys::RKey = std::ptr::null_mut();
-        // SAFETY: live endpoint; `packed` is readable for the call. UCX parses the
-        // buffer (it came from a peer's metadata, which passed our checksum), and
-        // fails cleanly on what it does not understand.
+        // SAFETY: live endpoint; `packed` is a packed key whose layout was checked
+        // (memory type, each domain's length inside it), followed by enough zeroed
+        // padding that each transport's unpacking, which takes no length, stays
+        // inside it (see `packed`), readable for the call (UCX copies what it keeps).
         check(&self.api, "ucp_ep_rkey_unpack", unsafe {
-            (self.api.ep_rkey_unpack)(ep, packed.as_ptr() as *const c_void, &mut rkey)
+            (self.api.ep_rkey_unpack)(ep, packed.bytes().as_ptr() as *const c_void, &mut rkey)
         })?;
         let Some(EpSlot {
             state: EpState::Open { rkeys, .. },
@@ -1212,12 +1235,39 @@ impl<K: HoldsMemory> Ucx<K> {
         reply: bool,
         keep: K,
     ) -> FlightId {
+        let flags = sys::AM_SEND_FLAG_EAGER | if reply { sys::AM_SEND_FLAG_REPLY } else { 0 };
+        self.am_send_flags(id, am_id, header, data, flags, keep)
+    }
+
+    /// [`Ucx::am_send`] by rendezvous (`UCP_AM_SEND_FLAG_RNDV`), as only a hostile
+    /// sender does: the receiver gets a descriptor, not the data.
+    #[cfg(test)]
+    pub(crate) fn am_send_rndv(
+        &mut self,
+        id: EpId,
+        am_id: u32,
+        header: Vec<u8>,
+        data: Bytes,
+        keep: K,
+    ) -> FlightId {
+        self.am_send_flags(id, am_id, header, data, sys::AM_SEND_FLAG_RNDV, keep)
+    }
+
+    fn am_send_flags(
+        &mut self,
+        id: EpId,
+        am_id: u32,
+        header: Vec<u8>,
+        data: Bytes,
+        flags: u32,
+        keep: K,
+    ) -> FlightId {
         let Some((ep, _)) = self.open_ep(id) else {
             return self.done_flight(sys::UCS_ERR_NOT_CONNECTED, keep);
         };
         let param = sys::RequestParam {
             op_attr_mask: sys::OP_ATTR_FIELD_FLAGS,
-            flags: sys::AM_SEND_FLAG_EAGER | if reply { sys::AM_SEND_FLAG_REPLY } else { 0 },
+            flags,
             ..Default::default()
         };
         // SAFETY: live endpoint; header and data are heap buffers moved into the

@@ -34,6 +34,7 @@ pub(crate) const UCS_ERR_FIRST_LINK_FAILURE: Status = -40;
 pub(crate) const UCS_ERR_LAST_ENDPOINT_FAILURE: Status = -89;
 pub(crate) const UCS_ERR_TIMED_OUT: Status = -20;
 pub(crate) const UCS_ERR_NOT_CONNECTED: Status = -24;
+pub(crate) const UCS_ERR_REJECTED: Status = -23;
 /// `UCS_ERR_LAST`: status pointers are the values at or above this, as unsigned.
 pub(crate) const UCS_ERR_LAST: isize = -100;
 
@@ -78,6 +79,8 @@ pub(crate) const OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub(crate) const EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
 pub(crate) const AM_SEND_FLAG_REPLY: u32 = 1 << 0;
 pub(crate) const AM_SEND_FLAG_EAGER: u32 = 1 << 1;
+#[cfg(test)]
+pub(crate) const AM_SEND_FLAG_RNDV: u32 = 1 << 2;
 
 // ucp_am_handler_param_t
 pub(crate) const AM_HANDLER_PARAM_FIELD_ID: u64 = 1 << 0;
@@ -236,7 +239,8 @@ zeroed_default!(
     RequestParam,
     AmHandlerParam,
     ContextAttr,
-    MemAttr
+    MemAttr,
+    UctComponentAttr
 );
 
 /// `UCS_PTR_IS_ERR`.
@@ -252,6 +256,34 @@ pub(crate) fn ptr_is_ptr(p: StatusPtr) -> bool {
 /// `UCS_PTR_RAW_STATUS`.
 pub(crate) fn ptr_status(p: StatusPtr) -> Status {
     p as isize as Status
+}
+
+/// `uct_component_h`.
+pub(crate) type UctComponent = *mut c_void;
+
+// uct_component_attr_t
+pub(crate) const UCT_COMPONENT_ATTR_FIELD_NAME: u64 = 1 << 0;
+pub(crate) const UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT: u64 = 1 << 1;
+
+/// `uct_component_attr_t` (48 bytes, the same in 1.13 and 1.22).
+#[repr(C)]
+pub(crate) struct UctComponentAttr {
+    pub(crate) field_mask: u64,
+    /// `UCT_COMPONENT_NAME_MAX`.
+    pub(crate) name: [c_char; 16],
+    pub(crate) md_resource_count: c_uint,
+    pub(crate) md_resources: *mut c_void,
+    pub(crate) flags: u64,
+}
+
+/// The few libuct functions we call (resolved through libucp's dependency scope, so
+/// they are the libuct that libucp itself uses).
+#[derive(Clone, Copy)]
+pub(crate) struct UctApi {
+    pub(crate) query_components:
+        unsafe extern "C" fn(*mut *mut UctComponent, *mut c_uint) -> Status,
+    pub(crate) release_component_list: unsafe extern "C" fn(*mut UctComponent),
+    pub(crate) component_query: unsafe extern "C" fn(UctComponent, *mut UctComponentAttr) -> Status,
 }
 
 /// The function table, resolved from the loaded `libucp` at run time.
@@ -302,7 +334,6 @@ pub(crate) struct Api {
         usize,
         *const RequestParam,
     ) -> StatusPtr,
-    pub(crate) am_data_release: unsafe extern "C" fn(Worker, *mut c_void),
     pub(crate) request_check_status: unsafe extern "C" fn(*mut c_void) -> Status,
     pub(crate) request_free: unsafe extern "C" fn(*mut c_void),
 }
@@ -368,6 +399,12 @@ mod tests {
         assert_eq!(offset_of!(MemAttr, length), 16);
         assert_eq!(offset_of!(MemAttr, mem_type), 24);
         assert_eq!(size_of::<MemAttr>(), 32);
+
+        assert_eq!(offset_of!(UctComponentAttr, name), 8);
+        assert_eq!(offset_of!(UctComponentAttr, md_resource_count), 24);
+        assert_eq!(offset_of!(UctComponentAttr, md_resources), 32);
+        assert_eq!(offset_of!(UctComponentAttr, flags), 40);
+        assert_eq!(size_of::<UctComponentAttr>(), 48);
     }
 
     #[test]
