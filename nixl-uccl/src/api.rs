@@ -323,18 +323,19 @@ impl EngineOwner {
     }
 
     /// Deregister `id` now, or once the abandoned operations using it are done.
-    pub(crate) fn deregister(&self, id: u64) -> bool {
+    pub(crate) fn deregister(&self, id: u64) -> Deregistered {
         let mut t = self.mrs.lock().unwrap();
         let Some(entry) = t.live.remove(&id) else {
-            return false;
+            return Deregistered::Unknown;
         };
         if t.busy.get(&id).is_some_and(|&n| n > 0) {
             t.doomed.insert(id, entry);
+            Deregistered::Deferred
         } else {
             drop(t);
             self.api.mr_destroy(self.engine, entry.0);
+            Deregistered::Destroyed
         }
-        true
     }
 
     pub(crate) fn hold(&self, ids: &[u64]) {
@@ -363,6 +364,18 @@ impl EngineOwner {
             self.api.mr_destroy(self.engine, mr);
         }
     }
+}
+
+/// What [`EngineOwner::deregister`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Deregistered {
+    /// The memory region is destroyed: the engine reaches the memory no more.
+    Destroyed,
+    /// Operations the engine never reported done still use it: it is destroyed
+    /// (and the memory let go) once they are.
+    Deferred,
+    /// Not registered in this engine.
+    Unknown,
 }
 
 /// How long dropping the owner waits for `uccl_engine_destroy` (which joins UCCL's

@@ -145,7 +145,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-use api::{ConnHandle, EngineApi, EngineOwner, FifoItem, NewEngine, OwnedConn};
+use api::{ConnHandle, Deregistered, EngineApi, EngineOwner, FifoItem, NewEngine, OwnedConn};
 use confirm::{Confirmer, Regs, Work};
 use wire::{ConnInfo, Frame};
 
@@ -1102,13 +1102,17 @@ async fn serve_control(
 /// Operations of a failed transfer that the engine accepted and never reported done.
 /// UCCL cannot cancel them, so the progress thread keeps polling them, keeping their
 /// connection open and their registrations' memory regions (and memory) alive until
-/// they are done.
+/// they are done, and their registrations counted in flight: the agent refuses to
+/// deregister memory the engine may still write or read.
 #[derive(Debug)]
 struct Zombie {
     link: Arc<Link>,
     conn: ConnHandle,
     ids: std::collections::VecDeque<u64>,
     regions: Vec<u64>,
+    /// Dropped after `regions` are released (the zombie with it), so a deregistration
+    /// that sees the count at zero finds the memory regions free to destroy.
+    _holds: Vec<nixl::InFlightHold>,
 }
 
 impl Zombie {
@@ -1245,16 +1249,28 @@ fn progress_loop(
 /// How long a stopping progress thread still polls operations of failed transfers.
 const ABANDON_GRACE: Duration = Duration::from_millis(500);
 
-/// Take a failed job's operations still in the engine, and hold their registrations.
+/// Take a failed job's operations still in the engine, and hold their registrations:
+/// their memory regions in the engine, and their count in flight in the agent (taken
+/// before the job completes, so the count never lapses while the engine may still
+/// touch the memory).
 fn zombie(j: &mut Job) -> Zombie {
     let mut regions: Vec<u64> = j.pieces.iter().map(|p| p.region).collect();
     regions.sort_unstable();
     regions.dedup();
+    let mut holds: Vec<nixl::InFlightHold> = Vec::with_capacity(regions.len());
+    let mut held: Vec<u64> = Vec::with_capacity(regions.len());
+    for l in j.locals.iter() {
+        if let Err(at) = held.binary_search(&l.id()) {
+            held.insert(at, l.id());
+            holds.push(l.region().hold_in_flight());
+        }
+    }
     let z = Zombie {
         link: j.link.clone(),
         conn: j.conn,
         ids: std::mem::take(&mut j.inflight),
         regions,
+        _holds: holds,
     };
     z.owner().hold(&z.regions);
     z
@@ -1659,12 +1675,21 @@ impl Backend for UcclBackend {
                 format!("region {region_id} is not registered"),
             );
         };
-        // The owner keeps the memory until its region is destroyed (now, or once
-        // abandoned operations on it are done, or with the engine).
-        if let Ok(owner) = self.inner.started().and_then(Started::owner) {
-            owner.deregister(region_id);
+        // The owner keeps the memory until its region is destroyed: now, since the
+        // agent refuses to deregister while operations of a failed transfer are
+        // still in the engine (they hold the registration in flight); later only
+        // for operations given up on at shutdown, said here, never hidden.
+        let Ok(owner) = self.inner.started().and_then(Started::owner) else {
+            return Ok(());
+        };
+        match owner.deregister(region_id) {
+            Deregistered::Destroyed | Deregistered::Unknown => Ok(()),
+            Deregistered::Deferred => err(
+                ErrorKind::Backend,
+                "uccl deregister",
+                format!("registration {region_id}: operations of a failed transfer that the engine never reported done still use it; its memory region stays registered, and its memory allocated, until they are"),
+            ),
         }
-        Ok(())
     }
 
     fn data_path(&self, peer: &str) -> Option<String> {
