@@ -383,7 +383,14 @@ async fn operations_never_done_leave_engine_and_memory_alive() {
     .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
     let a_meta = ab.engine_metadata().unwrap();
-    let _ = a.shutdown().await;
+    let r = a.shutdown().await;
+    // Said, not hidden: the region the engine may still use was not deregistered.
+    assert!(
+        r.backend_errors
+            .iter()
+            .any(|(b, e)| b == "uccl" && e.to_string().contains("never reported done")),
+        "{r:?}"
+    );
     drop((a, ab, dst));
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert!(
