@@ -309,9 +309,14 @@ impl EngineOwner {
         }
     }
 
+    /// Close every inbound connection. Returns only once each is destroyed, whoever
+    /// closes them: the list's lock is held across the destroys, so a second caller
+    /// waits for the first instead of finding the list empty and returning while
+    /// connections are still being destroyed (memory is deregistered right after a
+    /// shutdown's close returns).
     pub(crate) fn close_inbound(&self) {
-        let conns = std::mem::take(&mut *self.inbound.lock().unwrap());
-        for c in conns {
+        let mut inbound = self.inbound.lock().unwrap();
+        for c in inbound.drain(..) {
             // SAFETY: accepted on this engine, and removed from the list so nothing
             // uses it again.
             unsafe { self.api.conn_destroy(c) };
@@ -323,18 +328,19 @@ impl EngineOwner {
     }
 
     /// Deregister `id` now, or once the abandoned operations using it are done.
-    pub(crate) fn deregister(&self, id: u64) -> bool {
+    pub(crate) fn deregister(&self, id: u64) -> Deregistered {
         let mut t = self.mrs.lock().unwrap();
         let Some(entry) = t.live.remove(&id) else {
-            return false;
+            return Deregistered::Unknown;
         };
         if t.busy.get(&id).is_some_and(|&n| n > 0) {
             t.doomed.insert(id, entry);
+            Deregistered::Deferred
         } else {
             drop(t);
             self.api.mr_destroy(self.engine, entry.0);
+            Deregistered::Destroyed
         }
-        true
     }
 
     pub(crate) fn hold(&self, ids: &[u64]) {
@@ -363,6 +369,18 @@ impl EngineOwner {
             self.api.mr_destroy(self.engine, mr);
         }
     }
+}
+
+/// What [`EngineOwner::deregister`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Deregistered {
+    /// The memory region is destroyed: the engine reaches the memory no more.
+    Destroyed,
+    /// Operations the engine never reported done still use it: it is destroyed
+    /// (and the memory let go) once they are.
+    Deferred,
+    /// Not registered in this engine.
+    Unknown,
 }
 
 /// How long dropping the owner waits for `uccl_engine_destroy` (which joins UCCL's
@@ -492,5 +510,73 @@ impl Drop for NewEngine {
             // SAFETY: just created, never shared (an owner took it otherwise).
             unsafe { self.api.destroy(e) };
         }
+    }
+}
+
+#[cfg(all(test, feature = "test-double"))]
+mod tests {
+    use super::*;
+    use crate::test_double::{self, TestDouble};
+
+    /// Two threads close an engine's inbound connections at once (a shutdown and
+    /// another closer): when either `close_inbound` returns, every inbound
+    /// connection is destroyed. Before the destroys ran under the list's lock, the
+    /// loser found the list empty and returned while the winner was still
+    /// destroying, and a shutdown then went on to deregister memory.
+    #[test]
+    fn close_inbound_returns_only_once_every_connection_is_destroyed() {
+        const CONNS: usize = 64;
+        let api = TestDouble::api();
+        api.bind_thread(0).unwrap();
+        let owner = || Arc::new(EngineOwner::new(NewEngine::create(api.clone(), 0).unwrap()));
+        let (a, b) = (owner(), owner());
+        let b_meta = api.metadata(b.engine).unwrap();
+        let port: u16 = b_meta
+            .split_once('?')
+            .and_then(|(x, _)| x.rsplit_once(':'))
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap();
+        // B's accept waits for its first registration.
+        let mem = [0u8; 64];
+        // SAFETY: `mem` outlives the region, destroyed below before it drops.
+        let mr = unsafe { api.reg(b.engine, mem.as_ptr() as usize, mem.len()) }.unwrap();
+        for round in 0..50 {
+            let acceptor = {
+                let b = b.clone();
+                std::thread::spawn(move || {
+                    b.bind_thread().unwrap();
+                    for _ in 0..CONNS {
+                        b.accept().expect("accepted");
+                    }
+                })
+            };
+            let outbound: Vec<OwnedConn> = (0..CONNS)
+                .map(|_| a.connect("127.0.0.1", "double", port).unwrap())
+                .collect();
+            acceptor.join().unwrap();
+            assert_eq!(test_double::engine_connections(&b_meta), CONNS);
+            let start = Arc::new(std::sync::Barrier::new(2));
+            let closers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (b, start, b_meta) = (b.clone(), start.clone(), b_meta.clone());
+                    std::thread::spawn(move || {
+                        start.wait();
+                        b.close_inbound();
+                        test_double::engine_connections(&b_meta)
+                    })
+                })
+                .collect();
+            for c in closers {
+                let left = c.join().unwrap();
+                assert_eq!(
+                    left, 0,
+                    "round {round}: close_inbound returned with {left} inbound connection(s) not yet destroyed"
+                );
+            }
+            drop(outbound);
+        }
+        api.mr_destroy(b.engine, mr);
+        drop((a, b));
+        assert_eq!(test_double::violations(), Vec::<String>::new());
     }
 }

@@ -5,20 +5,21 @@
 //! long read (or a device copy of GPU memory).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use nixl::{BackendContext, Error, ErrorKind, RegionRef, RegionSlice, Result};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
+use crate::reply::Replies;
 use crate::verify;
 use crate::wire::Frame;
 
 const OP: &str = "uccl transfer confirmation";
 
-/// Requests a target keeps queued per control connection; more are refused (the
-/// initiator's transfers fail with the reason).
+/// `Verify` requests a target keeps accepted and unanswered per control connection
+/// (being digested, or waiting to be written); past it the target reads nothing more
+/// from that connection until an answer is written (see `reply`).
 pub(crate) const MAX_QUEUED: usize = 1024;
 
 /// This agent's registrations.
@@ -128,12 +129,11 @@ pub(crate) enum Work {
         then: Then,
     },
     /// Target: the digest of `ranges` of this agent's registrations, answered as
-    /// `Verified` on `reply`.
+    /// `Verified` on `reply` (which accepted the request).
     Remote {
         id: u64,
         ranges: Vec<(u64, u64, u64)>,
-        reply: mpsc::UnboundedSender<Frame>,
-        queued: Arc<AtomicUsize>,
+        reply: Arc<Replies>,
     },
 }
 
@@ -227,7 +227,7 @@ fn run(w: Work, regs: &Regs) {
                         Ok(Ok(None)) => Error::new(
                             ErrorKind::Backend,
                             OP,
-                            "the target could not confirm the transfer (its memory was deregistered meanwhile, or it is busy confirming others)",
+                            "the target could not confirm the transfer (its memory was deregistered meanwhile, or the ranges asked for are not in its registrations)",
                         ),
                         Ok(Err(_)) => Error::new(
                             ErrorKind::RemoteDisconnected,
@@ -245,15 +245,9 @@ fn run(w: Work, regs: &Regs) {
                 then(Ok(()));
             });
         }
-        Work::Remote {
-            id,
-            ranges,
-            reply,
-            queued,
-        } => {
+        Work::Remote { id, ranges, reply } => {
             let digest = target_slices(regs, &ranges).and_then(|s| verify::digest(&s).ok());
-            queued.fetch_sub(1, Ordering::AcqRel);
-            let _ = reply.send(Frame::Verified { id, digest });
+            reply.answered(Frame::Verified { id, digest });
         }
     }
 }

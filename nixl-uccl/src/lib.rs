@@ -64,9 +64,19 @@
 //!   delivered only to the agent it is for, only when asked for, and never truncated:
 //!   up to [`MAX_NOTIFICATION`] bytes, longer ones are refused when posted. Order
 //!   holds per control connection: after a reconnect, frames still in flight on the
-//!   old one may arrive after new ones. The control connection is not authenticated
-//!   (the name in its hello is taken as given), like UCCL's own channel: run it on a
-//!   trusted network.
+//!   old one may arrive after new ones.
+//! - **The control connection** is authenticated with the agent's shared secret
+//!   where one is set ([`nixl::AgentBuilder::secret`], through [`nixl::control`]),
+//!   and its hello must name the agent proven, so notifications carry a proven name;
+//!   without a secret the name in the hello is taken as given (NIXL-compatible).
+//!   UCCL's own engine channel is never authenticated: run UCCL on a trusted fabric.
+//!   What a target holds for one connection is bounded whatever the peer sends: one
+//!   `Pong` owed however many pings arrive unread, at most 1024 confirmations
+//!   accepted and unwritten (past that the connection is not read until one is
+//!   written: the peer's own sends stall); each answer must be written within
+//!   [`UcclOptions::liveness_timeout`], and the socket's `TCP_USER_TIMEOUT` is the
+//!   same bound, so a peer that never reads is cut ([`UcclBackend::control_stats`]
+//!   counts both).
 //! - **Serialization.** UCCL keeps its registration table in one unguarded
 //!   process-wide map: registering and deregistering (and creating or destroying
 //!   engines and connections) hold one process-wide lock exclusively, read and write
@@ -75,10 +85,15 @@
 //!   block or must run while accept blocks, run outside it.
 //! - **Abandoned operations.** An operation UCCL accepted cannot be cancelled: when
 //!   its transfer fails first (dead peer, stall), the progress thread keeps polling it,
-//!   and its registrations' memory regions (and memory) stay alive, even across
-//!   deregistration, until it is done. At shutdown it gets a short grace; one never
-//!   reported done leaves the engine, its regions and their memory alive for the rest
-//!   of the process rather than destroying them under the NIC.
+//!   and its registrations stay counted in flight until it is done
+//!   ([`nixl::RegionRef::hold_in_flight`]): the transfer resolves with its error at
+//!   once, but [`nixl::Agent::deregister`] refuses that memory
+//!   ([`ErrorKind::NotAllowed`], nothing changes) until the engine has let go
+//!   ([`nixl::Registration::inflight`] drops to zero then), and when it returns `Ok`
+//!   the memory region is destroyed: the engine touches that memory no more. At
+//!   shutdown it gets a short grace; one never reported done leaves the engine, its
+//!   regions and their memory alive for the rest of the process rather than
+//!   destroying them under the NIC (the shutdown report names each such region).
 //! - **C++ exceptions.** UCCL 0.1.1 throws from some calls (a write on a connection
 //!   whose setup failed). Every call goes through a C++ shim of ours (default
 //!   feature `exception-shim`) that turns an exception into an error; a build
@@ -121,6 +136,7 @@ mod confirm;
 pub mod fuzzing;
 pub mod host;
 pub mod library;
+mod reply;
 #[cfg(feature = "test-double")]
 #[allow(unsafe_code)]
 pub mod test_double;
@@ -145,7 +161,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-use api::{ConnHandle, EngineApi, EngineOwner, FifoItem, NewEngine, OwnedConn};
+use api::{ConnHandle, Deregistered, EngineApi, EngineOwner, FifoItem, NewEngine, OwnedConn};
 use confirm::{Confirmer, Regs, Work};
 use wire::{ConnInfo, Frame};
 
@@ -174,7 +190,8 @@ pub struct UcclOptions {
     /// 1024); one more is closed.
     pub max_incoming_connections: usize,
     /// A peer silent this long on the control connection is dead (pinged at a third
-    /// of it).
+    /// of it). Also the bound on writing one control frame, and the socket's
+    /// `TCP_USER_TIMEOUT`: a peer that does not read for this long is cut.
     pub liveness_timeout: Duration,
     /// A transfer not done after this long fails with [`ErrorKind::TimedOut`].
     pub stall_timeout: Duration,
@@ -481,6 +498,24 @@ struct Inner {
     peers: Mutex<HashMap<String, PeerSlot>>,
     gate: Arc<AcceptGate>,
     registered: watch::Sender<bool>,
+    /// What the control listener has held for its peers.
+    control: Arc<reply::Stats>,
+}
+
+/// What nixl-uccl's control listener has held for its peers, since the backend was
+/// made ([`UcclBackend::control_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ControlStats {
+    /// Most answers owed to one inbound control connection at once: one `Pong`
+    /// (however many pings arrived before it was written) and the confirmations
+    /// accepted and not yet written (at most 1024; past that the connection is not
+    /// read until one is written). A peer that never reads cannot raise it further.
+    pub most_answers_owed: usize,
+    /// Inbound control connections cut because an answer could not be written
+    /// within [`UcclOptions::liveness_timeout`], or stayed unacknowledged that long
+    /// (the socket's `TCP_USER_TIMEOUT`): the peer was not reading.
+    pub cut_not_reading: u64,
 }
 
 /// The UCCL backend. See the [crate docs](crate).
@@ -530,6 +565,7 @@ impl UcclBackend {
                 peers: Mutex::new(HashMap::new()),
                 gate: Arc::default(),
                 registered: watch::channel(false).0,
+                control: Arc::default(),
             }),
         }
     }
@@ -537,6 +573,16 @@ impl UcclBackend {
     /// What was loaded, and from where (`None` over [`UcclBackend::with_api`]).
     pub fn library_report(&self) -> Option<&LibraryReport> {
         self.inner.report.as_ref()
+    }
+
+    /// What the control listener has held for its peers: the most answers owed to
+    /// one connection at once, and connections cut for not reading.
+    pub fn control_stats(&self) -> ControlStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        ControlStats {
+            most_answers_owed: self.inner.control.most_owed.load(Relaxed),
+            cut_not_reading: self.inner.control.cut_not_reading.load(Relaxed),
+        }
     }
 
     /// The engine's own connection string (`ip:port?gpu`), once started.
@@ -736,7 +782,7 @@ impl Inner {
             )
         };
         let mut stream = TcpStream::connect(&info.control).await.map_err(gone)?;
-        let _ = stream.set_nodelay(true);
+        nixl::control::tune(&stream, self.options.liveness_timeout);
         let who = format!("{peer:?} at {}", info.control);
         nixl::control::authenticate_client(
             &mut stream,
@@ -800,7 +846,7 @@ impl Inner {
             wr,
             state.clone(),
             out_rx,
-            self.options.liveness_timeout / 3,
+            self.options.liveness_timeout,
         ));
         Ok(Arc::new(Link {
             peer: peer.to_owned(),
@@ -913,20 +959,22 @@ async fn control_reader(
     }
 }
 
-/// Initiator side: notifications in completion order, and pings.
+/// Initiator side: notifications in completion order, and pings (at a third of the
+/// liveness bound). Each frame is written within the liveness bound, or the link is
+/// dead (the target stopped reading).
 async fn control_writer(
     mut wr: tokio::net::tcp::OwnedWriteHalf,
     state: Arc<LinkState>,
     mut rx: mpsc::UnboundedReceiver<Out>,
-    ping: Duration,
+    liveness: Duration,
 ) {
-    let mut tick = tokio::time::interval(ping.max(Duration::from_millis(10)));
+    let mut tick = tokio::time::interval((liveness / 3).max(Duration::from_millis(10)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = state.dead.cancelled() => break,
             _ = tick.tick() => {
-                if let Err(e) = wr.write_all(&Frame::Ping.encode()).await {
+                if let Err(e) = write_within(&mut wr, &Frame::Ping.encode(), liveness).await {
                     state.kill(format!("control connection: {e}"));
                     break;
                 }
@@ -934,13 +982,13 @@ async fn control_writer(
             m = rx.recv() => match m {
                 None => break,
                 Some(Out::Frame(f)) => {
-                    if let Err(e) = wr.write_all(&f).await {
+                    if let Err(e) = write_within(&mut wr, &f, liveness).await {
                         state.kill(format!("control connection: {e}"));
                         break;
                     }
                 }
                 Some(Out::Notif(msg, done)) => {
-                    let r = wr.write_all(&Frame::Notif(msg).encode()).await;
+                    let r = write_within(&mut wr, &Frame::Notif(msg).encode(), liveness).await;
                     match r {
                         Ok(()) => done.complete(Ok(())),
                         Err(e) => {
@@ -966,6 +1014,26 @@ async fn control_writer(
     }
 }
 
+/// Write all of `b` within `deadline`; past it, an error of kind `TimedOut` (the
+/// peer is not reading: its window stayed closed).
+async fn write_within<W: tokio::io::AsyncWrite + Unpin>(
+    w: &mut W,
+    b: &[u8],
+    deadline: Duration,
+) -> std::io::Result<()> {
+    match tokio::time::timeout(deadline, w.write_all(b)).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("a control frame could not be written within {deadline:?}"),
+        )),
+    }
+}
+
+/// Send buffer of an inbound control connection, in bytes (the kernel doubles it):
+/// what the target writes there is small answers only.
+const CONTROL_SEND_BUFFER: usize = 16 * 1024;
+
 /// The control connection's name in the authentication ([`nixl::control`]).
 const CONTROL_PROTOCOL: &str = "nixl-uccl control";
 
@@ -974,16 +1042,26 @@ const CONTROL_PROTOCOL: &str = "nixl-uccl control";
 async fn serve_control(
     mut stream: TcpStream,
     from: std::net::SocketAddr,
-    secret: Option<nixl::SharedSecret>,
+    ctx: BackendContext,
     admission: Arc<nixl::control::Admission>,
-    me: String,
-    sink: nixl::NotificationSink,
     mut registered: watch::Receiver<bool>,
     liveness: Duration,
     connect_timeout: Duration,
     confirmer: Confirmer,
+    stats: Arc<reply::Stats>,
 ) {
-    let _ = stream.set_nodelay(true);
+    // A peer whose host dies, or that stops reading (a zero window), is cut within
+    // the liveness bound by the kernel too, not only by the write deadline below.
+    nixl::control::tune(&stream, liveness);
+    // Only small answers go this way (hello, Ready, Pong, Verified): a small send
+    // buffer bounds the kernel memory a peer that never reads can pin, and fills
+    // after kilobytes of answers, not megabytes, so the write deadline cuts it soon.
+    let _ = socket2::SockRef::from(&stream).set_send_buffer_size(CONTROL_SEND_BUFFER);
+    let (me, sink, secret) = (
+        ctx.agent_name.clone(),
+        ctx.notifications.clone(),
+        ctx.secret.clone(),
+    );
     // The agent's secret first, where set: nothing is answered or kept for a peer
     // that does not prove it.
     let peer = format!("UCCL control connection from {from}");
@@ -1004,7 +1082,9 @@ async fn serve_control(
         }
         Ok(a) => a,
     };
-    let (mut rd, mut wr) = stream.into_split();
+    let (rd, mut wr) = stream.into_split();
+    // Small frames (pings) are read many at a time, not one system call each.
+    let mut rd = tokio::io::BufReader::new(rd);
     // Before the hello, only a hello-sized frame is read.
     let hello = tokio::select! {
         _ = evict.cancelled() => {
@@ -1029,14 +1109,20 @@ async fn serve_control(
         tracing::info!(%from, "UCCL control: too many peers connected (UcclOptions::max_incoming_connections)");
         return;
     }
-    if wr.write_all(&Frame::HelloAck(me).encode()).await.is_err() {
+    if write_within(&mut wr, &Frame::HelloAck(me).encode(), liveness)
+        .await
+        .is_err()
+    {
         return;
     }
-    // Pongs and confirmations, written in the order they are ready.
-    let (reply_tx, mut reply_rx) = mpsc::unbounded_channel::<Frame>();
-    let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // What is owed to the peer, bounded however it behaves (see `reply`): one Pong
+    // however many Pings, a bounded number of confirmations.
+    let replies = reply::Replies::new(confirm::MAX_QUEUED, stats.clone());
+    let owed = replies.clone();
+    let (cut_by_writer, cut_by_reader) = (replies.clone(), replies.clone());
     // Pongs from the start; Ready once this agent has registered memory (its engine
-    // accepts only then), whenever that is.
+    // accepts only then), whenever that is. Each frame is written within the
+    // liveness bound, or the peer (which is not reading) is cut.
     let writer = async move {
         let mut ready_sent = false;
         loop {
@@ -1048,12 +1134,10 @@ async fn serve_control(
                     }
                     Err(_) => return,
                 },
-                f = reply_rx.recv() => match f {
-                    Some(f) => f,
-                    None => return,
-                },
+                f = owed.next() => f,
             };
-            if wr.write_all(&frame.encode()).await.is_err() {
+            if let Err(e) = write_within(&mut wr, &frame.encode(), liveness).await {
+                cut_by_writer.cut_if_not_reading(&e, from);
                 return;
             }
         }
@@ -1063,23 +1147,19 @@ async fn serve_control(
     let silence = liveness + connect_timeout;
     let reader = async move {
         loop {
+            // Each frame counts against the task's budget: a flood of small frames
+            // (read many per system call) still yields to the other tasks.
+            tokio::task::consume_budget().await;
             match tokio::time::timeout(silence, wire::read_frame(&mut rd)).await {
                 Ok(Ok(Some(Frame::Notif(m)))) => sink.deliver(&name, m),
-                Ok(Ok(Some(Frame::Ping))) => {
-                    let _ = reply_tx.send(Frame::Pong);
-                }
+                Ok(Ok(Some(Frame::Ping))) => replies.ping(),
                 Ok(Ok(Some(Frame::Verify { id, ranges }))) => {
-                    use std::sync::atomic::Ordering;
-                    if queued.fetch_add(1, Ordering::AcqRel) >= confirm::MAX_QUEUED {
-                        queued.fetch_sub(1, Ordering::AcqRel);
-                        let _ = reply_tx.send(Frame::Verified { id, digest: None });
-                        continue;
-                    }
+                    // Back-pressure: nothing more is read until there is room.
+                    replies.accept_verify().await;
                     let w = Work::Remote {
                         id,
                         ranges,
-                        reply: reply_tx.clone(),
-                        queued: queued.clone(),
+                        reply: replies.clone(),
                     };
                     if confirmer.submit(w).is_err() {
                         return;
@@ -1089,26 +1169,47 @@ async fn serve_control(
                     tracing::debug!(?f, peer = %name, "UCCL control: unexpected frame");
                     return;
                 }
+                // The kernel's user timeout (our answers unacknowledged, a zero
+                // window) shows here when the reader notices first.
+                Ok(Err(e)) => return cut_by_reader.cut_if_not_reading(&e, from),
                 _ => return,
             }
         }
     };
+    // The writer is a task of its own, so a reader kept busy (a flood of frames)
+    // never starves it: answers go out as they are owed, and a peer that does not
+    // read them fills its window and is cut by the write deadline. Either ending
+    // ends the other (and the connection with both halves).
+    let done = ctx.cancel.child_token();
+    let writer_done = done.clone();
+    ctx.spawn(async move {
+        let _end = writer_done.clone().drop_guard();
+        tokio::select! {
+            _ = writer_done.cancelled() => {}
+            _ = writer => {}
+        }
+    });
+    let _end = done.clone().drop_guard();
     tokio::select! {
+        _ = done.cancelled() => {}
         _ = reader => {}
-        _ = writer => {}
     }
 }
 
 /// Operations of a failed transfer that the engine accepted and never reported done.
 /// UCCL cannot cancel them, so the progress thread keeps polling them, keeping their
 /// connection open and their registrations' memory regions (and memory) alive until
-/// they are done.
+/// they are done, and their registrations counted in flight: the agent refuses to
+/// deregister memory the engine may still write or read.
 #[derive(Debug)]
 struct Zombie {
     link: Arc<Link>,
     conn: ConnHandle,
     ids: std::collections::VecDeque<u64>,
     regions: Vec<u64>,
+    /// Dropped after `regions` are released (the zombie with it), so a deregistration
+    /// that sees the count at zero finds the memory regions free to destroy.
+    _holds: Vec<nixl::InFlightHold>,
 }
 
 impl Zombie {
@@ -1245,16 +1346,28 @@ fn progress_loop(
 /// How long a stopping progress thread still polls operations of failed transfers.
 const ABANDON_GRACE: Duration = Duration::from_millis(500);
 
-/// Take a failed job's operations still in the engine, and hold their registrations.
+/// Take a failed job's operations still in the engine, and hold their registrations:
+/// their memory regions in the engine, and their count in flight in the agent (taken
+/// before the job completes, so the count never lapses while the engine may still
+/// touch the memory).
 fn zombie(j: &mut Job) -> Zombie {
     let mut regions: Vec<u64> = j.pieces.iter().map(|p| p.region).collect();
     regions.sort_unstable();
     regions.dedup();
+    let mut holds: Vec<nixl::InFlightHold> = Vec::with_capacity(regions.len());
+    let mut held: Vec<u64> = Vec::with_capacity(regions.len());
+    for l in j.locals.iter() {
+        if let Err(at) = held.binary_search(&l.id()) {
+            held.insert(at, l.id());
+            holds.push(l.region().hold_in_flight());
+        }
+    }
     let z = Zombie {
         link: j.link.clone(),
         conn: j.conn,
         ids: std::mem::take(&mut j.inflight),
         regions,
+        _holds: holds,
     };
     z.owner().hold(&z.regions);
     z
@@ -1540,12 +1653,12 @@ impl UcclBackend {
         let started_confirmer = confirmer.clone();
 
         // The control listener.
-        let (me, sink) = (ctx.agent_name.clone(), ctx.notifications.clone());
         let (liveness, connect_timeout) = (
             inner.options.liveness_timeout,
             inner.options.connect_timeout,
         );
         let registered = inner.registered.subscribe();
+        let stats = inner.control.clone();
         let spawn_ctx = ctx.clone();
         let admission = nixl::control::Admission::new(
             inner.options.max_incoming_handshakes,
@@ -1557,14 +1670,13 @@ impl UcclBackend {
                     Ok((s, from)) => spawn_ctx.spawn(serve_control(
                         s,
                         from,
-                        spawn_ctx.secret.clone(),
+                        spawn_ctx.clone(),
                         admission.clone(),
-                        me.clone(),
-                        sink.clone(),
                         registered.clone(),
                         liveness,
                         connect_timeout,
                         confirmer.clone(),
+                        stats.clone(),
                     )),
                     Err(e) => {
                         // Out of descriptors, most likely: free one held by a
@@ -1659,12 +1771,21 @@ impl Backend for UcclBackend {
                 format!("region {region_id} is not registered"),
             );
         };
-        // The owner keeps the memory until its region is destroyed (now, or once
-        // abandoned operations on it are done, or with the engine).
-        if let Ok(owner) = self.inner.started().and_then(Started::owner) {
-            owner.deregister(region_id);
+        // The owner keeps the memory until its region is destroyed: now, since the
+        // agent refuses to deregister while operations of a failed transfer are
+        // still in the engine (they hold the registration in flight); later only
+        // for operations given up on at shutdown, said here, never hidden.
+        let Ok(owner) = self.inner.started().and_then(Started::owner) else {
+            return Ok(());
+        };
+        match owner.deregister(region_id) {
+            Deregistered::Destroyed | Deregistered::Unknown => Ok(()),
+            Deregistered::Deferred => err(
+                ErrorKind::Backend,
+                "uccl deregister",
+                format!("registration {region_id}: operations of a failed transfer that the engine never reported done still use it; its memory region stays registered, and its memory allocated, until they are"),
+            ),
         }
-        Ok(())
     }
 
     fn data_path(&self, peer: &str) -> Option<String> {

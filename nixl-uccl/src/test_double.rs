@@ -16,6 +16,9 @@
 //!   without moving data (a queue pair whose peer died is flushed, and UCCL reports
 //!   a failed operation as done), at once or after a [delay](set_flush_delay);
 //! - an operation that fails is reported done without moving data ([`lose_data`]);
+//! - an operation towards a [delaying](delay_operations) engine is not done, and
+//!   moves its bytes only when [released](finish_delayed) (a NIC still working on
+//!   it), and only if both memory regions are still registered then;
 //! - a process-wide notification list (UCCL's `notify_list`), which this crate must
 //!   never use: [`notifications_sent`] counts what went into it.
 //!
@@ -24,7 +27,8 @@
 //! engine call (create, connect, accept, read, write, status) from a thread that did
 //! not bind its CUDA context first ([`EngineApi::bind_thread`]),
 //! destroying an engine with connections or registrations still open, entering accept
-//! before any registration.
+//! before any registration, destroying a memory region that an operation not yet
+//! done still uses.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -44,11 +48,40 @@ struct Engine {
     frozen: bool,
     /// Operations towards it are reported done without moving data.
     losing: bool,
+    /// Operations towards it wait for [`finish_delayed`], which moves their bytes.
+    delaying: bool,
     holding: bool,
     /// How long after this engine's destruction operations towards it are flushed.
     flush_delay: Duration,
     /// Connections made from or accepted by this engine and not destroyed.
     conns: usize,
+}
+
+/// One operation in the engine.
+#[derive(Debug, Clone, Copy)]
+struct Xfer {
+    done: bool,
+    /// The engine it goes to.
+    peer: usize,
+    /// The engine that posted it, and its local memory region.
+    engine: usize,
+    mr: u64,
+    /// A delayed operation's copy: (source, destination, length), and the remote
+    /// key it needs, moved by [`finish_delayed`].
+    delayed: Option<(usize, usize, usize, u32)>,
+}
+
+impl Xfer {
+    /// Whether the engine is done with it: reported done, or flushed (the peer
+    /// engine is gone, its flush delay passed; an RC queue pair whose peer died
+    /// completes its work in error, and UCCL reports that as done).
+    fn finished(&self, w: &World) -> bool {
+        self.done
+            || (!w.engines.contains_key(&self.peer)
+                && w.gone
+                    .get(&self.peer)
+                    .is_none_or(|(at, d)| at.elapsed() >= *d))
+    }
 }
 
 #[derive(Debug)]
@@ -66,8 +99,8 @@ struct World {
     engines: HashMap<usize, Engine>,
     by_port: HashMap<u16, usize>,
     conns: HashMap<usize, Conn>,
-    /// Transfer id to (done, the peer engine it goes to).
-    xfers: HashMap<u64, (bool, usize)>,
+    /// Operations by transfer id.
+    xfers: HashMap<u64, Xfer>,
     violations: Vec<String>,
     notifications: usize,
     live_engines: usize,
@@ -202,12 +235,82 @@ pub fn thaw(engine_metadata: &str) {
         if let Some(e) = engine_mut(w, engine_metadata) {
             w.engines.get_mut(&e).unwrap().frozen = false;
             for x in w.xfers.values_mut() {
-                if x.1 == e {
-                    x.0 = true;
+                if x.peer == e && x.delayed.is_none() {
+                    x.done = true;
                 }
             }
         }
     });
+}
+
+/// Make operations towards the engine announced as `engine_metadata` wait
+/// (`delay = true`): they are not done, and move no bytes, until
+/// [`finish_delayed`]; a NIC still working on them.
+pub fn delay_operations(engine_metadata: &str, delay: bool) {
+    with(|w| {
+        if let Some(e) = engine_mut(w, engine_metadata) {
+            w.engines.get_mut(&e).unwrap().delaying = delay;
+        }
+    });
+}
+
+/// Finish the delayed operations towards the engine announced as `engine_metadata`
+/// (see [`delay_operations`]): each moves its bytes now, if its local memory region
+/// and the peer's (by key) are both still registered (a NIC fails an operation
+/// whose memory region is gone, and moves nothing), and is reported done. Returns
+/// how many moved bytes.
+pub fn finish_delayed(engine_metadata: &str) -> usize {
+    with(|w| {
+        let Some(e) = engine_mut(w, engine_metadata) else {
+            return 0;
+        };
+        let ids: Vec<u64> = w
+            .xfers
+            .iter()
+            .filter(|(_, x)| x.peer == e && !x.done && x.delayed.is_some())
+            .map(|(id, _)| *id)
+            .collect();
+        let mut moved = 0;
+        for id in ids {
+            let x = w.xfers[&id];
+            let (src, dst, len, rkey) = x.delayed.expect("filtered");
+            let local = w.engines.get(&x.engine).and_then(|g| g.regs.get(&x.mr));
+            let remote = w.engines[&e].regs.values().any(|&(_, _, k)| k == rkey);
+            if local.is_some() && remote {
+                // SAFETY: both ranges were checked against live registrations when
+                // posted, and both regions are registered still (their owners keep
+                // the memory alive until they destroy the regions).
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+                moved += 1;
+            }
+            w.xfers.get_mut(&id).unwrap().done = true;
+        }
+        moved
+    })
+}
+
+/// Operations posted by the engine announced as `engine_metadata` that it is not
+/// done with (see [`finish_delayed`], [`freeze`]).
+pub fn operations_in_flight(engine_metadata: &str) -> usize {
+    with(|w| {
+        let Some(e) = engine_mut(w, engine_metadata) else {
+            return 0;
+        };
+        w.xfers
+            .values()
+            .filter(|x| x.engine == e && !x.finished(w))
+            .count()
+    })
+}
+
+/// Connections of the engine announced as `engine_metadata` (made or accepted by
+/// it) not yet destroyed.
+pub fn engine_connections(engine_metadata: &str) -> usize {
+    with(|w| {
+        engine_mut(w, engine_metadata)
+            .and_then(|e| w.engines.get(&e))
+            .map_or(0, |e| e.conns)
+    })
 }
 
 /// Whether the engine announced as `engine_metadata` still exists.
@@ -460,11 +563,24 @@ impl EngineApi for TestDouble {
     }
 
     fn mr_destroy(&self, e: EngineHandle, mr: u64) {
-        with(|w| match w.engines.get_mut(&e.0) {
-            Some(eng) => {
-                eng.regs.remove(&mr);
+        with(|w| {
+            let using = w
+                .xfers
+                .values()
+                .filter(|x| x.engine == e.0 && x.mr == mr && !x.finished(w))
+                .count();
+            if using > 0 {
+                w.violation(format!(
+                    "mr_destroy of region {mr} of engine {} while {using} operation(s) on it are not done",
+                    e.0
+                ));
             }
-            None => w.violation(format!("mr_destroy on destroyed engine {}", e.0)),
+            match w.engines.get_mut(&e.0) {
+                Some(eng) => {
+                    eng.regs.remove(&mr);
+                }
+                None => w.violation(format!("mr_destroy on destroyed engine {}", e.0)),
+            }
         });
     }
 
@@ -517,13 +633,8 @@ impl EngineApi for TestDouble {
                 return false;
             }
             match w.xfers.get(&id).copied() {
-                // Done, or flushed: the peer engine is gone (an RC queue pair whose
-                // peer died completes its work in error; UCCL reports that as done).
-                Some((done, peer))
-                    if done
-                        || (!w.engines.contains_key(&peer)
-                            && w.gone.get(&peer).is_none_or(|(at, d)| at.elapsed() >= *d)) =>
-                {
+                // Done, or flushed.
+                Some(x) if x.finished(w) => {
                     w.xfers.remove(&id);
                     true
                 }
@@ -583,13 +694,20 @@ impl TestDouble {
                 ));
             }
             let id = w.id() as u64;
+            let mut x = Xfer {
+                done: false,
+                peer,
+                engine: local_engine,
+                mr,
+                delayed: None,
+            };
             let Some(target) = w.engines.get(&peer) else {
                 // The peer engine is gone: completes (flushed) without moving data.
-                w.xfers.insert(id, (false, peer));
+                w.xfers.insert(id, x);
                 return Ok(id);
             };
             if target.frozen {
-                w.xfers.insert(id, (false, peer));
+                w.xfers.insert(id, x);
                 return Ok(id);
             }
             let hit = target
@@ -610,17 +728,24 @@ impl TestDouble {
                     format!("remote range {raddr:#x}+{len} outside the peer's region"),
                 ));
             }
+            x.done = true;
             if target.losing {
-                w.xfers.insert(id, (true, peer));
+                w.xfers.insert(id, x);
                 return Ok(id);
             }
             let (src, dst) = if write { (addr, raddr) } else { (raddr, addr) };
+            if target.delaying {
+                x.done = false;
+                x.delayed = Some((src, dst, len, remote.rkey));
+                w.xfers.insert(id, x);
+                return Ok(id);
+            }
             // SAFETY: both ranges lie in live registrations of this process (checked
             // above against the two engines' tables; the caller keeps the local one
             // alive, the peer's owner keeps its regions registered while its engine
             // lives); registered memory is only ever accessed through raw pointers.
             unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
-            w.xfers.insert(id, (true, peer));
+            w.xfers.insert(id, x);
             Ok(id)
         })
     }

@@ -220,24 +220,24 @@ async fn frozen_but_live_peer_times_out() {
     assert!(tokio::time::timeout(Duration::from_millis(300), nb.recv())
         .await
         .is_err());
-    // The operation is still in the engine: deregistering the source must not
-    // destroy its memory region (nor free its memory) until the engine is done.
+    // The operation is still in the engine: deregistering the source is refused
+    // (nothing changes) until the engine is done with it.
     let a_meta = ab.engine_metadata().unwrap();
     assert_eq!(test_double::registrations(&a_meta), 1);
-    a.deregister(&src).unwrap();
-    drop(src);
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(
-        test_double::registrations(&a_meta),
-        1,
-        "destroyed under an operation in flight"
-    );
+    let e = a.deregister(&src).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+    assert!(src.is_registered());
+    assert_eq!(test_double::registrations(&a_meta), 1);
     test_double::thaw(&b_meta);
     assert!(
-        test_double::wait_until(Duration::from_secs(10), || test_double::registrations(
-            &a_meta
-        ) == 0),
-        "the region was not destroyed once the engine was done"
+        test_double::wait_until(Duration::from_secs(10), || src.inflight() == 0),
+        "the registration stayed in flight after the engine was done"
+    );
+    a.deregister(&src).unwrap();
+    assert_eq!(
+        test_double::registrations(&a_meta),
+        0,
+        "deregistered, but the memory region was not destroyed"
     );
     let r = a.shutdown().await;
     assert!(r.is_clean(), "{r:?}");
@@ -383,7 +383,14 @@ async fn operations_never_done_leave_engine_and_memory_alive() {
     .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
     let a_meta = ab.engine_metadata().unwrap();
-    let _ = a.shutdown().await;
+    let r = a.shutdown().await;
+    // Said, not hidden: the region the engine may still use was not deregistered.
+    assert!(
+        r.backend_errors
+            .iter()
+            .any(|(b, e)| b == "uccl" && e.to_string().contains("never reported done")),
+        "{r:?}"
+    );
     drop((a, ab, dst));
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert!(
@@ -428,6 +435,82 @@ async fn the_target_confirms_only_for_the_registrations_key() {
     a.load_metadata(&b.metadata().unwrap()).unwrap();
     bounded("write with the key", write()).await.unwrap();
     let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
+    no_misuse();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_touches_memory_after_deregister_returned() {
+    // A READ fails (stall bound) while its operation is still in the engine, which
+    // will yet write the destination when it finishes. Deregistering that memory
+    // must not return Ok while the engine may still touch it: it is refused until
+    // the engine is done, and once it returns Ok the memory region is gone from the
+    // engine and no operation writes the memory any more.
+    let (a, ab) = agent_with(
+        "a-dereg",
+        UcclOptions {
+            stall_timeout: Duration::from_millis(300),
+            ..options()
+        },
+    )
+    .await;
+    let (b, bb) = agent("b-dereg").await;
+    let dst = a.register(vec![0u8; 4096]).unwrap();
+    let src = b.register(vec![9u8; 4096]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let (a_meta, b_meta) = (ab.engine_metadata().unwrap(), bb.engine_metadata().unwrap());
+    test_double::delay_operations(&b_meta, true);
+    let e = bounded(
+        "delayed read",
+        a.read(
+            &one(dst.whole()),
+            "b-dereg",
+            &one(remote(&a, "b-dereg", &src)),
+            None,
+        ),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert_eq!(test_double::operations_in_flight(&a_meta), 1);
+    match a.deregister(&dst) {
+        Err(e) if e.kind() == ErrorKind::NotAllowed => {
+            // Refused, and nothing changed.
+            assert!(dst.is_registered());
+            assert_eq!(test_double::registrations(&a_meta), 1);
+            // The engine finishes the operation while the memory is registered.
+            assert_eq!(test_double::finish_delayed(&b_meta), 1);
+            assert_eq!(dst.to_vec().unwrap(), vec![9u8; 4096]);
+            assert!(
+                test_double::wait_until(HANG, || dst.inflight() == 0),
+                "still in flight after the engine was done"
+            );
+            a.deregister(&dst).unwrap();
+        }
+        Ok(()) => {}
+        Err(e) => panic!("deregister: {e}"),
+    }
+    // Deregister returned Ok: the memory region is gone from the engine, and
+    // nothing the engine still had writes the memory.
+    let before = dst.to_vec().unwrap();
+    assert_eq!(
+        test_double::registrations(&a_meta),
+        0,
+        "deregister returned Ok while the memory region stayed registered with the engine"
+    );
+    assert_eq!(
+        test_double::operations_in_flight(&a_meta),
+        0,
+        "deregister returned Ok while an operation on the memory was still in the engine"
+    );
+    test_double::finish_delayed(&b_meta);
+    assert_eq!(
+        dst.to_vec().unwrap(),
+        before,
+        "an operation wrote the memory after deregister returned Ok"
+    );
+    let r = a.shutdown().await;
+    assert!(r.is_clean(), "{r:?}");
     let _ = b.shutdown().await;
     no_misuse();
 }

@@ -77,7 +77,7 @@ pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, HUGE_PAGE_SIZE, PAGE_S
 pub use notification::{
     Notification, NotificationLimits, NotificationStats, Notifications, QueuedNotifications,
 };
-pub use region::{RegionRef, RegionSlice, Registration, RemoteRegionInfo};
+pub use region::{InFlightHold, RegionRef, RegionSlice, Registration, RemoteRegionInfo};
 pub use system::{host_memory, open_files_limit};
 pub use telemetry::{TelemetryOptions, TransferTelemetry};
 pub use thread::{ThreadSpawner, ThreadWake};

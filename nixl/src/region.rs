@@ -201,6 +201,41 @@ impl RegionRef {
     pub fn is_registered(&self) -> bool {
         self.inner.registered.load(Ordering::Acquire)
     }
+
+    /// Count this registration in flight until the returned hold is dropped:
+    /// [`Agent::deregister`](crate::Agent::deregister) refuses meanwhile
+    /// ([`ErrorKind::NotAllowed`], nothing changes), as it does for a posted transfer.
+    ///
+    /// For a backend whose transport still uses the memory after the transfer that
+    /// used it has completed: an operation a native engine accepted and cannot cancel
+    /// outlives its failed transfer. Take the hold before completing that transfer
+    /// (its own count then never lapses) and drop it once the transport has let go.
+    /// It does not keep a deregistration that already happened from happening (nor
+    /// does it count at agent shutdown, which deregisters everything).
+    pub fn hold_in_flight(&self) -> InFlightHold {
+        self.inner.inflight.fetch_add(1, Ordering::AcqRel);
+        InFlightHold {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+/// A registration counted in flight by a backend; see [`RegionRef::hold_in_flight`].
+#[must_use = "the registration counts in flight only while the hold lives"]
+pub struct InFlightHold {
+    inner: Arc<RegionInner>,
+}
+
+impl Drop for InFlightHold {
+    fn drop(&mut self) {
+        self.inner.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl fmt::Debug for InFlightHold {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "InFlightHold(registration {})", self.inner.id)
+    }
 }
 
 impl RegionRef {
