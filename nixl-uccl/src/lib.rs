@@ -1064,7 +1064,16 @@ async fn serve_control(
     let reader = async move {
         loop {
             match tokio::time::timeout(silence, wire::read_frame(&mut rd)).await {
-                Ok(Ok(Some(Frame::Notif(m)))) => sink.deliver(&name, m),
+                // Waits for room in the agent's queue, not reading this connection
+                // meanwhile (back-pressure on this peer alone), nothing dropped.
+                Ok(Ok(Some(Frame::Notif(m)))) => {
+                    if held_back(&sink, &name, m, &reply_tx, liveness)
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
                 Ok(Ok(Some(Frame::Ping))) => {
                     let _ = reply_tx.send(Frame::Pong);
                 }
@@ -1096,6 +1105,30 @@ async fn serve_control(
     tokio::select! {
         _ = reader => {}
         _ = writer => {}
+    }
+}
+
+/// Deliver a notification, waiting for room in the agent's queue (so the connection
+/// it came on is not read meanwhile), with a PONG every third of `liveness` while it
+/// waits: the initiator, whose PINGs go unread, must not take the silence for a dead
+/// peer. Fails only when the agent stopped.
+async fn held_back(
+    sink: &nixl::NotificationSink,
+    name: &str,
+    msg: Bytes,
+    reply: &mpsc::UnboundedSender<Frame>,
+    liveness: Duration,
+) -> Result<()> {
+    let every = (liveness / 3).max(Duration::from_millis(10));
+    let mut delivery = std::pin::pin!(sink.deliver_async(name, msg));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            r = &mut delivery => return r,
+            _ = tick.tick() => {
+                let _ = reply.send(Frame::Pong);
+            }
+        }
     }
 }
 

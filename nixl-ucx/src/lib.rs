@@ -131,6 +131,8 @@ pub mod fuzzing;
 #[cfg(test)]
 mod hostile_tests;
 mod library;
+#[cfg(test)]
+mod notif_bound_tests;
 mod reorder;
 mod wire;
 

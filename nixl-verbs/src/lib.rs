@@ -141,7 +141,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::Completion;
 use crate::ffi::device::{Device, MemoryRegion, QpUse, QueuePair, RegisteredBuf};
 use crate::ffi::VerbsApi;
-use crate::inbound::Inbound;
+use crate::inbound::{Delivery, Inbound};
 use crate::link::{Lane, Link, LinkState, Pending, Slots};
 use crate::plan::{Piece, Reliability, WrLimits, WrPlan};
 use crate::wire::{ConnInfo, Hello, QpHalf, Reply};
@@ -482,7 +482,7 @@ impl VerbsBackend {
         let handle = ctx.tracker.spawn(completion_loop(
             self.inner.clone(),
             dev,
-            ctx.notifications.clone(),
+            Delivery::new(ctx.notifications.clone(), ctx.tracker.clone()),
             cancel.clone(),
         ));
         *self.inner.completion_loop.lock().unwrap() = Some(handle);
@@ -931,7 +931,7 @@ async fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
 
 impl Inner {
     /// Deliver one completion to whoever owns its queue pair.
-    fn dispatch(&self, dev: &Device, c: &Completion, sink: &nixl::NotificationSink) {
+    fn dispatch(&self, dev: &Device, c: &Completion, sink: &Delivery) {
         let role = self.qps.lock().unwrap().get(&c.qp_num).cloned();
         match role {
             Some(Role::Lane(l)) => {
@@ -984,7 +984,7 @@ impl Inner {
 async fn completion_loop(
     inner: Arc<Inner>,
     dev: Arc<Device>,
-    sink: nixl::NotificationSink,
+    sink: Delivery,
     cancel: CancellationToken,
 ) {
     if let Err(e) = completions(&inner, &dev, &sink, &cancel).await {
@@ -997,7 +997,7 @@ async fn completion_loop(
 async fn completions(
     inner: &Inner,
     dev: &Device,
-    sink: &nixl::NotificationSink,
+    sink: &Delivery,
     cancel: &CancellationToken,
 ) -> Result<()> {
     let fatal = |what: &str, e: &dyn std::fmt::Display| {
