@@ -64,7 +64,11 @@
 //!   delivered only to the agent it is for, only when asked for, and never truncated:
 //!   up to [`MAX_NOTIFICATION`] bytes, longer ones are refused when posted. Order
 //!   holds per control connection: after a reconnect, frames still in flight on the
-//!   old one may arrive after new ones. The control connection is not authenticated
+//!   old one may arrive after new ones. A notification that finds the agent's queue
+//!   full ([`nixl::NotificationLimits`]) waits for room and the connection is not
+//!   read meanwhile (back-pressure on that peer; nothing is dropped); the target
+//!   sends PONGs while it waits so the initiator does not count it dead.
+//!   The control connection is not authenticated
 //!   (the name in its hello is taken as given), like UCCL's own channel: run it on a
 //!   trusted network.
 //! - **Serialization.** UCCL keeps its registration table in one unguarded

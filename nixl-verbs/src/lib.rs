@@ -75,6 +75,11 @@
 //! A notification is a SEND on the same queue pair, after the transfer's RDMA WRITEs,
 //! into receive buffers the target posted ([`VerbsOptions::recv_queue_depth`] of
 //! [`VerbsOptions::max_notification`] bytes each, posted again as soon as delivered).
+//! A notification that finds the agent's queue full ([`nixl::NotificationLimits`]) is
+//! not dropped: its buffer stays unposted, it and those after it on the queue pair
+//! wait in a task that delivers them in order as the application reads, and the
+//! peer's further SENDs on that queue pair wait in its NIC (receiver not ready,
+//! retried without limit) until buffers are posted again: back-pressure on that peer.
 //! On a reliable connection the responder executes requests in order, so the WRITEs'
 //! data is in the target's memory before the SEND's receive completes; after RDMA
 //! READs the SEND carries a fence, so it waits until the reads are done. Standalone
