@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use nixl::{Agent, AgentOptions, ErrorKind, NotificationLimits, NotificationStats};
+use nixl::{Agent, AgentOptions, ErrorKind, NotificationLimits, NotificationStats, SharedSecret};
 
 use crate::driver::Work;
 use crate::ffi::{EpId, FlightId, Ucx, UcxInit};
@@ -34,16 +34,26 @@ fn backend(test: &str) -> Option<UcxBackend> {
 }
 
 async fn agent(name: &str, b: &UcxBackend, limits: NotificationLimits) -> Agent {
-    Agent::builder(name)
+    agent_with(name, b, limits, None).await
+}
+
+async fn agent_with(
+    name: &str,
+    b: &UcxBackend,
+    limits: NotificationLimits,
+    secret: Option<&SharedSecret>,
+) -> Agent {
+    let mut builder = Agent::builder(name)
         .backend_arc(Arc::new(b.clone()))
         .notification_limits(limits)
         .options(AgentOptions {
             drain_timeout: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(5),
-        })
-        .build()
-        .await
-        .unwrap()
+        });
+    if let Some(s) = secret {
+        builder = builder.secret(s.clone());
+    }
+    builder.build().await.unwrap()
 }
 
 /// A bare UCX worker of this crate's binding, with an endpoint to `addr`.
@@ -186,16 +196,35 @@ async fn ten_thousand_sender_names_fill_only_their_pool_and_a_known_peer_loses_n
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_known_peer_over_its_bound_is_told_and_its_next_operation_fails() {
-    const TEST: &str = "a_known_peer_over_its_bound_is_told_and_its_next_operation_fails";
+    known_peer_over_its_bound(
+        "a_known_peer_over_its_bound_is_told_and_its_next_operation_fails",
+        None,
+    )
+    .await;
+}
+
+/// The same between agents with a shared secret: the report is MAC'd for its
+/// receiver like every message of ours (and the forged one, unsigned, is refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_known_peer_over_its_bound_is_told_with_a_secret() {
+    let s = SharedSecret::new("drop reports").unwrap();
+    known_peer_over_its_bound(
+        "a_known_peer_over_its_bound_is_told_with_a_secret",
+        Some(&s),
+    )
+    .await;
+}
+
+async fn known_peer_over_its_bound(test: &str, secret: Option<&SharedSecret>) {
     const BOUND: usize = 8;
-    let Some(tb) = backend(TEST) else { return };
+    let Some(tb) = backend(test) else { return };
     let gb = UcxBackend::with_options(UcxOptions::default()).unwrap();
     let limits = NotificationLimits {
         messages: BOUND,
         ..NotificationLimits::default()
     };
-    let target = agent("target", &tb, limits).await;
-    let good = agent("good", &gb, NotificationLimits::default()).await;
+    let target = agent_with("target", &tb, limits, secret).await;
+    let good = agent_with("good", &gb, NotificationLimits::default(), secret).await;
     good.load_metadata(&target.metadata().unwrap()).unwrap();
     target.load_metadata(&good.metadata().unwrap()).unwrap();
     good.connect("target").await.unwrap();
@@ -278,7 +307,8 @@ async fn a_known_peer_over_its_bound_is_told_and_its_next_operation_fails() {
     assert_eq!((n.peer.as_str(), &n.msg[..]), ("good", &b"after"[..]));
     assert_eq!(target.notification_stats().dropped, dropped);
     println!(
-        "FIGURE ucx notification drop report: {sent} sent to a bound of {BOUND} unread; {dropped} dropped at the receiver, all reported to the sender, whose next operations failed (NotAllowed, naming the count) until told, then succeeded"
+        "FIGURE ucx notification drop report (secret: {}): {sent} sent to a bound of {BOUND} unread; {dropped} dropped at the receiver, all reported to the sender, whose next operations failed (NotAllowed, naming the count) until told, then succeeded",
+        secret.is_some()
     );
     assert!(target.shutdown().await.is_clean());
     assert!(good.shutdown().await.is_clean());

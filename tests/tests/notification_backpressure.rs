@@ -160,6 +160,10 @@ async fn verbs_flood_is_held_back_and_loses_nothing() {
         Duration::from_millis(500),
     )
     .await;
+    if nixl_conformance::support::own_thread_count("verbs misuse check").is_some() {
+        assert_eq!(nixl_verbs::test_double::violations(), Vec::<String>::new());
+        assert_eq!(nixl_verbs::test_double::live_objects(), 0);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -179,6 +183,91 @@ async fn uccl_flood_is_held_back_and_loses_nothing() {
         // More than the sockets' buffers hold.
         (64, nixl_uccl::MAX_NOTIFICATION),
         liveness * 4,
+    )
+    .await;
+}
+
+/// The receiver shuts down while the flood is held back (notifications waiting for
+/// room that will never come): the shutdown is clean and bounded, and every post of
+/// the flooder ends (delivered or failed), none hangs.
+async fn shutdown_with_notifications_held<B: Backend>(
+    what: &str,
+    make: impl Fn() -> B,
+    (flood_len, size): (usize, usize),
+) {
+    let limits = NotificationLimits {
+        messages: BOUND,
+        ..NotificationLimits::default()
+    };
+    let receiver = agent("receiver", make(), limits).await;
+    let flooder = agent("flooder", make(), NotificationLimits::default()).await;
+    let _regs: Vec<_> = [&receiver, &flooder]
+        .iter()
+        .map(|a| a.register(vec![0u8; 4096]).unwrap())
+        .collect();
+    know_each_other(&receiver, &flooder);
+    bounded("connect", flooder.connect("receiver"))
+        .await
+        .unwrap();
+    let flood: Vec<_> = (0..flood_len)
+        .map(|i| tokio::spawn(flooder.notify("receiver", flooded(i, size)).unwrap()))
+        .collect();
+    bounded("the flooder's queue to fill", async {
+        while receiver
+            .notification_stats()
+            .peers
+            .get("flooder")
+            .map_or(0, |q| q.messages)
+            < BOUND
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let report = bounded("the receiver's shutdown", receiver.shutdown()).await;
+    assert!(report.is_clean(), "{what}: {report:?}");
+    let mut failed = 0;
+    for t in flood {
+        if bounded("a flooded notification", t).await.unwrap().is_err() {
+            failed += 1;
+        }
+    }
+    assert!(
+        failed > 0,
+        "{what}: every notification of the flood delivered unread"
+    );
+    let report = bounded("the flooder's shutdown", flooder.shutdown()).await;
+    assert!(report.is_clean(), "{what}: {report:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verbs_shutdown_with_notifications_held_is_clean() {
+    shutdown_with_notifications_held(
+        "nixl-verbs (test double)",
+        || nixl_verbs::VerbsBackend::with_test_double(nixl_verbs::VerbsOptions::default()).unwrap(),
+        (200, 64),
+    )
+    .await;
+    // Nothing misused the verbs API (a buffer freed under a queue pair, ...). The
+    // double's world is process-wide: meaningful where this case has the process.
+    if nixl_conformance::support::own_thread_count("verbs misuse check").is_some() {
+        assert_eq!(nixl_verbs::test_double::violations(), Vec::<String>::new());
+        assert_eq!(nixl_verbs::test_double::live_objects(), 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uccl_shutdown_with_notifications_held_is_clean() {
+    shutdown_with_notifications_held(
+        "nixl-uccl (test double)",
+        || {
+            nixl_uccl::UcclBackend::with_api(
+                nixl_uccl::test_double::TestDouble::api(),
+                nixl_uccl::UcclOptions::default(),
+            )
+        },
+        (64, nixl_uccl::MAX_NOTIFICATION),
     )
     .await;
 }
