@@ -64,7 +64,10 @@
 //!   delivered only to the agent it is for, only when asked for, and never truncated:
 //!   up to [`MAX_NOTIFICATION`] bytes, longer ones are refused when posted. Order
 //!   holds per control connection: after a reconnect, frames still in flight on the
-//!   old one may arrive after new ones.
+//!   old one may arrive after new ones. A notification that finds the agent's queue
+//!   full ([`nixl::NotificationLimits`]) waits for room and the connection is not
+//!   read meanwhile (back-pressure on that peer; nothing is dropped); the target
+//!   sends PONGs while it waits so the initiator does not count it dead.
 //! - **The control connection** is authenticated with the agent's shared secret
 //!   where one is set ([`nixl::AgentBuilder::secret`], through [`nixl::control`]),
 //!   and its hello must name the agent proven, so notifications carry a proven name;
@@ -1151,7 +1154,16 @@ async fn serve_control(
             // (read many per system call) still yields to the other tasks.
             tokio::task::consume_budget().await;
             match tokio::time::timeout(silence, wire::read_frame(&mut rd)).await {
-                Ok(Ok(Some(Frame::Notif(m)))) => sink.deliver(&name, m),
+                // Waits for room in the agent's queue, not reading this connection
+                // meanwhile (back-pressure on this peer alone), nothing dropped.
+                Ok(Ok(Some(Frame::Notif(m)))) => {
+                    if held_back(&sink, &name, m, &replies, liveness)
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
                 Ok(Ok(Some(Frame::Ping))) => replies.ping(),
                 Ok(Ok(Some(Frame::Verify { id, ranges }))) => {
                     // Back-pressure: nothing more is read until there is room.
@@ -1193,6 +1205,30 @@ async fn serve_control(
     tokio::select! {
         _ = done.cancelled() => {}
         _ = reader => {}
+    }
+}
+
+/// Deliver a notification, waiting for room in the agent's queue (so the connection
+/// it came on is not read meanwhile), with a PONG every third of `liveness` while it
+/// waits: the initiator, whose PINGs go unread, must not take the silence for a dead
+/// peer. Fails only when the agent stopped.
+async fn held_back(
+    sink: &nixl::NotificationSink,
+    name: &str,
+    msg: Bytes,
+    replies: &reply::Replies,
+    liveness: Duration,
+) -> Result<()> {
+    let every = (liveness / 3).max(Duration::from_millis(10));
+    let mut delivery = std::pin::pin!(sink.deliver_async(name, msg));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            r = &mut delivery => return r,
+            // A Pong owed, as if pinged: the initiator's pings stop while its
+            // writer is held back, and it must not count this target dead.
+            _ = tick.tick() => replies.ping(),
+        }
     }
 }
 

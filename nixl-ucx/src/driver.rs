@@ -169,6 +169,9 @@ pub(crate) struct PeerConn {
     probe_ep: Option<EpId>,
     probe: Option<Probe>,
     next_probe: u64,
+    /// Our notifications the peer reported dropped ([`Kind::Dropped`]) and the
+    /// application was not told of yet: the next operation to the peer fails with it.
+    dropped: u64,
 }
 
 impl PeerConn {
@@ -212,6 +215,52 @@ const MAX_ADDRESS: usize = 64 << 10;
 
 /// Most HELLO senders remembered that are not (yet) known peers.
 const MAX_INBOUND: usize = 64;
+
+/// Most DROPPED reports sent per round (one per sender stream that had notifications
+/// dropped in the round); drops past it are counted at the agent, not reported.
+const MAX_DROP_REPORTS: usize = 1024;
+
+/// Notifications of known peers the agent had no room for in this round, to report
+/// to their senders: (name, stream, how many).
+#[derive(Debug, Default)]
+struct Drops(Vec<(String, u64, u64)>);
+
+/// Deliver one of our notifications (`stream` is its sender's); one the agent's
+/// queue has no room for (dropped and counted by the sink) is noted in `drops` when
+/// its sender is a peer we can answer: known (its metadata loaded), reachable, and
+/// speaking our protocol. Others (unknown names, NIXL agents) cannot be told.
+fn deliver_ours(
+    sink: &NotificationSink,
+    peers: &HashMap<Arc<str>, PeerConn>,
+    drops: &mut Drops,
+    (name, stream, data): (&str, u64, Bytes),
+) {
+    if sink.deliver(name, data) {
+        return;
+    }
+    let answerable = peers
+        .get(name)
+        .is_some_and(|p| !p.nixl && p.failed.is_none() && p.ep.is_ok());
+    if !answerable {
+        return;
+    }
+    let d = &mut drops.0;
+    if let Some(e) = d.iter_mut().find(|(n, s, _)| *s == stream && n == name) {
+        e.2 += 1;
+    } else if d.len() < MAX_DROP_REPORTS {
+        d.push((name.to_owned(), stream, 1));
+    }
+}
+
+/// The error the next operation to `peer` fails with after it reported `n` of our
+/// notifications dropped.
+fn dropped_error(peer: &str, n: u64, op: &'static str) -> Error {
+    Error::new(
+        ErrorKind::NotAllowed,
+        op,
+        format!("peer {peer:?} dropped {n} notification(s) this agent sent it since the last operation: its agent's notification queue was full (its application reads notifications too slowly, see NotificationLimits); this operation was not started"),
+    )
+}
 
 /// Who this backend is to its peers: the agent's name and, where set, the shared
 /// secret every message of ours carries a MAC of ([`wire`]'s version 2). Known once
@@ -324,8 +373,11 @@ pub(crate) struct Core {
     /// name -> their worker address. Only ever compared with a peer's address from
     /// its metadata, never dialled.
     inbound: HashMap<String, Vec<u8>>,
-    /// PINGs in flight (outside their connection's queue: nothing waits for them).
+    /// PINGs and DROPPED reports in flight (outside their connection's queue:
+    /// nothing waits for them).
     pings: Vec<FlightId>,
+    /// Notifications dropped this round, to report to their senders.
+    drops: Drops,
     /// Set once shutdown began: PINGs are no longer answered.
     closing: Arc<AtomicBool>,
     /// Our name and secret, for the messages we send.
@@ -554,7 +606,7 @@ impl Core {
                 let limit = match header.kind {
                     Kind::Notif => max_notification,
                     Kind::Hello | Kind::Bye => MAX_ADDRESS,
-                    Kind::Ping | Kind::Pong => 0,
+                    Kind::Ping | Kind::Pong | Kind::Dropped => 0,
                 };
                 if data.len() > limit {
                     let (c, why) = match header.kind {
@@ -645,6 +697,7 @@ impl Core {
             refused,
             inbound: HashMap::new(),
             pings: Vec::new(),
+            drops: Drops::default(),
             closing,
             me: Identity::default(),
             identity,
@@ -731,6 +784,7 @@ impl Core {
                 probe_ep: None,
                 probe: None,
                 next_probe: 0,
+                dropped: 0,
             },
         );
     }
@@ -834,6 +888,10 @@ impl Core {
                 if let Some(why) = &p.failed {
                     return done.complete(Err(disconnected(&xfer.peer, why)));
                 }
+                if p.dropped > 0 {
+                    let n = std::mem::take(&mut p.dropped);
+                    return done.complete(Err(dropped_error(&xfer.peer, n, "ucx transfer")));
+                }
                 if done.is_canceled() {
                     return done.complete(Err(Error::new(
                         ErrorKind::Canceled,
@@ -869,6 +927,13 @@ impl Core {
                     Some(p) if p.failed.is_some() || p.ep.is_err() => {
                         let why = p.failed.clone().unwrap_or_else(|| "unreachable".into());
                         done.complete(Err(disconnected(&peer, &why)))
+                    }
+                    Some(p) if p.dropped > 0 => {
+                        let n = p.dropped;
+                        if let Some(p) = self.peers.get_mut(peer.as_str()) {
+                            p.dropped = 0;
+                        }
+                        done.complete(Err(dropped_error(&peer, n, "ucx notify")))
                     }
                     Some(_) => {
                         self.ensure_hello(&peer);
@@ -973,9 +1038,12 @@ impl Core {
         }
         self.handle_events();
         if let Some(sink) = &self.sink {
-            self.reorder
-                .expire(self.now, &mut |n, d| sink.deliver(n, d));
+            let (peers, drops) = (&self.peers, &mut self.drops);
+            self.reorder.expire(self.now, &mut |n, st, d| {
+                deliver_ours(sink, peers, drops, (n, st, d))
+            });
         }
+        self.report_drops();
         self.check_failures();
         self.reap();
         self.ucx.reap_closed();
@@ -1014,7 +1082,9 @@ impl Core {
             let (h, data) = match ev {
                 AmEvent::Ours { header, data } => (header, data),
                 AmEvent::Nixl { sender, msg } => {
-                    // NIXL does not order notifications; neither can we.
+                    // NIXL does not order notifications; neither can we. One the
+                    // queue has no room for is dropped and counted; NIXL's protocol
+                    // has no way to tell its sender.
                     if let Some(sink) = &self.sink {
                         sink.deliver(&sender, msg);
                     }
@@ -1040,6 +1110,18 @@ impl Core {
                 }
                 // Answered by the message handler.
                 Kind::Ping => {}
+                Kind::Dropped => {
+                    // Only for our own connection to the reporter (its stream echoes
+                    // our endpoint's): nobody else can make us fail our operations.
+                    let p = self
+                        .peers
+                        .get_mut(h.name.as_str())
+                        .filter(|p| p.epoch == h.stream && !p.nixl);
+                    if let Some(p) = p {
+                        tracing::warn!(peer = %h.name, dropped = h.seq, "ucx: the peer dropped notifications this agent sent it (its notification queue was full); the next operation to it fails");
+                        p.dropped = p.dropped.saturating_add(h.seq);
+                    }
+                }
                 Kind::Pong => {
                     let p = self.peers.values_mut().find(|p| p.epoch == h.stream);
                     if let Some(p) = p {
@@ -1060,7 +1142,10 @@ impl Core {
                         // its streams early; others' streams age out (bounded).
                         self.inbound.remove(&h.name);
                         if let Some(sink) = &self.sink {
-                            self.reorder.forget(&h.name, &mut |n, d| sink.deliver(n, d));
+                            let (peers, drops) = (&self.peers, &mut self.drops);
+                            self.reorder.forget(&h.name, &mut |n, st, d| {
+                                deliver_ours(sink, peers, drops, (n, st, d))
+                            });
                         }
                     }
                     if let Some(p) = self.peers.get_mut(h.name.as_str()) {
@@ -1075,16 +1160,42 @@ impl Core {
 
     fn deliver(&mut self, name: String, stream: u64, seq: u64, data: Bytes) {
         let Some(sink) = &self.sink else { return };
+        let (peers, drops) = (&self.peers, &mut self.drops);
         self.reorder
-            .accept(&name, stream, seq, data, self.now, &mut |n, d| {
-                sink.deliver(n, d)
+            .accept(&name, stream, seq, data, self.now, &mut |n, st, d| {
+                deliver_ours(sink, peers, drops, (n, st, d))
             });
+    }
+
+    /// Tell each known sender whose notifications this round dropped how many, on
+    /// our connection to it ([`Kind::Dropped`]): its next operation to us fails.
+    fn report_drops(&mut self) {
+        for (name, stream, n) in std::mem::take(&mut self.drops.0) {
+            let Some(p) = self.peers.get(name.as_str()) else {
+                continue;
+            };
+            let (false, None, Ok(ep)) = (p.nixl, &p.failed, p.ep.clone()) else {
+                continue;
+            };
+            let h = self.me.header(&name, Kind::Dropped, stream, n, &[]);
+            let flight = self
+                .ucx
+                .am_send(ep, wire::AM_ID, h, Bytes::new(), false, Work::Internal);
+            self.pings.push(flight);
+        }
     }
 
     /// Probe `peer` now (as a stalled transfer would), on its data endpoint.
     #[cfg(test)]
     pub(crate) fn probe_now(&mut self, peer: &str) {
         self.send_probe(peer, Liveness::within(Duration::from_secs(60)), false);
+    }
+
+    /// How many of our notifications `peer` reported dropped that no operation has
+    /// failed with yet.
+    #[cfg(test)]
+    pub(crate) fn dropped_reported(&self, peer: &str) -> u64 {
+        self.peers.get(peer).map_or(0, |p| p.dropped)
     }
 
     /// Whether a probe of `peer` waits for its answer.

@@ -129,7 +129,7 @@ pub fn notification_order(data: &[u8]) {
             seq,
             Bytes::from(tag),
             now,
-            &mut |n, d| {
+            &mut |n, _, d| {
                 delivered.push((n.to_owned(), u32::from_le_bytes(d[..4].try_into().unwrap())));
             },
         );
@@ -144,7 +144,7 @@ pub fn notification_order(data: &[u8]) {
     let stats = r.stats();
     let in_limits = stats.gaps_skipped == 0 && stats.evicted == 0;
     for n in 0..4 {
-        r.forget(&format!("sender-{n}"), &mut |n, d| {
+        r.forget(&format!("sender-{n}"), &mut |n, _, d| {
             delivered.push((n.to_owned(), u32::from_le_bytes(d[..4].try_into().unwrap())));
         });
     }

@@ -80,9 +80,20 @@
 //!   key) can still trip UCX's own assertions (lane selection's `score >= 0.0`, the
 //!   tcp transport's, 1.13's `ucp_rkey_destroy` after a failed key), so metadata from
 //!   untrusted senders needs the shared secret.
+//! - **A full notification queue.** The progress loop cannot wait for room in the
+//!   agent's queue ([`nixl::NotificationLimits`]), so a notification that finds none
+//!   is dropped, counted and logged ([`nixl::NotificationSink::deliver`]). A flood
+//!   under fresh names fills only the unknown names' pool; a peer whose metadata the
+//!   agent loaded keeps its own bound. When the dropped notification's sender is such
+//!   a known peer, the driver tells it with a DROPPED message on its own connection to
+//!   that peer (naming the sender's stream, so only that sender takes it), and the
+//!   sender's next transfer or notification to this agent fails with
+//!   [`nixl::ErrorKind::NotAllowed`] saying how many were dropped. Senders the agent
+//!   does not know, and NIXL agents (whose protocol has no such message), cannot be
+//!   told: their dropped notifications are only counted and logged here.
 //! - **Shared secret.** With the agent's secret ([`nixl::AgentBuilder::secret`], or
 //!   [`UcxOptions::secret`], which overrides it), every message of this backend's
-//!   own protocol (notification, HELLO, BYE, PING, PONG) carries an HMAC-SHA256 over
+//!   own protocol (notification, HELLO, BYE, PING, PONG, DROPPED) carries an HMAC-SHA256 over
 //!   the receiving agent's name, its kind, stream, sequence number, the sender's name
 //!   and its whole payload (header version 2, see the `wire` module). The receiver
 //!   checks it in the message handler, after the size limits and before anything
@@ -161,6 +172,8 @@ pub mod fuzzing;
 #[cfg(test)]
 mod hostile_tests;
 mod library;
+#[cfg(test)]
+mod notif_bound_tests;
 mod packed;
 mod reorder;
 mod wire;

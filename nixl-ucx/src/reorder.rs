@@ -119,7 +119,7 @@ impl Reorder {
     }
 
     /// Take in message `seq` of `name`'s `stream`, received at `now`; `out` gets every
-    /// message now due, in order, with its sender's name.
+    /// message now due, in order, with its sender's name and stream.
     pub(crate) fn accept(
         &mut self,
         name: &str,
@@ -127,7 +127,7 @@ impl Reorder {
         seq: u64,
         data: Bytes,
         now: Instant,
-        out: &mut dyn FnMut(&str, Bytes),
+        out: &mut dyn FnMut(&str, u64, Bytes),
     ) {
         if seq == u64::MAX {
             self.stats.protocol_errors += 1;
@@ -156,7 +156,7 @@ impl Reorder {
         seq: u64,
         data: Bytes,
         now: Instant,
-        out: &mut dyn FnMut(&str, Bytes),
+        out: &mut dyn FnMut(&str, u64, Bytes),
     ) {
         self.clock += 1;
         let clock = self.clock;
@@ -165,7 +165,7 @@ impl Reorder {
         s.used = clock;
         if seq <= s.next {
             // In order, or late (a repeat, or after a gap was given up).
-            out(name, data);
+            out(name, s.id, data);
             if seq == s.next {
                 // `seq < u64::MAX`, so this does not overflow.
                 s.next = seq + 1;
@@ -213,7 +213,7 @@ impl Reorder {
     }
 
     /// Give up every gap open for the gap timeout at `now`, delivering what waited.
-    pub(crate) fn expire(&mut self, now: Instant, out: &mut dyn FnMut(&str, Bytes)) {
+    pub(crate) fn expire(&mut self, now: Instant, out: &mut dyn FnMut(&str, u64, Bytes)) {
         if self.deadline.is_none_or(|d| now < d) {
             return;
         }
@@ -251,7 +251,7 @@ impl Reorder {
     }
 
     /// Forget `name`'s streams (it said goodbye), delivering what they held.
-    pub(crate) fn forget(&mut self, name: &str, out: &mut dyn FnMut(&str, Bytes)) {
+    pub(crate) fn forget(&mut self, name: &str, out: &mut dyn FnMut(&str, u64, Bytes)) {
         for mut s in self.senders.remove(name).unwrap_or_default() {
             self.streams -= 1;
             self.bytes -= s.bytes;
@@ -277,7 +277,12 @@ impl Reorder {
 
     /// The index of `name`'s `stream` in its sender's list, made (replacing the least
     /// recently used stream where a limit is reached) if new.
-    fn stream_index(&mut self, name: &str, stream: u64, out: &mut dyn FnMut(&str, Bytes)) -> usize {
+    fn stream_index(
+        &mut self,
+        name: &str,
+        stream: u64,
+        out: &mut dyn FnMut(&str, u64, Bytes),
+    ) -> usize {
         if let Some(i) = self
             .senders
             .get(name)
@@ -305,7 +310,7 @@ impl Reorder {
 
     /// Drop the least recently used stream (of sender `only`, or of all), delivering
     /// what it held.
-    fn evict_lru(&mut self, only: Option<&str>, out: &mut dyn FnMut(&str, Bytes)) {
+    fn evict_lru(&mut self, only: Option<&str>, out: &mut dyn FnMut(&str, u64, Bytes)) {
         let victim = self
             .senders
             .iter()
@@ -331,11 +336,11 @@ impl Reorder {
 impl Stream {
     /// Deliver the held messages that follow `next` without a gap, advancing `next`;
     /// returns the bytes released.
-    fn drain_due(&mut self, name: &str, out: &mut dyn FnMut(&str, Bytes)) -> usize {
+    fn drain_due(&mut self, name: &str, out: &mut dyn FnMut(&str, u64, Bytes)) -> usize {
         let mut freed = 0;
         while let Some(d) = self.held.remove(&self.next) {
             freed += d.len();
-            out(name, d);
+            out(name, self.id, d);
             // Held sequence numbers are below `u64::MAX` (see `Reorder::accept`).
             self.next += 1;
         }
@@ -347,9 +352,9 @@ impl Stream {
     }
 
     /// Deliver everything held, in order, and move `next` past the last of it.
-    fn flush(&mut self, name: &str, out: &mut dyn FnMut(&str, Bytes)) {
+    fn flush(&mut self, name: &str, out: &mut dyn FnMut(&str, u64, Bytes)) {
         for (seq, d) in std::mem::take(&mut self.held) {
-            out(name, d);
+            out(name, self.id, d);
             self.next = seq + 1;
         }
         self.bytes = 0;
@@ -376,9 +381,14 @@ mod tests {
 
     /// Feed `r` and collect what comes out as (sender, tag).
     fn feed(r: &mut Reorder, name: &str, stream: u64, seq: u64, got: &mut Vec<(String, u64)>) {
-        r.accept(name, stream, seq, msg(seq), Instant::now(), &mut |n, d| {
-            got.push((n.to_owned(), u64::from_le_bytes(d[..].try_into().unwrap())))
-        });
+        r.accept(
+            name,
+            stream,
+            seq,
+            msg(seq),
+            Instant::now(),
+            &mut |n, _, d| got.push((n.to_owned(), u64::from_le_bytes(d[..].try_into().unwrap()))),
+        );
     }
 
     fn check(r: &Reorder, l: Limits) {
@@ -451,7 +461,7 @@ mod tests {
     fn bytes_held_are_bounded_per_stream_and_in_all() {
         let mut r = Reorder::new(SMALL);
         let mut n = 0usize;
-        let mut out = |_: &str, _: Bytes| n += 1;
+        let mut out = |_: &str, _: u64, _: Bytes| n += 1;
         // Big messages: the per-stream byte bound, not the window, gives up the gap.
         for q in 1..=8 {
             r.accept(
@@ -581,12 +591,12 @@ mod tests {
         let mut got = Vec::new();
         let t0 = Instant::now();
         let take = |r: &mut Reorder, seq: u64, at: Instant, got: &mut Vec<u64>| {
-            r.accept("a", 1, seq, msg(seq), at, &mut |_, d| {
+            r.accept("a", 1, seq, msg(seq), at, &mut |_, _, d| {
                 got.push(u64::from_le_bytes(d[..].try_into().unwrap()))
             })
         };
         let expire = |r: &mut Reorder, at: Instant, got: &mut Vec<u64>| {
-            r.expire(at, &mut |_, d| {
+            r.expire(at, &mut |_, _, d| {
                 got.push(u64::from_le_bytes(d[..].try_into().unwrap()))
             })
         };
@@ -629,7 +639,7 @@ mod tests {
         feed(&mut r, "a", 1, 2, &mut got);
         feed(&mut r, "a", 2, 5, &mut got);
         assert!(got.is_empty());
-        r.forget("a", &mut |n, d| {
+        r.forget("a", &mut |n, _, d| {
             got.push((n.to_owned(), u64::from_le_bytes(d[..].try_into().unwrap())))
         });
         assert_eq!(got.len(), 2);

@@ -7,7 +7,13 @@
 //! the transport does. `name` is the sender's agent name. The data of HELLO and BYE is
 //! the sender's worker address. PING (a liveness probe, see the driver) has no data and
 //! goes with a UCX reply endpoint; the receiver answers on it with a PONG carrying the
-//! same `stream` and `seq` (and an empty name).
+//! same `stream` and `seq` (and an empty name). DROPPED tells a sender that the
+//! receiver dropped notifications it sent (the receiving agent's queue had no room,
+//! see [`nixl::NotificationLimits`]): sent on the receiver's own connection to the
+//! sender, only to a sender it knows (whose metadata it loaded), with `stream` the
+//! dropped notifications' stream (the sender's endpoint, so only that sender takes it)
+//! and `seq` how many were dropped; no data. A receiver that predates it drops it as
+//! malformed.
 //!
 //! Version 2, used only by agents with a shared secret ([`nixl::SharedSecret`]): the
 //! version 1 header (with version 2), then a 32-byte MAC, nothing after it:
@@ -63,6 +69,8 @@ pub(crate) enum Kind {
     Ping = 4,
     /// The answer to a [`Kind::Ping`]; no data.
     Pong = 5,
+    /// Notifications of the sender's `stream` were dropped (`seq` of them); no data.
+    Dropped = 6,
 }
 
 /// A decoded header.
@@ -172,6 +180,7 @@ pub(crate) fn decode_header(b: &[u8]) -> Option<Header> {
         3 => Kind::Bye,
         4 => Kind::Ping,
         5 => Kind::Pong,
+        6 => Kind::Dropped,
         _ => return None,
     };
     let stream = u64::from_le_bytes(b[4..12].try_into().ok()?);
@@ -242,7 +251,13 @@ mod tests {
         );
         assert_eq!(decode_header(&h[..h.len() - 1]), None);
         assert_eq!(decode_header(&[0u8; 40]), None);
-        for kind in [Kind::Hello, Kind::Bye, Kind::Ping, Kind::Pong] {
+        for kind in [
+            Kind::Hello,
+            Kind::Bye,
+            Kind::Ping,
+            Kind::Pong,
+            Kind::Dropped,
+        ] {
             let h = encode_header(kind, 1, 2, "x");
             assert_eq!(decode_header(&h).map(|d| d.kind), Some(kind));
         }
@@ -330,7 +345,13 @@ mod tests {
         assert_eq!(v1.mac, None);
         assert!(!v1.verify(&s, "decode-0", b"kv"));
         // Every kind carries a MAC; a PONG's covers its (empty) data too.
-        for kind in [Kind::Hello, Kind::Bye, Kind::Ping, Kind::Pong] {
+        for kind in [
+            Kind::Hello,
+            Kind::Bye,
+            Kind::Ping,
+            Kind::Pong,
+            Kind::Dropped,
+        ] {
             let h = encode_signed_header(&s, "r", kind, 1, 2, "x", b"");
             let d = decode_header(&h).unwrap();
             assert_eq!(d.kind, kind);

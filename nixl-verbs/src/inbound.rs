@@ -1,10 +1,12 @@
 //! The target's side of a connection: queue pairs made for a peer's, with receive
 //! buffers posted for its notifications.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use nixl::{NotificationSink, Result};
+use tokio_util::task::TaskTracker;
 
 use crate::api::{Completion, RecvWr, Sge, WcOpcode};
 use crate::ffi::device::{Device, QueuePair, RegisteredBuf};
@@ -15,6 +17,29 @@ use crate::ffi::device::{Device, QueuePair, RegisteredBuf};
 const SLOT_BITS: u32 = 20;
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// Where the completion loop delivers notifications: the agent's sink, and the
+/// tracker that starts a task for those that must wait for room.
+#[derive(Debug, Clone)]
+pub(crate) struct Delivery {
+    sink: NotificationSink,
+    tasks: TaskTracker,
+}
+
+impl Delivery {
+    pub(crate) fn new(sink: NotificationSink, tasks: TaskTracker) -> Self {
+        Self { sink, tasks }
+    }
+}
+
+/// Notifications that found the agent's queue full, in arrival order, each with its
+/// buffer's slot, which is posted again only once the notification is delivered.
+#[derive(Debug, Default)]
+struct Held {
+    queue: VecDeque<(usize, Bytes)>,
+    /// A task is delivering `queue` (and will take what is added to it).
+    draining: bool,
+}
 
 /// One queue pair a peer connected to, with its notification buffers.
 pub(crate) struct Inbound {
@@ -28,6 +53,7 @@ pub(crate) struct Inbound {
     /// only while dropping.
     ring: Option<Ring>,
     leak: std::sync::atomic::AtomicBool,
+    held: Mutex<Held>,
 }
 
 impl Drop for Inbound {
@@ -61,6 +87,7 @@ impl Inbound {
             qp: Mutex::new(Some(qp)),
             ring: Some(Ring { buf, size }),
             leak: std::sync::atomic::AtomicBool::new(false),
+            held: Mutex::default(),
         };
         let wrs: Vec<RecvWr> = (0..slots).map(|i| me.recv_wr(i)).collect();
         me.post(&wrs)?;
@@ -99,7 +126,14 @@ impl Inbound {
 
     /// A completion of this queue pair: a notification arrived (deliver it, post the
     /// buffer again), or a flush after closing.
-    pub(crate) fn on_completion(&self, c: &Completion, sink: &NotificationSink) {
+    ///
+    /// A notification that finds the agent's queue full ([`nixl::NotificationLimits`])
+    /// is not dropped: it waits, with those after it on this queue pair, in a task
+    /// that delivers them in order as the application reads, posting each buffer
+    /// again only once its notification is delivered. Meanwhile the peer's sends find
+    /// fewer buffers and then none, and its NIC retries them (receiver not ready,
+    /// retried without limit): back-pressure on this peer's queue pair alone.
+    pub(crate) fn on_completion(self: &Arc<Self>, c: &Completion, to: &Delivery) {
         let slot = (c.wr_id & ((1 << SLOT_BITS) - 1)) as usize;
         let r = self.ring();
         if c.wr_id >> SLOT_BITS != self.id
@@ -118,8 +152,47 @@ impl Inbound {
         // writing it before it reported the completion; it is not posted again until
         // the bytes are copied out.
         r.buf.read(slot * r.size, &mut msg);
-        let msg = Bytes::from(msg);
-        sink.deliver(&self.peer, msg);
+        let mut msg = Bytes::from(msg);
+        let mut held = self.held.lock().unwrap();
+        if !held.draining {
+            match to.sink.try_deliver(&self.peer, msg) {
+                Ok(()) => {
+                    drop(held);
+                    return self.repost(slot);
+                }
+                Err(m) => msg = m,
+            }
+            held.draining = true;
+            tracing::debug!(peer = %self.peer, "verbs: the agent's notification queue is full; holding this queue pair's notifications until the application reads");
+            let (me, sink) = (self.clone(), to.sink.clone());
+            to.tasks.spawn(async move { me.drain(sink).await });
+        }
+        held.queue.push_back((slot, msg));
+    }
+
+    /// Deliver the held notifications in order, waiting for room, each buffer posted
+    /// again once its notification is in; ends when none is left, or when the agent
+    /// stopped (nothing will read them then).
+    async fn drain(self: Arc<Self>, sink: NotificationSink) {
+        loop {
+            let (slot, msg) = {
+                let mut held = self.held.lock().unwrap();
+                match held.queue.pop_front() {
+                    Some(h) => h,
+                    None => {
+                        held.draining = false;
+                        return;
+                    }
+                }
+            };
+            if sink.deliver_async(&self.peer, msg).await.is_err() {
+                return;
+            }
+            self.repost(slot);
+        }
+    }
+
+    fn repost(&self, slot: usize) {
         if let Err(e) = self.post(&[self.recv_wr(slot)]) {
             tracing::warn!(peer = %self.peer, error = %e, "verbs: reposting a notification buffer failed");
         }

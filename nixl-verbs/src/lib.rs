@@ -99,6 +99,11 @@
 //! A notification is a SEND on the same queue pair, after the transfer's RDMA WRITEs,
 //! into receive buffers the target posted ([`VerbsOptions::recv_queue_depth`] of
 //! [`VerbsOptions::max_notification`] bytes each, posted again as soon as delivered).
+//! A notification that finds the agent's queue full ([`nixl::NotificationLimits`]) is
+//! not dropped: its buffer stays unposted, it and those after it on the queue pair
+//! wait in a task that delivers them in order as the application reads, and the
+//! peer's further SENDs on that queue pair wait in its NIC (receiver not ready,
+//! retried without limit) until buffers are posted again: back-pressure on that peer.
 //! On a reliable connection the responder executes requests in order, so the WRITEs'
 //! data is in the target's memory before the SEND's receive completes; after RDMA
 //! READs the SEND carries a fence, so it waits until the reads are done. Standalone
@@ -166,7 +171,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api::Completion;
 use crate::ffi::device::{Device, MemoryRegion, QpUse, QueuePair, RegisteredBuf};
 use crate::ffi::VerbsApi;
-use crate::inbound::Inbound;
+use crate::inbound::{Delivery, Inbound};
 use crate::link::{Lane, Link, LinkState, Pending, Slots};
 use crate::plan::{Piece, Reliability, WrLimits, WrPlan};
 use crate::wire::{ConnInfo, Hello, QpHalf, Reply};
@@ -534,7 +539,7 @@ impl VerbsBackend {
         let handle = ctx.tracker.spawn(completion_loop(
             self.inner.clone(),
             dev,
-            ctx.notifications.clone(),
+            Delivery::new(ctx.notifications.clone(), ctx.tracker.clone()),
             cancel.clone(),
         ));
         *self.inner.completion_loop.lock().unwrap() = Some(handle);
@@ -1005,7 +1010,7 @@ async fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
 
 impl Inner {
     /// Deliver one completion to whoever owns its queue pair.
-    fn dispatch(&self, dev: &Device, c: &Completion, sink: &nixl::NotificationSink) {
+    fn dispatch(&self, dev: &Device, c: &Completion, sink: &Delivery) {
         let role = self.qps.lock().unwrap().get(&c.qp_num).cloned();
         match role {
             Some(Role::Lane(l)) => {
@@ -1058,7 +1063,7 @@ impl Inner {
 async fn completion_loop(
     inner: Arc<Inner>,
     dev: Arc<Device>,
-    sink: nixl::NotificationSink,
+    sink: Delivery,
     cancel: CancellationToken,
 ) {
     if let Err(e) = completions(&inner, &dev, &sink, &cancel).await {
@@ -1071,7 +1076,7 @@ async fn completion_loop(
 async fn completions(
     inner: &Inner,
     dev: &Device,
-    sink: &nixl::NotificationSink,
+    sink: &Delivery,
     cancel: &CancellationToken,
 ) -> Result<()> {
     let fatal = |what: &str, e: &dyn std::fmt::Display| {

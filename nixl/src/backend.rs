@@ -13,7 +13,7 @@ use tokio_util::task::TaskTracker;
 use crate::completion::{Completer, Op};
 use crate::error::{Error, ErrorKind, Result};
 use crate::memory::{MemKind, Memory};
-use crate::notification::{Notification, PeerQueues};
+use crate::notification::{Notification, PeerQueues, Queued, Short};
 #[cfg(doc)]
 use crate::notification::{NotificationLimits, NotificationStats};
 use crate::region::{RegionRef, RegionSlice};
@@ -83,17 +83,26 @@ impl Capabilities {
 }
 
 /// Where incoming notifications go. Backends deliver each notification once the data
-/// of the transfer that carried it is visible in local memory.
+/// of the transfer that carried it is visible in local memory, under the name its
+/// sender gave (the name its connection proved, with a shared secret).
 ///
-/// Each peer may have a bounded number of notifications queued at the agent, unread
-/// ([`NotificationLimits`]). A backend that delivers from a task uses
-/// [`NotificationSink::deliver_async`], which waits for room in that peer's queue; the
-/// backend then stops reading that peer's connection, so the flooding peer is held
-/// back and no other. [`NotificationSink::deliver`], for threads that cannot wait,
-/// drops a notification that finds its peer's queue full, and counts and logs it.
+/// The agent's queue is bounded per sender name, in all, and for names that are not
+/// known peers together ([`NotificationLimits`]). How a backend delivers decides what
+/// a notification that finds no room meets:
+/// - [`NotificationSink::deliver_async`] (from a task: nixl-tcp, nixl-uccl, and
+///   nixl-verbs for a receive that found no room) waits for room; the backend stops
+///   reading that sender's connection meanwhile, so the sender is held back and no
+///   other. Nothing is dropped.
+/// - [`NotificationSink::try_deliver`] queues it if there is room and otherwise hands
+///   it back, for a backend that waits elsewhere (nixl-verbs: the receive buffer is
+///   not posted again until a task delivered it, so the sender's NIC waits).
+/// - [`NotificationSink::deliver`], for threads that cannot wait (nixl-ucx's progress
+///   loop), drops it: counted ([`NotificationStats::dropped`], the
+///   `nixl_notifications_dropped_total` metric), logged, and reported as `false`, so
+///   the backend can tell the sender where its protocol allows.
 #[derive(Clone, Debug)]
 pub struct NotificationSink {
-    pub(crate) tx: mpsc::UnboundedSender<Notification>,
+    pub(crate) tx: mpsc::UnboundedSender<Queued>,
     pub(crate) queues: Arc<PeerQueues>,
     /// The agent's root token: waiting for room ends when the agent stops.
     pub(crate) cancel: CancellationToken,
@@ -104,26 +113,51 @@ pub struct NotificationSink {
 }
 
 impl NotificationSink {
-    /// Deliver a notification from `peer` without waiting. When `peer` already has its
-    /// bound of notifications queued ([`NotificationLimits`]), the notification is
-    /// dropped: it is counted ([`NotificationStats::dropped`], the
-    /// `nixl_notifications_dropped_total` metric) and a warning naming the peer is
-    /// logged (at most one a second). Prefer [`NotificationSink::deliver_async`]
-    /// wherever the caller can wait. Also dropped (uncounted) once the agent is gone.
-    pub fn deliver(&self, peer: &str, msg: Bytes) {
-        if self.queues.admit(peer, msg.len()) {
-            self.send(peer, msg);
-        } else {
-            if let Some(c) = &self.dropped {
-                c.increment(1);
+    /// Deliver a notification from `peer` without waiting; returns whether it was
+    /// queued. When a bound it counts against is full ([`NotificationLimits`]), the
+    /// notification is dropped: counted ([`NotificationStats::dropped`], the
+    /// `nixl_notifications_dropped_total` metric), a warning naming the peer is
+    /// logged (at most one a second), and `false` returned, so the backend can tell
+    /// the sender. Prefer [`NotificationSink::deliver_async`] wherever the caller can
+    /// wait. Also dropped (uncounted, `true`) once the agent is gone.
+    pub fn deliver(&self, peer: &str, msg: Bytes) -> bool {
+        match self.queues.admit(peer, msg.len()) {
+            Ok(known) => {
+                self.send(peer, msg, known);
+                true
             }
-            self.queues.dropped(peer, msg.len());
+            Err(short) => {
+                if let Some(c) = &self.dropped {
+                    c.increment(1);
+                }
+                self.queues.dropped(peer, msg.len(), short);
+                false
+            }
         }
     }
 
-    /// Deliver a notification from `peer`, first waiting until `peer` has room in its
-    /// queue ([`NotificationLimits`]); other peers' deliveries do not wait for it.
-    /// Room comes as the application reads `peer`'s notifications.
+    /// Deliver a notification from `peer` if every bound it counts against has room
+    /// ([`NotificationLimits`]); otherwise hand it back, uncounted, for the caller to
+    /// deliver later with [`NotificationSink::deliver_async`] (keeping its sender
+    /// waiting meanwhile).
+    ///
+    /// # Errors
+    /// The notification itself, when there is no room for it now.
+    pub fn try_deliver(&self, peer: &str, msg: Bytes) -> std::result::Result<(), Bytes> {
+        match self.queues.admit(peer, msg.len()) {
+            Ok(known) => {
+                self.send(peer, msg, known);
+                Ok(())
+            }
+            Err(_) => Err(msg),
+        }
+    }
+
+    /// Deliver a notification from `peer`, first waiting until every bound it counts
+    /// against has room ([`NotificationLimits`]): its sender's own queue, the
+    /// agent's total and, for a sender that is not a known peer, the unknown names'
+    /// pool. Others' deliveries do not wait for it unless they share the full bound.
+    /// Room comes as the application reads notifications.
     ///
     /// # Errors
     /// [`ErrorKind::ShutDown`] when the agent stopped or went away while this waited:
@@ -133,25 +167,46 @@ impl NotificationSink {
     /// Dropping the future before it returns drops the notification, undelivered.
     pub async fn deliver_async(&self, peer: &str, msg: Bytes) -> Result<()> {
         let len = msg.len();
-        if self.queues.admit(peer, len) {
-            self.send(peer, msg);
-            return Ok(());
-        }
-        let waiting = Waiting {
-            queues: &self.queues,
-            peer,
-            space: Some(self.queues.wait(peer)),
-        };
-        let space = waiting.space.as_deref().expect("set until dropped");
+        let mut waited = None;
         loop {
-            let notified = space.notified();
+            let short = match self.queues.admit(peer, len) {
+                Ok(known) => {
+                    self.admitted(peer, msg, known, waited);
+                    return Ok(());
+                }
+                Err(short) => short,
+            };
+            let waiting = match short {
+                Short::Peer => match self.queues.wait(peer) {
+                    Some(space) => Some(Waiting {
+                        queues: &self.queues,
+                        peer,
+                        space: Some(space),
+                    }),
+                    // Its queue emptied meanwhile: look again.
+                    None => continue,
+                },
+                Short::Known | Short::Unknown => None,
+            };
+            let room: &Notify = match (&waiting, short) {
+                (Some(w), _) => w.space.as_deref().expect("set until dropped"),
+                (None, Short::Known) => &self.queues.known_room,
+                (None, _) => &self.queues.unknown_room,
+            };
+            let notified = room.notified();
             tokio::pin!(notified);
-            // Listen before looking, so room made in between is not missed.
+            // Listen before looking again, so room made in between is not missed.
             notified.as_mut().enable();
-            if self.queues.admit(peer, len) {
-                self.send(peer, msg);
-                return Ok(());
+            match self.queues.admit(peer, len) {
+                Ok(known) => {
+                    self.admitted(peer, msg, known, waited);
+                    return Ok(());
+                }
+                // Another bound is full now: wait for that one instead.
+                Err(s) if s != short => continue,
+                Err(_) => {}
             }
+            waited = Some(short);
             tokio::select! {
                 () = &mut notified => {}
                 () = self.tx.closed() => break,
@@ -165,19 +220,31 @@ impl NotificationSink {
         ))
     }
 
+    /// Queue a notification [`NotificationSink::deliver_async`] admitted; one that
+    /// waited for room in a shared pool lets the next waiter look.
+    fn admitted(&self, peer: &str, msg: Bytes, known: bool, waited: Option<Short>) {
+        self.send(peer, msg, known);
+        if let Some(s) = waited {
+            self.queues.pass_on(s);
+        }
+    }
+
     /// Deliver the agent's own notification (a same-agent transfer's): counted in the
     /// queue, never held back or dropped, since the application posted it itself.
     pub(crate) fn deliver_own(&self, peer: &str, msg: Bytes) {
         self.queues.admit_own(peer, msg.len());
-        self.send(peer, msg);
+        self.send(peer, msg, true);
     }
 
     /// Queue a notification already counted against `peer`.
-    fn send(&self, peer: &str, msg: Bytes) {
+    fn send(&self, peer: &str, msg: Bytes, known: bool) {
         let len = msg.len();
-        let sent = self.tx.send(Notification {
-            peer: peer.to_owned(),
-            msg,
+        let sent = self.tx.send(Queued {
+            note: Notification {
+                peer: peer.to_owned(),
+                msg,
+            },
+            known,
         });
         match sent {
             Ok(()) => {
@@ -186,7 +253,7 @@ impl NotificationSink {
                 }
             }
             // The agent is gone: nobody will read it.
-            Err(_) => self.queues.release(peer, len),
+            Err(_) => self.queues.release(peer, len, known),
         }
     }
 }

@@ -5,10 +5,11 @@
 //!
 //! - An [`Agent`] owns backends, memory [`Registration`]s, known peers, a
 //!   [`Notifications`] stream and every background task it starts.
-//! - Notifications queue per peer up to a bound ([`NotificationLimits`]: 4096 and
-//!   64 MiB unread by default); a peer at its bound is held back where the backend
-//!   can wait (nixl-tcp stops reading that peer's connection), otherwise its excess is
-//!   dropped, counted and logged ([`Agent::notification_stats`]).
+//! - Notifications queue up to bounds per sender, per agent and for senders the
+//!   agent does not know ([`NotificationLimits`]); a sender at a bound is held back
+//!   where the backend can wait (nixl-tcp and nixl-uccl stop reading its connection,
+//!   nixl-verbs stops taking its sends), otherwise (nixl-ucx) its excess is dropped,
+//!   counted, logged ([`Agent::notification_stats`]) and reported to the sender.
 //! - Peers exchange [`metadata`] (versioned, checksummed, size-limited bytes); NIXL's
 //!   own format ([`interop`]) is read and written too, so an agent works with NIXL
 //!   agents over a backend that speaks NIXL's dialect ([`NixlDialect`]).
@@ -75,7 +76,8 @@ pub use error::{Error, ErrorKind, Result};
 pub use exchange::{NixlListenerOptions, SharedSecret, SideChannelOptions};
 pub use memory::{AlignedBuf, MemKind, MemSegment, Memory, HUGE_PAGE_SIZE, PAGE_SIZE};
 pub use notification::{
-    Notification, NotificationLimits, NotificationStats, Notifications, QueuedNotifications,
+    Notification, NotificationLimits, NotificationPeaks, NotificationStats, Notifications,
+    QueuedNotifications,
 };
 pub use region::{InFlightHold, RegionRef, RegionSlice, Registration, RemoteRegionInfo};
 pub use system::{host_memory, open_files_limit};

@@ -27,7 +27,7 @@
 //! | `nixl_transfer_post_seconds` | histogram | agent, op, backend | time spent in the post call |
 //! | `nixl_notifications_sent_total` | counter | agent | notifications posted (with a transfer or standalone) |
 //! | `nixl_notifications_received_total` | counter | agent | notifications queued for the application |
-//! | `nixl_notifications_dropped_total` | counter | agent | notifications dropped because their peer's queue was full ([`NotificationLimits`](crate::NotificationLimits)) |
+//! | `nixl_notifications_dropped_total` | counter | agent | notifications dropped because a bound on the queue was full (deliveries that cannot wait) ([`NotificationLimits`](crate::NotificationLimits)) |
 //! | `nixl_registered_bytes` | gauge | agent, kind | bytes registered, by memory kind (`dram`, `vram`) |
 //! | `nixl_registrations` | gauge | agent, kind | live registrations, by memory kind |
 //! | `nixl_peers` | gauge | agent | peers whose metadata is loaded |

@@ -133,6 +133,7 @@ async fn a_full_queue_drops_and_counts_that_peers_notifications_only() {
     let limits = NotificationLimits {
         messages: 3,
         bytes: 1 << 20,
+        ..NotificationLimits::default()
     };
     let (a, sink) = agent("drops", limits).await;
     for m in [&b"f0"[..], b"f1", b"f2", b"f3", b"f4"] {
@@ -170,6 +171,7 @@ async fn the_byte_bound_holds_but_one_long_notification_passes_alone() {
     let limits = NotificationLimits {
         messages: 100,
         bytes: 10,
+        ..NotificationLimits::default()
     };
     let (a, sink) = agent("bytes", limits).await;
     sink.deliver("p", Bytes::from_static(b"1234"));
@@ -194,6 +196,7 @@ async fn a_waiting_delivery_holds_back_its_own_peer_only() {
     let limits = NotificationLimits {
         messages: 1,
         bytes: 1 << 20,
+        ..NotificationLimits::default()
     };
     let (a, sink) = agent("waits", limits).await;
     sink.deliver_async("flood", Bytes::from_static(b"f0"))
@@ -231,6 +234,7 @@ async fn waiting_for_room_ends_when_the_agent_stops_or_is_dropped() {
     let limits = NotificationLimits {
         messages: 1,
         bytes: 1 << 20,
+        ..NotificationLimits::default()
     };
     for drop_it in [false, true] {
         let (a, sink) = agent("stops", limits).await;
@@ -261,10 +265,12 @@ async fn zero_limits_are_refused() {
         NotificationLimits {
             messages: 0,
             bytes: 1,
+            ..NotificationLimits::default()
         },
         NotificationLimits {
             messages: 1,
             bytes: 0,
+            ..NotificationLimits::default()
         },
     ] {
         let e = Agent::builder("zero")
@@ -278,7 +284,139 @@ async fn zero_limits_are_refused() {
         NotificationLimits::default(),
         NotificationLimits {
             messages: 4096,
-            bytes: 64 << 20
+            bytes: 64 << 20,
+            total_messages: 65_536,
+            total_bytes: 256 << 20,
+            unknown_peers: 256,
+            unknown_messages: 4096,
+            unknown_bytes: 16 << 20,
         }
     );
+    // An unknown names' pool as large as the total would leave known peers no room.
+    let e = Agent::builder("pool")
+        .notification_limits(NotificationLimits {
+            total_messages: 4096,
+            ..NotificationLimits::default()
+        })
+        .build()
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+}
+
+/// Limits with a small pool for unknown names: 2 names, 3 notifications.
+fn small_pool() -> NotificationLimits {
+    NotificationLimits {
+        messages: 2,
+        unknown_peers: 2,
+        unknown_messages: 3,
+        total_messages: 5,
+        ..NotificationLimits::default()
+    }
+}
+
+/// A peer `receiver` knows: an agent whose metadata it loaded.
+async fn known_peer(receiver: &Agent, name: &str) -> Agent {
+    let (peer, _) = agent(name, NotificationLimits::default()).await;
+    receiver.load_metadata(&peer.metadata().unwrap()).unwrap();
+    peer
+}
+
+#[tokio::test]
+async fn unknown_names_share_a_capped_pool_and_a_known_peer_keeps_its_room() {
+    let (a, sink) = agent("pool", small_pool()).await;
+    let _good = known_peer(&a, "good").await;
+    // Distinct unknown names: two get in, the third is refused (name cap).
+    assert!(sink.deliver("u0", Bytes::from_static(b"0")));
+    assert!(sink.deliver("u1", Bytes::from_static(b"1")));
+    assert!(!sink.deliver("u2", Bytes::from_static(b"2")));
+    // A name holding a place may add, up to the pool's 3 messages.
+    assert!(sink.deliver("u0", Bytes::from_static(b"00")));
+    assert!(!sink.deliver("u1", Bytes::from_static(b"11")));
+    // try_deliver hands back what does not fit, uncounted.
+    let back = sink
+        .try_deliver("u3", Bytes::from_static(b"3"))
+        .unwrap_err();
+    assert_eq!(&back[..], b"3");
+    // The known peer gets in: the total less the unknown pool is its.
+    assert!(sink.deliver("good", Bytes::from_static(b"g0")));
+    sink.deliver_async("good", Bytes::from_static(b"g1"))
+        .await
+        .unwrap();
+    // Now its own bound (2) is full.
+    assert!(sink.try_deliver("good", Bytes::from_static(b"g2")).is_err());
+    let s = a.notification_stats();
+    assert_eq!(s.dropped, 2, "{s:?}");
+    assert_eq!((s.unknown, s.unknown_peers), (queued(3, 4), 2));
+    assert_eq!(s.peers["good"], queued(2, 4));
+    assert_eq!(s.peers.len(), 3);
+    assert_eq!(s.peaks.queued, queued(5, 8));
+
+    // A waiting unknown name gets in once the application reads an unknown one.
+    let blocked = tokio::spawn({
+        let sink = sink.clone();
+        async move { sink.deliver_async("u9", Bytes::from_static(b"9")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !blocked.is_finished(),
+        "an unknown name past the cap got in"
+    );
+    let mut notes = a.notifications().unwrap();
+    assert_eq!(notes.recv().await, Some(note("u0", b"0")));
+    // u0 still holds its place (one more queued): u9 waits on.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!blocked.is_finished(), "a third unknown name got in");
+    assert_eq!(notes.recv().await, Some(note("u1", b"1")));
+    tokio::time::timeout(HANG, blocked)
+        .await
+        .expect("reading did not make room in the unknown pool")
+        .unwrap()
+        .unwrap();
+    let rest: Vec<_> = std::iter::from_fn(|| notes.try_recv()).collect();
+    assert_eq!(
+        rest,
+        [
+            note("u0", b"00"),
+            note("good", b"g0"),
+            note("good", b"g1"),
+            note("u9", b"9")
+        ]
+    );
+    let s = a.notification_stats();
+    assert!(s.peers.is_empty(), "{s:?}");
+    assert_eq!((s.unknown, s.unknown_peers), (queued(0, 0), 0));
+}
+
+#[tokio::test]
+async fn deliveries_waiting_on_the_unknown_pool_all_get_in_as_the_application_reads() {
+    // Many waiters on the shared pool (each a connection held back), woken one at a
+    // time as room comes: every one gets in, none twice, and the bounds hold.
+    let (a, sink) = agent("many", small_pool()).await;
+    let waiters: Vec<_> = (0..200)
+        .map(|i| {
+            let sink = sink.clone();
+            tokio::spawn(async move {
+                sink.deliver_async(&format!("u{i}"), Bytes::from(format!("{i}")))
+                    .await
+            })
+        })
+        .collect();
+    let mut notes = a.notifications().unwrap();
+    let mut got = std::collections::BTreeSet::new();
+    while got.len() < 200 {
+        let n = tokio::time::timeout(HANG, notes.recv())
+            .await
+            .expect("a waiter was never woken")
+            .unwrap();
+        assert!(got.insert(n.peer.clone()), "{} twice", n.peer);
+        let s = a.notification_stats();
+        assert!(s.unknown_peers <= 2 && s.unknown.messages <= 3, "{s:?}");
+    }
+    for w in waiters {
+        w.await.unwrap().unwrap();
+    }
+    let s = a.notification_stats();
+    assert_eq!((s.dropped, s.peaks.unknown_peers), (0, 2));
+    assert!(s.peaks.unknown.messages <= 2, "{s:?}");
 }

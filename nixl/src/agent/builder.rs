@@ -107,8 +107,10 @@ impl AgentBuilder {
         self
     }
 
-    /// How many notifications, and bytes of them, each peer may have queued unread
-    /// (default 4096 and 64 MiB); see [`NotificationLimits`].
+    /// How many notifications, and bytes of them, may be queued unread: per sender
+    /// name (default 4096 and 64 MiB), in all (65,536 and 256 MiB), and from senders
+    /// that are not known peers together (4096 and 16 MiB, from at most 256 names);
+    /// see [`NotificationLimits`].
     #[must_use]
     pub fn notification_limits(mut self, limits: NotificationLimits) -> Self {
         self.notification_limits = limits;
@@ -166,7 +168,8 @@ impl AgentBuilder {
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] for an empty or over-long name, two backends with
-    /// one name or a notification limit of zero; any error a backend's start returns
+    /// one name, a notification limit of zero or an unknown names' notification pool
+    /// not smaller than the total; any error a backend's start returns
     /// (the agent made so far is then dropped, which stops what the earlier backends
     /// started).
     pub async fn build(self) -> Result<Agent> {
@@ -188,14 +191,8 @@ impl AgentBuilder {
             }
         }
         let limits = self.notification_limits;
-        if limits.messages == 0 || limits.bytes == 0 {
-            return err(
-                ErrorKind::InvalidArgument,
-                OP,
-                format!(
-                    "notification limits must be at least 1 message and 1 byte, not {limits:?}"
-                ),
-            );
+        if let Some(why) = limits.invalid() {
+            return err(ErrorKind::InvalidArgument, OP, why);
         }
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
@@ -204,7 +201,15 @@ impl AgentBuilder {
             .telemetry
             .metrics
             .then(|| Arc::new(AgentMetrics::new(&self.name, &self.telemetry)));
-        let queues = Arc::new(PeerQueues::new(&self.name, limits));
+        // Known peers (for the notification bounds) are the names in the peer table.
+        let peers: Arc<RwLock<HashMap<String, Arc<super::Peer>>>> = Arc::default();
+        let table = Arc::downgrade(&peers);
+        let known = Box::new(move |name: &str| {
+            table
+                .upgrade()
+                .is_some_and(|t| t.read().unwrap().contains_key(name))
+        });
+        let queues = Arc::new(PeerQueues::new(&self.name, limits, known));
         let sink = NotificationSink {
             tx,
             queues: queues.clone(),
@@ -222,7 +227,7 @@ impl AgentBuilder {
             regions: RwLock::new(Regions::default()),
             next_region_id: AtomicU64::new(1),
             peer_limits: self.peer_limits,
-            peers: RwLock::new(HashMap::new()),
+            peers,
             loading: Mutex::new(()),
             next_generation: AtomicU64::new(1),
             running: AtomicBool::new(true),

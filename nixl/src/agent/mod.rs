@@ -129,7 +129,8 @@ struct Shared {
     peer_limits: PeerLimits,
     /// Known peers. Loads build the new state without this lock and swap it in;
     /// posts never take it.
-    peers: RwLock<HashMap<String, Arc<Peer>>>,
+    /// Shared with the notification queue, which asks whether a sender is known.
+    peers: Arc<RwLock<HashMap<String, Arc<Peer>>>>,
     /// Serialises loading and forgetting peers (never taken by transfers).
     loading: Mutex<()>,
     next_generation: AtomicU64,

@@ -52,6 +52,7 @@ async fn a_flooding_peer_is_held_back_and_loses_nothing() {
     let limits = NotificationLimits {
         messages: 4096,
         bytes: BOUND,
+        ..NotificationLimits::default()
     };
     let receiver = agent("receiver", limits).await;
     let flooder = agent("flooder", NotificationLimits::default()).await;
@@ -171,6 +172,7 @@ async fn a_receiver_that_reads_late_does_not_get_its_peer_cut() {
     let limits = NotificationLimits {
         messages: 4096,
         bytes: BOUND,
+        ..NotificationLimits::default()
     };
     let receiver = agent_with("receiver", limits, o()).await;
     let flooder = agent_with("flooder", NotificationLimits::default(), o()).await;

@@ -1,0 +1,316 @@
+//! The agent's notification bounds on the real UCX, against senders that choose their
+//! names: a bare UCX worker (no agent) sends 10,000 notifications, each under a fresh
+//! sender name, to an agent that reads nothing meanwhile, while a known peer keeps
+//! sending. The unknown names fill their capped pool and no more; the known peer
+//! loses nothing. A known peer over its own bound has the excess dropped (the
+//! progress loop cannot wait), is told so, and its next operation fails saying so;
+//! a forged report changes nothing.
+//!
+//! Needs libucp at run time; without it the tests print a SKIP line.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use nixl::{Agent, AgentOptions, ErrorKind, NotificationLimits, NotificationStats, SharedSecret};
+
+use crate::driver::Work;
+use crate::ffi::{EpId, FlightId, Ucx, UcxInit};
+use crate::wire::{self, Kind};
+use crate::{library, UcxBackend, UcxOptions};
+
+/// Hang bound (never a speed assertion).
+const HANG: Duration = Duration::from_secs(30);
+
+fn backend(test: &str) -> Option<UcxBackend> {
+    match UcxBackend::with_options(UcxOptions::default()) {
+        Ok(b) => Some(b),
+        Err(e) if e.kind() == ErrorKind::UnavailableLibrary => {
+            println!("SKIP {test}: {e}");
+            None
+        }
+        Err(e) => panic!("ucx backend: {e}"),
+    }
+}
+
+async fn agent(name: &str, b: &UcxBackend, limits: NotificationLimits) -> Agent {
+    agent_with(name, b, limits, None).await
+}
+
+async fn agent_with(
+    name: &str,
+    b: &UcxBackend,
+    limits: NotificationLimits,
+    secret: Option<&SharedSecret>,
+) -> Agent {
+    let mut builder = Agent::builder(name)
+        .backend_arc(Arc::new(b.clone()))
+        .notification_limits(limits)
+        .options(AgentOptions {
+            drain_timeout: Duration::from_secs(5),
+            shutdown_timeout: Duration::from_secs(5),
+        });
+    if let Some(s) = secret {
+        builder = builder.secret(s.clone());
+    }
+    builder.build().await.unwrap()
+}
+
+/// A bare UCX worker of this crate's binding, with an endpoint to `addr`.
+fn bare_worker(addr: &[u8]) -> (Ucx<Work>, EpId) {
+    let o = UcxOptions::default();
+    let (req, src) = o.request();
+    let (lib, _) = library::bind(&req, src, &o.expectations()).unwrap();
+    let init = UcxInit {
+        config: vec![("RNDV_THRESH".into(), "inf".into())],
+        optional: Vec::new(),
+    };
+    let mut ucx = Ucx::<Work>::new(lib, &init).unwrap();
+    let addr = crate::packed::Padded::address(addr).unwrap();
+    let ep = ucx
+        .ep_create(&addr, true)
+        .or_else(|_| ucx.ep_create(&addr, false))
+        .unwrap();
+    (ucx, ep)
+}
+
+fn send(ucx: &mut Ucx<Work>, ep: EpId, kind: Kind, name: &str, stream: u64, seq: u64) -> FlightId {
+    let h = wire::encode_header(kind, stream, seq, name);
+    let data = if kind == Kind::Notif {
+        Bytes::from(vec![b'e'; 64])
+    } else {
+        Bytes::new()
+    };
+    ucx.am_send(ep, wire::AM_ID, h, data, false, Work::Internal)
+}
+
+/// Progress `ucx` until every flight finished (bounded).
+fn settle(ucx: &mut Ucx<Work>, mut flights: Vec<FlightId>) {
+    let deadline = Instant::now() + HANG;
+    while !flights.is_empty() {
+        assert!(Instant::now() < deadline, "hostile sends did not finish");
+        ucx.progress();
+        flights.retain(|f| ucx.poll(*f).is_none());
+    }
+}
+
+/// Wait (bounded) until `agent`'s notification stats satisfy `done`.
+async fn stats_until(agent: &Agent, what: &str, done: impl Fn(&NotificationStats) -> bool) {
+    let deadline = Instant::now() + HANG;
+    loop {
+        let s = agent.notification_stats();
+        if done(&s) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {s:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_sender_names_fill_only_their_pool_and_a_known_peer_loses_nothing() {
+    const TEST: &str =
+        "ten_thousand_sender_names_fill_only_their_pool_and_a_known_peer_loses_nothing";
+    const NAMES: u64 = 10_000;
+    const GOOD: usize = 100;
+    let Some(tb) = backend(TEST) else { return };
+    let gb = UcxBackend::with_options(UcxOptions::default()).unwrap();
+    let limits = NotificationLimits {
+        messages: 128,
+        bytes: 1 << 20,
+        total_messages: 1024,
+        total_bytes: 256 << 10,
+        unknown_peers: 32,
+        unknown_messages: 256,
+        unknown_bytes: 16 << 10,
+    };
+    let target = agent("target", &tb, limits).await;
+    let good = agent("good", &gb, NotificationLimits::default()).await;
+    good.load_metadata(&target.metadata().unwrap()).unwrap();
+    target.load_metadata(&good.metadata().unwrap()).unwrap();
+    good.connect("target").await.unwrap();
+
+    // The flood, in batches, the known peer's notifications between them. Nobody
+    // reads at the target meanwhile.
+    let (mut evil, ep) = bare_worker(&tb.inner.address);
+    let mut most = NotificationStats::default();
+    let mut good_sent = 0;
+    for batch in 0..NAMES / 500 {
+        let flights = (batch * 500..(batch + 1) * 500)
+            .map(|i| send(&mut evil, ep, Kind::Notif, &format!("evil-{i}"), i, 0))
+            .collect();
+        settle(&mut evil, flights);
+        for _ in 0..GOOD / 20 {
+            good.notify("target", format!("good-{good_sent}"))
+                .unwrap()
+                .await
+                .unwrap();
+            good_sent += 1;
+        }
+        let s = target.notification_stats();
+        assert!(s.unknown_peers <= 32, "{s:?}");
+        assert!(s.queued().messages <= 1024, "{s:?}");
+        most.unknown_peers = most.unknown_peers.max(s.unknown_peers);
+    }
+    // Every evil notification was taken in: queued (one per name while the cap has
+    // room) or dropped and counted.
+    stats_until(&target, "the flood taken in", |s| {
+        s.unknown.messages as u64 + s.dropped == NAMES
+            && s.peers.get("good").map(|q| q.messages) == Some(GOOD)
+    })
+    .await;
+    let s = target.notification_stats();
+    assert_eq!((s.unknown_peers, s.unknown.messages), (32, 32), "{s:?}");
+    assert_eq!(s.dropped, NAMES - 32);
+    assert_eq!(s.peers.len(), 33, "32 unknown names and the known peer");
+    // The bounds held all along (the agent's own high-water marks).
+    assert!(s.peaks.unknown_peers <= 32, "{s:?}");
+    assert!(s.peaks.unknown.messages <= 256, "{s:?}");
+    assert!(s.peaks.unknown.bytes <= 16 << 10, "{s:?}");
+    assert!(s.peaks.queued.messages <= 1024, "{s:?}");
+    assert!(s.peaks.queued.bytes <= 256 << 10, "{s:?}");
+
+    // Reading: every one of the known peer's notifications, in order, none dropped.
+    let mut notes = target.notifications().unwrap();
+    let (mut next_good, mut evil_read) = (0, 0);
+    while next_good < GOOD || evil_read < 32 {
+        let n = tokio::time::timeout(HANG, notes.recv())
+            .await
+            .expect("queued notifications are read")
+            .unwrap();
+        if n.peer == "good" {
+            assert_eq!(n.msg, format!("good-{next_good}"));
+            next_good += 1;
+        } else {
+            assert!(n.peer.starts_with("evil-"), "{}", n.peer);
+            evil_read += 1;
+        }
+    }
+    assert!(notes.try_recv().is_none());
+    println!(
+        "FIGURE ucx notification names: {NAMES} notifications under {NAMES} fresh names + {GOOD} from a known peer, receiver not reading; queued at most {} messages / {} bytes ({} unknown names, cap 32); {} dropped (all unknown), the known peer's {GOOD} all delivered in order",
+        s.peaks.queued.messages, s.peaks.queued.bytes, s.peaks.unknown_peers, s.dropped
+    );
+    assert!(target.shutdown().await.is_clean());
+    assert!(good.shutdown().await.is_clean());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_known_peer_over_its_bound_is_told_and_its_next_operation_fails() {
+    known_peer_over_its_bound(
+        "a_known_peer_over_its_bound_is_told_and_its_next_operation_fails",
+        None,
+    )
+    .await;
+}
+
+/// The same between agents with a shared secret: the report is MAC'd for its
+/// receiver like every message of ours (and the forged one, unsigned, is refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_known_peer_over_its_bound_is_told_with_a_secret() {
+    let s = SharedSecret::new("drop reports").unwrap();
+    known_peer_over_its_bound(
+        "a_known_peer_over_its_bound_is_told_with_a_secret",
+        Some(&s),
+    )
+    .await;
+}
+
+async fn known_peer_over_its_bound(test: &str, secret: Option<&SharedSecret>) {
+    const BOUND: usize = 8;
+    let Some(tb) = backend(test) else { return };
+    let gb = UcxBackend::with_options(UcxOptions::default()).unwrap();
+    let limits = NotificationLimits {
+        messages: BOUND,
+        ..NotificationLimits::default()
+    };
+    let target = agent_with("target", &tb, limits, secret).await;
+    let good = agent_with("good", &gb, NotificationLimits::default(), secret).await;
+    good.load_metadata(&target.metadata().unwrap()).unwrap();
+    target.load_metadata(&good.metadata().unwrap()).unwrap();
+    good.connect("target").await.unwrap();
+    target.connect("good").await.unwrap();
+    let reported = || {
+        let g = gb.inner.shared.core.lock().unwrap();
+        g.as_ref().unwrap().dropped_reported("target")
+    };
+
+    // A forged report (not from the target's connection: another stream) is ignored.
+    let (mut evil, ep) = bare_worker(&gb.inner.address);
+    let f = send(&mut evil, ep, Kind::Dropped, "target", 12_345, 99);
+    settle(&mut evil, vec![f]);
+    good.notify("target", "before").unwrap().await.unwrap();
+    assert_eq!(reported(), 0, "a forged DROPPED was taken");
+
+    // Over the bound, with nobody reading: each send completes (UCX delivered it),
+    // the excess is dropped at the target and reported back, and an operation after
+    // the report arrived fails, saying how many were dropped (itself not started).
+    let mut sent = 1;
+    let first = loop {
+        assert!(sent < 10_000, "no operation failed after the drops");
+        match good.notify("target", format!("n{sent}")).unwrap().await {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(first.kind(), ErrorKind::NotAllowed, "{first}");
+    let told = |e: &nixl::Error| -> u64 {
+        let c = e.context();
+        let n = c
+            .split("dropped ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse().ok());
+        n.unwrap_or_else(|| panic!("no count in {c:?}"))
+    };
+    let mut surfaced = told(&first);
+    assert!(surfaced > 0);
+    // Every drop at the target reaches the sender: what surfaced plus what waits.
+    let dropped = (sent - BOUND) as u64;
+    stats_until(&target, "the excess dropped", |s| s.dropped == dropped).await;
+    let deadline = Instant::now() + HANG;
+    while surfaced + reported() < dropped {
+        assert!(
+            Instant::now() < deadline,
+            "the drops were not all reported to the sender"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(surfaced + reported(), dropped);
+
+    // The target reads what it kept, in order.
+    let mut notes = target.notifications().unwrap();
+    for i in 0..BOUND {
+        let n = tokio::time::timeout(HANG, notes.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        let want = if i == 0 {
+            "before".to_owned()
+        } else {
+            format!("n{i}")
+        };
+        assert_eq!((n.peer.as_str(), n.msg), ("good", Bytes::from(want)));
+    }
+    // Drops reported after the first failure fail one more operation; then the
+    // sender's operations go through again.
+    if reported() > 0 {
+        let e = good.notify("target", "next").unwrap().await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+        surfaced += told(&e);
+    }
+    assert_eq!(surfaced, dropped);
+    good.notify("target", "after").unwrap().await.unwrap();
+    let n = tokio::time::timeout(HANG, notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((n.peer.as_str(), &n.msg[..]), ("good", &b"after"[..]));
+    assert_eq!(target.notification_stats().dropped, dropped);
+    println!(
+        "FIGURE ucx notification drop report (secret: {}): {sent} sent to a bound of {BOUND} unread; {dropped} dropped at the receiver, all reported to the sender, whose next operations failed (NotAllowed, naming the count) until told, then succeeded",
+        secret.is_some()
+    );
+    assert!(target.shutdown().await.is_clean());
+    assert!(good.shutdown().await.is_clean());
+}
