@@ -193,9 +193,17 @@ pub struct UcclOptions {
     /// 1024); one more is closed.
     pub max_incoming_connections: usize,
     /// A peer silent this long on the control connection is dead (pinged at a third
-    /// of it). Also the bound on writing one control frame, and the socket's
-    /// `TCP_USER_TIMEOUT`: a peer that does not read for this long is cut.
+    /// of it). Also a target's bound on writing one answer, and the socket's
+    /// `TCP_USER_TIMEOUT`: an initiator that does not read for this long is cut (an
+    /// initiator waits up to [`UcclOptions::hold_timeout`] for a live target).
     pub liveness_timeout: Duration,
+    /// Longest a target may keep this agent's control connection unread while it
+    /// shows it is alive (it answers pings): a target whose application does not
+    /// read notifications holds its initiators back this way (see
+    /// [`nixl::NotificationLimits`]), and so does a hostile one that never reads.
+    /// Past it, a frame still not written cuts the link (default 60 s; the
+    /// silence bound is [`UcclOptions::liveness_timeout`]).
+    pub hold_timeout: Duration,
     /// A transfer not done after this long fails with [`ErrorKind::TimedOut`].
     pub stall_timeout: Duration,
     /// Largest piece of one engine operation (UCCL's lengths are 32-bit).
@@ -227,6 +235,7 @@ impl Default for UcclOptions {
             max_incoming_handshakes: 256,
             max_incoming_connections: 1024,
             liveness_timeout: Duration::from_secs(5),
+            hold_timeout: Duration::from_secs(60),
             stall_timeout: Duration::from_secs(60),
             max_piece: 1 << 30,
             window: 64,
@@ -785,7 +794,12 @@ impl Inner {
             )
         };
         let mut stream = TcpStream::connect(&info.control).await.map_err(gone)?;
-        nixl::control::tune(&stream, self.options.liveness_timeout);
+        // A live target may hold this connection back up to the hold bound; a dead
+        // one shows by its silence (the reader's liveness bound).
+        nixl::control::tune(
+            &stream,
+            self.options.hold_timeout.max(self.options.liveness_timeout),
+        );
         let who = format!("{peer:?} at {}", info.control);
         nixl::control::authenticate_client(
             &mut stream,
@@ -850,6 +864,7 @@ impl Inner {
             state.clone(),
             out_rx,
             self.options.liveness_timeout,
+            self.options.hold_timeout.max(self.options.liveness_timeout),
         ));
         Ok(Arc::new(Link {
             peer: peer.to_owned(),
@@ -963,13 +978,14 @@ async fn control_reader(
 }
 
 /// Initiator side: notifications in completion order, and pings (at a third of the
-/// liveness bound). Each frame is written within the liveness bound, or the link is
-/// dead (the target stopped reading).
+/// liveness bound). Each frame is written within `hold` (the target, alive as the
+/// reader sees, may hold this connection back that long), or the link is dead.
 async fn control_writer(
     mut wr: tokio::net::tcp::OwnedWriteHalf,
     state: Arc<LinkState>,
     mut rx: mpsc::UnboundedReceiver<Out>,
     liveness: Duration,
+    hold: Duration,
 ) {
     let mut tick = tokio::time::interval((liveness / 3).max(Duration::from_millis(10)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -977,7 +993,7 @@ async fn control_writer(
         tokio::select! {
             _ = state.dead.cancelled() => break,
             _ = tick.tick() => {
-                if let Err(e) = write_within(&mut wr, &Frame::Ping.encode(), liveness).await {
+                if let Err(e) = write_within(&mut wr, &Frame::Ping.encode(), hold).await {
                     state.kill(format!("control connection: {e}"));
                     break;
                 }
@@ -985,13 +1001,13 @@ async fn control_writer(
             m = rx.recv() => match m {
                 None => break,
                 Some(Out::Frame(f)) => {
-                    if let Err(e) = write_within(&mut wr, &f, liveness).await {
+                    if let Err(e) = write_within(&mut wr, &f, hold).await {
                         state.kill(format!("control connection: {e}"));
                         break;
                     }
                 }
                 Some(Out::Notif(msg, done)) => {
-                    let r = write_within(&mut wr, &Frame::Notif(msg).encode(), liveness).await;
+                    let r = write_within(&mut wr, &Frame::Notif(msg).encode(), hold).await;
                     match r {
                         Ok(()) => done.complete(Ok(())),
                         Err(e) => {

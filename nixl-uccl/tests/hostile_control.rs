@@ -39,6 +39,7 @@ async fn legit_agent(name: &str) -> (Agent, UcclBackend) {
 async fn agent_with(name: &str, liveness: Duration) -> (Agent, UcclBackend) {
     let o = UcclOptions {
         liveness_timeout: liveness,
+        hold_timeout: liveness,
         ..Default::default()
     };
     let b = UcclBackend::with_api(TestDouble::api(), o);
