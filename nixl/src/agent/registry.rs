@@ -238,7 +238,7 @@ impl Agent {
                 ErrorKind::NotAllowed,
                 OP,
                 format!(
-                    "registration {} is used by {n} transfer(s) in flight; await them and retry",
+                    "registration {} is used by {n} transfer(s) in flight, or operations a backend is still finishing for a failed one; await them (Registration::inflight() reaches 0) and retry",
                     region.id
                 ),
             );
