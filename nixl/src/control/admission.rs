@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-/// A listener's bounds; see the [module docs](self).
+/// A listener's bounds; see [`Admission`] for the policy they bound.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AdmissionLimits {
     /// Connections in their handshake at once (at least 1).
@@ -83,6 +83,16 @@ impl AdmissionLimits {
 }
 
 /// The listener's connection limits and the connections they count.
+///
+/// One policy for every listener:
+/// - A connection is first in its handshake. That set is bounded; a newcomer closes
+///   the oldest in it when full (its own address's oldest when that address holds
+///   its share or more, else the oldest of an address over its share).
+/// - Past its handshake it is established, in a bounded set with a share per
+///   address. Only a connection idle for [`AdmissionLimits::idle`] and not
+///   authenticated gives its place to a newcomer when the set is full.
+/// - The bounds are clamped to the process's open-files limit
+///   ([`AdmissionLimits::clamped`]).
 #[derive(Debug)]
 pub struct Admission {
     limits: AdmissionLimits,
