@@ -116,10 +116,11 @@
 //!   left and closes every endpoint; UCX's memory mappings, worker and context stay
 //!   until the agent has deregistered every region, and [`nixl::Backend::destroy`]
 //!   then destroys the worker and (once no allocation holds it) the context.
-//! - **UCX 1.13 and tcp.** UCX before 1.14 aborts the process on an assertion when a
-//!   peer goes away during the tcp transport's connection handshake; no setting
-//!   avoids it. The backend warns once when it binds such a UCX with tcp allowed; see
-//!   [`teardown_abort_risk`].
+//! - **UCX's tcp transport and peers that go away.** UCX before 1.14 aborts the
+//!   process on an assertion when a peer goes away during the tcp transport's
+//!   connection handshake; UCX 1.22 and 1.23 can crash on a freed tcp endpoint when a
+//!   peer shuts down mid-transfer. No setting avoids either. The backend warns once
+//!   when it binds a UCX with tcp allowed; see [`teardown_abort_risk`].
 //! - **Deregistration.** nixl's promise that nothing touches memory once
 //!   [`nixl::Agent::deregister`] returned holds on nixl-ucx only where UCX's transport
 //!   checks remote keys in hardware (RDMA): deregistering unmaps the region
@@ -362,17 +363,25 @@ impl UcxOptions {
     }
 }
 
-/// Why UCX itself may abort this process when a peer goes away during connection
-/// setup, given the bound UCX and the transports `options` and the environment
-/// allow; `None` when that cannot happen.
+/// Why UCX itself may abort or crash this process when a peer goes away, given the
+/// bound UCX and the transports `options` and the environment allow; `None` when
+/// neither is known to happen.
 ///
-/// UCX 1.13 (Debian 12's `libucx0`), built with assertions, aborts on an assertion in
-/// `ucp_request_send_state_ff` ("got REP message") when a peer's worker or process
-/// goes away while the tcp transport is still completing the endpoint handshake to it.
-/// No UCX setting avoids it; UCX 1.14 removed the assertion. It needs the tcp
-/// transport: `UCX_TLS` (or `TLS` in [`UcxOptions::ucx_config`]) without `tcp`, such
-/// as `shm,self` for peers on one host, rules it out. The backend logs this once, as a
-/// warning, when it binds such a UCX with tcp allowed.
+/// Both need UCX's tcp transport:
+/// - UCX 1.13 (Debian 12's `libucx0`), built with assertions, aborts on an assertion
+///   in `ucp_request_send_state_ff` ("got REP message") when a peer's worker or
+///   process goes away while the tcp transport is still completing the endpoint
+///   handshake to it. UCX 1.14 removed the assertion.
+/// - UCX 1.22 and 1.23 (PyPI's `libucx-cu12`, NIXL 1.5.1's wheel) can crash in
+///   `uct_tcp_iface_handle_events`, on an event of a tcp endpoint already freed, when
+///   a peer shuts down while transfers to it are in flight: 4 to 25 of 100 runs of
+///   the conformance case `peer_shutdown_mid_transfer` on this crate's 2-core test
+///   VM (`UCX_TLS=tcp,self`; 1 of 40 on 1.23). No setting tried (one lane per peer
+///   among them) avoided it.
+///
+/// No UCX setting avoids either; `UCX_TLS` (or `TLS` in [`UcxOptions::ucx_config`])
+/// without `tcp`, such as `shm,self` for peers on one host, rules both out. The
+/// backend logs this once, as a warning, when it binds a UCX with tcp allowed.
 ///
 /// # Errors
 /// As [`probe`].
@@ -385,9 +394,6 @@ fn abort_risk(report: &UcxLibraryReport, options: &UcxOptions) -> Option<String>
     let v = report.version.as_deref().unwrap_or("");
     let mut parts = v.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
     let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    if (major, minor) >= (1, 14) {
-        return None;
-    }
     let tls = options
         .ucx_config
         .iter()
@@ -402,9 +408,15 @@ fn abort_risk(report: &UcxLibraryReport, options: &UcxOptions) -> Option<String>
         None => tls.split(',').any(|t| matches!(t.trim(), "all" | "tcp")),
     };
     allows_tcp.then(|| {
-        format!(
-            "UCX {v} with the tcp transport allowed (UCX_TLS={tls}): UCX < 1.14 aborts the process on an assertion (\"got REP message\") when a peer goes away during the tcp connection handshake; use UCX >= 1.14, or UCX_TLS without tcp (e.g. shm,self) for peers on one host"
-        )
+        if (major, minor) < (1, 14) {
+            format!(
+                "UCX {v} with the tcp transport allowed (UCX_TLS={tls}): UCX < 1.14 aborts the process on an assertion (\"got REP message\") when a peer goes away during the tcp connection handshake; use UCX >= 1.14, or UCX_TLS without tcp (e.g. shm,self) for peers on one host"
+            )
+        } else {
+            format!(
+                "UCX {v} with the tcp transport allowed (UCX_TLS={tls}): UCX's tcp transport can handle an event of an endpoint it already freed when a peer goes away mid-transfer (SIGSEGV in uct_tcp_iface_handle_events; seen on UCX 1.22 and 1.23); for peers on one host use UCX_TLS=shm,self, across hosts an RDMA transport or nixl-tcp"
+            )
+        }
     })
 }
 
