@@ -39,6 +39,14 @@ pub(crate) struct Gate {
 #[must_use]
 pub(crate) struct Access<'a>(&'a Gate);
 
+/// One access through two gates ([`Gate::enter_both`]); the second is `None` when
+/// both were the same gate.
+#[must_use]
+pub(crate) struct Both<'a> {
+    _first: Access<'a>,
+    _second: Option<Access<'a>>,
+}
+
 impl Drop for Access<'_> {
     fn drop(&mut self) {
         self.0.active.fetch_sub(1, SeqCst);
@@ -57,26 +65,83 @@ fn back_off(round: &mut u32) {
     }
 }
 
+/// What trying to enter found.
+enum Try<'a> {
+    In(Access<'a>),
+    Closed,
+    /// A closer is deciding: not counted; wait for the decision, then try again.
+    Deciding,
+}
+
 impl Gate {
+    fn try_enter(&self) -> Try<'_> {
+        // Counted first, checked second; a closer sets the state first and counts
+        // second: with sequentially consistent order one of the two sees the other.
+        self.active.fetch_add(1, SeqCst);
+        let access = Access(self);
+        match self.state.load(SeqCst) {
+            OPEN => Try::In(access),
+            CLOSED => Try::Closed,
+            // Not counted while waiting, so the closer's wait ends.
+            _ => Try::Deciding,
+        }
+    }
+
+    fn await_decision(&self, round: &mut u32) {
+        while self.state.load(SeqCst) == DECIDING {
+            back_off(round);
+        }
+    }
+
     /// Enter for one access, or `None` once the gate is closed. While a closer is
     /// deciding, waits for its decision.
+    ///
+    /// Never call it while holding an access to any gate (the closer of this one
+    /// may be waiting for that access to end, and this call for the closer): enter
+    /// two gates with [`Gate::enter_both`].
     pub(crate) fn enter(&self) -> Option<Access<'_>> {
         let mut round = 0;
         loop {
-            // Counted first, checked second; a closer sets the state first and counts
-            // second: with sequentially consistent order one of the two sees the
-            // other.
-            self.active.fetch_add(1, SeqCst);
-            let access = Access(self);
-            match self.state.load(SeqCst) {
-                OPEN => return Some(access),
-                CLOSED => return None,
-                _ => {
-                    // Not counted while waiting, so the closer's wait ends.
-                    drop(access);
-                    while self.state.load(SeqCst) == DECIDING {
-                        back_off(&mut round);
-                    }
+            match self.try_enter() {
+                Try::In(a) => return Some(a),
+                Try::Closed => return None,
+                Try::Deciding => self.await_decision(&mut round),
+            }
+        }
+    }
+
+    /// Enter `a` and `b` (possibly the same gate) for one access that touches both,
+    /// or `None` once either is closed. Never waits for a decision while holding an
+    /// access: when the second gate is deciding, the first access is given back
+    /// first, so two closers and two such accesses can never wait on each other.
+    pub(crate) fn enter_both<'a>(a: &'a Self, b: &'a Self) -> Option<Both<'a>> {
+        if std::ptr::eq(a, b) {
+            return a.enter().map(|x| Both {
+                _first: x,
+                _second: None,
+            });
+        }
+        let mut round = 0;
+        loop {
+            let first = match a.try_enter() {
+                Try::In(x) => x,
+                Try::Closed => return None,
+                Try::Deciding => {
+                    a.await_decision(&mut round);
+                    continue;
+                }
+            };
+            match b.try_enter() {
+                Try::In(y) => {
+                    return Some(Both {
+                        _first: first,
+                        _second: Some(y),
+                    })
+                }
+                Try::Closed => return None,
+                Try::Deciding => {
+                    drop(first);
+                    b.await_decision(&mut round);
                 }
             }
         }
@@ -195,6 +260,10 @@ mod tests {
                 })
             })
             .collect();
+        // Both users are entering before the closer starts.
+        while entered.load(Ordering::Relaxed) < 1_000 {
+            std::thread::yield_now();
+        }
         for _ in 0..20_000 {
             assert!(!gate.close_if(|| false));
         }
@@ -208,6 +277,53 @@ mod tests {
             0,
             "a refused close turned accesses away"
         );
+    }
+
+    /// Copies through two gates (the same one twice, or two in either order) while
+    /// both gates' closers keep deciding: none of them waits for the others forever
+    /// (entering the second gate while holding the first could: its closer waits for
+    /// the held access, the access for its decision).
+    #[test]
+    fn accesses_through_two_gates_never_wait_on_closers() {
+        let (a, b) = (Arc::new(Gate::default()), Arc::new(Gate::default()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let copies = Arc::new(AtomicU64::new(0));
+        let mut threads = Vec::new();
+        for (x, y) in [(&a, &a), (&a, &b), (&b, &a)] {
+            let (x, y, stop, copies) = (x.clone(), y.clone(), stop.clone(), copies.clone());
+            threads.push(std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Some(_both) = Gate::enter_both(&x, &y) {
+                        copies.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+        let closes = Arc::new(AtomicU64::new(0));
+        for g in [&a, &b] {
+            let (g, stop, closes) = (g.clone(), stop.clone(), closes.clone());
+            threads.push(std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    assert!(!g.close_if(|| false));
+                    closes.fetch_add(1, Ordering::Relaxed);
+                }
+            }));
+        }
+        // Generous: a deadlock stops both counts for good.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while copies.load(Ordering::Relaxed) < 200_000 || closes.load(Ordering::Relaxed) < 200_000 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "stalled at {} copies and {} closes (closers and accesses waiting on each other)",
+                copies.load(Ordering::Relaxed),
+                closes.load(Ordering::Relaxed)
+            );
+            std::thread::yield_now();
+        }
+        stop.store(true, Ordering::Relaxed);
+        for t in threads {
+            t.join().unwrap();
+        }
     }
 
     /// A panic while deciding leaves the gate open, not stuck deciding.

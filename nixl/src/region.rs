@@ -474,7 +474,22 @@ impl RegionSlice {
             );
         }
         let (d, s) = (self.range(0, self.len, OP)?, src.range(0, src.len, OP)?);
-        let _access = (self.region.inner.access(OP)?, src.region.inner.access(OP)?);
+        // One access through both gates (they may be the same registration's).
+        let _access =
+            match crate::gate::Gate::enter_both(&self.region.inner.gate, &src.region.inner.gate) {
+                Some(both) => both,
+                None => {
+                    return err(
+                        ErrorKind::NotFound,
+                        OP,
+                        format!(
+                            "registration {} or {} was deregistered",
+                            self.region.id(),
+                            src.region.id()
+                        ),
+                    )
+                }
+            };
         self.region
             .inner
             .mem

@@ -78,14 +78,20 @@ impl Backend for HeldDouble {
     }
 }
 
-fn one(d: nixl::Desc) -> DescList {
-    DescList::from_descs(MemKind::Dram, [d])
+/// What the test sees of the initiator's double: its registrations and held posts.
+struct Handles {
+    regions: Arc<Mutex<Vec<RegionRef>>>,
+    held: Arc<Mutex<Vec<Completer>>>,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_deregistration_is_invisible_to_the_backend() {
+/// An initiator and a target ("target", with a `len`-byte registration the initiator
+/// knows), both on the double; the initiator's handles.
+async fn pair(len: usize) -> (Agent, Agent, Handles, nixl::Registration) {
     let double = HeldDouble::default();
-    let (regions, held) = (double.regions.clone(), double.held.clone());
+    let handles = Handles {
+        regions: double.regions.clone(),
+        held: double.held.clone(),
+    };
     let a = Agent::builder("initiator")
         .backend(double)
         .build()
@@ -96,8 +102,19 @@ async fn a_refused_deregistration_is_invisible_to_the_backend() {
         .build()
         .await
         .unwrap();
-    let dst = b.register(vec![0u8; 4096]).unwrap();
+    let dst = b.register(vec![0u8; len]).unwrap();
     a.load_metadata(&b.metadata().unwrap()).unwrap();
+    (a, b, handles, dst)
+}
+
+fn one(d: nixl::Desc) -> DescList {
+    DescList::from_descs(MemKind::Dram, [d])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_deregistration_is_invisible_to_the_backend() {
+    let (a, _b, double, dst) = pair(4096).await;
+    let (regions, held) = (double.regions, double.held);
     let src = a.register(vec![7u8; 4096]).unwrap();
     let region = regions.lock().unwrap()[0].clone();
     let t = a
@@ -160,20 +177,8 @@ async fn a_refused_deregistration_is_invisible_to_the_backend() {
 /// memory stays in flight until the backend lets go.
 #[tokio::test]
 async fn a_transfer_deadline_cancels_a_stalled_transfer() {
-    let double = HeldDouble::default();
-    let held = double.held.clone();
-    let a = Agent::builder("initiator")
-        .backend(double)
-        .build()
-        .await
-        .unwrap();
-    let b = Agent::builder("target")
-        .backend(HeldDouble::default())
-        .build()
-        .await
-        .unwrap();
-    let dst = b.register(vec![0u8; 64]).unwrap();
-    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let (a, _b, double, dst) = pair(64).await;
+    let held = double.held;
     let src = a.register(vec![7u8; 64]).unwrap();
     let t = a
         .transfer(
