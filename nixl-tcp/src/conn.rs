@@ -1196,9 +1196,7 @@ async fn fill_held_back(
             },
             _ = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {
                 let outstanding = table.lock().unwrap().outstanding();
-                if let Some(t) = hold.timed_out(Instant::now(), outstanding)? {
-                    user_timeout(r, t, timeouts, peer);
-                }
+                hold.timed_out(Instant::now(), outstanding)?;
             }
         }
     }

@@ -130,6 +130,9 @@ async fn serve(
     let mut _grants = None;
     let mut scratch = Vec::new();
     loop {
+        // At work while it moves bytes or waits to deliver (a connection at work
+        // never gives its place to a newcomer; one idle between requests may).
+        let working = ticket.working();
         while let Some(action) = m.poll() {
             match action {
                 Action::Reply(bytes) => {
@@ -198,6 +201,7 @@ async fn serve(
                 Action::Close(why) => return Err(proto(why)),
             }
         }
+        drop(working);
         let handshaking = m.handshaking();
         if !handshaking && !ticket.establish_with(authenticated) {
             return Err(proto(

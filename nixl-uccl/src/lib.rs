@@ -1169,10 +1169,15 @@ async fn serve_control(
             // Each frame counts against the task's budget: a flood of small frames
             // (read many per system call) still yields to the other tasks.
             tokio::task::consume_budget().await;
-            match tokio::time::timeout(silence, wire::read_frame(&mut rd)).await {
+            let frame = tokio::time::timeout(silence, wire::read_frame(&mut rd)).await;
+            // Every frame is activity: a live peer pings, so only a connection whose
+            // peer went quiet may give its place to a newcomer.
+            ticket.touch();
+            match frame {
                 // Waits for room in the agent's queue, not reading this connection
                 // meanwhile (back-pressure on this peer alone), nothing dropped.
                 Ok(Ok(Some(Frame::Notif(m)))) => {
+                    let _working = ticket.working();
                     if held_back(&sink, &name, m, &replies, liveness)
                         .await
                         .is_err()
@@ -1220,6 +1225,8 @@ async fn serve_control(
     let _end = done.clone().drop_guard();
     tokio::select! {
         _ = done.cancelled() => {}
+        // Closed to make room for a newcomer (idle past the admission's bound).
+        _ = evict.cancelled() => {}
         _ = reader => {}
     }
 }

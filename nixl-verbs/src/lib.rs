@@ -865,7 +865,10 @@ impl VerbsBackend {
             let _ = write_frame(&mut s, &Reply::Refused(e.to_string()).encode()).await;
             return Err(e);
         }
-        if !ticket.establish_with(matches!(authenticated, nixl::control::Authenticated::As(_))) {
+        // Never closed to make room: the peer's traffic goes over its queue pairs,
+        // so an idle control socket says nothing of whether it works (and its queue
+        // pairs are bounded by the budget below).
+        if !ticket.establish_with(true) {
             // Refused before any queue pair is made for it.
             let why = "too many peers connected (VerbsOptions::max_incoming_connections)";
             let _ = write_frame(&mut s, &Reply::Refused(why.into()).encode()).await;
@@ -935,6 +938,7 @@ impl VerbsBackend {
             let mut buf = [0u8; 64];
             tokio::select! {
                 _ = cancel.cancelled() => {}
+                _ = evict.cancelled() => {}
                 _ = s.read(&mut buf) => {}
             }
         }

@@ -473,13 +473,17 @@ pub(crate) enum UserTimeout {
 /// connection at the next zero-window probe.
 ///
 /// While it is lifted nothing in the kernel notices a target that never reads again,
-/// so the hold-back is bounded here: the target must answer some request within
-/// `limit` of its PAUSE, and within `limit` of each answer after it. PAUSE and RESUME
-/// frames themselves move nothing on (a target cycling them without reading stalls
-/// like one that paused once). When the bound runs out with requests still waiting
-/// ([`HoldBack::timed_out`]), the connection is closed with a `TimedOut` naming the
-/// stall; with none waiting, the hold-back simply ends: every byte sent was answered,
-/// so nothing is left for the restored user timeout to count.
+/// so the hold-back is bounded here: requests that wait for the target must see an
+/// answer within `limit` (counted from the later of the first check that found them
+/// waiting, the PAUSE, and the last answer). The checks come every quarter of the
+/// limit while the target holds back ([`HoldBack::deadline`]); a request is never
+/// cut before it waited the whole limit, and at most a quarter more. PAUSE and
+/// RESUME frames themselves move nothing on (a target cycling them without reading
+/// stalls like one that paused once). Past the bound ([`HoldBack::timed_out`]) the
+/// connection is closed with a `TimedOut` naming the stall. Time with nothing
+/// waiting counts for nothing, and the user timeout stays lifted until the target
+/// reads again: a target still paused when a large WRITE comes must not be taken for
+/// dead by the kernel.
 #[derive(Debug)]
 pub(crate) struct HoldBack {
     peer: String,
@@ -489,10 +493,14 @@ pub(crate) struct HoldBack {
     until_answer_from: Option<u64>,
     /// While lifted: the PAUSE, or the last answer since.
     since: Option<Instant>,
+    /// While lifted: the first check that found requests waiting (none found since).
+    waiting: Option<Instant>,
+    /// While lifted: when to check next.
+    next_check: Option<Instant>,
 }
 
 impl HoldBack {
-    /// Nothing held back yet; `limit` bounds a hold-back without answers.
+    /// Nothing held back yet; `limit` bounds how long requests wait without answers.
     pub(crate) fn new(peer: &str, limit: Duration) -> Self {
         Self {
             peer: peer.to_owned(),
@@ -500,6 +508,8 @@ impl HoldBack {
             lifted: false,
             until_answer_from: None,
             since: None,
+            waiting: None,
+            next_check: None,
         }
     }
 
@@ -520,6 +530,8 @@ impl HoldBack {
                 }
                 self.lifted = true;
                 self.since = Some(now);
+                self.waiting = None;
+                self.next_check = now.checked_add(self.limit / 4);
                 Some(UserTimeout::Lift)
             }
             Frame::Paused(false) => {
@@ -546,46 +558,54 @@ impl HoldBack {
         }
     }
 
-    /// When the hold-back runs out: call [`HoldBack::timed_out`] then. `None` while
-    /// the target does not hold back.
+    /// When to call [`HoldBack::timed_out`] next. `None` while the target does not
+    /// hold back (or the limit is too large to add to the clock: no limit).
     pub(crate) fn deadline(&self) -> Option<Instant> {
-        // A limit too large to add is no limit.
-        self.since
-            .filter(|_| self.lifted)
-            .and_then(|since| since.checked_add(self.limit))
+        self.next_check.filter(|_| self.lifted)
     }
 
     /// The time is `now`; `outstanding` says whether requests wait for the target
-    /// (sent or being sent, unanswered). Past the deadline with some waiting: the
-    /// error to close the connection with. Past it with none: the hold-back is over
-    /// (restore the user timeout).
-    pub(crate) fn timed_out(
-        &mut self,
-        now: Instant,
-        outstanding: bool,
-    ) -> std::result::Result<Option<UserTimeout>, Error> {
+    /// (sent or being sent, unanswered). The error to close the connection with,
+    /// when they waited the whole limit without an answer.
+    pub(crate) fn timed_out(&mut self, now: Instant, outstanding: bool) -> Result<()> {
         match self.deadline() {
             Some(at) if now >= at => {}
-            _ => return Ok(None),
+            _ => return Ok(()),
         }
-        if outstanding {
-            return Err(Error::new(
+        let step = self.limit / 4;
+        if !outstanding {
+            self.waiting = None;
+            self.next_check = now.checked_add(step);
+            return Ok(());
+        }
+        let first = *self.waiting.get_or_insert(now);
+        let start = self.since.map_or(first, |s| s.max(first));
+        match start.checked_add(self.limit) {
+            Some(end) if now >= end => Err(Error::new(
                 ErrorKind::TimedOut,
                 "tcp transfer",
                 format!(
                     "peer {:?} stalled: it held back reading this connection (PAUSE) and answered no request for {:?} (TcpOptions::pause_timeout); the connection is closed",
                     self.peer, self.limit
                 ),
-            ));
+            )),
+            Some(end) => {
+                self.next_check = Some(now.checked_add(step).map_or(end, |n| n.min(end)));
+                Ok(())
+            }
+            None => {
+                self.next_check = None;
+                Ok(())
+            }
         }
-        self.end();
-        Ok(Some(UserTimeout::Restore))
     }
 
     fn end(&mut self) {
         self.lifted = false;
         self.until_answer_from = None;
         self.since = None;
+        self.waiting = None;
+        self.next_check = None;
     }
 }
 

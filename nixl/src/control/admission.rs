@@ -36,7 +36,8 @@ pub struct AdmissionLimits {
     pub handshakes: usize,
     /// Established connections at once.
     pub established: usize,
-    /// Connections in their handshake from one address (at least 1).
+    /// Connections in their handshake from one address (an IPv6 address's /64 counts
+    /// as one; at least 1).
     pub per_source_handshakes: usize,
     /// Established connections from one address.
     pub per_source_established: usize,
@@ -166,6 +167,7 @@ impl Admission {
     /// of `from`'s own when `from` holds its share or more, else the oldest of an
     /// address over its share, else the oldest of all.
     pub fn admit(self: &Arc<Self>, from: IpAddr, close: CancellationToken) -> Ticket {
+        let from = source_key(from);
         let mut s = self.state.lock().unwrap();
         while s.handshaking.len() >= self.limits.handshakes {
             // Full: an address holding its share or more makes room from its own;
@@ -215,6 +217,21 @@ impl Admission {
     pub fn counts(&self) -> (usize, usize) {
         let s = self.state.lock().unwrap();
         (s.handshaking.len(), s.established.len())
+    }
+}
+
+/// The source an address counts for: an IPv4 address (IPv4-mapped IPv6 ones too), or
+/// an IPv6 address's /64 (one host usually holds a whole /64).
+fn source_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
     }
 }
 
@@ -281,18 +298,23 @@ impl Ticket {
         let now = a.now_ms();
         let mut s = a.state.lock().unwrap();
         let idle_ms = u64::try_from(a.limits.idle.as_millis()).unwrap_or(u64::MAX);
+        // Still counted as handshaking? (It may have been closed to make room.)
+        if !s.handshaking.iter().any(|e| e.id == self.id) {
+            return false;
+        }
         let full = s.established.len() >= a.limits.established;
         let source_full =
             s.sources.get(&self.from).map_or(0, |c| c.1) >= a.limits.per_source_established;
         if full || source_full {
-            // The longest-idle unauthenticated connection (of this source when only
-            // the source's share is full) idle past the bound gives its place.
+            // The longest-idle unauthenticated connection idle past the bound gives
+            // its place: of this source when its share is full (so the share is
+            // never exceeded), of any when only the whole set is.
             let victim = s
                 .established
                 .values()
-                .filter(|e| !e.authenticated && (full || e.entry.from == self.from))
+                .filter(|e| !e.authenticated && (!source_full || e.entry.from == self.from))
                 .map(|e| (e.active.load(Ordering::Relaxed), e.entry.id))
-                .filter(|&(at, _)| now.saturating_sub(at) >= idle_ms)
+                .filter(|&(at, _)| at != BUSY && now.saturating_sub(at) >= idle_ms)
                 .min();
             let Some((_, id)) = victim else {
                 return false;
@@ -302,10 +324,11 @@ impl Ticket {
             e.entry.close.cancel();
             s.leave_source(e.entry.from, false);
         }
-        // Still counted as handshaking? (It may have been closed to make room.)
-        let Some(i) = s.handshaking.iter().position(|e| e.id == self.id) else {
-            return false;
-        };
+        let i = s
+            .handshaking
+            .iter()
+            .position(|e| e.id == self.id)
+            .expect("checked above, under the same lock");
         let entry = s.handshaking.remove(i).expect("found above");
         s.leave_source(self.from, true);
         s.sources.entry(self.from).or_default().1 += 1;
@@ -326,6 +349,28 @@ impl Ticket {
     pub fn touch(&self) {
         self.active
             .store(self.admission.now_ms(), Ordering::Relaxed);
+    }
+
+    /// The connection works until the returned guard is dropped (a long copy, a
+    /// wait for room in the agent's notification queue): it is not idle meanwhile,
+    /// however long that takes, and counts as active from its end.
+    pub fn working(&self) -> Working<'_> {
+        self.active.store(BUSY, Ordering::Relaxed);
+        Working(self)
+    }
+}
+
+/// An activity stamp no idle bound reaches: [`Ticket::working`].
+const BUSY: u64 = u64::MAX;
+
+/// A connection at work; see [`Ticket::working`].
+#[derive(Debug)]
+#[must_use = "the connection counts as working only while this lives"]
+pub struct Working<'a>(&'a Ticket);
+
+impl Drop for Working<'_> {
+    fn drop(&mut self) {
+        self.0.touch();
     }
 }
 
@@ -486,6 +531,52 @@ mod tests {
         assert_eq!(held.len(), 3);
         let mut other = a.admit(ip(1), CancellationToken::new());
         assert!(other.establish(), "another address still gets in");
+    }
+
+    /// A working connection is never idle; an IPv6 /64 is one source; a full share
+    /// makes room only from its own source.
+    #[test]
+    fn working_connections_and_sources() {
+        let a = Admission::exactly(AdmissionLimits {
+            idle: Duration::from_millis(20),
+            per_source_established: 1,
+            ..limits(8, 2)
+        });
+        let v6 = |last: u16| IpAddr::from([0x2001, 0xdb8, 0, 1, 0, 0, 0, last]);
+        let busy_token = CancellationToken::new();
+        let mut busy = a.admit(v6(1), busy_token.clone());
+        assert!(busy.establish());
+        let working = busy.working();
+        std::thread::sleep(Duration::from_millis(40));
+        // Same /64: its share (1) is full, and its one connection is at work.
+        let mut same = a.admit(v6(2), CancellationToken::new());
+        assert!(!same.establish(), "a working connection gave its place");
+        assert!(!busy_token.is_cancelled());
+        drop(working);
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(
+            same.establish(),
+            "idle since its work ended: it gives its place"
+        );
+        assert!(busy_token.is_cancelled());
+        // Another source fills the set; a third source finds the set full and takes
+        // the idle place of the other one, never exceeding anyone's share.
+        let mut other = a.admit(ip(7), CancellationToken::new());
+        assert!(other.establish());
+        std::thread::sleep(Duration::from_millis(40));
+        let mut third = a.admit(ip(8), CancellationToken::new());
+        assert!(third.establish());
+        assert_eq!(a.counts(), (0, 2));
+        // A ticket closed while in its handshake closes no one when it establishes.
+        let t = CancellationToken::new();
+        let mut pushed = a.admit(ip(9), t.clone());
+        let _newer: Vec<_> = (0..8)
+            .map(|n| a.admit(ip(20 + n), CancellationToken::new()))
+            .collect();
+        assert!(t.is_cancelled());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(!pushed.establish());
+        assert_eq!(a.counts().1, 2);
     }
 
     #[test]

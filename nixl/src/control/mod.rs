@@ -53,7 +53,7 @@ mod frame;
 mod handshake;
 mod socket;
 
-pub use admission::{Admission, AdmissionLimits, Ticket};
+pub use admission::{Admission, AdmissionLimits, Ticket, Working};
 pub use auth::{authenticate_client, authenticate_server, Authenticated};
 pub use frame::{read_frame, write_frame};
 pub use handshake::{nonce, ClientAuth, Refusal, ServerAuth, AUTH_MAGIC, MAX_NAME, NONCE_LEN};

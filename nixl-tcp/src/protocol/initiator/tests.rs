@@ -700,12 +700,30 @@ fn a_read_with_a_notification_and_a_notification_alone_reach_the_target() {
     ));
 }
 
-/// A hold-back with a bound of 10 s, and the instant `s` seconds after its start.
+/// A hold-back with a bound of 8 s (checked every 2 s), and the instant `s` seconds
+/// after its start.
 fn hold_back() -> (HoldBack, impl Fn(u64) -> Instant) {
     let t0 = Instant::now();
-    (HoldBack::new("target", Duration::from_secs(10)), move |s| {
+    (HoldBack::new("target", Duration::from_secs(8)), move |s| {
         t0 + Duration::from_secs(s)
     })
+}
+
+/// Check at every deadline up to `until` s, with `outstanding`; the first error.
+fn run_checks(
+    h: &mut HoldBack,
+    at: &impl Fn(u64) -> Instant,
+    until: u64,
+    outstanding: bool,
+) -> Option<(u64, nixl::Error)> {
+    for s in 0..=until {
+        if h.deadline().is_some_and(|d| d <= at(s)) {
+            if let Err(e) = h.timed_out(at(s), outstanding) {
+                return Some((s, e));
+            }
+        }
+    }
+    None
 }
 
 fn ok_ack(id: u64) -> Frame {
@@ -747,8 +765,8 @@ fn the_user_timeout_comes_back_only_once_the_target_answers_after_resuming() {
 
 /// Hole 8 of issue 39: a target that says PAUSE and then never reads again stalled
 /// its initiator's requests forever (the user timeout lifted, nothing else timing).
-/// The hold-back is bounded: past it, with a request waiting, the connection closes
-/// with a `TimedOut` naming the stall.
+/// The hold-back is bounded: requests that waited the whole limit without an answer
+/// close the connection with a `TimedOut` naming the stall, and never sooner.
 #[test]
 fn a_target_that_pauses_and_never_answers_is_cut_at_the_bound() {
     let (mut h, at) = hold_back();
@@ -757,10 +775,14 @@ fn a_target_that_pauses_and_never_answers_is_cut_at_the_bound() {
         h.on_frame(&Frame::Paused(true), || 2, at(0)),
         Some(UserTimeout::Lift)
     );
-    assert_eq!(h.deadline(), Some(at(10)));
-    // Before the bound: nothing.
-    assert!(matches!(h.timed_out(at(9), true), Ok(None)));
-    let e = h.timed_out(at(10), true).unwrap_err();
+    assert_eq!(
+        h.deadline(),
+        Some(at(2)),
+        "checked every quarter of the limit"
+    );
+    // Requests wait from the first check on: cut 8 s later, not before.
+    let (s, e) = run_checks(&mut h, &at, 30, true).expect("cut");
+    assert_eq!(s, 10);
     assert_eq!(e.kind(), ErrorKind::TimedOut);
     assert!(e.context().contains("\"target\" stalled"), "{e}");
     assert!(e.context().contains("TcpOptions::pause_timeout"), "{e}");
@@ -772,12 +794,17 @@ fn a_target_that_pauses_and_never_answers_is_cut_at_the_bound() {
 fn pausing_and_resuming_without_answers_does_not_stretch_the_bound() {
     let (mut h, at) = hold_back();
     h.on_frame(&Frame::Paused(true), || 2, at(0));
-    for s in 1..10 {
+    for s in 1..=30 {
         let paused = s % 2 == 0;
         assert_eq!(h.on_frame(&Frame::Paused(paused), || 2, at(s)), None);
+        if h.deadline().is_some_and(|d| d <= at(s)) {
+            if h.timed_out(at(s), true).is_err() {
+                assert_eq!(s, 10);
+                return;
+            }
+        }
     }
-    assert_eq!(h.deadline(), Some(at(10)));
-    assert!(h.timed_out(at(10), true).is_err());
+    panic!("never cut");
 }
 
 /// A slow target that keeps answering is never cut: each answer starts the bound
@@ -786,46 +813,61 @@ fn pausing_and_resuming_without_answers_does_not_stretch_the_bound() {
 fn each_answer_while_held_back_starts_the_bound_again() {
     let (mut h, at) = hold_back();
     h.on_frame(&Frame::Paused(true), || 2, at(0));
-    for s in (9..=90).step_by(9) {
-        assert!(matches!(h.timed_out(at(s), true), Ok(None)), "at {s} s");
-        // An answer to a request sent before any RESUME: still held back.
-        h.answered(at(s));
-        assert_eq!(h.on_frame(&ok_ack(1), || 2, at(s)), None);
-        assert_eq!(h.deadline(), Some(at(s + 10)));
+    for s in 0..=100 {
+        if s % 7 == 0 {
+            // An answer to a request sent before any RESUME: still held back.
+            h.answered(at(s));
+            assert_eq!(h.on_frame(&ok_ack(1), || 2, at(s)), None);
+        }
+        if h.deadline().is_some_and(|d| d <= at(s)) {
+            assert!(h.timed_out(at(s), true).is_ok(), "cut at {s} s");
+        }
     }
-    assert!(h.timed_out(at(100), true).is_err(), "then silence is cut");
+    assert!(
+        run_checks(&mut h, &at, 200, true).is_some(),
+        "then silence is cut"
+    );
 }
 
-/// With nothing waiting for the target when the bound runs out (the connection went
-/// idle after a pause), nothing is cut: the hold-back ends and the user timeout
-/// comes back; a later PAUSE starts a new bound from its own time.
+/// Time with nothing waiting counts for nothing, and the hold-back stays on (the
+/// target never said it reads again): a request posted late is cut only once it
+/// waited the whole limit itself, and the user timeout is not restored meanwhile.
 #[test]
-fn a_hold_back_with_nothing_waiting_ends_without_a_cut() {
+fn a_hold_back_with_nothing_waiting_cuts_no_one_and_stays() {
+    let (mut h, at) = hold_back();
+    h.on_frame(&Frame::Paused(true), || 2, at(0));
+    // Idle for a minute: nothing cut, still held back (checks go on).
+    assert!(run_checks(&mut h, &at, 59, false).is_none());
+    assert!(h.deadline().is_some(), "still held back");
+    // A request from 59 s on: cut no sooner than 8 s after it was first seen.
+    let (s, _) = (60..=100)
+        .find_map(|s| {
+            (h.deadline().is_some_and(|d| d <= at(s)))
+                .then(|| h.timed_out(at(s), true).err().map(|e| (s, e)))
+                .flatten()
+        })
+        .expect("cut");
+    assert!((68..=70).contains(&s), "cut at {s} s");
+    // An answer after RESUME ends it all.
     let (mut h, at) = hold_back();
     h.on_frame(&Frame::Paused(true), || 2, at(0));
     h.on_frame(&Frame::Paused(false), || 3, at(1));
-    h.answered(at(1));
-    assert_eq!(h.deadline(), Some(at(11)));
-    assert!(matches!(
-        h.timed_out(at(11), false),
-        Ok(Some(UserTimeout::Restore))
-    ));
-    assert_eq!(h.deadline(), None);
-    assert!(matches!(h.timed_out(at(50), true), Ok(None)));
     assert_eq!(
-        h.on_frame(&Frame::Paused(true), || 4, at(60)),
-        Some(UserTimeout::Lift)
+        h.on_frame(&ok_ack(3), || 4, at(1)),
+        Some(UserTimeout::Restore)
     );
-    assert_eq!(h.deadline(), Some(at(70)));
+    assert_eq!(h.deadline(), None);
 }
 
 /// A bound too large to add to the clock is no bound (never an instant cut).
 #[test]
 fn an_endless_pause_bound_never_cuts() {
+    let t0 = Instant::now();
     let mut h = HoldBack::new("target", Duration::MAX);
-    h.on_frame(&Frame::Paused(true), || 2, Instant::now());
-    assert_eq!(h.deadline(), None);
-    assert!(matches!(h.timed_out(Instant::now(), true), Ok(None)));
+    h.on_frame(&Frame::Paused(true), || 2, t0);
+    let year = Duration::from_secs(365 * 24 * 3600);
+    assert!(h.deadline().is_none_or(|d| d > t0 + year));
+    assert!(h.timed_out(t0 + year, true).is_ok());
 }
 
 /// What waits for the target: requests in the table and a WRITE whose payload is
