@@ -48,9 +48,13 @@ pub struct TcpOptions {
     /// another arrives, the oldest of them is closed to admit it, so idle or slow
     /// sockets never lock a legitimate peer out.
     pub max_incoming_handshakes: usize,
-    /// Most incoming connections past their handshake at once (default 4096); one
-    /// more is closed when its handshake ends. With a shared secret only peers that
-    /// know it get this far.
+    /// Most incoming connections past their handshake at once (default 4096), half
+    /// of them from one address (an IPv6 /64); one more is closed when its handshake
+    /// ends, unless a connection idle for a minute (not one at work, nor one that
+    /// proved the shared secret) gives it its place. Both this and
+    /// `max_incoming_handshakes` are clamped to a quarter and an eighth of the
+    /// process's open-files limit (`nixl::control::Admission`). With a shared secret
+    /// only peers that know it get this far.
     pub max_incoming_connections: usize,
     /// Most bytes one READ or WRITE request may move at this target, over all its
     /// runs (default 64 GiB). Larger requests are refused (`InvalidArgument` at the

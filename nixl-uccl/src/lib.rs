@@ -190,7 +190,9 @@ pub struct UcclOptions {
     /// one more closes the oldest of them, so idle sockets never lock a peer out.
     pub max_incoming_handshakes: usize,
     /// Incoming control connections served at once past the handshake (default
-    /// 1024); one more is closed.
+    /// 1024, half of them from one address, clamped to a quarter of the process's
+    /// open-files limit); one more is closed, unless a connection whose peer went
+    /// quiet for a minute (not one that proved the shared secret) gives its place.
     pub max_incoming_connections: usize,
     /// A peer silent this long on the control connection is dead (pinged at a third
     /// of it). Also a target's bound on writing one answer, and the socket's

@@ -234,7 +234,9 @@ pub struct VerbsOptions {
     /// one more closes the oldest of them, so idle sockets never lock a peer out.
     pub max_incoming_handshakes: usize,
     /// Incoming control connections (peers, each with its queue pairs) served at
-    /// once past the handshake (default 1024); one more is refused.
+    /// once past the handshake (default 1024, half of them from one address, clamped
+    /// to a quarter of the process's open-files limit); one more is refused. They
+    /// are never closed to make room (their traffic goes over queue pairs).
     pub max_incoming_connections: usize,
     /// Bound on noticing a silent peer host through the control connection (TCP
     /// keepalive and `TCP_USER_TIMEOUT`).

@@ -97,6 +97,9 @@ struct Peer {
     /// Loaded or confirmed by a trusted source (not only by unauthenticated ones);
     /// see [`PeerLimits`].
     verified: bool,
+    /// Of its regions, how many unauthenticated sources put in (all of an unverified
+    /// peer's); counted against [`PeerLimits::unverified_regions`].
+    charged: usize,
     instance: u64,
     generation: u64,
     /// Where posts read which generation is current.

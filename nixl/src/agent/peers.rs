@@ -35,7 +35,8 @@ pub struct PeerLimits {
     /// Peers introduced by unauthenticated sources and not confirmed since; default
     /// 1,024.
     pub unverified_peers: usize,
-    /// Regions of those peers together; default 262,144.
+    /// Regions unauthenticated sources put in: those peers' regions, and those they
+    /// added to peers a trusted source loaded; default 262,144.
     pub unverified_regions: usize,
 }
 
@@ -528,11 +529,21 @@ impl Agent {
             }
         }
         // A trusted source confirms the peer; an unauthenticated one leaves it as it was.
-        let verified = match trust {
-            Trust::Full | Trust::Proven(_) => true,
-            Trust::Unverified | Trust::NixlListener => old.as_ref().is_some_and(|p| p.verified),
+        let trusted = matches!(trust, Trust::Full | Trust::Proven(_));
+        let verified = trusted || old.as_ref().is_some_and(|p| p.verified);
+        // The regions unauthenticated senders put in this peer: all of an
+        // unverified peer's; those they added to a verified one (a trusted load
+        // that replaces the table clears them, one that extends it keeps them).
+        let charged = match (verified, trusted, &base) {
+            (false, _, _) => by_id.len(),
+            (true, true, None) => 0,
+            (true, true, Some(b)) => b.charged,
+            (true, false, b) => {
+                let (had, charged) = b.as_ref().map_or((0, 0), |b| (b.by_id.len(), b.charged));
+                charged + by_id.len().saturating_sub(had)
+            }
         };
-        self.check_peer_limits(&md.name, old.is_none(), verified, by_id.len())?;
+        self.check_peer_limits(&md.name, old.is_none(), verified, by_id.len(), charged)?;
         if load == (Load::Replace { restarted: true }) {
             // A peer restarted under the same name: drop connections to the old instance.
             for b in &self.shared.backends {
@@ -561,6 +572,7 @@ impl Agent {
                 Arc::new(Peer {
                     nixl,
                     verified,
+                    charged,
                     instance: md.instance,
                     generation,
                     slot: slot.clone(),
@@ -581,31 +593,29 @@ impl Agent {
     }
 
     /// Refuse a load that would take the peer table over [`PeerLimits`]: `name` with
-    /// `regions` regions (`new`: not known yet), `verified` or not. Called with the
-    /// loading lock held, so the table cannot change meanwhile.
+    /// `regions` regions (`new`: not known yet), `verified` or not, `charged` of them
+    /// put there by unauthenticated senders. Called with the loading lock held, so
+    /// the table cannot change meanwhile.
     fn check_peer_limits(
         &self,
         name: &str,
         new: bool,
         verified: bool,
         regions: usize,
+        charged: usize,
     ) -> Result<()> {
         const OP: &str = "load metadata";
         let limits = &self.shared.peer_limits;
         let peers = self.shared.peers.read().unwrap();
         let others = peers.iter().filter(|(n, _)| n.as_str() != name);
         let (mut all, mut unverified, mut unverified_regions) =
-            (regions, usize::from(!verified), 0);
-        if !verified {
-            unverified_regions = regions;
-        }
+            (regions, usize::from(!verified), charged);
         for (_, p) in others {
             all += p.by_id.len();
-            if !p.verified {
-                unverified += 1;
-                unverified_regions += p.by_id.len();
-            }
+            unverified += usize::from(!p.verified);
+            unverified_regions += p.charged;
         }
+        let grows = charged > peers.get(name).map_or(0, |p| p.charged);
         let over = if new && peers.len() >= limits.peers {
             Some(format!("{} peers (PeerLimits::peers)", limits.peers))
         } else if all > limits.regions {
@@ -618,9 +628,9 @@ impl Agent {
                 "{} peers introduced by unauthenticated senders (PeerLimits::unverified_peers)",
                 limits.unverified_peers
             ))
-        } else if !verified && unverified_regions > limits.unverified_regions {
+        } else if grows && unverified_regions > limits.unverified_regions {
             Some(format!(
-                "{} regions of peers introduced by unauthenticated senders (PeerLimits::unverified_regions)",
+                "{} regions put in by unauthenticated senders (PeerLimits::unverified_regions)",
                 limits.unverified_regions
             ))
         } else {
@@ -965,6 +975,16 @@ mod tests {
         assert_eq!(a.peers(), ["u1", "u2", "v1", "v2"]);
         // A refused load changed nothing.
         assert_eq!(regions(&a, "v2"), [(1, 0x1000)]);
+        // Regions an unauthenticated sender adds to a peer the application loaded
+        // count against its sources' budget too (u2's 2 + these 2 > 3).
+        assert!(refused(load(
+            &md("v1", 1, &[(5, 0x5000), (6, 0x6000)]),
+            Trust::Unverified
+        ))
+        .contains("unverified_regions"));
+        assert_eq!(regions(&a, "v1"), [(1, 0x1000)]);
+        load(&md("v1", 1, &[(5, 0x5000)]), Trust::Unverified).unwrap();
+        assert_eq!(regions(&a, "v1"), [(1, 0x1000), (5, 0x5000)]);
     }
 
     #[test]

@@ -48,8 +48,11 @@ pub struct NixlListenerOptions {
     pub idle_timeout: Duration,
     /// Largest frame accepted, in bytes.
     pub max_frame: usize,
-    /// Most connections a listener serves at once (default 1024); one more closes the
-    /// oldest, so idle or slow clients never lock others out.
+    /// Most connections a listener serves at once past their first command (default
+    /// 1024), and a quarter of that before it, by the one admission policy of
+    /// [`crate::control::Admission`] (a newcomer closes the oldest connection that
+    /// has sent nothing yet; a client idle for a minute may give its place; both
+    /// bounds are clamped to the process's open-files limit).
     pub max_connections: usize,
 }
 

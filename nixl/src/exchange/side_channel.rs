@@ -103,8 +103,12 @@ pub struct SideChannelOptions {
     pub idle_timeout: Duration,
     /// Largest frame payload accepted.
     pub max_frame: usize,
-    /// Most connections a listener serves at once (default 1024); one more closes the
-    /// oldest, so idle or slow clients never lock others out.
+    /// Most connections a listener serves at once past their first request (default
+    /// 1024), and a quarter of that in their handshake, by the one admission policy
+    /// of [`crate::control::Admission`]: a newcomer closes the oldest connection
+    /// still in its handshake, never one serving a request; a client idle for a
+    /// minute may give its place; both bounds are clamped to the process's
+    /// open-files limit.
     pub max_connections: usize,
     /// Server: let clients that did not authenticate replace a known peer (a
     /// restarted agent's [`Agent::send_metadata`]: a new instance, other connection

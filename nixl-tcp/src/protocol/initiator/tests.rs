@@ -797,11 +797,9 @@ fn pausing_and_resuming_without_answers_does_not_stretch_the_bound() {
     for s in 1..=30 {
         let paused = s % 2 == 0;
         assert_eq!(h.on_frame(&Frame::Paused(paused), || 2, at(s)), None);
-        if h.deadline().is_some_and(|d| d <= at(s)) {
-            if h.timed_out(at(s), true).is_err() {
-                assert_eq!(s, 10);
-                return;
-            }
+        if h.deadline().is_some_and(|d| d <= at(s)) && h.timed_out(at(s), true).is_err() {
+            assert_eq!(s, 10);
+            return;
         }
     }
     panic!("never cut");
