@@ -133,6 +133,9 @@ impl GpuPeer {
                 (MemKind::Dram, _) => {
                     return Err(Unsuitable::mixed_kinds("the local memory is host memory"))
                 }
+                (MemKind::File { .. }, _) => {
+                    return Err(Unsuitable::new("the local side is a file"))
+                }
             }
         }
         let Some(device) = device else {

@@ -399,6 +399,7 @@ impl Backend for TcpBackend {
             notifications: true,
             dram: true,
             vram: true,
+            file: false,
             target_checks: true,
             max_segments: wire::MAX_ENTRIES as usize,
             max_notification: self.inner.options.max_notification,

@@ -191,7 +191,9 @@ impl Grants {
             .filter(|(_, l)| *l >= len)
             .map(|(fd, _)| *fd);
         let gpu = match region.kind() {
-            nixl::MemKind::Dram => None,
+            // Files are never registered with this backend (it does not declare
+            // them), so never granted.
+            nixl::MemKind::Dram | nixl::MemKind::File { .. } => None,
             nixl::MemKind::Vram { device } => Some(GpuGrant {
                 device,
                 export: match nixl::gpu::ipc_export(device, addr) {

@@ -1774,6 +1774,7 @@ impl Backend for UcclBackend {
             notifications: true,
             dram: true,
             vram: true,
+            file: false,
             target_checks: false,
             max_segments: usize::MAX,
             max_notification: MAX_NOTIFICATION,
@@ -1814,6 +1815,13 @@ impl Backend for UcclBackend {
             // thread, in the device's primary context; the thread's own comes back.
             MemKind::Vram { device } => nixl::gpu::with_context(device, register)?,
             MemKind::Dram => register()?,
+            MemKind::File { .. } => {
+                return Err(Error::new(
+                    ErrorKind::NotSupported,
+                    "register memory",
+                    "uccl does not take files",
+                ))
+            }
         };
         let key = self.inner.regs.lock().unwrap().insert(mr, region.clone());
         self.inner.mark_registered();

@@ -720,6 +720,7 @@ impl Backend for UcxBackend {
             notifications: true,
             dram: true,
             vram: self.inner.cuda,
+            file: false,
             target_checks: false,
             max_segments: usize::MAX,
             max_notification: self.inner.options.max_notification,

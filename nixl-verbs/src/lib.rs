@@ -1151,6 +1151,7 @@ impl Backend for VerbsBackend {
             notifications: true,
             dram: true,
             vram: true,
+            file: false,
             // The peer's NIC checks keys and bounds, but a refusal fails the whole
             // queue pair; requests are checked by the initiator only.
             target_checks: false,
@@ -1214,6 +1215,13 @@ impl Backend for VerbsBackend {
                     "verbs: registered GPU memory"
                 );
                 mr
+            }
+            nixl::MemKind::File { .. } => {
+                return Err(Error::new(
+                    ErrorKind::NotSupported,
+                    "register memory",
+                    "verbs does not take files",
+                ))
             }
         };
         let rkey = mr.mr.rkey;

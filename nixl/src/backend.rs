@@ -42,6 +42,9 @@ pub struct Capabilities {
     pub dram: bool,
     /// GPU memory.
     pub vram: bool,
+    /// Registered files ([`MemKind::File`]): storage transfers between the agent's
+    /// memory and its files (a local transfer whose second list is files).
+    pub file: bool,
     /// The target itself checks every incoming request against its registrations and
     /// refuses forged keys and out-of-range access (two-sided transports such as TCP).
     /// One-sided RDMA transports cannot: there, only the initiator's checks and the
@@ -65,6 +68,7 @@ impl Default for Capabilities {
             notifications: false,
             dram: false,
             vram: false,
+            file: false,
             target_checks: false,
             max_segments: usize::MAX,
             max_notification: usize::MAX,
@@ -78,6 +82,7 @@ impl Capabilities {
         match kind {
             MemKind::Dram => self.dram,
             MemKind::Vram { .. } => self.vram,
+            MemKind::File { .. } => self.file,
         }
     }
 }

@@ -243,7 +243,26 @@ pub(crate) trait Ranged {
 /// Non-overlapping ranges keyed by start address: O(log n) lookups.
 #[derive(Debug)]
 pub(crate) struct RangeIndex<T> {
-    map: BTreeMap<(u32, u64), T>,
+    /// Keyed by (address space, device id, start): files have an address space of
+    /// their own (their offsets start at 0); DRAM and GPU memory share one, where
+    /// addresses do not collide.
+    map: BTreeMap<(u8, u32, u64), T>,
+}
+
+/// The error for a range that overlaps a registered one.
+fn overlap<T: Ranged>(t: &T, start: u64, op: &'static str) -> crate::error::Error {
+    let context = match t.kind() {
+        MemKind::File { fd } => format!(
+            "file descriptor {fd} already names a registered file (descriptors name files by fd number: deregister the earlier registration of fd {fd} first)"
+        ),
+        _ => format!("range {start:#x}+{} overlaps an existing registration", t.len()),
+    };
+    crate::error::Error::new(ErrorKind::InvalidArgument, op, context)
+}
+
+/// The address space of `kind` in a [`RangeIndex`] key.
+fn space(kind: MemKind) -> u8 {
+    u8::from(kind.is_file())
 }
 
 impl<T> Default for RangeIndex<T> {
@@ -260,44 +279,31 @@ impl<T: Ranged + Clone> RangeIndex<T> {
         self.map.len()
     }
 
-    fn key(t: &T) -> (u32, u64) {
-        (t.kind().device(), t.start())
+    fn key(t: &T) -> (u8, u32, u64) {
+        (space(t.kind()), t.kind().device(), t.start())
     }
 
     /// Insert a range; refuses one that overlaps an existing range.
     pub(crate) fn insert(&mut self, t: T, op: &'static str) -> Result<()> {
-        let (dev, start) = Self::key(&t);
+        let (sp, dev, start) = Self::key(&t);
         let end = start.saturating_add(t.len());
-        if let Some((_, prev)) = self.map.range(..=(dev, start)).next_back() {
-            if prev.kind().device() == dev && prev.start().saturating_add(prev.len()) > start {
-                return err(
-                    ErrorKind::InvalidArgument,
-                    op,
-                    format!(
-                        "range {start:#x}+{} overlaps an existing registration",
-                        t.len()
-                    ),
-                );
+        let same = |o: &T| space(o.kind()) == sp && o.kind().device() == dev;
+        if let Some((_, prev)) = self.map.range(..=(sp, dev, start)).next_back() {
+            if same(prev) && prev.start().saturating_add(prev.len()) > start {
+                return Err(overlap(&t, start, op));
             }
         }
-        if let Some((_, next)) = self.map.range((dev, start)..).next() {
-            if next.kind().device() == dev && next.start() < end {
-                return err(
-                    ErrorKind::InvalidArgument,
-                    op,
-                    format!(
-                        "range {start:#x}+{} overlaps an existing registration",
-                        t.len()
-                    ),
-                );
+        if let Some((_, next)) = self.map.range((sp, dev, start)..).next() {
+            if same(next) && next.start() < end {
+                return Err(overlap(&t, start, op));
             }
         }
-        self.map.insert((dev, start), t);
+        self.map.insert((sp, dev, start), t);
         Ok(())
     }
 
     pub(crate) fn remove(&mut self, kind: MemKind, start: u64) -> Option<T> {
-        self.map.remove(&(kind.device(), start))
+        self.map.remove(&(space(kind), kind.device(), start))
     }
 
     /// Find the range holding all of `d`; returns it with `d`'s offset inside it.
@@ -346,11 +352,14 @@ impl<T: Ranged + Clone> RangeIndex<T> {
                 format!("{}: {:#x}+{} overflows", what(), d.addr, d.len),
             );
         };
+        let sp = space(kind);
         let found = self
             .map
-            .range(..=(d.dev, d.addr))
+            .range(..=(sp, d.dev, d.addr))
             .next_back()
-            .filter(|(k, r)| k.0 == d.dev && r.start().saturating_add(r.len()) > d.addr);
+            .filter(|(k, r)| {
+                k.0 == sp && k.1 == d.dev && r.start().saturating_add(r.len()) > d.addr
+            });
         let Some((_, r)) = found else {
             return err(
                 ErrorKind::OutOfRange,
@@ -375,9 +384,9 @@ impl<T: Ranged + Clone> RangeIndex<T> {
             // Does it run into an adjacent region, or off the end into nothing?
             let spans = self
                 .map
-                .range((d.dev, r_end)..)
+                .range((sp, d.dev, r_end)..)
                 .next()
-                .is_some_and(|(k, n)| k.0 == d.dev && n.start() < end);
+                .is_some_and(|(k, n)| k.0 == sp && k.1 == d.dev && n.start() < end);
             let kind = if spans {
                 ErrorKind::SpansRegions
             } else {

@@ -45,6 +45,10 @@ pub enum ErrorKind {
     Backend,
     /// The agent is shutting down or has shut down.
     ShutDown,
+    /// A storage operation on a file failed or moved fewer bytes than asked: the
+    /// context names the descriptor and the bytes that did move, the source holds
+    /// the OS error where there is one (ENOSPC, EIO, ...).
+    Io,
 }
 
 impl fmt::Display for ErrorKind {
@@ -68,6 +72,7 @@ impl fmt::Display for ErrorKind {
             Self::UnavailableLibrary => "unavailable library",
             Self::Backend => "backend error",
             Self::ShutDown => "shut down",
+            Self::Io => "I/O error",
         };
         f.write_str(s)
     }

@@ -45,6 +45,7 @@ pub mod control;
 mod descriptor;
 mod error;
 pub mod exchange;
+pub mod file;
 #[doc(hidden)]
 pub mod fuzzing;
 mod gate;

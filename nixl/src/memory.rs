@@ -11,10 +11,12 @@
 use std::any::Any;
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use bytes::BytesMut;
 
 use crate::error::{err, Error, ErrorKind, Result};
+use crate::file::{FileHandle, FileOptions};
 
 pub use crate::aligned::{AlignedBuf, HUGE_PAGE_SIZE, PAGE_SIZE};
 
@@ -28,6 +30,14 @@ pub enum MemKind {
         /// CUDA device ordinal.
         device: u32,
     },
+    /// A file registered with the agent ([`Memory::file`], [`Memory::open_file`]):
+    /// descriptors are offsets into it. Storage transfers move between the agent's
+    /// own memory and its files.
+    File {
+        /// The file's device id: by NIXL's convention, the number of the file
+        /// descriptor it was registered with.
+        fd: u32,
+    },
 }
 
 impl MemKind {
@@ -36,7 +46,13 @@ impl MemKind {
         match self {
             Self::Dram => 0,
             Self::Vram { device } => device,
+            Self::File { fd } => fd,
         }
+    }
+
+    /// Whether this is a file ([`MemKind::File`]) rather than memory.
+    pub fn is_file(self) -> bool {
+        matches!(self, Self::File { .. })
     }
 }
 
@@ -45,6 +61,7 @@ impl fmt::Display for MemKind {
         match self {
             Self::Dram => f.write_str("DRAM"),
             Self::Vram { device } => write!(f, "VRAM(device {device})"),
+            Self::File { fd } => write!(f, "FILE(fd {fd})"),
         }
     }
 }
@@ -54,6 +71,7 @@ enum Owner {
     BytesMut(#[allow(dead_code)] BytesMut),
     Aligned(#[allow(dead_code)] AlignedBuf),
     Raw(#[allow(dead_code)] Option<Box<dyn Any + Send + Sync>>),
+    File(Arc<FileHandle>),
 }
 
 /// Memory handed to an agent for registration.
@@ -146,6 +164,52 @@ impl Memory {
         self.kind
     }
 
+    /// A file to register (NIXL's FILE memory), by a descriptor the caller opened:
+    /// the registration keeps its own duplicate of `fd`, so closing `fd` afterwards
+    /// changes nothing, and its descriptors carry `fd`'s number as their device id
+    /// ([`MemKind::File`]). `len` bytes from offset 0 are registered; the file grows
+    /// to `len` when shorter (it must be open for writing then), so every registered
+    /// byte exists and a READ of a block never written reads zeros. `len` 0: the
+    /// file's current length. A file opened with `O_DIRECT` keeps it: every transfer
+    /// must then be aligned ([`crate::file::DirectAlignment`]).
+    ///
+    /// # Errors
+    /// [`ErrorKind::ZeroLength`] for an empty file and `len` 0;
+    /// [`ErrorKind::InvalidArgument`] for something other than a regular file or
+    /// block device, or a file that is too short and cannot grow; the OS error of
+    /// duplicating, inspecting or growing it ([`ErrorKind::Io`]).
+    pub fn file(fd: impl std::os::fd::AsFd, len: u64) -> Result<Self> {
+        Ok(Self::from_file(FileHandle::from_fd(fd.as_fd(), len)?))
+    }
+
+    /// A file to register, opened from `path` as `options` say; its descriptors carry
+    /// the number of the descriptor opened here ([`Memory::kind`] says it). See
+    /// [`Memory::file`].
+    ///
+    /// # Errors
+    /// As [`Memory::file`]; [`ErrorKind::NotFound`] when `path` does not exist (and
+    /// `options.create` is off), [`ErrorKind::NotAllowed`] when it may not be opened.
+    pub fn open_file(path: impl AsRef<std::path::Path>, options: &FileOptions) -> Result<Self> {
+        Ok(Self::from_file(FileHandle::open(path.as_ref(), options)?))
+    }
+
+    fn from_file(h: FileHandle) -> Self {
+        Self {
+            ptr: NonNull::dangling(),
+            len: h.len() as usize,
+            kind: h.kind(),
+            _owner: Owner::File(Arc::new(h)),
+        }
+    }
+
+    /// The file, for [`MemKind::File`] memory.
+    pub fn file_handle(&self) -> Option<&Arc<FileHandle>> {
+        match &self._owner {
+            Owner::File(h) => Some(h),
+            _ => None,
+        }
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len
@@ -156,8 +220,11 @@ impl Memory {
         self.len == 0
     }
 
-    /// Start address.
+    /// Start address (0 for a file: its descriptors are offsets).
     pub fn addr(&self) -> u64 {
+        if self.kind.is_file() {
+            return 0;
+        }
         self.ptr.as_ptr() as u64
     }
 
@@ -190,6 +257,7 @@ impl Memory {
             MemKind::Vram { device } => unsafe {
                 crate::gpu::driver()?.copy_to_host(device, at, dst.as_mut_ptr(), dst.len())
             },
+            MemKind::File { .. } => not_memory(OP),
         }
     }
 
@@ -208,6 +276,7 @@ impl Memory {
             MemKind::Vram { device } => unsafe {
                 crate::gpu::driver()?.copy_from_host(device, at, src.as_ptr(), src.len())
             },
+            MemKind::File { .. } => not_memory(OP),
         }
     }
 
@@ -258,6 +327,10 @@ impl Memory {
             (MemKind::Vram { device }, dir) => unsafe {
                 crate::gpu::start_copy(device, dir, at, buf, n, hold, ended)
             },
+            (MemKind::File { .. }, _) => {
+                ended();
+                not_memory(OP)
+            }
         }
     }
 
@@ -275,6 +348,7 @@ impl Memory {
         let d = self.range(offset, len, OP)?;
         let s = src.range(src_offset, len, OP)?;
         match (self.kind, src.kind) {
+            (MemKind::File { .. }, _) | (_, MemKind::File { .. }) => not_memory(OP),
             (MemKind::Dram, MemKind::Dram) => {
                 // SAFETY: both are live host memory (our invariant, `&self` and `&src`
                 // keep them alive), ranges checked; ptr::copy allows overlap and makes
@@ -418,6 +492,15 @@ impl Memory {
             len: self.len,
         }
     }
+}
+
+/// A file is not memory: only a storage backend moves its bytes.
+fn not_memory<T>(op: &'static str) -> Result<T> {
+    err(
+        ErrorKind::NotSupported,
+        op,
+        "a registered file is read and written by a storage backend, not copied as memory",
+    )
 }
 
 impl From<Vec<u8>> for Memory {

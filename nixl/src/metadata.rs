@@ -177,6 +177,13 @@ impl AgentMetadata {
                     out.push(TAG_VRAM);
                     put_u32(&mut out, device);
                 }
+                MemKind::File { .. } => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidArgument,
+                        "encode metadata",
+                        format!("region {}: files are never published", region.id),
+                    ))
+                }
             }
             put_u64(&mut out, region.addr);
             put_u64(&mut out, region.len);
@@ -296,7 +303,7 @@ impl AgentMetadata {
             .map(|r| {
                 let kind = match r.kind {
                     MemKind::Dram => 1,
-                    MemKind::Vram { .. } => 1 + 4,
+                    MemKind::Vram { .. } | MemKind::File { .. } => 1 + 4,
                 };
                 let blobs: usize = r.blobs.iter().map(|b| MIN_BLOB_LEN + b.blob.len()).sum();
                 8 + kind + 8 + 8 + 2 + blobs
@@ -1006,7 +1013,7 @@ mod tests {
             put_u64(&mut body, r.id);
             match r.kind {
                 MemKind::Dram => body.push(0),
-                MemKind::Vram { device } => {
+                MemKind::Vram { device } | MemKind::File { fd: device } => {
                     body.push(1);
                     put_u32(&mut body, device);
                 }

@@ -113,6 +113,11 @@ impl Registration {
         self.inner.registered.load(Ordering::Acquire)
     }
 
+    /// The file, for a registered file ([`MemKind::File`]).
+    pub fn file(&self) -> Option<&Arc<crate::file::FileHandle>> {
+        self.inner.mem.file_handle()
+    }
+
     /// Number of posted transfers that use this memory and have not finished.
     pub fn inflight(&self) -> usize {
         self.inner.inflight.load(Ordering::Acquire)
@@ -195,6 +200,12 @@ impl RegionRef {
     /// The whole region as a segment (valid while this handle lives).
     pub fn segment(&self) -> MemSegment {
         self.inner.mem.segment()
+    }
+
+    /// The file, for a registered file ([`MemKind::File`]); open while this handle
+    /// lives.
+    pub fn file(&self) -> Option<&Arc<crate::file::FileHandle>> {
+        self.inner.mem.file_handle()
     }
 
     /// Whether the agent still has it registered.

@@ -106,6 +106,7 @@ fn kind_slot(kind: MemKind) -> (usize, &'static str) {
     match kind {
         MemKind::Dram => (0, "dram"),
         MemKind::Vram { .. } => (1, "vram"),
+        MemKind::File { .. } => (2, "file"),
     }
 }
 
@@ -160,8 +161,8 @@ pub(crate) struct AgentMetrics {
     pub(crate) notifications_sent: Counter,
     pub(crate) notifications_received: Counter,
     pub(crate) notifications_dropped: Counter,
-    registered_bytes: [Gauge; 2],
-    registrations: [Gauge; 2],
+    registered_bytes: [Gauge; 3],
+    registrations: [Gauge; 3],
     pub(crate) peers: Gauge,
 }
 
@@ -169,8 +170,12 @@ impl AgentMetrics {
     pub(crate) fn new(agent: &str, options: &TelemetryOptions) -> Self {
         let a = || Label::new("agent", agent.to_owned());
         let by_kind = |name: &'static str| {
-            [MemKind::Dram, MemKind::Vram { device: 0 }]
-                .map(|k| gauge!(name, [a(), Label::new("kind", kind_slot(k).1)].iter()))
+            [
+                MemKind::Dram,
+                MemKind::Vram { device: 0 },
+                MemKind::File { fd: 0 },
+            ]
+            .map(|k| gauge!(name, [a(), Label::new("kind", kind_slot(k).1)].iter()))
         };
         Self {
             agent: agent.to_owned(),

@@ -1299,8 +1299,8 @@ pub async fn vram_transfers(but: &BackendUnderTest) {
     let vram = MemKind::Vram { device: 0 };
     let mem = |kind: MemKind| -> Memory {
         match kind {
-            MemKind::Dram => Memory::from(vec![0u8; LEN]),
             MemKind::Vram { device } => Memory::vram(device, LEN).expect("allocate GPU memory"),
+            _ => Memory::from(vec![0u8; LEN]),
         }
     };
     let mut round = 0u64;

@@ -102,7 +102,8 @@ const MAX_PIECE: usize = 4 << 20;
 /// slows it down, and one operation finishes quickly enough to show progress.
 pub(crate) fn piece_limit(kind: nixl::MemKind) -> usize {
     match kind {
-        nixl::MemKind::Dram => MAX_PIECE,
+        // Files never reach nixl-ucx (it does not declare them).
+        nixl::MemKind::Dram | nixl::MemKind::File { .. } => MAX_PIECE,
         nixl::MemKind::Vram { .. } => usize::MAX,
     }
 }

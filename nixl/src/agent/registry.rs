@@ -266,6 +266,8 @@ impl Agent {
             .collect();
         let regions = regions
             .iter()
+            // Files are the agent's own: never published.
+            .filter(|r| !r.mem.kind().is_file())
             .map(|r| RegionMeta {
                 id: r.id,
                 kind: r.mem.kind(),
@@ -372,6 +374,12 @@ impl Agent {
             let mut dram = Vec::new();
             let mut vram = Vec::new();
             for r in regions {
+                // Files are the agent's own: never published.
+                let (device, list) = match r.mem.kind() {
+                    MemKind::Dram => (0, &mut dram),
+                    MemKind::Vram { device } => (u64::from(device), &mut vram),
+                    MemKind::File { .. } => continue,
+                };
                 let Some(blob) = r
                     .backends
                     .lock()
@@ -385,16 +393,10 @@ impl Agent {
                 let desc = NixlDesc {
                     addr: r.mem.addr(),
                     len: r.mem.len() as u64,
-                    device: match r.mem.kind() {
-                        MemKind::Dram => 0,
-                        MemKind::Vram { device } => u64::from(device),
-                    },
+                    device,
                     blob: d.export_blob(&blob)?,
                 };
-                match r.mem.kind() {
-                    MemKind::Dram => dram.push(desc),
-                    MemKind::Vram { .. } => vram.push(desc),
-                }
+                list.push(desc);
             }
             // NIXL keeps its descriptor lists sorted.
             for (mem_type, mut descs) in [(interop::MEM_DRAM, dram), (interop::MEM_VRAM, vram)] {

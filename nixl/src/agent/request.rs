@@ -381,6 +381,23 @@ impl Agent {
         if nl == 0 {
             return err(ErrorKind::InvalidArgument, OP, "no descriptors");
         }
+        if local.kind.is_file() {
+            return err(
+                ErrorKind::InvalidArgument,
+                OP,
+                format!(
+                    "the local list is {}: a storage transfer takes memory as the local list and the files as the other (a WRITE stores memory into the files, a READ loads it back)",
+                    local.kind
+                ),
+            );
+        }
+        if remote.kind.is_file() && remote.side != Side::Local {
+            return err(
+                ErrorKind::NotSupported,
+                OP,
+                "files are reached only by their own agent (name it as the peer)",
+            );
+        }
         let peer = match &remote.side {
             Side::Local => None,
             Side::Remote { peer, generation } => {
@@ -473,7 +490,9 @@ impl Agent {
 
         // Backend names are checked even when the agent serves the request itself.
         let order = self.backend_order(options.backends.as_deref(), OP)?;
-        if peer.is_none() {
+        // Same-agent memory-to-memory copies are the agent's own; storage transfers
+        // (files on the other side) go to a backend that declares files.
+        if peer.is_none() && !remote.kind.is_file() {
             let segments = build_segments(merged, &sides, AGENT_COPY);
             let shape = shape(&segments);
             let copy = LocalCopy {

@@ -1,0 +1,388 @@
+//! # nixl-posix
+//!
+//! File storage for [`nixl`] (NIXL's POSIX backend): storage transfers between an
+//! agent's host memory and files it registered ([`nixl::Memory::file`],
+//! [`nixl::Memory::open_file`]), as futures like every other transfer.
+//!
+//! ```no_run
+//! # async fn demo() -> nixl::Result<()> {
+//! use nixl::{Agent, DescList, Desc, MemKind, Memory, Op, RequestOptions};
+//! use nixl::file::FileOptions;
+//! let agent = Agent::builder("kv").backend(nixl_posix::PosixBackend::new(Default::default())).build().await?;
+//! let mem = agent.register(vec![7u8; 1 << 20])?;
+//! let file = agent.register(Memory::open_file("/tmp/kv.bin", &FileOptions {
+//!     create: true, len: Some(1 << 20), ..FileOptions::default()
+//! })?)?;
+//! let fd = file.kind().device();
+//! let local = DescList::from_descs(MemKind::Dram, [mem.whole()]);
+//! let files = DescList::from_descs(MemKind::File { fd }, [Desc::new(0, 1 << 20, fd)]);
+//! // WRITE stores memory into the file; READ loads it back. The agent names itself.
+//! agent.create_request(Op::Write, &local, agent.name(), &files, &RequestOptions::default())?
+//!     .post(None)?
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! - **Engines.** io_uring where the kernel allows it: a whole descriptor list goes
+//!   onto the ring and is submitted in the posting call, the kernel runs page-cache
+//!   I/O inline and queues the rest, and one reaper thread blocked in the kernel
+//!   reports completions (no polling). Where io_uring is refused (container seccomp
+//!   filters answer EPERM, `kernel.io_uring_disabled`, old kernels), a pool of worker
+//!   threads running `pread`/`pwrite`. [`PosixOptions::engine`] chooses (or the
+//!   `NIXL_POSIX_ENGINE` environment variable, `uring` or `pool`, for
+//!   [`Engine::Auto`]); [`PosixBackend::engine`] reports the choice and why.
+//! - **O_DIRECT.** A file opened with `O_DIRECT` keeps it; every segment's file
+//!   offset, length and memory address is checked against the file's alignment
+//!   (`statx` DIO alignment, else 4096) when the request is made, and a misaligned one
+//!   is refused naming the segment, before anything moves.
+//! - **Nothing silently wrong.** A transfer reports done only when every byte is in
+//!   place: a read past the end of a file (truncated under its registration), a
+//!   write the file does not take, ENOSPC, EIO end it with [`nixl::ErrorKind::Io`]
+//!   naming the segment (file, offset, length) and the bytes of the transfer that did
+//!   move, the OS error as its source. Short reads and writes continue where they
+//!   stopped. With [`PosixOptions::durability`], a WRITE reports done only after
+//!   `fdatasync`/`fsync` of every file it wrote.
+//! - **Cancellation.** Dropping a transfer's future skips its operations not yet
+//!   handed to the kernel (the thread pool's queue, or what waits for room in the
+//!   ring); what the kernel has runs to its end, and the memory stays registered
+//!   until it has.
+//! - **Not here yet.** GPU memory (to be staged through pinned host buffers, or
+//!   GPUDirect Storage through cuFile) is refused with
+//!   [`nixl::ErrorKind::NotSupported`]; io_uring registered buffers and files are not
+//!   used. Notifications on storage transfers are refused, as in NIXL.
+#![deny(unsafe_code)]
+
+mod batch;
+mod plan;
+mod pool;
+mod uring;
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use nixl::{
+    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind,
+    PreparedTransfer, RegionRef, Result, Segments, TransferPlan,
+};
+
+use crate::batch::Batch;
+use crate::plan::Plan;
+
+/// Which I/O engine runs the transfers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Engine {
+    /// io_uring when the kernel allows it, else the thread pool (the
+    /// `NIXL_POSIX_ENGINE` environment variable, `uring` or `pool`, forces one).
+    #[default]
+    Auto,
+    /// io_uring only: starting fails when the kernel refuses it.
+    Uring,
+    /// The thread pool of positional reads and writes.
+    Pool,
+}
+
+/// Whether a WRITE waits for its data to reach the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Durability {
+    /// Done once the data is in the file (the page cache, for buffered files).
+    #[default]
+    None,
+    /// Done after `fdatasync` of every file written.
+    Data,
+    /// Done after `fsync` of every file written.
+    Full,
+}
+
+/// Options of [`PosixBackend`].
+#[derive(Clone, Debug)]
+pub struct PosixOptions {
+    /// The I/O engine. Default: [`Engine::Auto`].
+    pub engine: Engine,
+    /// Worker threads of the thread-pool engine (its queue depth). Default: 8.
+    pub threads: usize,
+    /// Whether WRITEs wait for the device. Default: [`Durability::None`].
+    pub durability: Durability,
+}
+
+impl Default for PosixOptions {
+    fn default() -> Self {
+        Self {
+            engine: Engine::Auto,
+            threads: 8,
+            durability: Durability::None,
+        }
+    }
+}
+
+/// The file storage backend. See the [crate docs](crate).
+#[derive(Debug)]
+pub struct PosixBackend {
+    options: PosixOptions,
+    started: Attachment<Started>,
+    /// What runs the transfers, and why (set at start).
+    report: OnceLock<String>,
+}
+
+#[derive(Debug)]
+struct Started {
+    engine: Arc<Io>,
+}
+
+/// The engine chosen at start.
+#[derive(Debug)]
+enum Io {
+    Uring(uring::Uring),
+    Pool(pool::Pool),
+}
+
+impl Io {
+    fn post(&self, batch: Arc<Batch>) {
+        match self {
+            Self::Uring(u) => u.post(batch),
+            Self::Pool(p) => p.post(batch),
+        }
+    }
+}
+
+pub(crate) fn shut_down() -> Error {
+    Error::new(
+        ErrorKind::ShutDown,
+        "storage transfer",
+        "the posix backend is shutting down",
+    )
+}
+
+impl PosixBackend {
+    /// A backend with these options (the engine is chosen when it is attached).
+    pub fn new(options: PosixOptions) -> Self {
+        Self {
+            options,
+            started: Attachment::new("posix"),
+            report: OnceLock::new(),
+        }
+    }
+
+    /// Which engine runs the transfers and why (`None` before it is attached): for
+    /// example "io_uring (queue 1024)" or "thread pool of 8 (io_uring refused:
+    /// Operation not permitted)".
+    pub fn engine(&self) -> Option<&str> {
+        self.report.get().map(String::as_str)
+    }
+
+    /// Whether this kernel gives this process an io_uring that runs (a ring is set
+    /// up, runs a no-op, and is closed again).
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotSupported`] with the kernel's answer.
+    pub fn probe_uring() -> Result<()> {
+        uring::Uring::new().map(drop).map_err(|e| {
+            Error::new(
+                ErrorKind::NotSupported,
+                "probe io_uring",
+                format!("io_uring is not available here: {e}"),
+            )
+            .with_source(e)
+        })
+    }
+
+    fn choose(&self) -> Result<(Io, String)> {
+        let forced = std::env::var("NIXL_POSIX_ENGINE").ok();
+        let engine = match (self.options.engine, forced.as_deref()) {
+            (Engine::Auto, Some("uring")) => Engine::Uring,
+            (Engine::Auto, Some("pool")) => Engine::Pool,
+            (Engine::Auto, Some(other)) if !other.is_empty() => {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    "start posix backend",
+                    format!("NIXL_POSIX_ENGINE={other:?}: expected \"uring\" or \"pool\""),
+                ))
+            }
+            (e, _) => e,
+        };
+        let threads = self.options.threads.max(1);
+        let pool = |why: String| {
+            (
+                Io::Pool(pool::Pool::default()),
+                format!("thread pool of {threads} positional I/O workers{why}"),
+            )
+        };
+        Ok(match engine {
+            Engine::Pool => pool(String::new()),
+            Engine::Uring | Engine::Auto => match uring::Uring::new() {
+                Ok(u) => (Io::Uring(u), "io_uring (one ring, inline submission, one reaper thread)".to_owned()),
+                Err(e) if engine == Engine::Auto => pool(format!(" (io_uring refused: {e})")),
+                Err(e) => {
+                    return Err(Error::new(
+                        ErrorKind::NotSupported,
+                        "start posix backend",
+                        format!("io_uring is not available here: {e} (a seccomp filter or kernel.io_uring_disabled?); use Engine::Pool or Engine::Auto"),
+                    )
+                    .with_source(e))
+                }
+            },
+        })
+    }
+}
+
+#[async_trait]
+impl Backend for PosixBackend {
+    fn name(&self) -> &str {
+        "posix"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            local: true,
+            dram: true,
+            file: true,
+            ..Capabilities::default()
+        }
+    }
+
+    async fn start(&self, ctx: BackendContext) -> Result<()> {
+        const OP: &str = "start posix backend";
+        let threads = self.options.threads.max(1);
+        self.started
+            .attach(OP, async {
+                let (io, report) = self.choose()?;
+                let io = Arc::new(io);
+                match &*io {
+                    Io::Uring(_) => {
+                        let (run, wake) = (io.clone(), io.clone());
+                        ctx.spawn_thread(
+                            "nixl-posix-uring",
+                            move |token| {
+                                if let Io::Uring(u) = &*run {
+                                    u.run(&|| token.is_cancelled());
+                                }
+                            },
+                            move || {
+                                if let Io::Uring(u) = &*wake {
+                                    u.wake();
+                                }
+                            },
+                        )?;
+                    }
+                    Io::Pool(_) => {
+                        for i in 0..threads {
+                            let (run, wake) = (io.clone(), io.clone());
+                            ctx.spawn_thread(
+                                &format!("nixl-posix-{i}"),
+                                move |token| {
+                                    if let Io::Pool(p) = &*run {
+                                        p.run(&|| token.is_cancelled());
+                                    }
+                                },
+                                move || {
+                                    if let Io::Pool(p) = &*wake {
+                                        p.wake();
+                                    }
+                                },
+                            )?;
+                        }
+                    }
+                }
+                tracing::info!(agent = %ctx.agent_name, engine = %report, "posix backend started");
+                let _ = self.report.set(report);
+                Ok(Started { engine: io })
+            })
+            .await?;
+        Ok(())
+    }
+
+    fn connection_info(&self) -> Bytes {
+        Bytes::new()
+    }
+
+    fn register(&self, _region: &RegionRef) -> Result<Bytes> {
+        // Nothing to set up: the core holds the file, and host memory is used as is.
+        Ok(Bytes::new())
+    }
+
+    fn deregister(&self, _region_id: u64) -> Result<()> {
+        Ok(())
+    }
+
+    fn data_path(&self, _peer: &str) -> Option<String> {
+        self.engine().map(str::to_owned)
+    }
+
+    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
+        // Files are local: peers are never reached through this backend.
+        Ok(())
+    }
+
+    async fn connect(&self, peer: &str) -> Result<()> {
+        Err(Error::new(
+            ErrorKind::NotSupported,
+            "connect",
+            format!("the posix backend moves data between this agent's memory and files; it does not reach peers ({peer:?})"),
+        ))
+    }
+
+    fn remove_peer(&self, _peer: &str) -> Result<()> {
+        Ok(())
+    }
+
+    fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
+        let started = self.started.get("prepare storage transfer")?;
+        if let Some(peer) = &plan.peer {
+            return Err(Error::new(
+                ErrorKind::NotSupported,
+                "prepare storage transfer",
+                format!("files are reached only by their own agent, not from {peer:?}"),
+            ));
+        }
+        let io_plan = Arc::new(Plan::new(plan.op, &plan.segments)?);
+        Ok(Box::new(Prepared {
+            plan: io_plan,
+            durability: self.options.durability,
+            io: started.engine.clone(),
+            _segments: plan.segments,
+        }))
+    }
+
+    fn notify(&self, peer: &str, _msg: Bytes, done: Completer) {
+        done.complete(Err(Error::new(
+            ErrorKind::NotSupported,
+            "notify",
+            format!("the posix backend has no peers to notify ({peer:?})"),
+        )));
+    }
+
+    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
+        // The agent stops the engine's threads after this: they refuse new work and
+        // end once the kernel returned every operation in flight.
+        Ok(())
+    }
+
+    fn destroy(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A prepared storage transfer.
+#[derive(Debug)]
+struct Prepared {
+    plan: Arc<Plan>,
+    durability: Durability,
+    io: Arc<Io>,
+    /// Keeps the registrations the plan names alive while the request exists.
+    _segments: Segments,
+}
+
+impl PreparedTransfer for Prepared {
+    fn post(&self, notif: Option<Bytes>, done: Completer) {
+        if notif.is_some() {
+            return done.complete(Err(Error::new(
+                ErrorKind::NotSupported,
+                "post storage transfer",
+                "a storage transfer carries no notification (there is no peer to tell)",
+            )));
+        }
+        self.io
+            .post(Batch::new(self.plan.clone(), self.durability, done));
+    }
+}
