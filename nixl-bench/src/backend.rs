@@ -10,7 +10,7 @@ use nixl::Backend;
 use crate::error::{fail, Result};
 
 /// Every backend name the bench knows, built in or not.
-pub(crate) const NAMES: &[&str] = &["tcp", "ucx", "uccl", "verbs"];
+pub(crate) const NAMES: &[&str] = &["tcp", "ucx", "uccl", "verbs", "posix"];
 
 /// Build backend `name` from its parameters. `host` is the address peers reach this
 /// machine on, for backends that listen (tcp's default `listen` is `host:0`).
@@ -41,6 +41,10 @@ pub(crate) fn make(
         "verbs" => verbs::make(params, host),
         #[cfg(not(feature = "verbs"))]
         "verbs" => fail("backend verbs is not compiled in; rebuild nixl-bench with `--features verbs` (a default feature; it loads the host's libibverbs.so.1 at run time)"),
+        #[cfg(feature = "posix")]
+        "posix" => posix::make(params),
+        #[cfg(not(feature = "posix"))]
+        "posix" => fail("backend posix is not compiled in; rebuild nixl-bench with `--features posix` (a default feature)"),
         _ => fail(format!(
             "unknown backend {name:?}; known backends: {}",
             NAMES.join(", ")
@@ -528,5 +532,60 @@ mod verbs {
                 .to_string()
                 .contains("expected a port number"));
         }
+    }
+}
+
+#[cfg(feature = "posix")]
+mod posix {
+    use std::sync::Arc;
+
+    use nixl::Backend;
+    use nixl_posix::{Durability, Engine, PosixBackend, PosixOptions};
+
+    use crate::error::{fail, Result};
+
+    const KEYS: &[&str] = &["engine", "threads", "durability"];
+
+    pub(super) fn make(params: &[(String, String)]) -> Result<Arc<dyn Backend>> {
+        let mut o = PosixOptions::default();
+        for (i, (key, value)) in params.iter().enumerate() {
+            if params[..i].iter().any(|(k, _)| k == key) {
+                return fail(format!("posix backend parameter {key:?} given twice"));
+            }
+            let bad = |what: &str| {
+                fail(format!(
+                    "posix backend parameter {key}={value:?}: expected {what}"
+                ))
+            };
+            match key.as_str() {
+                "engine" => {
+                    o.engine = match value.as_str() {
+                        "auto" => Engine::Auto,
+                        "uring" => Engine::Uring,
+                        "pool" => Engine::Pool,
+                        _ => return bad("auto, uring or pool"),
+                    }
+                }
+                "threads" => match value.parse() {
+                    Ok(n) if n > 0 => o.threads = n,
+                    _ => return bad("a positive number"),
+                },
+                "durability" => {
+                    o.durability = match value.as_str() {
+                        "none" => Durability::None,
+                        "data" => Durability::Data,
+                        "full" => Durability::Full,
+                        _ => return bad("none, data (fdatasync) or full (fsync)"),
+                    }
+                }
+                _ => {
+                    return fail(format!(
+                        "unknown posix backend parameter {key:?}; known: {}",
+                        KEYS.join(", ")
+                    ))
+                }
+            }
+        }
+        Ok(Arc::new(PosixBackend::new(o)))
     }
 }

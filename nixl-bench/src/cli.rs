@@ -211,6 +211,25 @@ pub(crate) struct Cli {
     #[arg(long = "recreate-xfer", alias = "recreate_xfer", num_args = 0..=1, default_missing_value = "true", default_value = "false", value_parser = parse_bool, value_name = "BOOL")]
     pub(crate) recreate_xfer: bool,
 
+    /// Storage (`--backend posix`): the directory of the files the benchmark reads and
+    /// writes, `nixl-bench-<i>.dat` (created and sized as needed).
+    #[arg(long, alias = "filepath", value_name = "DIR")]
+    pub(crate) filepath: Option<PathBuf>,
+
+    /// Storage: how many files; descriptor j of a batch goes to file j % N at offset
+    /// (j / N) x block size (1: one large file; the batch size: a file per block).
+    #[arg(
+        long = "num-files",
+        alias = "num_files",
+        value_name = "N",
+        default_value_t = 1
+    )]
+    pub(crate) num_files: usize,
+
+    /// Storage: open the files with O_DIRECT (the buffer is page-aligned).
+    #[arg(long = "storage-enable-direct", alias = "storage_enable_direct", num_args = 0..=1, default_missing_value = "true", default_value = "false", value_parser = parse_bool, value_name = "BOOL")]
+    pub(crate) storage_enable_direct: bool,
+
     /// Fill a pattern and verify every byte that arrived after each sweep point.
     #[arg(long = "check-consistency", alias = "check_consistency", num_args = 0..=1, default_missing_value = "true", default_value = "false", value_parser = parse_bool, value_name = "BOOL")]
     pub(crate) check_consistency: bool,
@@ -487,6 +506,8 @@ pub(crate) struct EtcdConfig {
 /// Everything a run needs, checked.
 #[derive(Clone, Debug)]
 pub(crate) struct Config {
+    /// Storage mode's files (`--backend posix`).
+    pub(crate) storage: StorageConfig,
     pub(crate) role: Role,
     pub(crate) peer: Option<String>,
     pub(crate) peer_kind: PeerKind,
@@ -506,6 +527,14 @@ pub(crate) struct Config {
     pub(crate) metrics_addr: Option<SocketAddr>,
     /// Notes for the header (iteration counts rounded up, ...).
     pub(crate) notes: Vec<String>,
+}
+
+/// Where the storage mode's files are.
+#[derive(Clone, Debug)]
+pub(crate) struct StorageConfig {
+    pub(crate) dir: Option<PathBuf>,
+    pub(crate) num_files: usize,
+    pub(crate) direct: bool,
 }
 
 struct Preset {
@@ -741,6 +770,11 @@ impl Cli {
             #[cfg(feature = "etcd")]
             etcd,
             control_socket: self.control_socket,
+            storage: StorageConfig {
+                dir: self.filepath,
+                num_files: self.num_files.max(1),
+                direct: self.storage_enable_direct,
+            },
             backend: self.backend.to_ascii_lowercase(),
             backend_params: self.backend_params,
             sweep: Sweep {

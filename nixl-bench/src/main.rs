@@ -34,6 +34,8 @@ mod progress;
 mod report;
 mod runner;
 mod stats;
+#[cfg(feature = "posix")]
+mod storage;
 mod target;
 
 use std::io::{IsTerminal, Write};
@@ -129,6 +131,14 @@ async fn interrupted() {
 }
 
 async fn run(config: &Config) -> Result<()> {
+    #[cfg(feature = "posix")]
+    if config.backend == "posix" {
+        if config.role != Role::Local {
+            return fail("--backend posix runs one agent on its own files: no --role");
+        }
+        let (run, rows) = storage::run(config).await?;
+        return plot(config, &run, &rows);
+    }
     match config.role {
         Role::Local => local(config).await,
         Role::Initiator => remote_initiator(config).await,

@@ -260,6 +260,16 @@ fn overlap<T: Ranged>(t: &T, start: u64, op: &'static str) -> crate::error::Erro
     crate::error::Error::new(ErrorKind::InvalidArgument, op, context)
 }
 
+/// The kind a descriptor of a `kind` list names: a list of files holds descriptors of
+/// any registered file (each names its file by its device id, as in NIXL); other
+/// lists are of one kind.
+fn of_descriptor(kind: MemKind, dev: u32) -> MemKind {
+    match kind {
+        MemKind::File { .. } => MemKind::File { fd: dev },
+        k => k,
+    }
+}
+
 /// The address space of `kind` in a [`RangeIndex`] key.
 fn space(kind: MemKind) -> u8 {
     u8::from(kind.is_file())
@@ -338,6 +348,7 @@ impl<T: Ranged + Clone> RangeIndex<T> {
                 format!("{}: descriptor at {:#x} has length 0", what(), d.addr),
             );
         }
+        let kind = of_descriptor(kind, d.dev);
         if d.dev != kind.device() {
             return err(
                 ErrorKind::Mismatch,
@@ -427,6 +438,7 @@ impl<T: Ranged + Clone> RangeIndex<T> {
         what: impl Fn(usize) -> String,
         mut piece: impl FnMut(&T, u64, usize),
     ) -> Result<()> {
+        let kind = of_descriptor(kind, run.dev);
         let mut i = 0;
         while i < run.count {
             let Some(d) = run.block(i) else {
@@ -511,6 +523,59 @@ mod tests {
         i.lookup(MemKind::Dram, &Desc::new(a, l, 0), "t", || "d".into())
             .map(|(_, off)| off)
             .map_err(|e| e.kind())
+    }
+
+    #[derive(Clone, Debug)]
+    struct F(u32, u64);
+    impl Ranged for F {
+        fn start(&self) -> u64 {
+            0
+        }
+        fn len(&self) -> u64 {
+            self.1
+        }
+        fn kind(&self) -> MemKind {
+            MemKind::File { fd: self.0 }
+        }
+        fn id(&self) -> u64 {
+            u64::from(self.0)
+        }
+    }
+
+    #[test]
+    fn files_have_their_own_space_and_a_file_list_names_many() {
+        let mut i = RangeIndex::default();
+        i.insert(F(3, 100), "t").unwrap();
+        i.insert(F(4, 50), "t").unwrap();
+        let e = i.insert(F(3, 10), "t").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("file descriptor 3 already names a registered file"),
+            "{e}"
+        );
+        let list = MemKind::File { fd: 3 };
+        let (r, off) = i
+            .lookup(list, &Desc::new(10, 40, 4), "t", || "d".into())
+            .unwrap();
+        assert_eq!((r.0, off), (4, 10));
+        let e = i
+            .lookup(list, &Desc::new(10, 41, 4), "t", || "d".into())
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfRange);
+        // Memory lists never reach files, whatever the device id.
+        let e = i
+            .lookup(MemKind::Dram, &Desc::new(10, 4, 0), "t", || "d".into())
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfRange);
+        let e = i
+            .lookup(
+                MemKind::Vram { device: 3 },
+                &Desc::new(10, 4, 3),
+                "t",
+                || "d".into(),
+            )
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::OutOfRange);
     }
 
     #[test]

@@ -32,7 +32,9 @@ pub enum MemKind {
     },
     /// A file registered with the agent ([`Memory::file`], [`Memory::open_file`]):
     /// descriptors are offsets into it. Storage transfers move between the agent's
-    /// own memory and its files.
+    /// own memory and its files. A descriptor list of files may name many files:
+    /// each descriptor names its file by its device id, whatever `fd` the list's kind
+    /// carries (as NIXL's FILE lists do).
     File {
         /// The file's device id: by NIXL's convention, the number of the file
         /// descriptor it was registered with.

@@ -198,8 +198,8 @@ pub async fn storage_layouts(but: &BackendUnderTest) {
         .await
         .unwrap();
     assert_eq!(dst.to_vec().unwrap(), want);
-    // A pool of files, one block each: one request per file list of one kind each
-    // (a descriptor list holds one kind, and a file is its own kind).
+    // A pool of files, one block each, a whole batch in one request: a list of files
+    // names each descriptor's file by its device id, as NIXL's FILE lists do.
     let mut pool = Vec::new();
     for j in 0..8 {
         let p = dir.file(&format!("block-{j}.bin"));
@@ -208,22 +208,33 @@ pub async fn storage_layouts(but: &BackendUnderTest) {
             .unwrap();
         pool.push((p, reg));
     }
-    for (j, (p, reg)) in pool.iter().enumerate() {
-        let fd = fd_of(reg);
-        storage_xfer(
-            &agent,
-            Op::Write,
-            &[src.desc(j as u64 * block, block)],
-            MemKind::File { fd },
-            &[Desc::new(0, block, fd)],
-        )
+    let mem: Vec<Desc> = (0..8).map(|j| src.desc(j as u64 * block, block)).collect();
+    let files: Vec<Desc> = pool
+        .iter()
+        .map(|(_, r)| Desc::new(0, block, fd_of(r)))
+        .collect();
+    let kind = MemKind::File {
+        fd: fd_of(&pool[0].1),
+    };
+    storage_xfer(&agent, Op::Write, &mem, kind, &files)
         .await
         .unwrap();
+    for (j, (p, _)) in pool.iter().enumerate() {
         assert_eq!(
             std::fs::read(p).unwrap(),
-            &want[j * block as usize..(j + 1) * block as usize]
+            &want[j * block as usize..(j + 1) * block as usize],
+            "file {j}"
         );
     }
+    dst.write_at(0, &vec![0u8; block as usize * n]).unwrap();
+    let back: Vec<Desc> = (0..8).map(|j| dst.desc(j as u64 * block, block)).collect();
+    storage_xfer(&agent, Op::Read, &back, kind, &files)
+        .await
+        .unwrap();
+    assert_eq!(
+        dst.to_vec().unwrap()[..8 * block as usize],
+        want[..8 * block as usize]
+    );
     let report = agent.shutdown().await;
     assert!(report.is_clean(), "{report:?}");
 }
