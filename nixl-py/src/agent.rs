@@ -21,7 +21,7 @@ use crate::backends;
 use crate::errors::{invalid, raise, IntoPy};
 use crate::etcd::{self, Etcd};
 use crate::handles::{deliver, DlistHandle, XferHandle};
-use crate::memory::caller_memory;
+use crate::memory::{caller_memory, file_memory};
 use crate::runtime::rt;
 
 /// How long shutdown waits for this layer's own tasks (asyncio waiters, exchange
@@ -92,15 +92,21 @@ fn mem_kind(mem_type: &str, dev: u64) -> PyResult<MemKind> {
             device: u32::try_from(dev)
                 .map_err(|_| invalid("descriptor", format!("device id {dev} is too large")))?,
         }),
-        "FILE" | "BLOCK" | "OBJ" => Err(raise(
+        "FILE" => Ok(MemKind::File {
+            fd: u32::try_from(dev)
+                .map_err(|_| invalid("descriptor", format!("file descriptor {dev} is not one")))?,
+        }),
+        "BLOCK" | "OBJ" => Err(raise(
             "NotSupported",
             "descriptor list",
             "memory type",
-            format!("memory type {mem_type:?} is not supported by nixl-rs (DRAM and VRAM are)"),
+            format!(
+                "memory type {mem_type:?} is not supported by nixl-rs (DRAM, VRAM and FILE are)"
+            ),
         )),
         other => Err(invalid(
             "descriptor list",
-            format!("unknown memory type {other:?}; expected \"DRAM\" or \"VRAM\""),
+            format!("unknown memory type {other:?}; expected \"DRAM\", \"VRAM\" or \"FILE\""),
         )),
     }
 }
@@ -398,6 +404,9 @@ impl PyAgent {
         if caps.vram {
             v.push("VRAM");
         }
+        if caps.file {
+            v.push("FILE");
+        }
         Some(v)
     }
 
@@ -524,15 +533,26 @@ impl PyAgent {
         };
         let agent = self.inner.agent();
         let mut kinds = Vec::with_capacity(rows.len());
+        // Files are taken (their descriptor duplicated) here, with the GIL held, so no
+        // Python thread closes one meanwhile.
+        let mut files = Vec::with_capacity(rows.len());
         for r in &rows {
-            kinds.push(mem_kind(mem_type, r[2])?);
+            let kind = mem_kind(mem_type, r[2])?;
+            files.push(match kind {
+                MemKind::File { fd } => Some(file_memory(r[0], r[1], fd).py()?),
+                _ => None,
+            });
+            kinds.push(kind);
         }
         let made = py.allow_threads(|| {
             let mut made: Vec<(RegKey, Registration)> = Vec::new();
-            for (r, kind) in rows.iter().zip(kinds) {
+            for ((r, kind), file) in rows.iter().zip(kinds).zip(files) {
                 let key = (kind, r[0], r[1]);
-                let reg =
-                    caller_memory(r[0], r[1], kind).and_then(|m| agent.register_with(m, &options));
+                let mem = match file {
+                    Some(m) => Ok(m),
+                    None => caller_memory(r[0], r[1], kind),
+                };
+                let reg = mem.and_then(|m| agent.register_with(m, &options));
                 match reg {
                     Ok(reg) => made.push((key, reg)),
                     Err(e) => {

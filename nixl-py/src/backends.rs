@@ -20,6 +20,9 @@ pub(crate) fn plugins() -> Vec<&'static str> {
     if cfg!(feature = "uccl") {
         v.push("UCCL");
     }
+    if cfg!(feature = "posix") {
+        v.push("POSIX");
+    }
     v
 }
 
@@ -30,6 +33,7 @@ pub(crate) fn ours(nixl_name: &str) -> Option<&'static str> {
         "UCX" | "ucx" => Some("ucx"),
         "VERBS" | "verbs" => Some("verbs"),
         "UCCL" | "uccl" => Some("uccl"),
+        "POSIX" | "posix" => Some("posix"),
         _ => None,
     }
 }
@@ -37,7 +41,7 @@ pub(crate) fn ours(nixl_name: &str) -> Option<&'static str> {
 /// NIXL's name for one of ours (`"agent"`, the agent's own same-process copies, stays).
 pub(crate) fn nixl_name(ours: &str) -> String {
     match ours {
-        "tcp" | "ucx" | "verbs" | "uccl" => ours.to_ascii_uppercase(),
+        "tcp" | "ucx" | "verbs" | "uccl" | "posix" => ours.to_ascii_uppercase(),
         other => other.to_owned(),
     }
 }
@@ -62,6 +66,16 @@ pub(crate) fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
         ],
         Some("verbs") => vec![("lib", ""), ("device", ""), ("control_listen", "0.0.0.0:0")],
         Some("uccl") => vec![("lib", ""), ("num_cpus", "0")],
+        // NIXL's queue choices (use_uring; use_aio and use_posix_aio take the thread
+        // pool, the engine for where io_uring is not wanted), and our own.
+        Some("posix") => vec![
+            ("use_uring", "false"),
+            ("use_aio", "false"),
+            ("use_posix_aio", "false"),
+            ("engine", "auto"),
+            ("threads", "8"),
+            ("durability", "none"),
+        ],
         _ => Vec::new(),
     }
 }
@@ -180,6 +194,67 @@ pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<
                 }
             }
             Ok(Arc::new(nixl_uccl::UcclBackend::with_options(o)?))
+        }
+        #[cfg(feature = "posix")]
+        Some("posix") => {
+            use nixl_posix::{Durability, Engine};
+            let mut o = nixl_posix::PosixOptions::default();
+            let on = |k: &str, v: &str| match v {
+                "true" | "1" | "yes" => Ok(true),
+                "false" | "0" | "no" | "" => Ok(false),
+                _ => Err(bad("POSIX", k, v, "true or false")),
+            };
+            let mut chosen: Option<&str> = None;
+            for (k, v) in params {
+                let engine = match k.as_str() {
+                    "use_uring" if on(k, v)? => Some(Engine::Uring),
+                    "use_aio" | "use_posix_aio" if on(k, v)? => Some(Engine::Pool),
+                    "use_uring" | "use_aio" | "use_posix_aio" => None,
+                    "engine" => Some(match v.as_str() {
+                        "auto" => Engine::Auto,
+                        "uring" => Engine::Uring,
+                        "pool" => Engine::Pool,
+                        _ => return Err(bad("POSIX", k, v, "auto, uring or pool")),
+                    }),
+                    "threads" => {
+                        o.threads = v
+                            .parse()
+                            .ok()
+                            .filter(|&n| n >= 1)
+                            .ok_or_else(|| bad("POSIX", k, v, "a count of at least 1"))?;
+                        None
+                    }
+                    "durability" => {
+                        o.durability = match v.as_str() {
+                            "none" => Durability::None,
+                            "data" => Durability::Data,
+                            "full" => Durability::Full,
+                            _ => return Err(bad("POSIX", k, v, "none, data or full")),
+                        };
+                        None
+                    }
+                    // NIXL's request-pool and kernel-queue sizes: the ring and the
+                    // pool size themselves (4096 operations in flight).
+                    "ios_pool_size" | "kernel_queue_size" => None,
+                    _ => {
+                        unknown("POSIX", k);
+                        None
+                    }
+                };
+                if let Some(e) = engine {
+                    // NIXL refuses more than one queue type; so do we.
+                    if let Some(first) = chosen {
+                        return Err(nixl::Error::new(
+                            ErrorKind::InvalidArgument,
+                            "create backend",
+                            format!("POSIX backend parameters {first} and {k} both choose the queue: give one"),
+                        ));
+                    }
+                    chosen = Some(k.as_str());
+                    o.engine = e;
+                }
+            }
+            Ok(Arc::new(nixl_posix::PosixBackend::new(o)))
         }
         _ => Err(nixl::Error::new(
             ErrorKind::NotFound,

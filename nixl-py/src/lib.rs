@@ -27,7 +27,7 @@ mod backends;
 mod errors;
 mod etcd;
 mod handles;
-// Audited: turns caller-provided addresses into `nixl::Memory` under the Python
+// Audited: turns caller-provided addresses and file descriptors into `nixl::Memory` under the Python
 // API's documented contract.
 #[allow(unsafe_code)]
 mod memory;

@@ -12,6 +12,45 @@
 
 use nixl::{MemKind, Memory};
 
+/// A file by the caller's descriptor `fd` (NIXL's FILE registration `(offset, len,
+/// fd, meta)`; the offset must be 0, as NIXL's file backends take it): the
+/// registration keeps its own duplicate, see [`nixl::Memory::file`].
+///
+/// # Errors
+/// `InvalidArgument` for a non-zero offset or a descriptor that is not open; as
+/// [`nixl::Memory::file`].
+pub(crate) fn file_memory(offset: u64, len: u64, fd: u32) -> nixl::Result<Memory> {
+    if offset != 0 {
+        return Err(nixl::Error::new(
+            nixl::ErrorKind::InvalidArgument,
+            "register file",
+            format!("fd {fd}: a FILE registration starts at offset 0 (got {offset}); register (0, length, fd, meta)"),
+        ));
+    }
+    let raw = i32::try_from(fd).map_err(|_| {
+        nixl::Error::new(
+            nixl::ErrorKind::InvalidArgument,
+            "register file",
+            format!("{fd} is not a file descriptor"),
+        )
+    })?;
+    // Is it open? (F_GETFD touches nothing; a closed number answers EBADF.)
+    // SAFETY: fcntl(F_GETFD) on any integer only reads the descriptor table.
+    if unsafe { libc::fcntl(raw, libc::F_GETFD) } < 0 {
+        return Err(nixl::Error::new(
+            nixl::ErrorKind::InvalidArgument,
+            "register file",
+            format!("fd {fd} is not an open file descriptor of this process"),
+        )
+        .with_source(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `raw` is open (checked just above) and stays open for this call: the
+    // caller holds the GIL, so no Python code closes it meanwhile; the borrow ends
+    // before this returns (the registration keeps its own duplicate).
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(raw) };
+    Memory::file(fd, len)
+}
+
 /// Wrap `addr..addr+len` of the caller's memory.
 ///
 /// # Errors

@@ -85,8 +85,11 @@ def test_wrong_types(two):
         a.get_xfer_descs([(addr(src), 16, 0)], "HBM")
     assert "HBM" in str(e.value)
     with pytest.raises(nixl_rs.nixlNotSupportedError):
-        a.get_xfer_descs([(addr(src), 16, 0)], "FILE").getType() and a.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", a.get_xfer_descs([(addr(src), 16, 0)], "FILE"))
+        a.get_xfer_descs([(addr(src), 16, 0)], "BLOCK").getType() and a.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", a.get_xfer_descs([(addr(src), 16, 0)], "BLOCK"))
+    # A file that was never registered: nothing to reach.
+    with pytest.raises(nixl_rs.nixlInvalidParamError):
+        a.prep_xfer_dlist("NIXL_INIT_AGENT", a.get_xfer_descs([(0, 16, 0)], "FILE"))
     loc = a.prep_xfer_dlist("NIXL_INIT_AGENT", [(addr(src), 16, 0)], "DRAM")
     rem = a.prep_xfer_dlist(b.name, [(addr(dst), 16, 0)], "DRAM")
     with pytest.raises(nixl_rs.nixlInvalidParamError):

@@ -17,8 +17,14 @@ differ (see the README's Python section):
 - Calls without ``ip_addr`` use etcd at ``NIXL_ETCD_ENDPOINTS`` as NIXL's do (NIXL's
   key layout under ``NIXL_ETCD_NAMESPACE`` for agents with UCX; a wheel built with
   the ``etcd`` feature); a fetch waits up to 30 s for the peer's key, then follows
-  it. Partial metadata sent to a listener or etcd, ``query_memory``,
-  ``estimate_xfer_cost`` and memory views raise ``nixlNotSupportedError``.
+  it. Partial metadata sent to a listener or etcd, ``estimate_xfer_cost`` and
+  memory views raise ``nixlNotSupportedError``.
+- Files: ``backends=["POSIX"]`` (nixl-posix: io_uring, or a thread pool where it is
+  refused), FILE registrations ``(0, length, fd, meta)`` and transfer descriptors
+  ``(file offset, length, fd)``, a storage transfer naming the agent itself, and
+  ``query_memory`` of file paths, as NIXL's POSIX backend takes them. The
+  registration keeps its own duplicate of the descriptor; a notification on a
+  storage transfer raises, as in NIXL.
 
 Beyond NIXL: ``await agent.transfer_async(handle)``, ``await agent.wait_xfer(handle)``,
 ``async for peer, msg in agent.notifications()``, ``agent.shutdown()`` and use as a
@@ -38,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
 import pickle
 import struct
 import sys
@@ -473,6 +480,8 @@ class nixl_agent:
         if backend not in self.plugin_list:
             logger.warning("Plugin %s is not available to get its supported mem types.", backend)
             return []
+        if backend == "POSIX":
+            return ["DRAM", "FILE"]
         return ["DRAM", "VRAM"]
 
     def get_plugin_params(self, backend: str) -> dict[str, str]:
@@ -523,8 +532,28 @@ class nixl_agent:
             raise TypeError("deregister_memory takes the nixlRegDList register_memory returned")
         self._native.deregister(dereg_list._mem_type, dereg_list._wire())
 
-    def query_memory(self, reg_list, backend: str, mem_type: Optional[str] = None):
-        raise _not_supported("query memory", "nixl-rs has no storage backends to query")
+    def query_memory(self, reg_list, backend: str, mem_type: Optional[str] = None
+                     ) -> list[Optional[dict[str, str]]]:
+        """Whether each file exists, as NIXL's file backends answer: per registration
+        descriptor (the file's path in its meta), ``None`` when nothing is there, else
+        ``{"size", "mode", "mtime"}`` as strings."""
+        reg_descs = self.get_reg_descs(reg_list, mem_type)
+        if backend not in self.backends:
+            raise ValueError(
+                f"Backend '{backend}' not found. Available backends: {list(self.backends.keys())}")
+        if "FILE" not in self.backend_mems.get(backend, []):
+            raise _not_supported("query memory", f"backend {backend} holds no files to query")
+        out: list[Optional[dict[str, str]]] = []
+        for i in range(len(reg_descs)):
+            path = reg_descs[i][3]
+            try:
+                st = os.stat(path)
+            except (FileNotFoundError, NotADirectoryError):
+                out.append(None)
+                continue
+            out.append({"size": str(st.st_size), "mode": str(st.st_mode),
+                        "mtime": str(int(st.st_mtime))})
+        return out
 
     def get_reg_descs(self, descs, mem_type: Optional[str] = None) -> nixlRegDList:
         """A registration descriptor list from (addr, len, dev, meta) tuples with a
