@@ -544,7 +544,7 @@ mod posix {
 
     use crate::error::{fail, Result};
 
-    const KEYS: &[&str] = &["engine", "threads", "durability"];
+    const KEYS: &[&str] = &["engine", "threads", "durability", "inline_max"];
 
     pub(super) fn make(params: &[(String, String)]) -> Result<Arc<dyn Backend>> {
         let mut o = PosixOptions::default();
@@ -569,6 +569,10 @@ mod posix {
                 "threads" => match value.parse() {
                     Ok(n) if n > 0 => o.threads = n,
                     _ => return bad("a positive number"),
+                },
+                "inline_max" => match crate::cli::parse_size(value) {
+                    Ok(n) => o.inline_max = n,
+                    Err(_) => return bad("a size (0: never)"),
                 },
                 "durability" => {
                     o.durability = match value.as_str() {

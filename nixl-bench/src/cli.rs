@@ -112,14 +112,16 @@ pub(crate) struct Cli {
     pub(crate) control_socket: Option<PathBuf>,
 
     /// Transport: tcp (built in), verbs (built in; needs an RDMA device), ucx (feature
-    /// `ucx`) or uccl (feature `uccl`).
+    /// `ucx`) or uccl (feature `uccl`); or posix (built in): storage mode, one agent
+    /// moving between its memory and files in --filepath.
     #[arg(long, default_value = "tcp")]
     pub(crate) backend: String,
 
     /// Backend parameter KEY=VALUE (repeatable). tcp: listen, advertise,
     /// connect_timeout, dead_peer_timeout, max_notification, same_host
     /// (auto|off|require), inline_copy_max, connections, stripe_min, copy_threads,
-    /// split_copy_min.
+    /// split_copy_min. posix: engine (auto|uring|pool), threads, durability
+    /// (none|data|full), inline_max.
     #[arg(
         long = "backend-param",
         alias = "backend_param",

@@ -24,11 +24,19 @@
 //! ```
 //!
 //! - **Engines.** io_uring where the kernel allows it: a whole descriptor list goes
-//!   onto the ring and is submitted in the posting call, the kernel runs page-cache
-//!   I/O inline and queues the rest, and one reaper thread blocked in the kernel
-//!   reports completions (no polling). Where io_uring is refused (container seccomp
-//!   filters answer EPERM, `kernel.io_uring_disabled`, old kernels), a pool of worker
-//!   threads running `pread`/`pwrite`. [`PosixOptions::engine`] chooses (or the
+//!   onto the ring and is submitted in the posting call (the ring holds 4096
+//!   operations in flight; more wait their turn); what completes there is taken in
+//!   the same call, the rest by one reaper thread blocked in the kernel (no polling).
+//!   Where io_uring is refused
+//!   (container seccomp filters answer EPERM, `kernel.io_uring_disabled`, old
+//!   kernels), a pool of worker threads running `pread`/`pwrite`.
+//! - **Small buffered transfers run in `post`.** Up to [`PosixOptions::inline_max`]
+//!   (4 MiB) of files without O_DIRECT, the posting thread copies to and from the page
+//!   cache itself (reads with `RWF_NOWAIT`: what is not cached goes to the engine), as
+//!   the agent copies between its own memory regions: handing a 4 KiB copy to
+//!   another thread costs more than the copy. With io_uring, reads of more than four
+//!   blocks go to the ring instead, which serves cached blocks in the posting call
+//!   too, a batch per system call. [`PosixOptions::engine`] chooses (or the
 //!   `NIXL_POSIX_ENGINE` environment variable, `uring` or `pool`, for
 //!   [`Engine::Auto`]); [`PosixBackend::engine`] reports the choice and why.
 //! - **O_DIRECT.** A file opened with `O_DIRECT` keeps it; every segment's file
@@ -55,6 +63,7 @@
 mod batch;
 mod plan;
 mod pool;
+mod sys;
 mod uring;
 
 use std::sync::{Arc, OnceLock};
@@ -63,11 +72,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
-    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind,
+    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
     PreparedTransfer, RegionRef, Result, Segments, TransferPlan,
 };
 
-use crate::batch::Batch;
+use crate::batch::{Batch, Next};
 use crate::plan::Plan;
 
 /// Which I/O engine runs the transfers.
@@ -104,6 +113,13 @@ pub struct PosixOptions {
     pub threads: usize,
     /// Whether WRITEs wait for the device. Default: [`Durability::None`].
     pub durability: Durability,
+    /// Transfers of buffered files up to this many bytes run on the posting thread
+    /// first, as positional reads and writes of the page cache (reads with
+    /// `RWF_NOWAIT`: a block not cached goes to the engine instead of waiting);
+    /// larger ones, and O_DIRECT, go to the engine at once. Page-cache I/O is a memory
+    /// copy, and handing a small one to another thread costs more than the copy.
+    /// 0: never. Default: 4 MiB.
+    pub inline_max: u64,
 }
 
 impl Default for PosixOptions {
@@ -112,6 +128,7 @@ impl Default for PosixOptions {
             engine: Engine::Auto,
             threads: 8,
             durability: Durability::None,
+            inline_max: 4 << 20,
         }
     }
 }
@@ -138,12 +155,85 @@ enum Io {
 }
 
 impl Io {
+    /// Run what can run on this thread (a small transfer of buffered files), hand the
+    /// rest to the engine.
     fn post(&self, batch: Arc<Batch>) {
+        let n = batch.plan.ops.len();
+        // io_uring serves cached reads inline too, a whole batch per system call:
+        // a read of more than a few blocks goes there.
+        let ring_reads =
+            matches!(self, Self::Uring(_)) && batch.plan.op == Op::Read && n > INLINE_READS_MAX;
+        let rest: Vec<(u32, u32)> = if batch.plan.inline && !ring_reads {
+            inline(&batch)
+        } else {
+            (0..n as u32).map(|op| (op, 0)).collect()
+        };
+        let finished = n - rest.len();
+        if finished > 0 && batch.finished(finished) {
+            return match batch.end() {
+                Next::Flush(files) => self.flush(&batch, files),
+                Next::Report => batch.report(),
+            };
+        }
         match self {
-            Self::Uring(u) => u.post(batch),
-            Self::Pool(p) => p.post(batch),
+            Self::Uring(u) => u.submit(&batch, &rest),
+            Self::Pool(p) => p.submit(&batch, &rest),
         }
     }
+
+    fn flush(&self, batch: &Arc<Batch>, files: usize) {
+        match self {
+            Self::Uring(u) => u.flush(batch, files),
+            Self::Pool(p) => p.flush(batch, files),
+        }
+    }
+}
+
+/// The most reads run on the posting thread with the io_uring engine (one system
+/// call each); more go to the ring in one.
+const INLINE_READS_MAX: usize = 4;
+
+/// Run `batch`'s operations on this thread: writes into the page cache, reads of
+/// what it holds (`RWF_NOWAIT`). Returns the operations left for the engine (index,
+/// bytes already moved); every other one finished (moved or failed).
+fn inline(batch: &Batch) -> Vec<(u32, u32)> {
+    use std::os::fd::AsRawFd;
+    let plan = &batch.plan;
+    let mut rest = Vec::new();
+    for (i, o) in plan.ops.iter().enumerate() {
+        let fd = plan.files[o.file as usize].as_fd().as_raw_fd();
+        let mut done = 0u32;
+        loop {
+            let res = sys::transfer(
+                plan.op,
+                fd,
+                o.addr + u64::from(done),
+                o.len - done,
+                o.offset + u64::from(done),
+                plan.op == Op::Read,
+            );
+            if res == -i64::from(libc::EAGAIN) || res == -i64::from(libc::EOPNOTSUPP) {
+                // Not in the page cache (or no RWF_NOWAIT here): the engine waits.
+                rest.push((i as u32, done));
+                break;
+            }
+            match plan::judge(plan.op, o, done, res) {
+                plan::Outcome::Done => {
+                    batch.moved(u64::from(o.len - done));
+                    break;
+                }
+                plan::Outcome::Short(n) => {
+                    batch.moved(u64::from(n));
+                    done += n;
+                }
+                plan::Outcome::Failed(why, source) => {
+                    batch.failed(o, done, &why, source);
+                    break;
+                }
+            }
+        }
+    }
+    rest
 }
 
 pub(crate) fn shut_down() -> Error {
@@ -211,7 +301,7 @@ impl PosixBackend {
         Ok(match engine {
             Engine::Pool => pool(String::new()),
             Engine::Uring | Engine::Auto => match uring::Uring::new() {
-                Ok(u) => (Io::Uring(u), "io_uring (one ring, inline submission, one reaper thread)".to_owned()),
+                Ok(u) => (Io::Uring(u), "io_uring (one ring, submitted by the posting call, one reaper thread)".to_owned()),
                 Err(e) if engine == Engine::Auto => pool(format!(" (io_uring refused: {e})")),
                 Err(e) => {
                     return Err(Error::new(
@@ -335,7 +425,7 @@ impl Backend for PosixBackend {
                 format!("files are reached only by their own agent, not from {peer:?}"),
             ));
         }
-        let io_plan = Arc::new(Plan::new(plan.op, &plan.segments)?);
+        let io_plan = Arc::new(Plan::new(plan.op, &plan.segments, self.options.inline_max)?);
         Ok(Box::new(Prepared {
             plan: io_plan,
             durability: self.options.durability,

@@ -37,6 +37,9 @@ pub(crate) struct Plan {
     pub(crate) ops: Vec<IoOp>,
     /// Bytes in all operations.
     pub(crate) bytes: u64,
+    /// Run on the posting thread first ([`crate::PosixOptions::inline_max`]): every
+    /// file is buffered and the transfer small.
+    pub(crate) inline: bool,
 }
 
 const OP: &str = "prepare storage transfer";
@@ -51,7 +54,7 @@ impl Plan {
     /// WRITE into a file not open for writing or a READ from one not open for
     /// reading; [`ErrorKind::InvalidArgument`] for an O_DIRECT file and a segment
     /// whose offset, length or memory address is not aligned, naming the segment.
-    pub(crate) fn new(op: Op, segments: &Segments) -> Result<Self> {
+    pub(crate) fn new(op: Op, segments: &Segments, inline_max: u64) -> Result<Self> {
         let mut files: Vec<Arc<FileHandle>> = Vec::new();
         // Per target registration: the index of its file in `files`.
         let mut slots: Vec<u32> = Vec::with_capacity(segments.targets().len());
@@ -147,11 +150,13 @@ impl Plan {
                 segment = segment.saturating_add(1);
             }
         }
+        let inline = bytes <= inline_max && files.iter().all(|f| f.direct().is_none());
         Ok(Self {
             op,
             files,
             ops,
             bytes,
+            inline,
         })
     }
 }

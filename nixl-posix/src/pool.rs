@@ -2,10 +2,6 @@
 //! (owned by the agent's thread service) take operations from one queue and run
 //! them as `pread`/`pwrite` (then `fsync`/`fdatasync` for a durable WRITE).
 //!
-//! Audited `unsafe`: every read or write names host memory the transfer's
-//! [`nixl::Completer`] keeps registered until its last operation finished (a batch
-//! reports only after every operation it handed out came back).
-#![allow(unsafe_code)]
 
 use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
@@ -13,12 +9,20 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use crate::batch::{Batch, Next};
 use crate::plan::{judge, Outcome};
-use crate::Durability;
+use crate::{sys, Durability};
 
 #[derive(Debug)]
 enum Work {
-    Data { batch: Arc<Batch>, op: u32 },
-    Flush { batch: Arc<Batch>, file: u32 },
+    /// Operation `op`, `done` of its bytes already moved.
+    Data {
+        batch: Arc<Batch>,
+        op: u32,
+        done: u32,
+    },
+    Flush {
+        batch: Arc<Batch>,
+        file: u32,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -35,24 +39,35 @@ pub(crate) struct Pool {
 }
 
 impl Pool {
-    /// Queue every operation of `batch`.
-    pub(crate) fn post(&self, batch: Arc<Batch>) {
+    /// Queue operations `ops` (index, bytes already moved) of `batch`.
+    pub(crate) fn submit(&self, batch: &Arc<Batch>, ops: &[(u32, u32)]) {
         let mut q = self.queue.lock().unwrap();
         if q.stopping {
             drop(q);
             return batch.refuse(crate::shut_down());
         }
-        let n = batch.plan.ops.len();
-        q.work.extend((0..n).map(|op| Work::Data {
+        q.work.extend(ops.iter().map(|&(op, done)| Work::Data {
             batch: batch.clone(),
-            op: op as u32,
+            op,
+            done,
         }));
         drop(q);
-        if n == 1 {
+        if ops.len() == 1 {
             self.ready.notify_one();
         } else {
             self.ready.notify_all();
         }
+    }
+
+    /// Queue the flushes of `batch`'s `n` files.
+    pub(crate) fn flush(&self, batch: &Arc<Batch>, n: usize) {
+        let mut q = self.queue.lock().unwrap();
+        q.work.extend((0..n).map(|file| Work::Flush {
+            batch: batch.clone(),
+            file: file as u32,
+        }));
+        drop(q);
+        self.ready.notify_all();
     }
 
     /// A worker: run operations until `stop` and the queue is empty.
@@ -79,20 +94,17 @@ impl Pool {
 
     fn run_one(&self, work: Work) {
         let batch = match work {
-            Work::Data { batch, op } => {
+            Work::Data { batch, op, done } => {
                 if batch.canceled() {
                     batch.skipped();
                 } else {
-                    data(&batch, op);
+                    data(&batch, op, done);
                 }
                 batch
             }
             Work::Flush { batch, file } => {
                 let f = &batch.plan.files[file as usize];
-                let r = match batch.durability {
-                    Durability::Data => rustix_like::fdatasync(f.as_fd().as_raw_fd()),
-                    _ => rustix_like::fsync(f.as_fd().as_raw_fd()),
-                };
+                let r = sys::flush(f.as_fd().as_raw_fd(), batch.durability == Durability::Data);
                 if let Err(e) = r {
                     batch.flush_failed(file as usize, e);
                 }
@@ -101,15 +113,7 @@ impl Pool {
         };
         if batch.finished(1) {
             match batch.end() {
-                Next::Flush(n) => {
-                    let mut q = self.queue.lock().unwrap();
-                    q.work.extend((0..n).map(|file| Work::Flush {
-                        batch: batch.clone(),
-                        file: file as u32,
-                    }));
-                    drop(q);
-                    self.ready.notify_all();
-                }
+                Next::Flush(n) => self.flush(&batch, n),
                 Next::Report => batch.report(),
             }
         }
@@ -122,35 +126,20 @@ impl Pool {
     }
 }
 
-/// Run operation `op` of `batch` to its end: all bytes, or a failure.
-fn data(batch: &Batch, op: u32) {
+/// Run operation `op` of `batch` to its end (from `done` bytes in): all bytes, or a
+/// failure.
+pub(crate) fn data(batch: &Batch, op: u32, mut done: u32) {
     let o = batch.plan.ops[op as usize];
     let fd = batch.plan.files[o.file as usize].as_fd().as_raw_fd();
-    let mut done = 0u32;
     loop {
-        let (addr, len, off) = (
-            (o.addr + u64::from(done)) as usize,
-            (o.len - done) as usize,
-            (o.offset + u64::from(done)) as libc::off_t,
+        let res = sys::transfer(
+            batch.plan.op,
+            fd,
+            o.addr + u64::from(done),
+            o.len - done,
+            o.offset + u64::from(done),
+            false,
         );
-        let res = match batch.plan.op {
-            // SAFETY: `addr..addr+len` is host memory of a registration the batch's
-            // completer keeps registered until the batch reports (after this returns);
-            // `fd` is the registration's own descriptor, open while the plan lives.
-            nixl::Op::Write => unsafe { libc::pwrite(fd, addr as *const libc::c_void, len, off) },
-            // SAFETY: as above; the kernel writes the range, no Rust reference to it
-            // exists.
-            nixl::Op::Read => unsafe { libc::pread(fd, addr as *mut libc::c_void, len, off) },
-        };
-        let res = if res < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            -i64::from(e.raw_os_error().unwrap_or(libc::EIO))
-        } else {
-            res as i64
-        };
         match judge(batch.plan.op, &o, done, res) {
             Outcome::Done => {
                 batch.moved(u64::from(o.len - done));
@@ -161,28 +150,6 @@ fn data(batch: &Batch, op: u32) {
                 done += n;
             }
             Outcome::Failed(why, source) => return batch.failed(&o, done, &why, source),
-        }
-    }
-}
-
-/// `fsync`/`fdatasync`, as `io::Result`.
-mod rustix_like {
-    pub(super) fn fsync(fd: i32) -> std::io::Result<()> {
-        // SAFETY: `fd` is an open descriptor (the registration's own); fsync takes no
-        // memory.
-        check(unsafe { libc::fsync(fd) })
-    }
-
-    pub(super) fn fdatasync(fd: i32) -> std::io::Result<()> {
-        // SAFETY: as above.
-        check(unsafe { libc::fdatasync(fd) })
-    }
-
-    fn check(r: i32) -> std::io::Result<()> {
-        if r < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(())
         }
     }
 }

@@ -109,8 +109,18 @@ impl Uring {
         })
     }
 
-    /// Post `batch`: submit all of its operations now, report what completed inline.
-    pub(crate) fn post(&self, batch: Arc<Batch>) {
+    /// Submit operations `ops` (index, bytes already moved) of `batch` now, and
+    /// report what completed inline.
+    pub(crate) fn submit(&self, batch: &Arc<Batch>, ops: &[(u32, u32)]) {
+        self.queue_all(batch, ops.iter().map(|&(op, done)| Work::Data { op, done }));
+    }
+
+    /// Flush `batch`'s `n` files.
+    pub(crate) fn flush(&self, batch: &Arc<Batch>, n: usize) {
+        self.queue_all(batch, (0..n as u32).map(|file| Work::Flush { file }));
+    }
+
+    fn queue_all(&self, batch: &Arc<Batch>, work: impl Iterator<Item = Work>) {
         let mut report = Vec::new();
         {
             let mut q = self.queues.lock().unwrap();
@@ -118,17 +128,14 @@ impl Uring {
                 drop(q);
                 return batch.refuse(crate::shut_down());
             }
-            for i in 0..batch.plan.ops.len() {
+            for w in work {
                 let e = Entry {
                     batch: batch.clone(),
-                    work: Work::Data {
-                        op: i as u32,
-                        done: 0,
-                    },
+                    work: w,
                 };
                 self.queue(&mut q, e);
             }
-            self.submit(&mut q);
+            self.submit_queued(&mut q);
             self.reap(&mut q, &mut report);
         }
         for b in report {
@@ -211,7 +218,7 @@ impl Uring {
         }
     }
 
-    fn submit(&self, q: &mut Queues) {
+    fn submit_queued(&self, q: &mut Queues) {
         if q.unsubmitted == 0 {
             return;
         }
@@ -270,7 +277,7 @@ impl Uring {
                 }
                 self.queue(q, e);
             }
-            self.submit(q);
+            self.submit_queued(q);
         }
     }
 

@@ -1,5 +1,6 @@
 //! The storage cases of the suite on nixl-posix, once per I/O engine (io_uring, and
-//! the thread pool forced), then property tests of random descriptor lists against a
+//! the thread pool forced) with everything on the engine, once more with small
+//! buffered transfers run on the posting thread (the default), then property tests of random descriptor lists against a
 //! plain model of memory and file.
 
 use std::sync::Arc;
@@ -9,15 +10,48 @@ use nixl_conformance::storage::{storage_xfer, Scratch};
 use nixl_conformance::{storage_tests, BackendUnderTest};
 use nixl_posix::{Durability, Engine, PosixBackend, PosixOptions};
 
-fn backend(engine: Engine, durability: Durability) -> nixl::Result<Arc<dyn nixl::Backend>> {
+/// The backend on `engine`; `inline` keeps small buffered transfers on the posting
+/// thread (the default), off sends everything to the engine.
+fn backend_with(
+    engine: Engine,
+    durability: Durability,
+    inline: bool,
+) -> nixl::Result<Arc<dyn nixl::Backend>> {
     if engine == Engine::Uring {
         PosixBackend::probe_uring()?;
     }
-    Ok(Arc::new(PosixBackend::new(PosixOptions {
+    let mut o = PosixOptions {
         engine,
         durability,
         ..PosixOptions::default()
-    })))
+    };
+    if !inline {
+        o.inline_max = 0;
+    }
+    Ok(Arc::new(PosixBackend::new(o)))
+}
+
+fn backend(engine: Engine, durability: Durability) -> nixl::Result<Arc<dyn nixl::Backend>> {
+    backend_with(engine, durability, false)
+}
+
+mod inline {
+    use super::*;
+    const POSIX: BackendUnderTest = BackendUnderTest {
+        name: "posix (small buffered transfers inline, io_uring behind)",
+        make: || backend_with(Engine::Uring, Durability::None, true),
+        skip_case: |_| None,
+    };
+    storage_tests!(POSIX);
+    const POOL: BackendUnderTest = BackendUnderTest {
+        name: "posix (small buffered transfers inline, fdatasync by the pool)",
+        make: || backend_with(Engine::Pool, Durability::Data, true),
+        skip_case: |_| None,
+    };
+    mod pool {
+        use super::*;
+        storage_tests!(POOL; storage_round_trip, storage_truncated_file, storage_no_space);
+    }
 }
 
 mod uring {
@@ -61,11 +95,11 @@ mod durable {
 
 /// Random lists of (memory offset, file offset, length) against a model: the file
 /// after a WRITE and the memory after a READ hold exactly what plain copies give.
-fn model_check(engine: Engine, cases: &[Vec<(u64, u64, u64)>]) {
+fn model_check(engine: Engine, inline: bool, cases: &[Vec<(u64, u64, u64)>]) {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let agent = nixl::Agent::builder("model")
-            .backend_arc(backend(engine, Durability::None).unwrap())
+            .backend_arc(backend_with(engine, Durability::None, inline).unwrap())
             .build()
             .await
             .unwrap();
@@ -157,12 +191,17 @@ proptest::proptest! {
             nixl_testkit::skip("random_lists_match_the_model_uring", e);
             return Ok(());
         }
-        model_check(Engine::Uring, &cases);
+        model_check(Engine::Uring, false, &cases);
+    }
+
+    #[test]
+    fn random_lists_match_the_model_inline(cases in proptest::collection::vec(lists(), 8)) {
+        model_check(Engine::Pool, true, &cases);
     }
 
     #[test]
     fn random_lists_match_the_model_pool(cases in proptest::collection::vec(lists(), 8)) {
-        model_check(Engine::Pool, &cases);
+        model_check(Engine::Pool, false, &cases);
     }
 }
 
