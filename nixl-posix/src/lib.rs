@@ -27,7 +27,10 @@
 //!   onto the ring and is submitted in the posting call (the ring holds 4096
 //!   operations in flight; more wait their turn); what completes there is taken in
 //!   the same call, the rest by one reaper thread blocked in the kernel (no polling).
-//!   Where io_uring is refused
+//!   Buffered transfers larger than [`PosixOptions::inline_max`] go to a pool of
+//!   [`PosixOptions::threads`] workers instead: they are page-cache copies, which
+//!   the ring would run on the posting thread, one after another, and which several
+//!   threads share out. Where io_uring is refused
 //!   (container seccomp filters answer EPERM, `kernel.io_uring_disabled`, old
 //!   kernels), a pool of worker threads running `pread`/`pwrite`.
 //! - **Small buffered transfers run in `post`.** Up to [`PosixOptions::inline_max`]
@@ -147,22 +150,27 @@ struct Started {
     engine: Arc<Io>,
 }
 
-/// The engine chosen at start.
+/// The engines chosen at start: the ring where io_uring runs, and the pool, which
+/// takes large buffered transfers (page-cache copies that gain from several threads,
+/// and that the ring would run on the posting thread) and everything where there is
+/// no ring.
 #[derive(Debug)]
-enum Io {
-    Uring(uring::Uring),
-    Pool(pool::Pool),
+struct Io {
+    ring: Option<uring::Uring>,
+    pool: pool::Pool,
 }
 
 impl Io {
     /// Run what can run on this thread (a small transfer of buffered files), hand the
-    /// rest to the engine.
+    /// rest to the ring or the pool.
     fn post(&self, batch: Arc<Batch>) {
         let n = batch.plan.ops.len();
         // io_uring serves cached reads inline too, a whole batch per system call:
-        // a read of more than a few blocks goes there.
-        let ring_reads =
-            matches!(self, Self::Uring(_)) && batch.plan.op == Op::Read && n > INLINE_READS_MAX;
+        // a small read of more than a few blocks goes there.
+        let ring_reads = self.ring.is_some()
+            && batch.plan.inline
+            && batch.plan.op == Op::Read
+            && n > INLINE_READS_MAX;
         let rest: Vec<(u32, u32)> = if batch.plan.inline && !ring_reads {
             inline(&batch)
         } else {
@@ -175,16 +183,25 @@ impl Io {
                 Next::Report => batch.report(),
             };
         }
-        match self {
-            Self::Uring(u) => u.submit(&batch, &rest),
-            Self::Pool(p) => p.submit(&batch, &rest),
+        match self.ring_for(&batch) {
+            Some(u) => u.submit(&batch, &rest),
+            None => self.pool.submit(&batch, &rest),
         }
     }
 
+    /// The ring, for a transfer it serves: anything with O_DIRECT, and small
+    /// transfers of buffered files (what `inline` left of them); large buffered
+    /// transfers go to the pool.
+    fn ring_for(&self, batch: &Batch) -> Option<&uring::Uring> {
+        self.ring
+            .as_ref()
+            .filter(|_| batch.plan.inline || !batch.plan.buffered)
+    }
+
     fn flush(&self, batch: &Arc<Batch>, files: usize) {
-        match self {
-            Self::Uring(u) => u.flush(batch, files),
-            Self::Pool(p) => p.flush(batch, files),
+        match self.ring_for(batch) {
+            Some(u) => u.flush(batch, files),
+            None => self.pool.flush(batch, files),
         }
     }
 }
@@ -294,14 +311,26 @@ impl PosixBackend {
         let threads = self.options.threads.max(1);
         let pool = |why: String| {
             (
-                Io::Pool(pool::Pool::default()),
+                Io {
+                    ring: None,
+                    pool: pool::Pool::default(),
+                },
                 format!("thread pool of {threads} positional I/O workers{why}"),
             )
         };
         Ok(match engine {
             Engine::Pool => pool(String::new()),
             Engine::Uring | Engine::Auto => match uring::Uring::new() {
-                Ok(u) => (Io::Uring(u), "io_uring (one ring, submitted by the posting call, one reaper thread)".to_owned()),
+                Ok(u) => (
+                    Io {
+                        ring: Some(u),
+                        pool: pool::Pool::default(),
+                    },
+                    format!(
+                        "io_uring (one ring, submitted by the posting call, one reaper thread; buffered transfers over {} B on {threads} pool threads)",
+                        self.options.inline_max
+                    ),
+                ),
                 Err(e) if engine == Engine::Auto => pool(format!(" (io_uring refused: {e})")),
                 Err(e) => {
                     return Err(Error::new(
@@ -338,41 +367,29 @@ impl Backend for PosixBackend {
             .attach(OP, async {
                 let (io, report) = self.choose()?;
                 let io = Arc::new(io);
-                match &*io {
-                    Io::Uring(_) => {
-                        let (run, wake) = (io.clone(), io.clone());
-                        ctx.spawn_thread(
-                            "nixl-posix-uring",
-                            move |token| {
-                                if let Io::Uring(u) = &*run {
-                                    u.run(&|| token.is_cancelled());
-                                }
-                            },
-                            move || {
-                                if let Io::Uring(u) = &*wake {
-                                    u.wake();
-                                }
-                            },
-                        )?;
-                    }
-                    Io::Pool(_) => {
-                        for i in 0..threads {
-                            let (run, wake) = (io.clone(), io.clone());
-                            ctx.spawn_thread(
-                                &format!("nixl-posix-{i}"),
-                                move |token| {
-                                    if let Io::Pool(p) = &*run {
-                                        p.run(&|| token.is_cancelled());
-                                    }
-                                },
-                                move || {
-                                    if let Io::Pool(p) = &*wake {
-                                        p.wake();
-                                    }
-                                },
-                            )?;
-                        }
-                    }
+                if io.ring.is_some() {
+                    let (run, wake) = (io.clone(), io.clone());
+                    ctx.spawn_thread(
+                        "nixl-posix-uring",
+                        move |token| {
+                            if let Some(u) = &run.ring {
+                                u.run(&|| token.is_cancelled());
+                            }
+                        },
+                        move || {
+                            if let Some(u) = &wake.ring {
+                                u.wake();
+                            }
+                        },
+                    )?;
+                }
+                for i in 0..threads {
+                    let (run, wake) = (io.clone(), io.clone());
+                    ctx.spawn_thread(
+                        &format!("nixl-posix-{i}"),
+                        move |token| run.pool.run(&|| token.is_cancelled()),
+                        move || wake.pool.wake(),
+                    )?;
                 }
                 tracing::info!(agent = %ctx.agent_name, engine = %report, "posix backend started");
                 let _ = self.report.set(report);

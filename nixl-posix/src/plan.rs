@@ -11,6 +11,10 @@ use nixl::{Error, ErrorKind, MemKind, Op, Result, Segments, TargetRegion};
 /// io_uring read/write) at 0x7fff_f000 bytes, so longer segments are cut.
 pub(crate) const MAX_OP: u64 = 1 << 30;
 
+/// The most bytes one operation on a buffered file moves: large page-cache copies are
+/// cut so the thread pool's workers share them.
+pub(crate) const BUFFERED_PIECE: u64 = 2 << 20;
+
 /// One positional read or write between host memory and a file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct IoOp {
@@ -40,6 +44,8 @@ pub(crate) struct Plan {
     /// Run on the posting thread first ([`crate::PosixOptions::inline_max`]): every
     /// file is buffered and the transfer small.
     pub(crate) inline: bool,
+    /// No file has O_DIRECT.
+    pub(crate) buffered: bool,
 }
 
 const OP: &str = "prepare storage transfer";
@@ -134,9 +140,15 @@ impl Plan {
                         );
                     }
                 }
+                // Buffered I/O is a copy the pool's threads share: cut it finer.
+                let piece = if file.direct().is_some() {
+                    MAX_OP
+                } else {
+                    BUFFERED_PIECE
+                };
                 let mut done = 0;
                 while done < run.len {
-                    let n = (run.len - done).min(MAX_OP);
+                    let n = (run.len - done).min(piece);
                     ops.push(IoOp {
                         file: file_slot,
                         offset: offset + done,
@@ -150,13 +162,14 @@ impl Plan {
                 segment = segment.saturating_add(1);
             }
         }
-        let inline = bytes <= inline_max && files.iter().all(|f| f.direct().is_none());
+        let buffered = files.iter().all(|f| f.direct().is_none());
         Ok(Self {
             op,
             files,
             ops,
             bytes,
-            inline,
+            inline: buffered && bytes <= inline_max,
+            buffered,
         })
     }
 }
