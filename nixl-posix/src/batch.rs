@@ -104,7 +104,7 @@ impl Batch {
         self.record(u32::MAX, e);
     }
 
-    /// `n` operations were never submitted: the transfer was canceled first.
+    /// An operation was never submitted: the transfer was canceled first.
     pub(crate) fn skipped(&self) {
         self.record(
             u32::MAX,
@@ -114,6 +114,11 @@ impl Batch {
                 "the transfer was dropped before all of it was submitted",
             ),
         );
+    }
+
+    /// An operation (or flush) was never submitted: the backend is stopping.
+    pub(crate) fn stopped(&self) {
+        self.record(u32::MAX, crate::shut_down());
     }
 
     fn record(&self, segment: u32, e: Error) {
@@ -146,11 +151,12 @@ impl Batch {
         Next::Report
     }
 
-    /// Fail the transfer before any of it was submitted.
+    /// Fail the transfer: nothing of it is with the kernel or a worker (what ran
+    /// inline finished, the rest was never handed out). Keeps an earlier failure
+    /// and the count of bytes moved.
     pub(crate) fn refuse(&self, e: Error) {
-        if let Some(done) = self.done.lock().unwrap().take() {
-            done.complete(Err(e));
-        }
+        self.record(u32::MAX, e);
+        self.report();
     }
 
     /// Report the outcome to the completer (once).

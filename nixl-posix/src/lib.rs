@@ -49,8 +49,11 @@
 //! - **Nothing silently wrong.** A transfer reports done only when every byte is in
 //!   place: a read past the end of a file (truncated under its registration), a
 //!   write the file does not take, ENOSPC, EIO end it with [`nixl::ErrorKind::Io`]
-//!   naming the segment (file, offset, length) and the bytes of the transfer that did
-//!   move, the OS error as its source. Short reads and writes continue where they
+//!   naming the segment (file, offset, length; segments count after contiguous
+//!   descriptors were merged, [`nixl::RequestOptions::merge`] off to count
+//!   descriptors) and the bytes of the transfer that did move, the OS error as its
+//!   source. Files opened with `O_APPEND` are refused at registration (Linux would
+//!   write them at their end whatever the offset). Short reads and writes continue where they
 //!   stopped. With [`PosixOptions::durability`], a WRITE reports done only after
 //!   `fdatasync`/`fsync` of every file it wrote.
 //! - **Cancellation.** Dropping a transfer's future skips its operations not yet
@@ -89,7 +92,8 @@ pub enum Engine {
     /// `NIXL_POSIX_ENGINE` environment variable, `uring` or `pool`, forces one).
     #[default]
     Auto,
-    /// io_uring only: starting fails when the kernel refuses it.
+    /// io_uring (starting fails when the kernel refuses it); buffered transfers
+    /// over [`PosixOptions::inline_max`] still go to the thread pool.
     Uring,
     /// The thread pool of positional reads and writes.
     Pool,
@@ -121,7 +125,8 @@ pub struct PosixOptions {
     /// `RWF_NOWAIT`: a block not cached goes to the engine instead of waiting);
     /// larger ones, and O_DIRECT, go to the engine at once. Page-cache I/O is a memory
     /// copy, and handing a small one to another thread costs more than the copy.
-    /// 0: never. Default: 4 MiB.
+    /// A write into the page cache can still wait (dirty-page throttling, a network
+    /// filesystem): that wait is the posting thread's. 0: never. Default: 4 MiB.
     pub inline_max: u64,
 }
 
@@ -234,7 +239,7 @@ fn inline(batch: &Batch) -> Vec<(u32, u32)> {
                 rest.push((i as u32, done));
                 break;
             }
-            match plan::judge(plan.op, o, done, res) {
+            match plan::judge(plan.op, o, done, res, plan.align(o)) {
                 plan::Outcome::Done => {
                     batch.moved(u64::from(o.len - done));
                     break;
@@ -272,8 +277,9 @@ impl PosixBackend {
     }
 
     /// Which engine runs the transfers and why (`None` before it is attached): for
-    /// example "io_uring (queue 1024)" or "thread pool of 8 (io_uring refused:
-    /// Operation not permitted)".
+    /// example "io_uring (one ring, ...; buffered transfers over 4194304 B on 8 pool
+    /// threads)" or "thread pool of 8 positional I/O workers (io_uring refused:
+    /// Operation not permitted (os error 1))".
     pub fn engine(&self) -> Option<&str> {
         self.report.get().map(String::as_str)
     }

@@ -190,8 +190,10 @@ pub(crate) enum Outcome {
 }
 
 /// Judge a read or write that returned `res` (bytes, or a negative errno) for `op`
-/// after `done` of its bytes had already moved.
-pub(crate) fn judge(dir: Op, op: &IoOp, done: u32, res: i64) -> Outcome {
+/// after `done` of its bytes had already moved; `align` is the file's O_DIRECT
+/// alignment (1 for buffered files): the rest of an O_DIRECT operation cut short at
+/// an unaligned point cannot go again, so that fails at once with what happened.
+pub(crate) fn judge(dir: Op, op: &IoOp, done: u32, res: i64, align: u32) -> Outcome {
     let rest = op.len - done;
     if res < 0 {
         let e = std::io::Error::from_raw_os_error((-res) as i32);
@@ -208,7 +210,24 @@ pub(crate) fn judge(dir: Op, op: &IoOp, done: u32, res: i64) -> Outcome {
         };
         return Outcome::Failed(why.to_owned(), None);
     }
+    if (u64::from(done) + n) % u64::from(align.max(1)) != 0 {
+        return Outcome::Failed(
+            format!(
+                "the file took {n} of the O_DIRECT operation's {rest} bytes, not a multiple of its {align}-byte alignment (out of space?)"
+            ),
+            None,
+        );
+    }
     Outcome::Short(n as u32)
+}
+
+impl Plan {
+    /// The O_DIRECT alignment of `op`'s file (1 for a buffered file).
+    pub(crate) fn align(&self, op: &IoOp) -> u32 {
+        self.files[op.file as usize]
+            .direct()
+            .map_or(1, |a| a.offset)
+    }
 }
 
 #[cfg(test)]
@@ -226,18 +245,36 @@ mod tests {
     }
 
     #[test]
-    fn short_transfers_continue_and_zero_ends_them() {
-        assert!(matches!(judge(Op::Write, &op(100), 0, 100), Outcome::Done));
-        assert!(matches!(judge(Op::Write, &op(100), 60, 40), Outcome::Done));
+    fn an_o_direct_operation_cut_short_unaligned_fails_at_once() {
         assert!(matches!(
-            judge(Op::Read, &op(100), 0, 30),
+            judge(Op::Write, &op(8192), 0, 4096, 512),
+            Outcome::Short(4096)
+        ));
+        match judge(Op::Write, &op(8192), 0, 1000, 512) {
+            Outcome::Failed(why, None) => assert!(why.contains("1000 of"), "{why}"),
+            o => panic!("{o:?}"),
+        }
+    }
+
+    #[test]
+    fn short_transfers_continue_and_zero_ends_them() {
+        assert!(matches!(
+            judge(Op::Write, &op(100), 0, 100, 1),
+            Outcome::Done
+        ));
+        assert!(matches!(
+            judge(Op::Write, &op(100), 60, 40, 1),
+            Outcome::Done
+        ));
+        assert!(matches!(
+            judge(Op::Read, &op(100), 0, 30, 1),
             Outcome::Short(30)
         ));
-        match judge(Op::Read, &op(100), 30, 0) {
+        match judge(Op::Read, &op(100), 30, 0, 1) {
             Outcome::Failed(why, None) => assert!(why.contains("end of file"), "{why}"),
             o => panic!("{o:?}"),
         }
-        match judge(Op::Write, &op(100), 0, -(libc::ENOSPC as i64)) {
+        match judge(Op::Write, &op(100), 0, -(libc::ENOSPC as i64), 1) {
             Outcome::Failed(why, Some(e)) => {
                 assert_eq!(e.raw_os_error(), Some(libc::ENOSPC));
                 assert!(why.contains("No space left"), "{why}");

@@ -59,9 +59,14 @@ impl Pool {
         }
     }
 
-    /// Queue the flushes of `batch`'s `n` files.
+    /// Queue the flushes of `batch`'s `n` files (every data operation finished).
     pub(crate) fn flush(&self, batch: &Arc<Batch>, n: usize) {
         let mut q = self.queue.lock().unwrap();
+        if q.stopping {
+            // No worker takes new work: the data is in the files, not flushed.
+            drop(q);
+            return batch.refuse(crate::shut_down());
+        }
         q.work.extend((0..n).map(|file| Work::Flush {
             batch: batch.clone(),
             file: file as u32,
@@ -140,7 +145,7 @@ pub(crate) fn data(batch: &Batch, op: u32, mut done: u32) {
             o.offset + u64::from(done),
             false,
         );
-        match judge(batch.plan.op, &o, done, res) {
+        match judge(batch.plan.op, &o, done, res, batch.plan.align(&o)) {
             Outcome::Done => {
                 batch.moved(u64::from(o.len - done));
                 return;

@@ -32,6 +32,13 @@ const SQ_ENTRIES: u32 = 1024;
 const CQ_ENTRIES: u32 = 4096;
 /// `user_data` of the no-op that wakes the reaper.
 const WAKE: u64 = u64::MAX;
+/// Most of our operations in flight: the completion queue keeps room for the
+/// reaper's wake-up no-ops, so it never overflows.
+const IN_FLIGHT_MAX: usize = CQ_ENTRIES as usize - 64;
+/// The reaper's longest sleep in the kernel: a bound, not a poll, for the rare case
+/// where its wake-up went to another thread's reap or a submission was deferred (the
+/// kernel was short of room) while nothing of ours was in flight to wake it.
+const REAPER_NAP: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// What an in-flight entry is.
 #[derive(Debug)]
@@ -92,6 +99,20 @@ impl Uring {
             sq.sync();
         }
         ring.submit_and_wait(1)?;
+        // The operations we use (reads and writes at an offset: 5.6; fsync: 5.1).
+        let mut probe = io_uring::Probe::new();
+        ring.submitter().register_probe(&mut probe)?;
+        for (code, name) in [
+            (opcode::Read::CODE, "READ"),
+            (opcode::Write::CODE, "WRITE"),
+            (opcode::Fsync::CODE, "FSYNC"),
+        ] {
+            if !probe.is_supported(code) {
+                return Err(std::io::Error::other(format!(
+                    "this kernel's io_uring has no {name} operation"
+                )));
+            }
+        }
         // SAFETY: as above.
         unsafe {
             let mut cq = ring.completion_shared();
@@ -143,11 +164,17 @@ impl Uring {
         }
     }
 
-    /// Put an entry on the ring (or in the waiting queue when the ring is full).
-    fn queue(&self, q: &mut Queues, e: Entry) {
-        if q.in_flight >= CQ_ENTRIES as usize {
-            q.waiting.push_back(e);
-            return;
+    /// Put an entry on the ring, or in the waiting queue (at its end, or at its front
+    /// with `front` for one that came out of it) when the ring is full; returns
+    /// whether it is on the ring.
+    fn queue_at(&self, q: &mut Queues, e: Entry, front: bool) -> bool {
+        if q.in_flight >= IN_FLIGHT_MAX {
+            if front {
+                q.waiting.push_front(e);
+            } else {
+                q.waiting.push_back(e);
+            }
+            return false;
         }
         let sqe = self.sqe(&e);
         let slot = match q.free.pop() {
@@ -169,22 +196,32 @@ impl Uring {
             if sq.is_full() {
                 sq.sync();
                 drop(sq);
-                let _ = self.ring.submit();
+                if self.ring.submit().is_ok() {
+                    q.unsubmitted = 0;
+                }
                 sq = self.ring.submission_shared();
-                q.unsubmitted = 0;
             }
             if sq.push(&sqe).is_err() {
                 // Still full (the kernel took nothing): wait for the next round.
                 drop(sq);
                 q.free.push(slot);
-                q.waiting.push_back(e);
-                return;
+                if front {
+                    q.waiting.push_front(e);
+                } else {
+                    q.waiting.push_back(e);
+                }
+                return false;
             }
             sq.sync();
         }
         q.slab[slot as usize] = Some(e);
         q.in_flight += 1;
         q.unsubmitted += 1;
+        true
+    }
+
+    fn queue(&self, q: &mut Queues, e: Entry) {
+        self.queue_at(q, e, false);
     }
 
     fn sqe(&self, e: &Entry) -> io_uring::squeue::Entry {
@@ -263,8 +300,8 @@ impl Uring {
                 q.in_flight -= 1;
                 self.completed(q, e, res, report);
             }
-            // Room freed: what waited goes on.
-            while q.in_flight < CQ_ENTRIES as usize {
+            // Room freed: what waited goes on (until the ring is full again).
+            while q.in_flight < IN_FLIGHT_MAX {
                 let Some(e) = q.waiting.pop_front() else {
                     break;
                 };
@@ -275,7 +312,9 @@ impl Uring {
                     }
                     continue;
                 }
-                self.queue(q, e);
+                if !self.queue_at(q, e, true) {
+                    break;
+                }
             }
             self.submit_queued(q);
         }
@@ -286,7 +325,13 @@ impl Uring {
         match e.work {
             Work::Data { op, done } => {
                 let o = batch.plan.ops[op as usize];
-                match judge(batch.plan.op, &o, done, i64::from(res)) {
+                match judge(
+                    batch.plan.op,
+                    &o,
+                    done,
+                    i64::from(res),
+                    batch.plan.align(&o),
+                ) {
                     Outcome::Done => batch.moved(u64::from(o.len - done)),
                     Outcome::Short(n) => {
                         // The rest goes again from where it stopped.
@@ -339,7 +384,7 @@ impl Uring {
                     q.stopping = true;
                     // Nothing new starts; what waited for room is given up.
                     while let Some(e) = q.waiting.pop_front() {
-                        e.batch.skipped();
+                        e.batch.stopped();
                         if e.batch.finished(1) {
                             // A skip is a failure: no flush follows, only the report.
                             report.push(e.batch);
@@ -354,9 +399,17 @@ impl Uring {
             if done {
                 return;
             }
-            match self.ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+            // Submit what a deferred submission left, and wait (bounded).
+            let nap = types::Timespec::from(REAPER_NAP);
+            let args = types::SubmitArgs::new().timespec(&nap);
+            let waited = self.ring.submitter().submit_with_args(1, &args);
+            match waited {
+                Ok(_) => self.queues.lock().unwrap().unsubmitted = 0,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::ETIME)) => {}
+                // Kernels before 5.11 take no timeout: wait without one.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    let _ = self.ring.submit_and_wait(1);
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "io_uring wait failed");
                     std::thread::sleep(std::time::Duration::from_millis(1));

@@ -210,12 +210,13 @@ pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<
                     "use_uring" if on(k, v)? => Some(Engine::Uring),
                     "use_aio" | "use_posix_aio" if on(k, v)? => Some(Engine::Pool),
                     "use_uring" | "use_aio" | "use_posix_aio" => None,
-                    "engine" => Some(match v.as_str() {
-                        "auto" => Engine::Auto,
-                        "uring" => Engine::Uring,
-                        "pool" => Engine::Pool,
+                    // The default, "auto", chooses nothing.
+                    "engine" => match v.as_str() {
+                        "auto" | "" => None,
+                        "uring" => Some(Engine::Uring),
+                        "pool" => Some(Engine::Pool),
                         _ => return Err(bad("POSIX", k, v, "auto, uring or pool")),
-                    }),
+                    },
                     "threads" => {
                         o.threads = v
                             .parse()

@@ -94,6 +94,16 @@ def test_pool_of_files_one_request(storage):
             os.close(fd)
 
 
+def test_append_only_descriptors_are_refused(storage):
+    a, d = storage
+    fd = os.open(str(d / "log.bin"), os.O_RDWR | os.O_CREAT | os.O_APPEND)
+    try:
+        with pytest.raises(Exception, match="O_APPEND"):
+            a.register_memory([(0, BLOCK, fd, "")], "FILE")
+    finally:
+        os.close(fd)
+
+
 def test_read_past_a_truncated_file_raises(storage):
     a, d = storage
     dst = buf(BLOCK)
@@ -115,7 +125,10 @@ def test_read_past_a_truncated_file_raises(storage):
 def test_queue_type_params(tmp_path):
     a = nixl_agent(unique("pool"), nixl_agent_config(backends=[]))
     try:
-        a.create_backend("POSIX", {"use_posix_aio": "true"})
+        # The usual pattern: the plugin's defaults with one queue type switched on.
+        params = dict(a.get_plugin_params("POSIX"))
+        params["use_posix_aio"] = "true"
+        a.create_backend("POSIX", params)
         assert a.get_backend_mem_types("POSIX") == ["DRAM", "FILE"]
     finally:
         a.shutdown()

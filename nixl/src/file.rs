@@ -134,6 +134,14 @@ impl FileHandle {
             }
         };
         let fl = rustix::fs::fcntl_getfl(&fd).map_err(|e| io_err(format!("{name}: fcntl"), e))?;
+        if fl.contains(OFlags::APPEND) {
+            // Linux writes an O_APPEND file at its end whatever the offset asked.
+            return err(
+                ErrorKind::InvalidArgument,
+                OP,
+                format!("{name} is open with O_APPEND: positional writes would land at its end; open it without O_APPEND"),
+            );
+        }
         let access = fl & OFlags::RWMODE;
         let readable = access == OFlags::RDONLY || access == OFlags::RDWR;
         let writable = access == OFlags::WRONLY || access == OFlags::RDWR;
@@ -385,6 +393,15 @@ mod tests {
             10_000,
             "still open after the caller closed its fd"
         );
+    }
+
+    #[test]
+    fn append_only_descriptors_are_refused() {
+        let (_d, p) = temp(4096);
+        let f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
+        let e = FileHandle::from_fd(f.as_fd(), 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(e.to_string().contains("O_APPEND"), "{e}");
     }
 
     #[test]

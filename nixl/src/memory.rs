@@ -153,6 +153,13 @@ impl Memory {
                 "address + length overflows",
             );
         }
+        if kind.is_file() {
+            return err(
+                ErrorKind::InvalidArgument,
+                "wrap raw memory",
+                "a file is registered with Memory::file or Memory::open_file, not by address",
+            );
+        }
         Ok(Self {
             ptr,
             len,
@@ -488,10 +495,11 @@ impl Memory {
         (self.kind == MemKind::Dram).then(|| self.segment().slice(offset, len))?
     }
 
+    /// The memory as a segment; empty for a file (it has no memory to point at).
     pub(crate) fn segment(&self) -> MemSegment {
         MemSegment {
             ptr: self.ptr,
-            len: self.len,
+            len: if self.kind.is_file() { 0 } else { self.len },
         }
     }
 }

@@ -327,11 +327,13 @@ impl RegionSlice {
     }
 
     /// The raw range, for native calls. It stays valid while this value lives.
+    /// A slice of a file has no memory: its segment is empty.
     pub fn segment(&self) -> MemSegment {
-        self.region
-            .inner
-            .mem
-            .segment()
+        let whole = self.region.inner.mem.segment();
+        if self.kind().is_file() {
+            return whole;
+        }
+        whole
             .slice(self.offset, self.len)
             .expect("a RegionSlice lies inside its registration")
     }
