@@ -540,7 +540,7 @@ mod posix {
     use std::sync::Arc;
 
     use nixl::Backend;
-    use nixl_posix::{Durability, Engine, PosixBackend, PosixOptions};
+    use nixl_posix::{PosixBackend, PosixOptions};
 
     use crate::error::{fail, Result};
 
@@ -558,14 +558,10 @@ mod posix {
                 ))
             };
             match key.as_str() {
-                "engine" => {
-                    o.engine = match value.as_str() {
-                        "auto" => Engine::Auto,
-                        "uring" => Engine::Uring,
-                        "pool" => Engine::Pool,
-                        _ => return bad("auto, uring or pool"),
-                    }
-                }
+                "engine" => match value.parse() {
+                    Ok(e) => o.engine = e,
+                    Err(want) => return bad(want),
+                },
                 "threads" => match value.parse() {
                     Ok(n) if n > 0 => o.threads = n,
                     _ => return bad("a positive number"),
@@ -574,14 +570,10 @@ mod posix {
                     Ok(n) => o.inline_max = n,
                     Err(_) => return bad("a size (0: never)"),
                 },
-                "durability" => {
-                    o.durability = match value.as_str() {
-                        "none" => Durability::None,
-                        "data" => Durability::Data,
-                        "full" => Durability::Full,
-                        _ => return bad("none, data (fdatasync) or full (fsync)"),
-                    }
-                }
+                "durability" => match value.parse() {
+                    Ok(d) => o.durability = d,
+                    Err(want) => return bad(want),
+                },
                 _ => {
                     return fail(format!(
                         "unknown posix backend parameter {key:?}; known: {}",

@@ -111,6 +111,36 @@ pub enum Durability {
     Full,
 }
 
+impl std::str::FromStr for Engine {
+    /// What the name should have been.
+    type Err = &'static str;
+
+    /// `auto`, `uring` or `pool`.
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "uring" => Ok(Self::Uring),
+            "pool" => Ok(Self::Pool),
+            _ => Err("auto, uring or pool"),
+        }
+    }
+}
+
+impl std::str::FromStr for Durability {
+    /// What the name should have been.
+    type Err = &'static str;
+
+    /// `none`, `data` (fdatasync) or `full` (fsync).
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s {
+            "none" => Ok(Self::None),
+            "data" => Ok(Self::Data),
+            "full" => Ok(Self::Full),
+            _ => Err("none, data (fdatasync) or full (fsync)"),
+        }
+    }
+}
+
 /// Options of [`PosixBackend`].
 #[derive(Clone, Debug)]
 pub struct PosixOptions {
@@ -176,11 +206,11 @@ impl Io {
             && batch.plan.inline
             && batch.plan.op == Op::Read
             && n > INLINE_READS_MAX;
-        let rest: Vec<(u32, u32)> = if batch.plan.inline && !ring_reads {
-            inline(&batch)
-        } else {
-            (0..n as u32).map(|op| (op, 0)).collect()
-        };
+        if !batch.plan.inline || ring_reads {
+            let all = (0..n as u32).map(|op| (op, 0));
+            return self.submit(&batch, all);
+        }
+        let rest = inline(&batch);
         let finished = n - rest.len();
         if finished > 0 && batch.finished(finished) {
             return match batch.end() {
@@ -188,9 +218,14 @@ impl Io {
                 Next::Report => batch.report(),
             };
         }
-        match self.ring_for(&batch) {
-            Some(u) => u.submit(&batch, &rest),
-            None => self.pool.submit(&batch, &rest),
+        self.submit(&batch, rest.into_iter());
+    }
+
+    /// Hand operations (index, bytes already moved) to the ring or the pool.
+    fn submit(&self, batch: &Arc<Batch>, ops: impl Iterator<Item = (u32, u32)>) {
+        match self.ring_for(batch) {
+            Some(u) => u.submit(batch, ops),
+            None => self.pool.submit(batch, ops),
         }
     }
 
@@ -219,43 +254,10 @@ const INLINE_READS_MAX: usize = 4;
 /// what it holds (`RWF_NOWAIT`). Returns the operations left for the engine (index,
 /// bytes already moved); every other one finished (moved or failed).
 fn inline(batch: &Batch) -> Vec<(u32, u32)> {
-    use std::os::fd::AsRawFd;
-    let plan = &batch.plan;
-    let mut rest = Vec::new();
-    for (i, o) in plan.ops.iter().enumerate() {
-        let fd = plan.files[o.file as usize].as_fd().as_raw_fd();
-        let mut done = 0u32;
-        loop {
-            let res = sys::transfer(
-                plan.op,
-                fd,
-                o.addr + u64::from(done),
-                o.len - done,
-                o.offset + u64::from(done),
-                plan.op == Op::Read,
-            );
-            if res == -i64::from(libc::EAGAIN) || res == -i64::from(libc::EOPNOTSUPP) {
-                // Not in the page cache (or no RWF_NOWAIT here): the engine waits.
-                rest.push((i as u32, done));
-                break;
-            }
-            match plan::judge(plan.op, o, done, res, plan.align(o)) {
-                plan::Outcome::Done => {
-                    batch.moved(u64::from(o.len - done));
-                    break;
-                }
-                plan::Outcome::Short(n) => {
-                    batch.moved(u64::from(n));
-                    done += n;
-                }
-                plan::Outcome::Failed(why, source) => {
-                    batch.failed(o, done, &why, source);
-                    break;
-                }
-            }
-        }
-    }
-    rest
+    let nowait = batch.plan.op == Op::Read;
+    (0..batch.plan.ops.len() as u32)
+        .filter_map(|op| pool::run_op(batch, op, 0, nowait).map(|done| (op, done)))
+        .collect()
 }
 
 pub(crate) fn shut_down() -> Error {
@@ -303,15 +305,13 @@ impl PosixBackend {
     fn choose(&self) -> Result<(Io, String)> {
         let forced = std::env::var("NIXL_POSIX_ENGINE").ok();
         let engine = match (self.options.engine, forced.as_deref()) {
-            (Engine::Auto, Some("uring")) => Engine::Uring,
-            (Engine::Auto, Some("pool")) => Engine::Pool,
-            (Engine::Auto, Some(other)) if !other.is_empty() => {
-                return Err(Error::new(
+            (Engine::Auto, Some(name)) if !name.is_empty() => name.parse().map_err(|want| {
+                Error::new(
                     ErrorKind::InvalidArgument,
                     "start posix backend",
-                    format!("NIXL_POSIX_ENGINE={other:?}: expected \"uring\" or \"pool\""),
-                ))
-            }
+                    format!("NIXL_POSIX_ENGINE={name:?}: expected {want}"),
+                )
+            })?,
             (e, _) => e,
         };
         let threads = self.options.threads.max(1);

@@ -40,19 +40,21 @@ pub(crate) struct Pool {
 
 impl Pool {
     /// Queue operations `ops` (index, bytes already moved) of `batch`.
-    pub(crate) fn submit(&self, batch: &Arc<Batch>, ops: &[(u32, u32)]) {
+    pub(crate) fn submit(&self, batch: &Arc<Batch>, ops: impl Iterator<Item = (u32, u32)>) {
         let mut q = self.queue.lock().unwrap();
         if q.stopping {
             drop(q);
             return batch.refuse(crate::shut_down());
         }
-        q.work.extend(ops.iter().map(|&(op, done)| Work::Data {
+        let before = q.work.len();
+        q.work.extend(ops.map(|(op, done)| Work::Data {
             batch: batch.clone(),
             op,
             done,
         }));
+        let added = q.work.len() - before;
         drop(q);
-        if ops.len() == 1 {
+        if added == 1 {
             self.ready.notify_one();
         } else {
             self.ready.notify_all();
@@ -103,7 +105,7 @@ impl Pool {
                 if batch.canceled() {
                     batch.skipped();
                 } else {
-                    data(&batch, op, done);
+                    run_op(&batch, op, done, false);
                 }
                 batch
             }
@@ -131,9 +133,11 @@ impl Pool {
     }
 }
 
-/// Run operation `op` of `batch` to its end (from `done` bytes in): all bytes, or a
-/// failure.
-pub(crate) fn data(batch: &Batch, op: u32, mut done: u32) {
+/// Run operation `op` of `batch` on this thread from `done` bytes in, until all its
+/// bytes moved or it failed (both told to the batch: `None`); with `nowait`
+/// (`RWF_NOWAIT`), stop where the page cache would make it wait and return the bytes
+/// moved so far, for an engine to go on from there.
+pub(crate) fn run_op(batch: &Batch, op: u32, mut done: u32, nowait: bool) -> Option<u32> {
     let o = batch.plan.ops[op as usize];
     let fd = batch.plan.files[o.file as usize].as_fd().as_raw_fd();
     loop {
@@ -143,18 +147,25 @@ pub(crate) fn data(batch: &Batch, op: u32, mut done: u32) {
             o.addr + u64::from(done),
             o.len - done,
             o.offset + u64::from(done),
-            false,
+            nowait,
         );
+        if nowait && (res == -i64::from(libc::EAGAIN) || res == -i64::from(libc::EOPNOTSUPP)) {
+            // Not in the page cache (or no RWF_NOWAIT here).
+            return Some(done);
+        }
         match judge(batch.plan.op, &o, done, res, batch.plan.align(&o)) {
             Outcome::Done => {
                 batch.moved(u64::from(o.len - done));
-                return;
+                return None;
             }
             Outcome::Short(n) => {
                 batch.moved(u64::from(n));
                 done += n;
             }
-            Outcome::Failed(why, source) => return batch.failed(&o, done, &why, source),
+            Outcome::Failed(why, source) => {
+                batch.failed(&o, done, &why, source);
+                return None;
+            }
         }
     }
 }

@@ -132,8 +132,8 @@ impl Uring {
 
     /// Submit operations `ops` (index, bytes already moved) of `batch` now, and
     /// report what completed inline.
-    pub(crate) fn submit(&self, batch: &Arc<Batch>, ops: &[(u32, u32)]) {
-        self.queue_all(batch, ops.iter().map(|&(op, done)| Work::Data { op, done }));
+    pub(crate) fn submit(&self, batch: &Arc<Batch>, ops: impl Iterator<Item = (u32, u32)>) {
+        self.queue_all(batch, ops.map(|(op, done)| Work::Data { op, done }));
     }
 
     /// Flush `batch`'s `n` files.

@@ -197,7 +197,7 @@ pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<
         }
         #[cfg(feature = "posix")]
         Some("posix") => {
-            use nixl_posix::{Durability, Engine};
+            use nixl_posix::Engine;
             let mut o = nixl_posix::PosixOptions::default();
             let on = |k: &str, v: &str| match v {
                 "true" | "1" | "yes" => Ok(true),
@@ -211,11 +211,11 @@ pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<
                     "use_aio" | "use_posix_aio" if on(k, v)? => Some(Engine::Pool),
                     "use_uring" | "use_aio" | "use_posix_aio" => None,
                     // The default, "auto", chooses nothing.
-                    "engine" => match v.as_str() {
-                        "auto" | "" => None,
-                        "uring" => Some(Engine::Uring),
-                        "pool" => Some(Engine::Pool),
-                        _ => return Err(bad("POSIX", k, v, "auto, uring or pool")),
+                    "engine" if v.is_empty() => None,
+                    "engine" => match v.parse() {
+                        Ok(Engine::Auto) => None,
+                        Ok(e) => Some(e),
+                        Err(want) => return Err(bad("POSIX", k, v, want)),
                     },
                     "threads" => {
                         o.threads = v
@@ -226,12 +226,7 @@ pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<
                         None
                     }
                     "durability" => {
-                        o.durability = match v.as_str() {
-                            "none" => Durability::None,
-                            "data" => Durability::Data,
-                            "full" => Durability::Full,
-                            _ => return Err(bad("POSIX", k, v, "none, data or full")),
-                        };
+                        o.durability = v.parse().map_err(|want| bad("POSIX", k, v, want))?;
                         None
                     }
                     // NIXL's request-pool and kernel-queue sizes: the ring and the

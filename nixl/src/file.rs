@@ -5,7 +5,7 @@
 //! was given, or the one it opened), so closing or reusing the caller's descriptor
 //! afterwards never redirects a transfer to another file: the registration keeps
 //! naming the file it was made for. Descriptors of a file carry its device id
-//! ([`MemKind::File`]): by NIXL's convention, the number of the descriptor it was
+//! ([`MemKind::File`](crate::MemKind::File)): by NIXL's convention, the number of the descriptor it was
 //! registered with.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{FileType, OFlags};
 
 use crate::error::{err, Error, ErrorKind, Result};
-use crate::memory::MemKind;
 
 /// Alignment O_DIRECT I/O needs on a file: memory addresses, file offsets and lengths
 /// must be multiples of these.
@@ -36,7 +35,6 @@ pub struct FileHandle {
     writable: bool,
     direct: Option<DirectAlignment>,
     path: Option<PathBuf>,
-    identity: (u64, u64),
 }
 
 /// How [`Memory::open_file`](crate::Memory::open_file) opens a file.
@@ -184,7 +182,6 @@ impl FileHandle {
             writable,
             direct,
             path,
-            identity: (st.st_dev, st.st_ino),
         })
     }
 
@@ -229,11 +226,6 @@ impl FileHandle {
         self.path.as_deref()
     }
 
-    /// The file's (device, inode) at registration.
-    pub fn identity(&self) -> (u64, u64) {
-        self.identity
-    }
-
     /// The file's length now (it may have been truncated or grown since).
     ///
     /// # Errors
@@ -249,11 +241,6 @@ impl FileHandle {
     /// How errors name this file: its path, or its descriptor number.
     pub fn describe(&self) -> String {
         describe(self.device, self.path.as_deref())
-    }
-
-    /// The memory kind of its descriptors.
-    pub fn kind(&self) -> MemKind {
-        MemKind::File { fd: self.device }
     }
 }
 
@@ -345,38 +332,17 @@ pub fn query(path: impl AsRef<Path>) -> Result<Option<FileInfo>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nixl_testkit::TempDir;
     use std::io::Write;
 
-    fn temp(bytes: usize) -> (tempdir::Dir, PathBuf) {
-        let d = tempdir::Dir::new();
-        let p = d.path.join("f");
+    fn temp(bytes: usize) -> (TempDir, PathBuf) {
+        let d = TempDir::new("nixl-file-test");
+        let p = d.file("f");
         std::fs::File::create(&p)
             .unwrap()
             .write_all(&vec![7u8; bytes])
             .unwrap();
         (d, p)
-    }
-
-    mod tempdir {
-        pub(super) struct Dir {
-            pub(super) path: std::path::PathBuf,
-        }
-        impl Dir {
-            pub(super) fn new() -> Self {
-                let path = std::env::temp_dir().join(format!(
-                    "nixl-file-test-{}-{}",
-                    std::process::id(),
-                    crate::agent::random_u64()
-                ));
-                std::fs::create_dir_all(&path).unwrap();
-                Self { path }
-            }
-        }
-        impl Drop for Dir {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.path);
-            }
-        }
     }
 
     #[test]

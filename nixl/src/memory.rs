@@ -206,7 +206,7 @@ impl Memory {
         Self {
             ptr: NonNull::dangling(),
             len: h.len() as usize,
-            kind: h.kind(),
+            kind: MemKind::File { fd: h.device() },
             _owner: Owner::File(Arc::new(h)),
         }
     }

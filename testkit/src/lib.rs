@@ -168,3 +168,38 @@ pub mod threads {
         true
     }
 }
+
+/// A fresh directory under the system's temporary directory, removed when dropped.
+#[derive(Debug)]
+pub struct TempDir {
+    /// Its path.
+    pub path: std::path::PathBuf,
+}
+
+impl TempDir {
+    /// A new directory whose name starts with `prefix` (and is unique in the process).
+    ///
+    /// # Panics
+    /// When it cannot be created.
+    pub fn new(prefix: &str) -> Self {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "{prefix}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&path).expect("temporary directory");
+        Self { path }
+    }
+
+    /// A path inside it.
+    pub fn file(&self, name: &str) -> std::path::PathBuf {
+        self.path.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}

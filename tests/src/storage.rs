@@ -12,38 +12,8 @@ use nixl::{
 
 use crate::support::{bounded, pattern, skip, BackendUnderTest};
 
-static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// A directory removed when dropped.
-#[derive(Debug)]
-pub struct Scratch {
-    /// Its path.
-    pub path: PathBuf,
-}
-
-impl Scratch {
-    /// A fresh directory under the system's temporary directory.
-    pub fn new(case: &str) -> Self {
-        let path = std::env::temp_dir().join(format!(
-            "nixl-storage-{case}-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&path).expect("scratch directory");
-        Self { path }
-    }
-
-    /// A path inside it.
-    pub fn file(&self, name: &str) -> PathBuf {
-        self.path.join(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
-    }
-}
+/// The scratch directory of a storage case (from the shared test kit).
+pub use nixl_testkit::TempDir as Scratch;
 
 /// An agent of the backend under test, or `None` after a SKIP line when the backend
 /// does not take files.
@@ -56,13 +26,26 @@ async fn storage_agent(but: &BackendUnderTest, case: &str) -> Option<Agent> {
     Some(but.agent("storage").await)
 }
 
-fn create(path: &Path, len: u64) -> FileOptions {
-    let _ = path;
+/// Options that create a file of `len` bytes (or grow it to that).
+fn create(len: u64) -> FileOptions {
     FileOptions {
         create: true,
         len: Some(len),
         ..FileOptions::default()
     }
+}
+
+/// Register a new file of `len` bytes at `path` (opened here).
+fn new_file(agent: &Agent, path: &Path, len: u64) -> Registration {
+    agent
+        .register(Memory::open_file(path, &create(len)).unwrap())
+        .unwrap()
+}
+
+/// Shut `agent` down; every task and thread it started must be gone.
+pub async fn shut_down_clean(agent: &Agent) {
+    let report = agent.shutdown().await;
+    assert!(report.is_clean(), "{report:?}");
 }
 
 /// Move `mem_descs` to (WRITE) or from (READ) `file_descs`, and await it.
@@ -99,9 +82,7 @@ pub async fn storage_round_trip(but: &BackendUnderTest) {
     let dir = Scratch::new(CASE);
     let path = dir.file("cache.bin");
     let file_len = 16 << 20;
-    let file = agent
-        .register(Memory::open_file(&path, &create(&path, file_len)).unwrap())
-        .unwrap();
+    let file = new_file(&agent, &path, file_len);
     let fd = fd_of(&file);
     let kind = MemKind::File { fd };
     let max = (4 << 20) + 3;
@@ -147,8 +128,7 @@ pub async fn storage_round_trip(but: &BackendUnderTest) {
         file_len,
         "no size change"
     );
-    let report = agent.shutdown().await;
-    assert!(report.is_clean(), "{report:?}");
+    shut_down_clean(&agent).await;
 }
 
 /// Both of NIXL's layouts: blocks at offsets of one large file (Dynamo's disk tier)
@@ -203,9 +183,7 @@ pub async fn storage_layouts(but: &BackendUnderTest) {
     let mut pool = Vec::new();
     for j in 0..8 {
         let p = dir.file(&format!("block-{j}.bin"));
-        let reg = agent
-            .register(Memory::open_file(&p, &create(&p, block)).unwrap())
-            .unwrap();
+        let reg = new_file(&agent, &p, block);
         pool.push((p, reg));
     }
     let mem: Vec<Desc> = (0..8).map(|j| src.desc(j as u64 * block, block)).collect();
@@ -235,8 +213,7 @@ pub async fn storage_layouts(but: &BackendUnderTest) {
         dst.to_vec().unwrap()[..8 * block as usize],
         want[..8 * block as usize]
     );
-    let report = agent.shutdown().await;
-    assert!(report.is_clean(), "{report:?}");
+    shut_down_clean(&agent).await;
 }
 
 /// O_DIRECT: aligned transfers move; a misaligned offset, length or address is
@@ -250,7 +227,7 @@ pub async fn storage_direct_io(but: &BackendUnderTest) {
     let path = dir.file("direct.bin");
     let opts = FileOptions {
         direct: true,
-        ..create(&path, 4 << 20)
+        ..create(4 << 20)
     };
     let mem = match Memory::open_file(&path, &opts) {
         Ok(m) => m,
@@ -322,8 +299,7 @@ pub async fn storage_direct_io(but: &BackendUnderTest) {
         );
     }
     assert_eq!(std::fs::read(&path).unwrap(), before, "nothing moved");
-    let report = agent.shutdown().await;
-    assert!(report.is_clean(), "{report:?}");
+    shut_down_clean(&agent).await;
 }
 
 /// A READ past the end of a file truncated under its registration fails with
@@ -335,9 +311,7 @@ pub async fn storage_truncated_file(but: &BackendUnderTest) {
     };
     let dir = Scratch::new(CASE);
     let path = dir.file("t.bin");
-    let file = agent
-        .register(Memory::open_file(&path, &create(&path, 1 << 20)).unwrap())
-        .unwrap();
+    let file = new_file(&agent, &path, 1 << 20);
     let fd = fd_of(&file);
     let dst = agent.register(vec![0u8; 1 << 20]).unwrap();
     std::fs::OpenOptions::new()
@@ -378,8 +352,7 @@ pub async fn storage_truncated_file(but: &BackendUnderTest) {
             .contains("0 of the transfer's 4096 bytes moved"),
         "{e}"
     );
-    let report = agent.shutdown().await;
-    assert!(report.is_clean(), "{report:?}");
+    shut_down_clean(&agent).await;
 }
 
 /// The registration keeps its own handle: closing the caller's descriptor, and a new
@@ -507,10 +480,8 @@ pub async fn storage_closed_fd_and_misuse(but: &BackendUnderTest) {
         vec![(src.id(), MemKind::Dram)],
         "only the memory is published, no file"
     );
-    let report = other.shutdown().await;
-    assert!(report.is_clean(), "{report:?}");
-    let report = agent.shutdown().await;
-    assert!(report.is_clean(), "{report:?}");
+    shut_down_clean(&other).await;
+    shut_down_clean(&agent).await;
 }
 
 fn local_one(r: &Registration, len: u64) -> DescList {
@@ -555,9 +526,7 @@ pub async fn storage_no_space(but: &BackendUnderTest) {
     }
     let _unmount = Unmount(mnt.clone());
     let path = mnt.join("full.bin");
-    let file = agent
-        .register(Memory::open_file(&path, &create(&path, 4 << 20)).unwrap())
-        .unwrap();
+    let file = new_file(&agent, &path, 4 << 20);
     let fd = fd_of(&file);
     let src = agent.register(pattern(9, 4 << 20)).unwrap();
     let e = storage_xfer(
@@ -581,8 +550,7 @@ pub async fn storage_no_space(but: &BackendUnderTest) {
         "{e}"
     );
     drop(file);
-    let report = agent.shutdown().await;
-    assert!(report.is_clean(), "{report:?}");
+    shut_down_clean(&agent).await;
 }
 
 /// Dropping a transfer's future: nothing hangs, the memory is released once the
@@ -595,9 +563,7 @@ pub async fn storage_drop_in_flight(but: &BackendUnderTest) {
     let dir = Scratch::new(CASE);
     let path = dir.file("d.bin");
     let (block, n) = (64u64 << 10, 256usize);
-    let file = agent
-        .register(Memory::open_file(&path, &create(&path, block * n as u64)).unwrap())
-        .unwrap();
+    let file = new_file(&agent, &path, block * n as u64);
     let fd = fd_of(&file);
     let src = agent.register(pattern(1, block as usize * n)).unwrap();
     let mem: Vec<Desc> = (0..n).map(|j| src.desc(j as u64 * block, block)).collect();
@@ -629,8 +595,7 @@ pub async fn storage_drop_in_flight(but: &BackendUnderTest) {
     drop(reqs);
     agent.deregister(&src).unwrap();
     agent.deregister(&file).unwrap();
-    let report = agent.shutdown().await;
-    assert!(report.is_clean(), "{report:?}");
+    shut_down_clean(&agent).await;
 }
 
 /// Generate one `#[tokio::test]` per storage case for a backend.

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use nixl::{Desc, ErrorKind, MemKind, Memory, Op};
-use nixl_conformance::storage::{storage_xfer, Scratch};
+use nixl_conformance::storage::{shut_down_clean, storage_xfer, Scratch};
 use nixl_conformance::{storage_tests, BackendUnderTest};
 use nixl_posix::{Durability, Engine, PosixBackend, PosixOptions};
 
@@ -158,8 +158,7 @@ fn model_check(engine: Engine, inline: bool, cases: &[Vec<(u64, u64, u64)>]) {
                 );
             }
         }
-        let report = agent.shutdown().await;
-        assert!(report.is_clean(), "{report:?}");
+        shut_down_clean(&agent).await;
     });
 }
 
@@ -229,8 +228,7 @@ async fn the_engine_in_use_is_reported() {
             "io_uring"
         };
         assert!(report.starts_with(want), "{engine:?}: {report}");
-        let report = a.shutdown().await;
-        assert!(report.is_clean(), "{report:?}");
+        shut_down_clean(&a).await;
     }
     let _ = ErrorKind::Io;
 }
