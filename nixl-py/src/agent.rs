@@ -28,6 +28,10 @@ use crate::runtime::rt;
 /// requests) after cancelling them.
 const TASKS_BOUND: Duration = Duration::from_secs(5);
 
+/// How long `deregister_memory` waits for transfers still using the memory (those
+/// released in flight are being cancelled) before it raises `nixlNotAllowedError`.
+const DEREGISTER_WAIT: Duration = Duration::from_secs(10);
+
 /// A registration's identity as NIXL sees it: (kind, address, length).
 type RegKey = (MemKind, u64, u64);
 
@@ -598,8 +602,13 @@ impl PyAgent {
                 }
             }
         }
+        let rt = rt()?;
         for (key, reg) in regs {
-            py.allow_threads(|| agent.deregister(&reg)).py()?;
+            // Transfers released while in flight are cancelled by their backend;
+            // wait for it to let go (NIXL's releaseXferReq then deregisterMem
+            // succeeds), but not for transfers that keep running past the bound.
+            py.allow_threads(|| rt.block_on(agent.deregister_when_idle(&reg, DEREGISTER_WAIT)))
+                .py()?;
             self.inner.regs.lock().unwrap().remove(&key);
         }
         Ok(())
@@ -669,9 +678,13 @@ impl PyAgent {
         py.allow_threads(|| agent.load_metadata(metadata)).py()
     }
 
-    /// Forget a peer.
+    /// Forget a peer; an unknown name is no error (NIXL's `invalidateRemoteMD`
+    /// returns without one).
     fn forget(&self, peer: &str) -> PyResult<()> {
-        self.inner.agent().forget_peer(peer).py()
+        match self.inner.agent().forget_peer(peer) {
+            Err(e) if e.kind() == nixl::ErrorKind::UnknownPeer => Ok(()),
+            other => other.py(),
+        }
     }
 
     /// Known peers.

@@ -62,7 +62,12 @@ pub(crate) fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
             ("tls", ""),
             ("progress", "task"),
             ("max_notification", "1048576"),
+            // NIXL's UCX parameters, with NIXL's defaults.
+            ("device_list", ""),
+            ("engine_config", ""),
+            ("ucx_error_handling_mode", "peer"),
             ("num_threads", "0"),
+            ("num_workers", "1"),
         ],
         Some("verbs") => vec![("lib", ""), ("device", ""), ("control_listen", "0.0.0.0:0")],
         Some("uccl") => vec![("lib", ""), ("num_cpus", "0")],
@@ -78,6 +83,41 @@ pub(crate) fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
         ],
         _ => Vec::new(),
     }
+}
+
+/// NIXL's `device_list` ("mlx5_0:1, mlx5_1:1") as a UCX_NET_DEVICES value.
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+fn device_list(v: &str) -> String {
+    v.split([',', ' '])
+        .filter(|d| !d.is_empty())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// NIXL's `engine_config`: UCX settings `KEY=VALUE`, separated by commas (a piece
+/// without `=` continues the previous value, so `TLS=rc,cuda_copy` keeps its list),
+/// keys with or without the `UCX_` prefix.
+#[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+fn engine_config(v: &str) -> nixl::Result<Vec<(String, String)>> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for piece in v.split([',', ';']).map(str::trim).filter(|p| !p.is_empty()) {
+        match piece.split_once('=') {
+            Some((key, value)) if !key.trim().is_empty() => {
+                let key = key.trim();
+                let key = key.strip_prefix("UCX_").unwrap_or(key);
+                out.push((key.to_owned(), value.trim().to_owned()));
+            }
+            Some(_) => return Err(bad("UCX", "engine_config", v, "KEY=VALUE settings")),
+            None => match out.last_mut() {
+                Some((_, value)) => {
+                    value.push(',');
+                    value.push_str(piece);
+                }
+                None => return Err(bad("UCX", "engine_config", v, "KEY=VALUE settings")),
+            },
+        }
+    }
+    Ok(out)
 }
 
 /// A parameter error.
@@ -161,8 +201,45 @@ pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<
                         }
                     }
                     "max_notification" => o.max_notification = size("UCX", k, v)?,
-                    // NIXL's UCX worker count; nixl-ucx drives one worker.
-                    "num_threads" => {}
+                    // NIXL: the network devices UCX may use (UCX_NET_DEVICES).
+                    "device_list" if !v.trim().is_empty() => {
+                        o.ucx_config.push(("NET_DEVICES".into(), device_list(v)))
+                    }
+                    "device_list" => {}
+                    // NIXL: UCX configuration settings for the context, applied over
+                    // the UCX_* environment.
+                    "engine_config" => o.ucx_config.extend(engine_config(v)?),
+                    "ucx_error_handling_mode" => {
+                        o.peer_error_handling = match v.as_str() {
+                            "peer" | "" => true,
+                            "none" => false,
+                            _ => return Err(bad("UCX", k, v, "peer or none")),
+                        }
+                    }
+                    // NIXL: threads that progress the workers besides the caller's
+                    // posts. nixl-ucx drives its one worker from a tokio task (0) or
+                    // from a dedicated progress thread (1 or more: one thread, since
+                    // a UCX worker progresses on one thread at a time).
+                    "num_threads" => {
+                        let n: usize = v
+                            .parse()
+                            .map_err(|_| bad("UCX", k, v, "a count of threads"))?;
+                        if n > 0 {
+                            o.progress = nixl_ucx::ProgressMode::Thread;
+                        }
+                    }
+                    // NIXL: UCX workers per agent. nixl-ucx drives one.
+                    "num_workers" => match v.parse::<usize>() {
+                        Ok(1) => {}
+                        _ => {
+                            return Err(bad(
+                                "UCX",
+                                k,
+                                v,
+                                "1 (nixl-ucx drives one UCX worker per agent)",
+                            ))
+                        }
+                    },
                     _ => unknown("UCX", k),
                 }
             }

@@ -67,6 +67,12 @@ create_exception!(
 create_exception!(_native, nixlBackendError, NixlError, "The backend failed.");
 create_exception!(
     _native,
+    nixlUnknownError,
+    NixlError,
+    "A failure of no other class (NIXL's NIXL_ERR_UNKNOWN)."
+);
+create_exception!(
+    _native,
     nixlNoTelemetryError,
     NixlError,
     "No telemetry: capture_telemetry is off, or the transfer was never posted."
@@ -114,6 +120,7 @@ pub(crate) fn raise(kind: &str, operation: &str, context: &str, message: String)
         "NotSupported" | "UnavailableLibrary" => nixlNotSupportedError::new_err(message),
         "RemoteDisconnected" => nixlRemoteDisconnectError::new_err(message),
         "Canceled" => nixlCancelledError::new_err(message),
+        "Other" => nixlUnknownError::new_err(message),
         _ => nixlBackendError::new_err(message),
     };
     Python::with_gil(|py| {
@@ -181,6 +188,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("nixlCancelledError", py.get_type::<nixlCancelledError>())?;
     m.add("nixlBackendError", py.get_type::<nixlBackendError>())?;
+    m.add("nixlUnknownError", py.get_type::<nixlUnknownError>())?;
     m.add(
         "nixlNoTelemetryError",
         py.get_type::<nixlNoTelemetryError>(),

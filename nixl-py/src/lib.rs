@@ -46,6 +46,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plugins, m)?)?;
     m.add_function(wrap_pyfunction!(plugin_params, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::finalize, m)?)?;
+    m.add_function(wrap_pyfunction!(native_libraries, m)?)?;
     m.add("VERSION", nixl::VERSION)?;
     m.add("DEFAULT_COMM_PORT", nixl::exchange::NIXL_DEFAULT_PORT)?;
     Ok(())
@@ -55,6 +56,23 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 #[pyfunction]
 fn plugins() -> Vec<&'static str> {
     backends::plugins()
+}
+
+/// Native libraries of the transports mapped in this process (UCX, verbs, UCCL, the
+/// CUDA driver), by path: what the backends bound so far.
+#[pyfunction]
+fn native_libraries() -> Vec<String> {
+    nixl::native::mapped_objects(&[
+        "libucp.so",
+        "libucs.so",
+        "libuct.so",
+        "libibverbs.so",
+        "libuccl_p2p.so",
+        "libcuda.so",
+    ])
+    .into_iter()
+    .map(|p| p.display().to_string())
+    .collect()
 }
 
 /// A backend's parameter names and defaults (NIXL's `get_plugin_params`).

@@ -86,10 +86,12 @@ def system_ucx() -> bool:
 
 @pytest.fixture
 def agents():
-    """Make TCP agents by name; all shut down at the end of the test."""
+    """Make agents by name (TCP unless `backends` is given); all shut down at the end
+    of the test."""
     made = []
 
     def make(name=None, **cfg):
+        cfg.setdefault("backends", ["TCP"])
         a = nixl_agent(name or unique("agent"), nixl_agent_config(**cfg))
         made.append(a)
         return a

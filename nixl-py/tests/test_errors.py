@@ -30,8 +30,9 @@ def test_unknown_agent(two):
     with pytest.raises(nixl_rs.nixlNotFoundError):
         a.initialize_xfer("WRITE", a.get_xfer_descs([(addr(src), 16, 0)], "DRAM"),
                           a.get_xfer_descs([(addr(dst), 16, 0)], "DRAM"), "nobody")
-    with pytest.raises(nixl_rs.nixlNotFoundError):
-        a.remove_remote_agent("nobody")
+    # NIXL 1.5.1 returns for an unknown name (and for one removed twice).
+    assert a.remove_remote_agent("nobody") is None
+    assert a.remove_remote_agent(b"nobody") is None
 
 
 def test_out_of_range_descriptors(two):
@@ -85,7 +86,7 @@ def test_wrong_types(two):
         a.get_xfer_descs([(addr(src), 16, 0)], "HBM")
     assert "HBM" in str(e.value)
     with pytest.raises(nixl_rs.nixlNotSupportedError):
-        a.get_xfer_descs([(addr(src), 16, 0)], "BLOCK").getType() and a.prep_xfer_dlist(
+        a.get_xfer_descs([(addr(src), 16, 0)], "BLOCK").getType() is not None and a.prep_xfer_dlist(
             "NIXL_INIT_AGENT", a.get_xfer_descs([(addr(src), 16, 0)], "BLOCK"))
     # A file that was never registered: nothing to reach.
     with pytest.raises(nixl_rs.nixlInvalidParamError):
@@ -103,7 +104,7 @@ def test_wrong_types(two):
     with pytest.raises(TypeError):
         a.deregister_memory([(addr(src), N, 0, "")])
     with pytest.raises(TypeError):
-        nixl_agent(42, nixl_agent_config())
+        nixl_agent(42, nixl_agent_config(backends=["TCP"]))
 
 
 def test_bad_metadata_and_backends(two, agents):

@@ -91,7 +91,7 @@ def test_interpreter_exit_with_work_in_flight(backend):
 
 
 def test_many_agents_in_one_process():
-    made = [nixl_agent(unique("many"), nixl_agent_config()) for _ in range(16)]
+    made = [nixl_agent(unique("many"), nixl_agent_config(backends=["TCP"])) for _ in range(16)]
     assert len({a.name for a in made}) == 16
     for a in made:
         a.shutdown()

@@ -387,6 +387,9 @@ pub(crate) struct Core {
     identity: Arc<OnceLock<Identity>>,
     /// The bound UCX's version, for messages.
     pub(crate) ucx_version: String,
+    /// Whether endpoints ask for UCX's peer-failure handling
+    /// ([`crate::UcxOptions::peer_error_handling`]).
+    pub(crate) peer_error_handling: bool,
     pub(crate) sink: Option<NotificationSink>,
     max_notification: usize,
     liveness: Option<Liveness>,
@@ -702,6 +705,7 @@ impl Core {
             me: Identity::default(),
             identity,
             ucx_version: String::new(),
+            peer_error_handling: true,
             sink: None,
             max_notification,
             liveness,
@@ -728,13 +732,13 @@ impl Core {
             }
         }
         self.remove_peer(peer, "the peer's connection info changed");
-        let mut peer_failure = true;
+        let mut peer_failure = self.peer_error_handling;
         // Checked (and padded) before UCX parses it; the backend refused a malformed
         // one already, so this only repeats the check.
         let padded = Padded::address(address);
         let ep = match &padded {
             Err(e) => Err(e.to_string()),
-            Ok(padded) => match self.ucx.ep_create(padded, true) {
+            Ok(padded) => match self.ucx.ep_create(padded, peer_failure) {
             // NIXL makes every endpoint with peer-failure handling; a NIXL agent we
             // cannot reach so is one whose UCX build ours cannot talk to (connecting
             // anyway can end in an assertion inside UCX).

@@ -296,6 +296,12 @@ pub struct UcxOptions {
     pub teardown_bound: Duration,
     /// Longest notification accepted.
     pub max_notification: usize,
+    /// Create endpoints with UCX's peer-failure handling (`UCP_ERR_HANDLING_MODE_PEER`,
+    /// the default, as NIXL's `ucx_error_handling_mode=peer`): a failed peer fails
+    /// its transfers at once. `false` (NIXL's `none`) lets UCX choose transports that
+    /// cannot report peer failure; a dead peer is then found by the liveness probes
+    /// ([`UcxOptions::liveness_timeout`]) instead.
+    pub peer_error_handling: bool,
     /// When set, every message of this backend's own protocol (notifications, HELLO,
     /// BYE, liveness probes and their answers) carries an HMAC-SHA256 under this
     /// secret, made for the receiving agent's name, and every incoming one must
@@ -337,6 +343,7 @@ impl Default for UcxOptions {
             ),
             teardown_bound: Duration::from_millis(500),
             max_notification: 1 << 20,
+            peer_error_handling: true,
             secret: None,
         }
     }
@@ -592,6 +599,7 @@ impl UcxBackend {
         let mut core = Core::new(ucx, rx, options.max_notification, liveness)
             .map_err(|e| Error::new(ErrorKind::Backend, OP, "UCX setup failed").with_source(e))?;
         core.ucx_version = report.version_string();
+        core.peer_error_handling = options.peer_error_handling;
         let wake = match options.progress {
             ProgressMode::Task => Wake::Task(tokio::sync::Notify::new()),
             ProgressMode::Thread => Wake::Thread {

@@ -22,6 +22,8 @@ pub(crate) struct RegionInner {
     pub(crate) backends: Mutex<Vec<(usize, Bytes)>>,
     /// Every backend access through a [`RegionSlice`] passes it; deregistration closes it.
     pub(crate) gate: Gate,
+    /// Woken each time `inflight` falls to zero (a deregistration waiting for it).
+    pub(crate) idle: tokio::sync::Notify,
 }
 
 impl InFlight for RegionInner {
@@ -30,11 +32,18 @@ impl InFlight for RegionInner {
     }
 
     fn leave(&self) {
-        self.inflight.fetch_sub(1, Ordering::AcqRel);
+        self.uncount();
     }
 }
 
 impl RegionInner {
+    /// One in-flight use ended; the last one wakes deregistrations waiting for it.
+    pub(crate) fn uncount(&self) {
+        if self.inflight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.idle.notify_waiters();
+        }
+    }
+
     /// Enter the gate for one access, or refuse: the registration was withdrawn.
     fn access(&self, op: &'static str) -> Result<Access<'_>> {
         match self.gate.enter() {
@@ -239,7 +248,7 @@ pub struct InFlightHold {
 
 impl Drop for InFlightHold {
     fn drop(&mut self) {
-        self.inner.inflight.fetch_sub(1, Ordering::AcqRel);
+        self.inner.uncount();
     }
 }
 
@@ -464,7 +473,7 @@ impl RegionSlice {
         // future is next polled: a peer that stalls mid-request does not hold the
         // registration in flight.
         let ended = Box::new(move || {
-            counted.inflight.fetch_sub(1, Ordering::AcqRel);
+            counted.uncount();
         });
         self.region
             .inner

@@ -213,3 +213,57 @@ async fn a_transfer_deadline_cancels_a_stalled_transfer() {
     }
     t.timeout(Duration::from_secs(5)).await.unwrap();
 }
+
+/// A deregistration that waits: it ends as soon as the backend lets go of the last
+/// transfer using the memory (dropped, then finished by the backend), and refuses,
+/// changing nothing, when that does not happen within its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deregister_when_idle_waits_for_the_backend_to_let_go() {
+    let (a, _b, double, dst) = pair(64).await;
+    let held = double.held;
+    let src = a.register(vec![7u8; 64]).unwrap();
+    let t = a
+        .transfer(
+            Op::Write,
+            &one(src.whole()),
+            "target",
+            &one(dst.whole()),
+            None,
+        )
+        .unwrap();
+    drop(t);
+    assert_eq!(src.inflight(), 1, "the backend still holds it");
+
+    let e = a
+        .deregister_when_idle(&src, Duration::from_millis(50))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+    assert!(src.is_registered(), "a refusal changes nothing");
+
+    let releaser = {
+        let held = held.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            for c in held.lock().unwrap().drain(..) {
+                c.complete(Ok(()));
+            }
+        })
+    };
+    let started = std::time::Instant::now();
+    a.deregister_when_idle(&src, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "woken when the count fell to zero, not at the timeout"
+    );
+    assert!(!src.is_registered());
+    releaser.await.unwrap();
+    // Unknown (already deregistered) stays NotFound, without waiting.
+    let e = a
+        .deregister_when_idle(&src, Duration::from_secs(30))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+}

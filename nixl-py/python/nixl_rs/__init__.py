@@ -11,6 +11,7 @@ all subclasses of :class:`NixlError`, each with ``kind`` (nixl-rs' error kind),
 
 from ._native import (  # noqa: F401
     VERSION as __version__,
+    native_libraries,
     NixlError,
     nixlBackendError,
     nixlCancelledError,
@@ -23,4 +24,5 @@ from ._native import (  # noqa: F401
     nixlNotSupportedError,
     nixlRemoteDisconnectError,
     nixlRepostActiveError,
+    nixlUnknownError,
 )

@@ -44,13 +44,14 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import operator
 import os
 import pickle
 import struct
 import sys
 import threading
 import weakref
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Optional, Union
 
 from . import _native
@@ -69,6 +70,7 @@ from ._native import (  # noqa: F401
     nixlNotSupportedError,
     nixlRemoteDisconnectError,
     nixlRepostActiveError,
+    nixlUnknownError,
 )
 
 logger = logging.getLogger("nixl_rs")
@@ -78,6 +80,22 @@ NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
 
 _MEM_TYPES = {"DRAM": "DRAM", "VRAM": "VRAM", "cpu": "DRAM", "cuda": "VRAM",
               "FILE": "FILE", "BLOCK": "BLOCK", "OBJ": "OBJ"}
+
+
+class nixl_mem_t(IntEnum):
+    """NIXL's memory types (``nixl._bindings.nixl_mem_t``), same values."""
+
+    DRAM_SEG = 0
+    VRAM_SEG = 1
+    BLK_SEG = 2
+    OBJ_SEG = 3
+    FILE_SEG = 4
+
+
+_SEG_NAMES = {nixl_mem_t.DRAM_SEG: "DRAM", nixl_mem_t.VRAM_SEG: "VRAM",
+              nixl_mem_t.BLK_SEG: "BLOCK", nixl_mem_t.OBJ_SEG: "OBJ",
+              nixl_mem_t.FILE_SEG: "FILE"}
+_SEGS = {v: k for k, v in _SEG_NAMES.items()}
 
 
 def _is_torch_tensor(obj: object) -> bool:
@@ -121,6 +139,8 @@ def _name(name, what: str = "agent name") -> str:
 
 
 def _mem_type(mem_type) -> str:
+    if isinstance(mem_type, nixl_mem_t):
+        return _SEG_NAMES[mem_type]
     if not isinstance(mem_type, str) or mem_type not in _MEM_TYPES:
         raise _error(nixlInvalidParamError, "InvalidArgument", "descriptor list",
                      f"unknown memory type {mem_type!r}; expected \"DRAM\" or \"VRAM\"")
@@ -128,24 +148,54 @@ def _mem_type(mem_type) -> str:
 
 
 class _DList:
-    """A descriptor list: a memory type and rows of (address, length, device ID)."""
+    """A descriptor list: a memory type and rows of (address, length, device ID).
+
+    Built by the agent's helpers (``get_xfer_descs``, ``get_reg_descs``), or as
+    NIXL's bindings build them: ``nixlXferDList(nixl_mem_t.DRAM_SEG)`` (empty),
+    ``nixlXferDList(DRAM_SEG, [(addr, len, dev), ...])`` or with an Nx3 numpy
+    array; ``addDesc``/``append``, ``remDesc``, ``index``, item assignment and
+    ``clear`` edit it."""
 
     __slots__ = ("_mem_type", "_rows", "_packed", "_meta", "_owners")
     _width = 3
 
-    def __init__(self, mem_type: str, rows=None, packed: Optional[bytes] = None,
+    def __init__(self, mem_type, descs=None, *, rows=None, packed: Optional[bytes] = None,
                  meta=None, owners=None):
         self._mem_type = _mem_type(mem_type)
-        self._rows = rows
+        if descs is not None:
+            # NIXL's bindings: (type, init_size), (type, ndarray), (type, list).
+            rows, packed, meta = self._from_bindings(descs)
+        self._rows = rows if rows is not None or packed is not None else []
         self._packed = packed
         self._meta = meta
         self._owners = owners
 
+    def _from_bindings(self, arg):
+        if _is_ndarray(arg):
+            return None, _packed_rows(arg, 3), None
+        if isinstance(arg, int):
+            if arg < 0:
+                raise ValueError("init_size must be non-negative")
+            return [], None, None
+        if isinstance(arg, list):
+            return _rows([tuple(d) for d in arg], self._width, "descriptor"), None, None
+        raise TypeError(f"{type(self).__name__}(type, descs): descs must be a list of "
+                        f"tuples or an Nx3 numpy array, not {type(arg).__name__}")
+
     def _wire(self):
         return self._packed if self._packed is not None else self._rows
 
-    def getType(self) -> str:
-        return self._mem_type
+    def _unpack(self):
+        """Rows as a list, for editing."""
+        if self._packed is not None:
+            self._rows = [tuple(r) for r in self]
+            if self._meta is None:
+                self._meta = [""] * len(self._rows)
+            self._packed = None
+
+    def getType(self) -> nixl_mem_t:
+        """The memory type, as NIXL's bindings return it (an ``nixl_mem_t``, an int)."""
+        return _SEGS[self._mem_type]
 
     @property
     def mem_type(self) -> str:
@@ -190,6 +240,44 @@ class _DList:
         self._mem_type, self._rows, self._packed, self._meta = state
         self._owners = None
 
+    # NIXL's bindings' editing methods.
+
+    def _row(self, desc) -> tuple:
+        rows = _rows([tuple(desc)], self._width, "descriptor")
+        return rows[0]
+
+    def addDesc(self, desc: tuple) -> None:
+        """Append one descriptor."""
+        self._unpack()
+        self._rows.append(self._row(desc))
+
+    def append(self, desc: tuple) -> None:
+        self.addDesc(desc)
+
+    def remDesc(self, index: int) -> None:
+        """Remove the descriptor at ``index``."""
+        self._unpack()
+        del self._rows[index]
+
+    def __setitem__(self, index: int, desc: tuple) -> None:
+        self._unpack()
+        self._rows[index] = self._row(desc)
+
+    def index(self, desc: tuple) -> int:
+        """Position of ``desc``; raises ``nixlNotFoundError`` when absent."""
+        want = tuple(desc)[:3]
+        for i, row in enumerate(self):
+            if tuple(row[:3]) == want:
+                return i
+        raise _error(nixlNotFoundError, "NotFound", "descriptor list",
+                     f"no descriptor {want!r} in the list")
+
+    def clear(self) -> None:
+        self._rows, self._packed, self._meta = [], None, ([] if self._meta is not None else None)
+
+    def print(self) -> None:
+        print(repr(self), list(self))
+
 
 class nixlXferDList(_DList):
     """Transfer descriptors: (address, length, device ID) rows of one memory type."""
@@ -202,10 +290,44 @@ class nixlRegDList(_DList):
 
     __slots__ = ()
 
+    def __init__(self, mem_type, descs=None, *, rows=None, packed: Optional[bytes] = None,
+                 meta=None, owners=None):
+        if isinstance(descs, list) and descs and len(descs[0]) == 4:
+            # NIXL's bindings: (type, [(addr, len, dev, meta), ...]).
+            descs = [tuple(d) for d in descs]
+            rows, meta = _rows(descs, 4, "registration descriptor"), [str(d[3]) for d in descs]
+            descs = None
+        super().__init__(mem_type, descs, rows=rows, packed=packed, meta=meta, owners=owners)
+        if self._meta is None and self._packed is None:
+            self._meta = [""] * len(self._rows)
+
     def __getitem__(self, i: int) -> tuple:
         row = super().__getitem__(i)
         meta = self._meta[i] if self._meta else ""
         return (*row[:3], meta)
+
+    def addDesc(self, desc: tuple) -> None:
+        desc = tuple(desc)
+        if len(desc) != 4:
+            raise TypeError("a registration descriptor is (address, length, device ID, meta)")
+        self._unpack()
+        self._rows.append(_rows([desc], 4, "registration descriptor")[0])
+        self._meta.append(str(desc[3]))
+
+    def remDesc(self, index: int) -> None:
+        self._unpack()
+        del self._rows[index]
+        del self._meta[index]
+
+    def __setitem__(self, index: int, desc: tuple) -> None:
+        desc = tuple(desc)
+        self._unpack()
+        self._rows[index] = _rows([desc], 4, "registration descriptor")[0]
+        self._meta[index] = str(desc[3])
+
+    def trim(self) -> nixlXferDList:
+        """The same descriptors without their meta, as transfer descriptors."""
+        return nixlXferDList(self._mem_type, rows=[tuple(r[:3]) for r in self])
 
 
 class nixlRemoteDList(_DList):
@@ -215,14 +337,27 @@ class nixlRemoteDList(_DList):
     __slots__ = ()
 
 
+def _int(x) -> int:
+    """A non-negative int from an int or an integer scalar (numpy's included, as
+    NIXL accepts them); -1 for anything else."""
+    if x.__class__ is int:
+        return x
+    if isinstance(x, (bool, float)):
+        return -1
+    try:
+        return operator.index(x)
+    except TypeError:
+        return -1
+
+
 def _rows(descs, width: int, what: str) -> list:
     """Validated (addr, len, dev) rows from tuples of `width` elements."""
     rows = []
     for i, d in enumerate(descs):
         if not isinstance(d, tuple) or len(d) != width:
             raise TypeError(f"{what} {i} must be a {width}-tuple, got {d!r}")
-        a, n, dev = d[0], d[1], d[2]
-        if not all(isinstance(x, int) and x >= 0 for x in (a, n, dev)):
+        a, n, dev = _int(d[0]), _int(d[1]), _int(d[2])
+        if a < 0 or n < 0 or dev < 0:
             raise TypeError(f"{what} {i}: address, length and device ID must be "
                             f"non-negative ints, got {d!r}")
         rows.append((a, n, dev))
@@ -249,14 +384,64 @@ def _tensor_row(t):
     return mem, (t.data_ptr(), t.numel() * t.element_size(), max(dev, 0))
 
 
+def _pip_ucx() -> Optional[str]:
+    """libucp of an installed UCX wheel (``libucx-cu12``/``libucx-cu13``: UCX with
+    its CUDA transports, what NIXL's wheels bundle), if there is one."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("libucx")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for d in spec.submodule_search_locations:
+        lib = os.path.join(d, "lib", "libucp.so.0")
+        if os.path.exists(lib):
+            return lib
+    return None
+
+
+def _with_ucx_lib(params: dict) -> dict:
+    """UCX backend parameters naming the libucp to bind: the caller's ``lib``, else
+    ``NIXL_UCX_LIB``, else an installed UCX wheel, else the host's ``libucp.so.0``."""
+    if "lib" in params or os.environ.get("NIXL_UCX_LIB"):
+        return params
+    lib = _pip_ucx()
+    return {**params, "lib": lib} if lib else params
+
+
+def _explain_missing_ucx(e: Exception) -> Exception:
+    """A missing UCX, explained: what to install, or how to choose nixl-rs' TCP."""
+    if getattr(e, "kind", None) != "UnavailableLibrary" or "UCX" not in str(e):
+        return e
+    return _error(
+        nixlNotSupportedError, "UnavailableLibrary", e.operation,
+        f"{e.context}. The UCX backend (NIXL's default) needs UCX: pip install libucx-cu12 "
+        "(UCX with CUDA transports, as NIXL's wheels bundle), or apt-get install libucx0, or "
+        "set NIXL_UCX_LIB to a libucp.so.0; or choose nixl-rs' TCP backend, which needs no "
+        "system library: nixl_agent_config(backends=[\"TCP\"])")
+
+
+def _need(descs):
+    """A descriptor list the helpers made, or the error for the list they refused."""
+    if descs is None:
+        raise _error(nixlInvalidParamError, "InvalidArgument", "descriptor list",
+                     "no descriptor list: tensors on different devices")
+    return descs
+
+
 def _tensor_rows(descs):
+    """(memory type, rows, tensors), or None for tensors on different devices (NIXL
+    returns no list for those)."""
     rows, mem = [], None
     tensors = [descs] if _is_torch_tensor(descs) else list(descs)
+    device = tensors[0].device
     for t in tensors:
+        if t.device != device:
+            logger.error("all tensors of a descriptor list must be on one device")
+            return None
         m, row = _tensor_row(t)
-        if mem is not None and m != mem:
-            raise _error(nixlInvalidParamError, "InvalidArgument", "descriptor list",
-                         "all tensors must be on one kind of device")
         mem = m
         rows.append(row)
     return mem, rows, tensors
@@ -306,7 +491,9 @@ class nixl_agent_config:
         capture_telemetry: record per-transfer telemetry (``get_xfer_telemetry``).
         num_threads: passed to backends as NIXL does (UCX ``num_threads``, UCCL
             ``num_cpus``); nixl-rs backends size themselves.
-        backends: backend names ("TCP", "UCX", "VERBS", "UCCL"); None: ["TCP"].
+        backends: backend names ("UCX", "TCP", "VERBS", "UCCL", "POSIX"); None:
+            ["UCX"], as NIXL (name "TCP" for nixl-rs' TCP backend, which needs no
+            system library).
         sync_mode: accepted for NIXL compatibility (agents are always thread-safe).
     """
 
@@ -320,7 +507,7 @@ class nixl_agent_config:
         backends: Optional[list[str]] = None,
         sync_mode: Optional[nixl_thread_sync_t] = None,
     ):
-        self.backends = list(backends) if backends is not None else ["TCP"]
+        self.backends = list(backends) if backends is not None else ["UCX"]
         self.enable_pthread = enable_prog_thread
         self.enable_listen = enable_listen_thread
         self.port = listen_port
@@ -419,7 +606,12 @@ class nixl_agent:
                     init["num_cpus"] = str(nixl_conf.num_threads)
             init_list.append((bknd.upper(), init))
         port = nixl_conf.port if nixl_conf.enable_listen else None
-        self._native = _native.Agent(agent_name, init_list, bool(nixl_conf.capture_telemetry), port)
+        init_list = [(b, _with_ucx_lib(p) if b == "UCX" else p) for b, p in init_list]
+        try:
+            self._native = _native.Agent(agent_name, init_list,
+                                         bool(nixl_conf.capture_telemetry), port)
+        except NixlError as e:
+            raise _explain_missing_ucx(e) from None
         self.name = agent_name
         self.notifs: dict[str, list[bytes]] = {}
         self.backends: dict[str, str] = {b: b for b in self._native.backends()}
@@ -508,7 +700,13 @@ class nixl_agent:
     def create_backend(self, backend: str, initParams: dict[str, str] = {}):  # noqa: B006
         """Instantiate a backend (before memory is registered, metadata handed out or
         peers added; see the module docs)."""
-        self._native.create_backend(backend, {str(k): str(v) for k, v in initParams.items()})
+        params = {str(k): str(v) for k, v in initParams.items()}
+        if backend.upper() == "UCX":
+            params = _with_ucx_lib(params)
+        try:
+            self._native.create_backend(backend, params)
+        except NixlError as e:
+            raise _explain_missing_ucx(e) from None
         name = backend.upper()
         self.backends[name] = name
         self.backend_mems[name] = self._native.backend_mem_types(name) or []
@@ -522,7 +720,7 @@ class nixl_agent:
         """Register memory: (addr, len, dev, meta) tuples with ``mem_type``, an Nx3
         numpy array with ``mem_type``, a tensor or a list of tensors, or an
         ``nixlRegDList``. See the module docs for the memory contract."""
-        reg_descs = self.get_reg_descs(reg_list, mem_type)
+        reg_descs = _need(self.get_reg_descs(reg_list, mem_type))
         self._native.register(reg_descs._mem_type, reg_descs._wire(), list(backends))
         return reg_descs
 
@@ -537,7 +735,7 @@ class nixl_agent:
         """Whether each file exists, as NIXL's file backends answer: per registration
         descriptor (the file's path in its meta), ``None`` when nothing is there, else
         ``{"size", "mode", "mtime"}`` as strings."""
-        reg_descs = self.get_reg_descs(reg_list, mem_type)
+        reg_descs = _need(self.get_reg_descs(reg_list, mem_type))
         if backend not in self.backends:
             raise ValueError(
                 f"Backend '{backend}' not found. Available backends: {list(self.backends.keys())}")
@@ -569,7 +767,10 @@ class nixl_agent:
             return nixlRegDList(mem_type, packed=_packed_rows(descs, 3))
         if _is_torch_tensor(descs) or (isinstance(descs, (list, tuple)) and descs
                                        and _is_torch_tensor(descs[0])):
-            mem, rows, tensors = _tensor_rows(descs)
+            made = _tensor_rows(descs)
+            if made is None:
+                return None
+            mem, rows, tensors = made
             return nixlRegDList(mem, rows=rows, meta=[""] * len(rows), owners=tensors)
         if isinstance(descs, (list, tuple)):
             if mem_type is None:
@@ -594,7 +795,10 @@ class nixl_agent:
             return nixlXferDList(mem_type, packed=_packed_rows(descs, 3))
         if _is_torch_tensor(descs) or (isinstance(descs, (list, tuple)) and descs
                                        and _is_torch_tensor(descs[0])):
-            mem, rows, tensors = _tensor_rows(descs)
+            made = _tensor_rows(descs)
+            if made is None:
+                return None
+            mem, rows, tensors = made
             return nixlXferDList(mem, rows=rows, owners=tensors)
         if isinstance(descs, (list, tuple)):
             if mem_type is None:
@@ -672,7 +876,7 @@ class nixl_agent:
         """Whether the peer's metadata is loaded (and covers ``descs``, if given)."""
         if descs is None:
             return self._native.has_peer(_name(agent))
-        descs = self.get_xfer_descs(descs)
+        descs = _need(self.get_xfer_descs(descs))
         return self._native.has_peer(_name(agent), descs._mem_type, descs._wire())
 
     def make_connection(self, remote_agent: str, backends: list[str] = []):  # noqa: B006
@@ -693,7 +897,7 @@ class nixl_agent:
                 raise ValueError("Please specify a mem type for strided descriptors")
             return self._native.prep(agent_name, _mem_type(mem_type),
                                      _packed_rows(xfer_list, 5), True)
-        descs = self.get_xfer_descs(xfer_list, mem_type)
+        descs = _need(self.get_xfer_descs(xfer_list, mem_type))
         return self._native.prep(agent_name, descs._mem_type, descs._wire(), False)
 
     def make_prepped_xfer(

@@ -139,6 +139,7 @@ impl Agent {
             registered: AtomicBool::new(true),
             backends: Mutex::new(Vec::new()),
             gate: Default::default(),
+            idle: Default::default(),
         });
         {
             let mut regions = self.shared.regions.write().unwrap();
@@ -246,6 +247,40 @@ impl Agent {
         match self.unregister_region(region).into_iter().next() {
             None => Ok(()),
             Some((_, e)) => Err(e),
+        }
+    }
+
+    /// Deregister memory once the transfers using it have finished: as
+    /// [`Agent::deregister`], but while posted transfers use the registration it waits
+    /// (up to `timeout`) for them to end instead of refusing. Transfers whose request
+    /// was dropped are cancelled by their backend, so this is the deregistration to
+    /// call right after dropping requests still in flight (NIXL's
+    /// `releaseXferReq` then `deregisterMem`, which vLLM's shutdown does).
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotAllowed`] when transfers still use it after `timeout` (nothing
+    /// changes); otherwise those of [`Agent::deregister`].
+    pub async fn deregister_when_idle(
+        &self,
+        registration: &Registration,
+        timeout: std::time::Duration,
+    ) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let region = &registration.inner;
+        loop {
+            // Armed before the attempt: a count that falls to zero after the attempt
+            // read it wakes this waiter.
+            let idle = region.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            match self.deregister(registration) {
+                Err(e) if e.kind() == ErrorKind::NotAllowed => {
+                    if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                        return Err(e);
+                    }
+                }
+                done => return done,
+            }
         }
     }
 

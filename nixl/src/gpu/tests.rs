@@ -57,6 +57,7 @@ mod stand_in {
                 registered: AtomicBool::new(true),
                 backends: Mutex::new(Vec::new()),
                 gate: Default::default(),
+                idle: Default::default(),
             }),
         }
     }
