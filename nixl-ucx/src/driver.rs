@@ -172,9 +172,28 @@ pub(crate) struct PeerConn {
     /// Our notifications the peer reported dropped ([`Kind::Dropped`]) and the
     /// application was not told of yet: the next operation to the peer fails with it.
     dropped: u64,
+    /// The peer asked us to hold our notifications ([`Kind::Pause`]) until it has
+    /// room ([`Kind::Resume`]).
+    paused: bool,
+    /// Our notifications held meanwhile, in posting order, with what completes when
+    /// each is sent (a transfer's own completion, for a transfer's notification: the
+    /// transfer stays in progress while its notification is held).
+    held: VecDeque<(Bytes, Completer)>,
 }
 
 impl PeerConn {
+    /// Notifications held while the peer asked us to pause.
+    #[cfg(test)]
+    pub(crate) fn held_len(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Whether the peer asked us to pause.
+    #[cfg(test)]
+    pub(crate) fn is_paused(&self) -> bool {
+        self.paused
+    }
+
     /// Queue a flight; an idle connection starts its progress clock `now`.
     fn push(&mut self, f: InFlight, now: Instant) {
         if self.queue.is_empty() {
@@ -186,6 +205,13 @@ impl PeerConn {
     /// Mark the connection dead and force-close its endpoints, which completes what
     /// UCX still holds for it (with an error).
     fn fail<K: HoldsMemory>(&mut self, ucx: &mut Ucx<K>, why: String) {
+        for (_, done) in self.held.drain(..) {
+            done.complete(Err(Error::new(
+                ErrorKind::RemoteDisconnected,
+                "ucx notify",
+                why.clone(),
+            )));
+        }
         self.failed = Some(why);
         self.rkeys.clear();
         self.probe = None;
@@ -225,30 +251,125 @@ const MAX_DROP_REPORTS: usize = 1024;
 #[derive(Debug, Default)]
 struct Drops(Vec<(String, u64, u64)>);
 
-/// Deliver one of our notifications (`stream` is its sender's); one the agent's
-/// queue has no room for (dropped and counted by the sink) is noted in `drops` when
-/// its sender is a peer we can answer: known (its metadata loaded), reachable, and
-/// speaking our protocol. Others (unknown names, NIXL agents) cannot be told.
-fn deliver_ours(
-    sink: &NotificationSink,
-    peers: &HashMap<Arc<str>, PeerConn>,
-    drops: &mut Drops,
-    (name, stream, data): (&str, u64, Bytes),
-) {
-    if sink.deliver(name, data) {
-        return;
+/// How often the driver looks for room for held notifications while any are held.
+const BACKLOG_TICK: Duration = Duration::from_millis(2);
+
+/// Most notifications, and bytes, held for one sender while the agent's queue has no
+/// room for them (what a sender told to pause still had on the way, or a NIXL agent,
+/// which cannot be told).
+pub(crate) const BACKLOG_PEER_MESSAGES: usize = 4096;
+const BACKLOG_PEER_BYTES: usize = 64 << 20;
+/// Most notifications, and bytes, held for all senders together.
+const BACKLOG_MESSAGES: usize = 65_536;
+const BACKLOG_BYTES: usize = 256 << 20;
+
+/// Notifications the agent's queue had no room for, held in arrival order per
+/// sender until it has: back-pressure instead of loss. A sender that speaks our
+/// protocol is told to pause ([`Kind::Pause`]) while its backlog is not empty and to
+/// resume once it drained ([`Kind::Resume`]); it then holds its notifications (and
+/// the transfers they belong to stay in progress) instead of sending them. Held
+/// for known peers and for senders that said HELLO, within [`BACKLOG_PEER_MESSAGES`]
+/// / [`BACKLOG_PEER_BYTES`] each and [`BACKLOG_MESSAGES`] / [`BACKLOG_BYTES`] in
+/// all; past those (or from a name that is neither), a notification is dropped,
+/// counted, and reported to a sender that can be told, as before.
+#[derive(Debug, Default)]
+pub(crate) struct Backlogs {
+    by_name: HashMap<String, Backlog>,
+    messages: usize,
+    bytes: usize,
+}
+
+#[derive(Debug, Default)]
+struct Backlog {
+    /// (the sender's stream, the notification), oldest first.
+    items: VecDeque<(u64, Bytes)>,
+    bytes: usize,
+    /// The stream told to pause, if one was.
+    paused: Option<u64>,
+}
+
+impl Backlogs {
+    /// Notifications held.
+    pub(crate) fn len(&self) -> usize {
+        self.messages
     }
-    let answerable = peers
-        .get(name)
-        .is_some_and(|p| !p.nixl && p.failed.is_none() && p.ep.is_ok());
-    if !answerable {
-        return;
+
+    /// Hold `data` behind `name`'s backlog, if the bounds allow; else hand it back.
+    fn hold(&mut self, name: &str, stream: u64, data: Bytes) -> std::result::Result<(), Bytes> {
+        let n = data.len();
+        if self.messages >= BACKLOG_MESSAGES || self.bytes.saturating_add(n) > BACKLOG_BYTES {
+            return Err(data);
+        }
+        let b = self.by_name.entry(name.to_owned()).or_default();
+        if b.items.len() >= BACKLOG_PEER_MESSAGES || b.bytes.saturating_add(n) > BACKLOG_PEER_BYTES
+        {
+            if b.items.is_empty() {
+                self.by_name.remove(name);
+            }
+            return Err(data);
+        }
+        b.items.push_back((stream, data));
+        b.bytes += n;
+        self.messages += 1;
+        self.bytes += n;
+        Ok(())
     }
-    let d = &mut drops.0;
-    if let Some(e) = d.iter_mut().find(|(n, s, _)| *s == stream && n == name) {
-        e.2 += 1;
-    } else if d.len() < MAX_DROP_REPORTS {
-        d.push((name.to_owned(), stream, 1));
+}
+
+/// Where the receive path delivers notifications (disjoint borrows of the core).
+struct Deliver<'a> {
+    sink: &'a NotificationSink,
+    peers: &'a HashMap<Arc<str>, PeerConn>,
+    inbound: &'a HashMap<String, Vec<u8>>,
+    backlogs: &'a mut Backlogs,
+    drops: &'a mut Drops,
+}
+
+impl Deliver<'_> {
+    /// Deliver one notification from `name` (`stream` is its sender's, for ours):
+    /// behind its sender's backlog if it has one, else to the agent's queue if it has
+    /// room, else held (see [`Backlogs`]); dropped only past the backlog's bounds or
+    /// for a sender we neither know nor heard from. A drop is counted by the sink and
+    /// noted in `drops` when its sender is a peer of ours we can answer.
+    fn deliver(&mut self, name: &str, stream: u64, data: Bytes) {
+        let behind = self
+            .backlogs
+            .by_name
+            .get(name)
+            .is_some_and(|b| !b.items.is_empty());
+        let data = if behind {
+            data
+        } else {
+            match self.sink.try_deliver(name, data) {
+                Ok(()) => return,
+                Err(data) => data,
+            }
+        };
+        let holdable = self.peers.contains_key(name) || self.inbound.contains_key(name);
+        let data = if holdable {
+            match self.backlogs.hold(name, stream, data) {
+                Ok(()) => return,
+                Err(data) => data,
+            }
+        } else {
+            data
+        };
+        if self.sink.deliver(name, data) {
+            return;
+        }
+        let answerable = self
+            .peers
+            .get(name)
+            .is_some_and(|p| !p.nixl && p.failed.is_none() && p.ep.is_ok());
+        if !answerable {
+            return;
+        }
+        let d = &mut self.drops.0;
+        if let Some(e) = d.iter_mut().find(|(n, s, _)| *s == stream && n == name) {
+            e.2 += 1;
+        } else if d.len() < MAX_DROP_REPORTS {
+            d.push((name.to_owned(), stream, 1));
+        }
     }
 }
 
@@ -370,14 +491,20 @@ pub(crate) struct Core {
     /// What the message handlers refused.
     pub(crate) refused: Arc<Refused>,
     /// HELLO senders not known as peers when they said it (at most [`MAX_INBOUND`]):
-    /// name -> their worker address. Only ever compared with a peer's address from
-    /// its metadata, never dialled.
+    /// name -> their worker address. Compared with a peer's address from its
+    /// metadata; dialled only to tell a sender whose notifications are held to pause
+    /// and resume (empty messages, [`Core::tell`]).
     inbound: HashMap<String, Vec<u8>>,
     /// PINGs and DROPPED reports in flight (outside their connection's queue:
     /// nothing waits for them).
     pings: Vec<FlightId>,
     /// Notifications dropped this round, to report to their senders.
     drops: Drops,
+    /// Notifications held until the agent's queue has room ([`Backlogs`]).
+    pub(crate) backlogs: Backlogs,
+    /// Endpoints to senders that are not peers, for PAUSE and RESUME only: name ->
+    /// (the address their HELLO gave, the endpoint). At most [`MAX_INBOUND`].
+    control: HashMap<String, (Vec<u8>, EpId)>,
     /// Set once shutdown began: PINGs are no longer answered.
     closing: Arc<AtomicBool>,
     /// Our name and secret, for the messages we send.
@@ -609,7 +736,7 @@ impl Core {
                 let limit = match header.kind {
                     Kind::Notif => max_notification,
                     Kind::Hello | Kind::Bye => MAX_ADDRESS,
-                    Kind::Ping | Kind::Pong | Kind::Dropped => 0,
+                    Kind::Ping | Kind::Pong | Kind::Dropped | Kind::Pause | Kind::Resume => 0,
                 };
                 if data.len() > limit {
                     let (c, why) = match header.kind {
@@ -701,6 +828,8 @@ impl Core {
             inbound: HashMap::new(),
             pings: Vec::new(),
             drops: Drops::default(),
+            backlogs: Backlogs::default(),
+            control: HashMap::new(),
             closing,
             me: Identity::default(),
             identity,
@@ -732,6 +861,11 @@ impl Core {
             }
         }
         self.remove_peer(peer, "the peer's connection info changed");
+        // A sender we only heard from is a peer now: its own connection carries
+        // PAUSE and RESUME from here on.
+        if let Some((_, ep)) = self.control.remove(peer) {
+            self.ucx.ep_close(ep);
+        }
         let mut peer_failure = self.peer_error_handling;
         // Checked (and padded) before UCX parses it; the backend refused a malformed
         // one already, so this only repeats the check.
@@ -789,6 +923,8 @@ impl Core {
                 probe: None,
                 next_probe: 0,
                 dropped: 0,
+                paused: false,
+                held: VecDeque::new(),
             },
         );
     }
@@ -804,6 +940,13 @@ impl Core {
             }
             for f in p.queue.drain(..) {
                 self.orphans.push((f, format!("peer {peer:?}: {why}")));
+            }
+            for (_, done) in p.held.drain(..) {
+                done.complete(Err(Error::new(
+                    ErrorKind::UnknownPeer,
+                    "ucx notify",
+                    format!("peer {peer:?}: {why}"),
+                )));
             }
         }
     }
@@ -1014,6 +1157,12 @@ impl Core {
                 Work::Done(done),
             ));
         }
+        if p.paused {
+            // The peer's queue is full: hold it (and the transfer it belongs to)
+            // until the peer says it has room.
+            p.held.push_back((msg, done));
+            return None;
+        }
         let h = self.me.header(peer, Kind::Notif, p.epoch, p.next_seq, &msg);
         p.next_seq += 1;
         Some(
@@ -1042,11 +1191,17 @@ impl Core {
         }
         self.handle_events();
         if let Some(sink) = &self.sink {
-            let (peers, drops) = (&self.peers, &mut self.drops);
-            self.reorder.expire(self.now, &mut |n, st, d| {
-                deliver_ours(sink, peers, drops, (n, st, d))
-            });
+            let mut to = Deliver {
+                sink,
+                peers: &self.peers,
+                inbound: &self.inbound,
+                backlogs: &mut self.backlogs,
+                drops: &mut self.drops,
+            };
+            self.reorder
+                .expire(self.now, &mut |n, st, d| to.deliver(n, st, d));
         }
+        self.drain_backlogs();
         self.report_drops();
         self.check_failures();
         self.reap();
@@ -1057,11 +1212,19 @@ impl Core {
     /// The longest the driver may sleep when idle: until a held notification's gap
     /// times out (see [`crate::reorder`]), else long.
     pub(crate) fn idle_wait(&self) -> Duration {
-        self.reorder
+        let wait = self
+            .reorder
             .deadline()
             .map_or(Duration::from_secs(3600), |d| {
                 d.saturating_duration_since(Instant::now()) + TICK
-            })
+            });
+        // Held notifications move as the application reads, which raises no event
+        // here: look again shortly while any are held.
+        if self.backlogs.len() > 0 {
+            wait.min(BACKLOG_TICK)
+        } else {
+            wait
+        }
     }
 
     /// Run every queued command; returns how many.
@@ -1087,10 +1250,17 @@ impl Core {
                 AmEvent::Ours { header, data } => (header, data),
                 AmEvent::Nixl { sender, msg } => {
                     // NIXL does not order notifications; neither can we. One the
-                    // queue has no room for is dropped and counted; NIXL's protocol
-                    // has no way to tell its sender.
+                    // queue has no room for is held (NIXL's protocol cannot be told
+                    // to pause), then dropped and counted past the backlog's bound.
                     if let Some(sink) = &self.sink {
-                        sink.deliver(&sender, msg);
+                        Deliver {
+                            sink,
+                            peers: &self.peers,
+                            inbound: &self.inbound,
+                            backlogs: &mut self.backlogs,
+                            drops: &mut self.drops,
+                        }
+                        .deliver(&sender, 0, msg);
                     }
                     continue;
                 }
@@ -1126,6 +1296,34 @@ impl Core {
                         p.dropped = p.dropped.saturating_add(h.seq);
                     }
                 }
+                Kind::Pause | Kind::Resume => {
+                    // Only for our own connection to the sender of it (its stream
+                    // echoes our endpoint's), as DROPPED.
+                    let Some(p) = self
+                        .peers
+                        .get_mut(h.name.as_str())
+                        .filter(|p| p.epoch == h.stream && !p.nixl)
+                    else {
+                        continue;
+                    };
+                    p.paused = h.kind == Kind::Pause;
+                    if !p.paused {
+                        let held: Vec<_> = p.held.drain(..).collect();
+                        for (msg, done) in held {
+                            if let Some(f) = self.send_notif(&h.name, msg, done) {
+                                if let Some(p) = self.peers.get_mut(h.name.as_str()) {
+                                    p.push(
+                                        InFlight {
+                                            flight: f,
+                                            notif: None,
+                                        },
+                                        self.now,
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
                 Kind::Pong => {
                     let p = self.peers.values_mut().find(|p| p.epoch == h.stream);
                     if let Some(p) = p {
@@ -1143,13 +1341,26 @@ impl Core {
                     let heard = self.inbound.get(&h.name).map(|a| &a[..]);
                     if known == Some(&ev_data[..]) || heard == Some(&ev_data[..]) {
                         // Only a goodbye from the address we know the sender by ends
-                        // its streams early; others' streams age out (bounded).
-                        self.inbound.remove(&h.name);
+                        // its streams early; others' streams age out (bounded). What
+                        // it sent before is delivered (or held) first.
                         if let Some(sink) = &self.sink {
-                            let (peers, drops) = (&self.peers, &mut self.drops);
-                            self.reorder.forget(&h.name, &mut |n, st, d| {
-                                deliver_ours(sink, peers, drops, (n, st, d))
-                            });
+                            let mut to = Deliver {
+                                sink,
+                                peers: &self.peers,
+                                inbound: &self.inbound,
+                                backlogs: &mut self.backlogs,
+                                drops: &mut self.drops,
+                            };
+                            self.reorder
+                                .forget(&h.name, &mut |n, st, d| to.deliver(n, st, d));
+                        }
+                        self.inbound.remove(&h.name);
+                        // It can no longer be told to resume: it is gone.
+                        if let Some(b) = self.backlogs.by_name.get_mut(h.name.as_str()) {
+                            b.paused = None;
+                        }
+                        if let Some((_, ep)) = self.control.remove(h.name.as_str()) {
+                            self.ucx.ep_close(ep);
                         }
                     }
                     if let Some(p) = self.peers.get_mut(h.name.as_str()) {
@@ -1164,11 +1375,111 @@ impl Core {
 
     fn deliver(&mut self, name: String, stream: u64, seq: u64, data: Bytes) {
         let Some(sink) = &self.sink else { return };
-        let (peers, drops) = (&self.peers, &mut self.drops);
+        let mut to = Deliver {
+            sink,
+            peers: &self.peers,
+            inbound: &self.inbound,
+            backlogs: &mut self.backlogs,
+            drops: &mut self.drops,
+        };
         self.reorder
             .accept(&name, stream, seq, data, self.now, &mut |n, st, d| {
-                deliver_ours(sink, peers, drops, (n, st, d))
+                to.deliver(n, st, d)
             });
+    }
+
+    /// Move held notifications into the agent's queue as it has room, oldest first;
+    /// tell a sender with a backlog to pause, and one whose backlog drained to
+    /// resume ([`Backlogs`]).
+    fn drain_backlogs(&mut self) {
+        if self.backlogs.by_name.is_empty() {
+            return;
+        }
+        let Some(sink) = &self.sink else { return };
+        let mut tell = Vec::new();
+        let backlogs = &mut self.backlogs;
+        backlogs.by_name.retain(|name, b| {
+            while let Some((stream, data)) = b.items.pop_front() {
+                let n = data.len();
+                match sink.try_deliver(name, data) {
+                    Ok(()) => {
+                        b.bytes -= n;
+                        backlogs.messages -= 1;
+                        backlogs.bytes -= n;
+                    }
+                    Err(data) => {
+                        b.items.push_front((stream, data));
+                        break;
+                    }
+                }
+            }
+            match (b.items.back(), b.paused) {
+                (None, Some(stream)) => {
+                    tell.push((name.clone(), Kind::Resume, stream));
+                    false
+                }
+                (None, None) => false,
+                (Some(&(stream, _)), None) => {
+                    tell.push((name.clone(), Kind::Pause, stream));
+                    b.paused = Some(stream);
+                    true
+                }
+                (Some(_), Some(_)) => true,
+            }
+        });
+        for (name, kind, stream) in tell {
+            self.tell(&name, kind, stream);
+        }
+    }
+
+    /// Send `kind` (PAUSE or RESUME, about the sender's `stream`) to `name`: on our
+    /// connection to it when it is a peer of ours, else on a control endpoint to the
+    /// address its HELLO gave (made when first needed, closed at its BYE). NIXL
+    /// agents, and senders we have no address for, cannot be told.
+    fn tell(&mut self, name: &str, kind: Kind, stream: u64) {
+        let ep = match self.peers.get(name) {
+            Some(p) if p.nixl || p.failed.is_some() => return,
+            Some(p) => match p.ep {
+                Ok(ep) => ep,
+                Err(_) => return,
+            },
+            None => {
+                let Some(address) = self.inbound.get(name) else {
+                    return;
+                };
+                match self.control.get(name) {
+                    Some((a, ep)) if a == address => *ep,
+                    _ => {
+                        if let Some((_, old)) = self.control.remove(name) {
+                            self.ucx.ep_close(old);
+                        }
+                        let Ok(padded) = Padded::address(address) else {
+                            return;
+                        };
+                        match self.ucx.ep_create(&padded, false) {
+                            Ok(ep) => {
+                                self.control.insert(name.to_owned(), (address.clone(), ep));
+                                ep
+                            }
+                            Err(e) => {
+                                tracing::debug!(peer = name, error = %e, "ucx: cannot reach a sender to pause it");
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        tracing::debug!(
+            peer = name,
+            ?kind,
+            "ucx: telling a sender about our notification queue"
+        );
+        let h = self.me.header(name, kind, stream, 0, &[]);
+        let flight = self
+            .ucx
+            .am_send(ep, wire::AM_ID, h, Bytes::new(), false, Work::Internal);
+        self.pings.push(flight);
     }
 
     /// Tell each known sender whose notifications this round dropped how many, on
@@ -1283,7 +1594,7 @@ impl Core {
             } else {
                 if let Some(l) = self.liveness.filter(|_| !p.nixl) {
                     if p.probe.is_none()
-                        && !p.queue.is_empty()
+                        && (!p.queue.is_empty() || !p.held.is_empty())
                         && now.duration_since(p.last_progress) >= l.after
                     {
                         probe.push((name.clone(), l, false));

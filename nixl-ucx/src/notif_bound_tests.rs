@@ -2,9 +2,10 @@
 //! names: a bare UCX worker (no agent) sends 10,000 notifications, each under a fresh
 //! sender name, to an agent that reads nothing meanwhile, while a known peer keeps
 //! sending. The unknown names fill their capped pool and no more; the known peer
-//! loses nothing. A known peer over its own bound has the excess dropped (the
-//! progress loop cannot wait), is told so, and its next operation fails saying so;
-//! a forged report changes nothing.
+//! loses nothing. A known peer over its own bound is told to pause and loses
+//! nothing; a sender that does not pause is held up to the backlog's bound, then
+//! dropped, told so, and its next operation fails saying so; forged reports change
+//! nothing.
 //!
 //! Needs libucp at run time; without it the tests print a SKIP line.
 
@@ -196,28 +197,47 @@ async fn ten_thousand_sender_names_fill_only_their_pool_and_a_known_peer_loses_n
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_known_peer_over_its_bound_is_told_and_its_next_operation_fails() {
+async fn a_known_peer_over_its_bound_is_paused_and_loses_nothing() {
     known_peer_over_its_bound(
-        "a_known_peer_over_its_bound_is_told_and_its_next_operation_fails",
+        "a_known_peer_over_its_bound_is_paused_and_loses_nothing",
         None,
     )
     .await;
 }
 
-/// The same between agents with a shared secret: the report is MAC'd for its
-/// receiver like every message of ours (and the forged one, unsigned, is refused).
+/// The same between agents with a shared secret: PAUSE and RESUME are MAC'd for
+/// their receiver like every message of ours.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_known_peer_over_its_bound_is_told_with_a_secret() {
-    let s = SharedSecret::new("drop reports").unwrap();
+async fn a_known_peer_over_its_bound_is_paused_with_a_secret() {
+    let s = SharedSecret::new("pause reports").unwrap();
     known_peer_over_its_bound(
-        "a_known_peer_over_its_bound_is_told_with_a_secret",
+        "a_known_peer_over_its_bound_is_paused_with_a_secret",
         Some(&s),
     )
     .await;
 }
 
+/// Held notifications at the sender (told to pause) and at the receiver.
+fn held(sender: &UcxBackend, receiver: &UcxBackend, peer: &str) -> (usize, usize) {
+    let g = sender.inner.shared.core.lock().unwrap();
+    let s = g
+        .as_ref()
+        .unwrap()
+        .peers
+        .get(peer)
+        .map_or(0, |p| p.held_len());
+    drop(g);
+    let g = receiver.inner.shared.core.lock().unwrap();
+    (s, g.as_ref().unwrap().backlogs.len())
+}
+
+/// A known peer sends far more than its bound while the target reads nothing: the
+/// target holds what arrives over the bound and tells the sender to pause; the
+/// sender holds the rest (its sends stay pending). Once the target reads, every
+/// notification arrives, in order, none dropped, and every send completes.
 async fn known_peer_over_its_bound(test: &str, secret: Option<&SharedSecret>) {
     const BOUND: usize = 8;
+    const SENT: usize = 300;
     let Some(tb) = backend(test) else { return };
     let gb = UcxBackend::with_options(UcxOptions::default()).unwrap();
     let limits = NotificationLimits {
@@ -230,87 +250,146 @@ async fn known_peer_over_its_bound(test: &str, secret: Option<&SharedSecret>) {
     target.load_metadata(&good.metadata().unwrap()).unwrap();
     good.connect("target").await.unwrap();
     target.connect("good").await.unwrap();
-    let reported = || {
-        let g = gb.inner.shared.core.lock().unwrap();
-        g.as_ref().unwrap().dropped_reported("target")
-    };
 
-    // A forged report (not from the target's connection: another stream) is ignored.
+    // A forged PAUSE (not on the target's stream) is ignored.
     let (mut evil, ep) = bare_worker(&gb.inner.address);
-    let f = send(&mut evil, ep, Kind::Dropped, "target", 12_345, 99);
+    let f = send(&mut evil, ep, Kind::Pause, "target", 12_345, 0);
     settle(&mut evil, vec![f]);
-    good.notify("target", "before").unwrap().await.unwrap();
-    assert_eq!(reported(), 0, "a forged DROPPED was taken");
+    good.notify("target", "n0").unwrap().await.unwrap();
 
-    // Over the bound, with nobody reading: each send completes (UCX delivered it),
-    // the excess is dropped at the target and reported back, and an operation after
-    // the report arrived fails, saying how many were dropped (itself not started).
-    let mut sent = 1;
-    let first = loop {
-        assert!(sent < 10_000, "no operation failed after the drops");
-        match good.notify("target", format!("n{sent}")).unwrap().await {
-            Ok(()) => sent += 1,
-            Err(e) => break e,
-        }
+    // Up to the bound the queue takes them; the next is held at the target, which
+    // tells the sender to pause.
+    for i in 1..=BOUND {
+        good.notify("target", format!("n{i}"))
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let paused = || {
+        let g = gb.inner.shared.core.lock().unwrap();
+        g.as_ref().unwrap().peers.get("target").unwrap().is_paused()
     };
-    assert_eq!(first.kind(), ErrorKind::NotAllowed, "{first}");
-    let told = |e: &nixl::Error| -> u64 {
-        let c = e.context();
-        let n = c
-            .split("dropped ")
-            .nth(1)
-            .and_then(|r| r.split(' ').next())
-            .and_then(|n| n.parse().ok());
-        n.unwrap_or_else(|| panic!("no count in {c:?}"))
-    };
-    let mut surfaced = told(&first);
-    assert!(surfaced > 0);
-    // Every drop at the target reaches the sender: what surfaced plus what waits.
-    let dropped = (sent - BOUND) as u64;
-    stats_until(&target, "the excess dropped", |s| s.dropped == dropped).await;
     let deadline = Instant::now() + HANG;
-    while surfaced + reported() < dropped {
+    while !paused() {
         assert!(
             Instant::now() < deadline,
-            "the drops were not all reported to the sender"
+            "the sender was never told to pause"
         );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    assert_eq!(surfaced + reported(), dropped);
+    // Paused: the rest is held at the sender, its sends pending.
+    let mut sends = Vec::new();
+    for i in BOUND + 1..SENT {
+        sends.push(good.notify("target", format!("n{i}")).unwrap());
+    }
+    let deadline = Instant::now() + HANG;
+    while held(&gb, &tb, "target") != (SENT - BOUND - 1, 1) {
+        assert!(
+            Instant::now() < deadline,
+            "held (sender, receiver): {:?}",
+            held(&gb, &tb, "target")
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let s = target.notification_stats();
+    assert_eq!(s.dropped, 0, "{s:?}");
+    assert_eq!(s.peers.get("good").map(|q| q.messages), Some(BOUND));
 
-    // The target reads what it kept, in order.
+    // The target reads: everything arrives in order and every send completes.
     let mut notes = target.notifications().unwrap();
-    for i in 0..BOUND {
+    for i in 0..SENT {
         let n = tokio::time::timeout(HANG, notes.recv())
             .await
-            .unwrap()
+            .expect("held notifications arrive as the target reads")
             .unwrap();
-        let want = if i == 0 {
-            "before".to_owned()
-        } else {
-            format!("n{i}")
-        };
-        assert_eq!((n.peer.as_str(), n.msg), ("good", Bytes::from(want)));
+        assert_eq!(
+            (n.peer.as_str(), n.msg),
+            ("good", Bytes::from(format!("n{i}")))
+        );
     }
-    // Drops reported after the first failure fail one more operation; then the
-    // sender's operations go through again.
-    if reported() > 0 {
-        let e = good.notify("target", "next").unwrap().await.unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
-        surfaced += told(&e);
+    for t in sends {
+        tokio::time::timeout(HANG, t).await.unwrap().unwrap();
     }
-    assert_eq!(surfaced, dropped);
+    assert_eq!(target.notification_stats().dropped, 0);
+    assert_eq!(held(&gb, &tb, "target"), (0, 0));
+    // Resumed: the next one goes straight through.
     good.notify("target", "after").unwrap().await.unwrap();
     let n = tokio::time::timeout(HANG, notes.recv())
         .await
         .unwrap()
         .unwrap();
-    assert_eq!((n.peer.as_str(), &n.msg[..]), ("good", &b"after"[..]));
-    assert_eq!(target.notification_stats().dropped, dropped);
+    assert_eq!(&n.msg[..], b"after");
     println!(
-        "FIGURE ucx notification drop report (secret: {}): {sent} sent to a bound of {BOUND} unread; {dropped} dropped at the receiver, all reported to the sender, whose next operations failed (NotAllowed, naming the count) until told, then succeeded",
-        secret.is_some()
+        "FIGURE ucx notification back-pressure (secret: {}): {SENT} sent to a bound of {BOUND} unread; none dropped; 1 held at the receiver, {} at the sender (told to pause, its sends pending); all delivered in order once read",
+        secret.is_some(),
+        SENT - BOUND - 1
     );
+    assert!(target.shutdown().await.is_clean());
+    assert!(good.shutdown().await.is_clean());
+}
+
+/// A sender that does not pause (a bare worker writing on a peer's stream) has its
+/// notifications held up to the backlog's bound, then dropped; the drops are
+/// reported on the peer's connection and its next operation fails, naming them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_that_ignores_pause_is_dropped_past_the_backlog_and_told() {
+    const TEST: &str = "a_sender_that_ignores_pause_is_dropped_past_the_backlog_and_told";
+    const BOUND: usize = 8;
+    const EXCESS: usize = 50;
+    let Some(tb) = backend(TEST) else { return };
+    let gb = UcxBackend::with_options(UcxOptions::default()).unwrap();
+    let limits = NotificationLimits {
+        messages: BOUND,
+        ..NotificationLimits::default()
+    };
+    let target = agent("target", &tb, limits).await;
+    let good = agent("good", &gb, NotificationLimits::default()).await;
+    good.load_metadata(&target.metadata().unwrap()).unwrap();
+    target.load_metadata(&good.metadata().unwrap()).unwrap();
+    good.connect("target").await.unwrap();
+    good.notify("target", "first").unwrap().await.unwrap();
+    let stream = {
+        let g = gb.inner.shared.core.lock().unwrap();
+        g.as_ref().unwrap().peers.get("target").unwrap().epoch
+    };
+    let (mut evil, ep) = bare_worker(&tb.inner.address);
+    let total = BOUND - 1 + crate::driver::BACKLOG_PEER_MESSAGES + EXCESS;
+    for chunk in (1..=total as u64).collect::<Vec<_>>().chunks(500) {
+        let flights = chunk
+            .iter()
+            .map(|&seq| send(&mut evil, ep, Kind::Notif, "good", stream, seq))
+            .collect();
+        settle(&mut evil, flights);
+    }
+    stats_until(&target, "the excess dropped", |s| {
+        s.dropped == EXCESS as u64
+    })
+    .await;
+    let deadline = Instant::now() + HANG;
+    let reported = || {
+        let g = gb.inner.shared.core.lock().unwrap();
+        g.as_ref().unwrap().dropped_reported("target")
+    };
+    while reported() < EXCESS as u64 {
+        assert!(Instant::now() < deadline, "the drops were not reported");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let e = good.notify("target", "next").unwrap().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+    assert!(e.context().contains(&format!("dropped {EXCESS} ")), "{e}");
+    // What was held arrives, in order, after what was queued.
+    let mut notes = target.notifications().unwrap();
+    let first = tokio::time::timeout(HANG, notes.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&first.msg[..], b"first");
+    for _ in 1..BOUND + crate::driver::BACKLOG_PEER_MESSAGES {
+        tokio::time::timeout(HANG, notes.recv())
+            .await
+            .unwrap()
+            .unwrap();
+    }
     assert!(target.shutdown().await.is_clean());
     assert!(good.shutdown().await.is_clean());
 }

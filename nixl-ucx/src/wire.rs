@@ -71,6 +71,11 @@ pub(crate) enum Kind {
     Pong = 5,
     /// Notifications of the sender's `stream` were dropped (`seq` of them); no data.
     Dropped = 6,
+    /// The receiver's queue for the sender's `stream` is full: hold further
+    /// notifications until [`Kind::Resume`]; no data.
+    Pause = 7,
+    /// The receiver has room again for the sender's `stream`; no data.
+    Resume = 8,
 }
 
 /// A decoded header.
@@ -181,6 +186,8 @@ pub(crate) fn decode_header(b: &[u8]) -> Option<Header> {
         4 => Kind::Ping,
         5 => Kind::Pong,
         6 => Kind::Dropped,
+        7 => Kind::Pause,
+        8 => Kind::Resume,
         _ => return None,
     };
     let stream = u64::from_le_bytes(b[4..12].try_into().ok()?);
@@ -257,12 +264,14 @@ mod tests {
             Kind::Ping,
             Kind::Pong,
             Kind::Dropped,
+            Kind::Pause,
+            Kind::Resume,
         ] {
             let h = encode_header(kind, 1, 2, "x");
             assert_eq!(decode_header(&h).map(|d| d.kind), Some(kind));
         }
         let mut bad = h.clone();
-        bad[3] = 9;
+        bad[3] = 10;
         assert_eq!(decode_header(&bad), None);
     }
 
@@ -351,6 +360,8 @@ mod tests {
             Kind::Ping,
             Kind::Pong,
             Kind::Dropped,
+            Kind::Pause,
+            Kind::Resume,
         ] {
             let h = encode_signed_header(&s, "r", kind, 1, 2, "x", b"");
             let d = decode_header(&h).unwrap();
