@@ -21,7 +21,7 @@ use crate::backends;
 use crate::errors::{invalid, raise, IntoPy};
 use crate::etcd::{self, Etcd};
 use crate::handles::{deliver, DlistHandle, XferHandle};
-use crate::memory::{caller_memory, file_memory};
+use crate::memory::{caller_memory, file_memory, path_memory, path_mode};
 use crate::runtime::rt;
 
 /// How long shutdown waits for this layer's own tasks (asyncio waiters, exchange
@@ -384,6 +384,12 @@ impl PyAgent {
         &self.inner.name
     }
 
+    /// NIXL's `nixlAgent.getAvailPlugins`: the backends this build offers.
+    #[pyo3(name = "getAvailPlugins")]
+    fn get_avail_plugins(&self) -> Vec<&'static str> {
+        backends::plugins()
+    }
+
     /// NIXL names of the attached backends.
     fn backends(&self) -> Vec<String> {
         self.inner
@@ -522,13 +528,16 @@ impl PyAgent {
         py.allow_threads(|| rt.block_on(inner.listen(&agent))).py()
     }
 
-    /// Register each (addr, len, dev) of `mem_type` (all or none).
+    /// Register each (addr, len, dev) of `mem_type` (all or none); `metas`, for
+    /// FILE, may make a registration path-mode (see `memory::path_mode`).
+    #[pyo3(signature = (mem_type, descs, backends, metas=None))]
     fn register(
         &self,
         py: Python<'_>,
         mem_type: &str,
         descs: &Bound<'_, PyAny>,
         backends: Vec<String>,
+        metas: Option<Vec<String>>,
     ) -> PyResult<()> {
         const OP: &str = "register memory";
         let rows = triples(descs, 3)?;
@@ -540,10 +549,17 @@ impl PyAgent {
         // Files are taken (their descriptor duplicated) here, with the GIL held, so no
         // Python thread closes one meanwhile.
         let mut files = Vec::with_capacity(rows.len());
-        for r in &rows {
+        for (i, r) in rows.iter().enumerate() {
             let kind = mem_kind(mem_type, r[2])?;
+            let meta = metas.as_ref().and_then(|m| m.get(i)).map(String::as_str);
             files.push(match kind {
-                MemKind::File { fd } => Some(file_memory(r[0], r[1], fd).py()?),
+                MemKind::File { fd } => match meta.and_then(path_mode) {
+                    Some((options, path)) => Some(
+                        py.allow_threads(|| path_memory(r[0], r[1], fd, options, path))
+                            .py()?,
+                    ),
+                    None => Some(file_memory(r[0], r[1], fd).py()?),
+                },
                 _ => None,
             });
             kinds.push(kind);

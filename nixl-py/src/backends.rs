@@ -85,22 +85,31 @@ pub(crate) fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
     }
 }
 
-/// NIXL's `device_list` ("mlx5_0:1, mlx5_1:1") as a UCX_NET_DEVICES value.
+/// NIXL's `device_list` ("mlx5_0, mlx5_1") as a UCX_NET_DEVICES value: each
+/// device on port 1 unless it names its port (NIXL appends ":1" to each).
 #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
 fn device_list(v: &str) -> String {
     v.split([',', ' '])
         .filter(|d| !d.is_empty())
+        .map(|d| {
+            if d.contains(':') {
+                d.to_owned()
+            } else {
+                format!("{d}:1")
+            }
+        })
         .collect::<Vec<_>>()
         .join(",")
 }
 
 /// NIXL's `engine_config`: UCX settings `KEY=VALUE`, separated by commas (a piece
 /// without `=` continues the previous value, so `TLS=rc,cuda_copy` keeps its list),
-/// keys with or without the `UCX_` prefix.
+/// keys with or without the `UCX_` prefix. As in NIXL, a setting whose `UCX_KEY`
+/// is in the environment is left to the environment.
 #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
 fn engine_config(v: &str) -> nixl::Result<Vec<(String, String)>> {
     let mut out: Vec<(String, String)> = Vec::new();
-    for piece in v.split([',', ';']).map(str::trim).filter(|p| !p.is_empty()) {
+    for piece in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         match piece.split_once('=') {
             Some((key, value)) if !key.trim().is_empty() => {
                 let key = key.trim();
@@ -117,6 +126,13 @@ fn engine_config(v: &str) -> nixl::Result<Vec<(String, String)>> {
             },
         }
     }
+    out.retain(|(k, _)| {
+        let env = std::env::var_os(format!("UCX_{k}")).is_some();
+        if env {
+            tracing::info!(key = %k, "engine_config: UCX_{k} is set in the environment, which wins");
+        }
+        !env
+    });
     Ok(out)
 }
 

@@ -105,23 +105,28 @@ pub(crate) fn kind_name(kind: ErrorKind) -> &'static str {
 
 /// A Python exception of the class for `kind`, with its attributes set.
 pub(crate) fn raise(kind: &str, operation: &str, context: &str, message: String) -> PyErr {
+    // The message starts with NIXL's status name, as NIXL's exceptions read
+    // ("NIXL_ERR_REMOTE_DISCONNECT"): callers match on it.
+    let m = |status: &str| format!("{status}: {message}");
     let err = match kind {
         "InvalidArgument" | "OutOfRange" | "SpansRegions" | "ZeroLength" | "LengthMismatch" => {
-            nixlInvalidParamError::new_err(message)
+            nixlInvalidParamError::new_err(m("NIXL_ERR_INVALID_PARAM"))
         }
-        "UnknownPeer" | "NotFound" => nixlNotFoundError::new_err(message),
-        "Mismatch" | "StaleGeneration" => nixlMismatchError::new_err(message),
+        "UnknownPeer" | "NotFound" => nixlNotFoundError::new_err(m("NIXL_ERR_NOT_FOUND")),
+        "Mismatch" | "StaleGeneration" => nixlMismatchError::new_err(m("NIXL_ERR_MISMATCH")),
         "NotAllowed" if operation == "post transfer" && context.contains("still in flight") => {
-            nixlRepostActiveError::new_err(message)
+            nixlRepostActiveError::new_err(m("NIXL_ERR_REPOST_ACTIVE"))
         }
-        "NotAllowed" | "ShutDown" => nixlNotAllowedError::new_err(message),
-        "NotPosted" => nixlNotPostedError::new_err(message),
-        "NoTelemetry" => nixlNoTelemetryError::new_err(message),
-        "NotSupported" | "UnavailableLibrary" => nixlNotSupportedError::new_err(message),
-        "RemoteDisconnected" => nixlRemoteDisconnectError::new_err(message),
-        "Canceled" => nixlCancelledError::new_err(message),
-        "Other" => nixlUnknownError::new_err(message),
-        _ => nixlBackendError::new_err(message),
+        "NotAllowed" | "ShutDown" => nixlNotAllowedError::new_err(m("NIXL_ERR_NOT_ALLOWED")),
+        "NotPosted" => nixlNotPostedError::new_err(m("NIXL_ERR_NOT_POSTED")),
+        "NoTelemetry" => nixlNoTelemetryError::new_err(m("NIXL_ERR_NO_TELEMETRY")),
+        "NotSupported" | "UnavailableLibrary" => {
+            nixlNotSupportedError::new_err(m("NIXL_ERR_NOT_SUPPORTED"))
+        }
+        "RemoteDisconnected" => nixlRemoteDisconnectError::new_err(m("NIXL_ERR_REMOTE_DISCONNECT")),
+        "Canceled" => nixlCancelledError::new_err(m("NIXL_ERR_CANCELED")),
+        "Other" => nixlUnknownError::new_err(m("NIXL_ERR_UNKNOWN")),
+        _ => nixlBackendError::new_err(m("NIXL_ERR_BACKEND")),
     };
     Python::with_gil(|py| {
         let v = err.value(py);

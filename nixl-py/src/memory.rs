@@ -51,6 +51,52 @@ pub(crate) fn file_memory(offset: u64, len: u64, fd: u32) -> nixl::Result<Memory
     Memory::file(fd, len)
 }
 
+/// NIXL's path-mode FILE registration: meta `"<flags>:<path>"`, flags a comma list
+/// of `rw` or `ro`, `create`, `direct` (`(0, len, devId, "rw,create:/kv/0.bin")`):
+/// the file is opened here, and descriptors name it by `devId`. `None` when `meta`
+/// is not such a spec (the registration is then by descriptor: `devId` is the
+/// caller's open fd).
+pub(crate) fn path_mode(meta: &str) -> Option<(nixl::file::FileOptions, &str)> {
+    let (flags, path) = meta.split_once(':')?;
+    if path.is_empty() {
+        return None;
+    }
+    let mut o = nixl::file::FileOptions::default();
+    let mut access = None;
+    for f in flags.split(',') {
+        match f.trim() {
+            "rw" if access.is_none() => access = Some(true),
+            "ro" if access.is_none() => access = Some(false),
+            "create" => o.create = true,
+            "direct" => o.direct = true,
+            _ => return None,
+        }
+    }
+    o.write = access?;
+    Some((o, path))
+}
+
+/// Open a path-mode FILE registration (see [`path_mode`]): `len` bytes (0: the
+/// file's length), named by `device`.
+pub(crate) fn path_memory(
+    offset: u64,
+    len: u64,
+    device: u32,
+    mut options: nixl::file::FileOptions,
+    path: &str,
+) -> nixl::Result<Memory> {
+    if offset != 0 {
+        return Err(nixl::Error::new(
+            nixl::ErrorKind::InvalidArgument,
+            "register file",
+            format!("{path}: a FILE registration starts at offset 0 (got {offset})"),
+        ));
+    }
+    options.len = (len > 0).then_some(len);
+    options.device = Some(device);
+    Memory::open_file(path, &options)
+}
+
 /// Wrap `addr..addr+len` of the caller's memory.
 ///
 /// # Errors

@@ -2,7 +2,10 @@
 interop tests: the same script runs a nixl_rs agent or a real NIXL agent.
 
 Usage: peer.py IMPL NAME BUFFER_BYTES BACKEND [LISTEN_PORT]
-  IMPL: nixl_rs (``nixl_rs._api``) or nixl (``nixl_cu12._api``, the NIXL wheel)
+  IMPL: nixl_rs (``nixl_rs._api``), dropin (``nixl._api`` of nixl-rs' package ``nixl``)
+        or nixl (``nixl_cu12._api``, the NIXL wheel)
+  BACKEND: a backend name ("TCP" and "TCP-SOCKET": nixl-tcp, the latter with its
+        same-host path off), or DEFAULT (``nixl_agent_config()`` as given: UCX)
 
 Answers each command with one line "@@ OK ..." or "@@ ERR ..." on stdout; bytes
 travel as hex ("-" for empty). The agent owns one registered DRAM buffer.
@@ -20,6 +23,12 @@ travel as hex ("-" for empty). The agent owns one registered DRAM buffer.
   FETCH PEER IP PORT          -> fetch_remote_metadata, waited for with check_remote_metadata
   SEND IP PORT                -> send_local_metadata
   CHECK PEER TIMEOUT_S        -> wait until check_remote_metadata(PEER)
+  HAS PEER                    -> check_remote_metadata(PEER): "True" or "False"
+  REMOVE PEER                 -> remove_remote_agent
+  POST OP PEER OFF LEN RADDR  -> initialize_xfer + transfer, not waited for; its state
+  STATE                       -> check_xfer_state of the last POST: the state, or
+                                 "RAISED CLASS MESSAGE" when it raises
+  RELEASE                     -> release_xfer_handle of the last POST
   EXIT                        -> leave (nixl_rs: a normal interpreter exit; NIXL: os._exit,
                                  its wheel may crash in its own exit path)
 """
@@ -36,17 +45,25 @@ def main():
     port = int(sys.argv[5]) if len(sys.argv) > 5 else None
     if impl == "nixl":
         from nixl_cu12._api import nixl_agent, nixl_agent_config
+    elif impl == "dropin":
+        from nixl._api import nixl_agent, nixl_agent_config
     else:
         from nixl_rs._api import nixl_agent, nixl_agent_config
+    kw = {} if backend in ("DEFAULT", "TCP-SOCKET") else {"backends": [backend]}
+    if backend == "TCP-SOCKET":
+        kw["backends"] = []
     if port is not None:
-        cfg = nixl_agent_config(enable_listen_thread=True, listen_port=port, backends=[backend])
+        cfg = nixl_agent_config(enable_listen_thread=True, listen_port=port, **kw)
     else:
-        cfg = nixl_agent_config(backends=[backend])
+        cfg = nixl_agent_config(**kw)
     agent = nixl_agent(name, cfg)
+    if backend == "TCP-SOCKET":
+        agent.create_backend("TCP", {"same_host": "off"})
     buf = np.zeros(size, dtype=np.uint8)
     base = buf.ctypes.data
     agent.register_memory(agent.get_reg_descs([(base, size, 0, "")], "DRAM"))
     notifs = []
+    posted = [None]
 
     def out(line):
         sys.stdout.write("@@ " + line + "\n")
@@ -63,7 +80,7 @@ def main():
             notifs.extend((peer, m) for m in msgs)
 
     def wait(handle):
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + float(os.environ.get("PEER_WAIT", "30"))
         while True:
             st = agent.check_xfer_state(handle)
             if st == "DONE":
@@ -71,7 +88,7 @@ def main():
             if st != "PROC":
                 raise RuntimeError(f"transfer state {st}")
             if time.monotonic() > deadline:
-                raise RuntimeError("transfer did not finish in 30 s")
+                raise RuntimeError("transfer did not finish in %s s" % os.environ.get("PEER_WAIT", "30"))
             time.sleep(0.0005)
 
     out(f"OK ready {base} {size} {agent.listen_port if impl == 'nixl_rs' and port is not None else port or 0}")
@@ -147,6 +164,26 @@ def main():
                     if time.monotonic() > deadline:
                         raise RuntimeError("metadata did not arrive")
                     time.sleep(0.005)
+                out("OK")
+            elif cmd == "HAS":
+                out("OK " + str(bool(agent.check_remote_metadata(w[1]))))
+            elif cmd == "REMOVE":
+                agent.remove_remote_agent(w[1])
+                out("OK")
+            elif cmd == "POST":
+                op, peer, off, n, raddr = w[1], w[2], int(w[3]), int(w[4]), int(w[5])
+                local = agent.get_xfer_descs([(base + off, n, 0)], "DRAM")
+                remote = agent.get_xfer_descs([(raddr, n, 0)], "DRAM")
+                posted[0] = agent.initialize_xfer(op, local, remote, peer)
+                out("OK " + agent.transfer(posted[0]))
+            elif cmd == "STATE":
+                try:
+                    out("OK " + agent.check_xfer_state(posted[0]))
+                except Exception as e:  # noqa: BLE001 - the class is the answer
+                    out(f"OK RAISED {type(e).__name__} {e}".replace("\n", " "))
+            elif cmd == "RELEASE":
+                agent.release_xfer_handle(posted[0])
+                posted[0] = None
                 out("OK")
             elif cmd == "EXIT":
                 out("OK bye")

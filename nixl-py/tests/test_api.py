@@ -51,7 +51,7 @@ def test_create_backend_before_use(agents):
     with pytest.raises(nixl_rs.nixlNotSupportedError) as e:
         a.create_backend("UCX", {"lib": "/nonexistent/libucp.so.0"})
     assert e.value.kind == "UnavailableLibrary" and "/nonexistent/libucp.so.0" in str(e.value)
-    assert a.backends == {"TCP": "TCP"} and a._native.backends() == ["TCP"]
+    assert a.backends == {"TCP": "TCP"} and a.agent.backends() == ["TCP"]
     assert "DRAM" in a.get_backend_mem_types("TCP")
     # Once memory is registered the agent's backends are fixed.
     m = buf(4096)
@@ -255,7 +255,7 @@ def test_shutdown_and_context_manager():
     with nixl_agent(unique("ctx"), nixl_agent_config(backends=["TCP"])) as a:
         m = buf(4096)
         a.register_memory([(addr(m), 4096, 0, "")], "DRAM")
-    tasks, ours, threads = a._native.running_tasks()
+    tasks, ours, threads = a.agent.running_tasks()
     assert (tasks, ours, threads) == (0, 0, [])
     with pytest.raises(nixl_rs.nixlNotAllowedError) as e:
         a.register_memory([(addr(m), 4096, 0, "")], "DRAM")

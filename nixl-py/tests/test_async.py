@@ -102,7 +102,7 @@ def test_notification_stream_ends_at_shutdown(agents):
             await asyncio.sleep(0.001)
             if task.done():
                 break
-            if not b._native.is_shut_down and b.get_new_notifs() == {}:
+            if not b.agent.is_shut_down and b.get_new_notifs() == {}:
                 pass
         await asyncio.get_running_loop().run_in_executor(None, b.shutdown)
         got = await asyncio.wait_for(task, HANG)

@@ -41,7 +41,7 @@ def test_collected_agents_let_go_of_everything(backend):
                               b.name)
         a.transfer(h)
         wait_done(a, h)
-    monitors = [a._native for a in made]
+    monitors = [a.agent for a in made]
     del made, a, b, h
     gc.collect()
     # Every agent was shut down when collected: its tasks and threads are gone.
@@ -95,4 +95,4 @@ def test_many_agents_in_one_process():
     assert len({a.name for a in made}) == 16
     for a in made:
         a.shutdown()
-    assert all(a._native.running_tasks() == (0, 0, []) for a in made)
+    assert all(a.agent.running_tasks() == (0, 0, []) for a in made)

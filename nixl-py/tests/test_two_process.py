@@ -19,9 +19,9 @@ SIZE = 1 << 20
 
 
 class Peer:
-    def __init__(self, impl, name, backend, env=None, listen=None):
+    def __init__(self, impl, name, backend, env=None, listen=None, size=SIZE):
         self.impl, self.name = impl, name
-        args = [sys.executable, PEER, impl, name, str(SIZE), backend]
+        args = [sys.executable, PEER, impl, name, str(size), backend]
         if listen is not None:
             args.append(str(listen))
         self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

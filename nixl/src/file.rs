@@ -50,6 +50,10 @@ pub struct FileOptions {
     /// Bytes to register: the file grows to this length when shorter (never shrinks).
     /// `None` (the default): the file's current length.
     pub len: Option<u64>,
+    /// The device id FILE descriptors name this file by (NIXL's `devId` of a
+    /// path-mode registration). `None` (the default): the number of the descriptor
+    /// opened for it.
+    pub device: Option<u32>,
 }
 
 impl Default for FileOptions {
@@ -59,6 +63,7 @@ impl Default for FileOptions {
             create: false,
             direct: false,
             len: None,
+            device: None,
         }
     }
 }
@@ -77,7 +82,7 @@ fn io_err(context: String, e: impl Into<std::io::Error>) -> Error {
 
 impl FileHandle {
     /// Open `path` as `options` say and take the file for registration; descriptors
-    /// name it by the number of the descriptor opened here
+    /// name it by `options.device`, else by the number of the descriptor opened here
     /// ([`FileHandle::device`]).
     pub(crate) fn open(path: &Path, options: &FileOptions) -> Result<Self> {
         let mut flags = if options.write {
@@ -100,7 +105,7 @@ impl FileHandle {
         }
         let fd = rustix::fs::open(path, flags, rustix::fs::Mode::from_raw_mode(0o644))
             .map_err(|e| io_err(format!("cannot open {}", path.display()), e))?;
-        let device = fd.as_raw_fd() as u32;
+        let device = options.device.unwrap_or(fd.as_raw_fd() as u32);
         Self::take(fd, device, options.len, Some(path.to_owned()))
     }
 
@@ -419,5 +424,21 @@ mod tests {
             query(&d.path).unwrap_err().kind(),
             ErrorKind::InvalidArgument
         );
+    }
+
+    #[test]
+    fn a_path_registration_is_named_by_the_device_asked_for() {
+        let (_d, p) = temp(4096);
+        let h = FileHandle::open(
+            &p,
+            &FileOptions {
+                device: Some(77_777),
+                ..FileOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(h.device(), 77_777);
+        let own = FileHandle::open(&p, &FileOptions::default()).unwrap();
+        assert_ne!(own.device(), 77_777, "without one: the descriptor's number");
     }
 }

@@ -192,7 +192,8 @@ impl Memory {
     }
 
     /// A file to register, opened from `path` as `options` say; its descriptors carry
-    /// the number of the descriptor opened here ([`Memory::kind`] says it). See
+    /// `options.device`, else the number of the descriptor opened here
+    /// ([`Memory::kind`] says it). See
     /// [`Memory::file`].
     ///
     /// # Errors

@@ -76,3 +76,35 @@ for _enum in (nixl_mem_t, nixl_status_t, nixl_thread_sync_t, nixl_xfer_op_t, nix
 del _enum
 
 __all__ = [n for n in globals() if not n.startswith("_") and n not in ("IntEnum",)]
+
+
+class nixlAgentConfig:
+    """NIXL's bindings agent configuration, for code that builds its own
+    ``nixlAgent`` (SGLang's HiCache storage does). ``captureTelemetry``,
+    ``useListenThread`` and ``listenPort`` take effect; the thread settings are
+    accepted (nixl-rs drives progress itself and its agents are thread-safe)."""
+
+    def __init__(self, use_prog_thread: bool = True, use_listen_thread: bool = False,
+                 port: int = 0, sync_mode: int = 0, num_workers: int = 1,
+                 pthr_delay_us: int = 0, lthr_delay_us: int = 100000,
+                 capture_telemetry: bool = False):
+        self.useProgThread = use_prog_thread
+        self.useListenThread = use_listen_thread
+        self.listenPort = port
+        self.syncMode = sync_mode
+        self.pthrDelay = pthr_delay_us
+        self.lthrDelay = lthr_delay_us
+        self.captureTelemetry = capture_telemetry
+        self.etcdWatchTimeout = 5_000_000
+
+
+def nixlAgent(name: str, config: "nixlAgentConfig | None" = None):
+    """NIXL's bindings agent: a native nixl-rs agent without backends, which
+    ``nixl_agent`` can use as its ``agent`` (backends are added with
+    ``nixl_agent.create_backend``)."""
+    cfg = config if config is not None else nixlAgentConfig()
+    port = cfg.listenPort if cfg.useListenThread else None
+    return _native.Agent(name, [], bool(cfg.captureTelemetry), port)
+
+
+__all__ += ["nixlAgentConfig", "nixlAgent"]

@@ -108,8 +108,14 @@ def _is_ndarray(obj: object) -> bool:
     return np is not None and isinstance(obj, np.ndarray)
 
 
+_STATUS = {"nixlInvalidParamError": "NIXL_ERR_INVALID_PARAM", "nixlNotFoundError": "NIXL_ERR_NOT_FOUND",
+           "nixlNotSupportedError": "NIXL_ERR_NOT_SUPPORTED", "nixlNotAllowedError": "NIXL_ERR_NOT_ALLOWED",
+           "nixlBackendError": "NIXL_ERR_BACKEND"}
+
+
 def _error(cls, kind: str, operation: str, message: str):
-    e = cls(f"{operation}: {message}")
+    status = _STATUS.get(cls.__name__, "NIXL_ERR_UNKNOWN")
+    e = cls(f"{status}: {operation}: {message}")
     e.kind, e.operation, e.context = kind, operation, message
     return e
 
@@ -211,6 +217,10 @@ class _DList:
         if self._packed is not None:
             return len(self._packed) // (8 * self._width)
         return len(self._rows)
+
+    def __bool__(self) -> bool:
+        # NIXL's lists are always true (callers test `if not descs` for None).
+        return True
 
     def __getitem__(self, i: int) -> tuple:
         if self._packed is not None:
@@ -549,7 +559,7 @@ class _NotifStream:
         return self
 
     async def __anext__(self):
-        native = self._agent._native
+        native = self._agent.agent
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -608,15 +618,15 @@ class nixl_agent:
         port = nixl_conf.port if nixl_conf.enable_listen else None
         init_list = [(b, _with_ucx_lib(p) if b == "UCX" else p) for b, p in init_list]
         try:
-            self._native = _native.Agent(agent_name, init_list,
+            self.agent = _native.Agent(agent_name, init_list,
                                          bool(nixl_conf.capture_telemetry), port)
         except NixlError as e:
             raise _explain_missing_ucx(e) from None
         self.name = agent_name
         self.notifs: dict[str, list[bytes]] = {}
-        self.backends: dict[str, str] = {b: b for b in self._native.backends()}
+        self.backends: dict[str, str] = {b: b for b in self.agent.backends()}
         self.backend_mems: dict[str, list[str]] = {
-            b: self._native.backend_mem_types(b) or [] for b in self.backends}
+            b: self.agent.backend_mem_types(b) or [] for b in self.backends}
         self.backend_options: dict[str, dict[str, str]] = {
             b: dict(_native.plugin_params(b)) for b in self.backends}
         self.nixl_mems = dict(_MEM_TYPES)
@@ -631,7 +641,7 @@ class nixl_agent:
         """Stop everything the agent started and join it (beyond NIXL). Transfers in
         flight are drained (bounded), then cancelled; registrations are released.
         Idempotent; also done when the agent is collected and at interpreter exit."""
-        native = getattr(self, "_native", None)
+        native = getattr(self, "agent", None)
         if native is None:
             return
         report = native.shutdown()
@@ -656,7 +666,7 @@ class nixl_agent:
     @property
     def listen_port(self) -> Optional[int]:
         """The metadata listener's port (beyond NIXL: with listen_port=0, the one bound)."""
-        addr = self._native.listen_addr
+        addr = self.agent.listen_addr
         return addr[1] if addr else None
 
     # Backends ---------------------------------------------------------------
@@ -704,12 +714,12 @@ class nixl_agent:
         if backend.upper() == "UCX":
             params = _with_ucx_lib(params)
         try:
-            self._native.create_backend(backend, params)
+            self.agent.create_backend(backend, params)
         except NixlError as e:
             raise _explain_missing_ucx(e) from None
         name = backend.upper()
         self.backends[name] = name
-        self.backend_mems[name] = self._native.backend_mem_types(name) or []
+        self.backend_mems[name] = self.agent.backend_mem_types(name) or []
         self.backend_options[name] = {**_native.plugin_params(name), **initParams}
         logger.info("Backend %s was instantiated", backend)
 
@@ -721,14 +731,17 @@ class nixl_agent:
         numpy array with ``mem_type``, a tensor or a list of tensors, or an
         ``nixlRegDList``. See the module docs for the memory contract."""
         reg_descs = _need(self.get_reg_descs(reg_list, mem_type))
-        self._native.register(reg_descs._mem_type, reg_descs._wire(), list(backends))
+        metas = None
+        if reg_descs._mem_type == "FILE" and reg_descs._meta:
+            metas = [str(m) for m in reg_descs._meta]
+        self.agent.register(reg_descs._mem_type, reg_descs._wire(), list(backends), metas)
         return reg_descs
 
     def deregister_memory(self, dereg_list: nixlRegDList, backends: list[str] = []):  # noqa: B006
         """Deregister memory registered before (raises while transfers use it)."""
         if not isinstance(dereg_list, nixlRegDList):
             raise TypeError("deregister_memory takes the nixlRegDList register_memory returned")
-        self._native.deregister(dereg_list._mem_type, dereg_list._wire())
+        self.agent.deregister(dereg_list._mem_type, dereg_list._wire())
 
     def query_memory(self, reg_list, backend: str, mem_type: Optional[str] = None
                      ) -> list[Optional[dict[str, str]]]:
@@ -828,7 +841,7 @@ class nixl_agent:
     def get_agent_metadata(self) -> bytes:
         """This agent's full metadata: NIXL's format when a backend speaks NIXL's
         protocol (UCX), so NIXL agents load it; nixl-rs' otherwise."""
-        return self._native.metadata()
+        return self.agent.metadata()
 
     def get_partial_agent_metadata(self, descs, inc_conn_info: bool = False,
                                    backends: list[str] = []) -> bytes:  # noqa: B006
@@ -837,21 +850,21 @@ class nixl_agent:
         if isinstance(descs, (list, tuple)) and not descs:
             descs = nixlRegDList("DRAM", rows=[])
         descs = self.get_reg_descs(descs)
-        return self._native.partial_metadata(descs._mem_type, descs._wire(), bool(inc_conn_info))
+        return self.agent.partial_metadata(descs._mem_type, descs._wire(), bool(inc_conn_info))
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
         """Load a peer's metadata (NIXL's format or nixl-rs'); returns its name, as
         bytes like NIXL 1.5.1 (every call taking an agent name takes str or bytes)."""
-        return self._native.load_metadata(_bytes(metadata, "metadata")).encode()
+        return self.agent.load_metadata(_bytes(metadata, "metadata")).encode()
 
     def remove_remote_agent(self, agent: str):
         """Forget a peer: transfers to it are refused from now on."""
-        self._native.forget(_name(agent))
+        self.agent.forget(_name(agent))
 
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT):
         """Send this agent's metadata to the listener at ip_addr:port, or without
         ``ip_addr`` publish it in etcd (in the background)."""
-        self._native.send_metadata(ip_addr, port)
+        self.agent.send_metadata(ip_addr, port)
 
     def send_partial_agent_metadata(self, descs, inc_conn_info: bool = False,
                                     backends: list[str] = [], ip_addr: str = "",  # noqa: B006
@@ -865,23 +878,23 @@ class nixl_agent:
         """Fetch a peer's metadata from its listener at ip_addr:port, or without
         ``ip_addr`` from etcd (in the background; ``check_remote_metadata`` says when
         it arrived)."""
-        self._native.fetch_metadata(_name(remote_agent), ip_addr, port, label)
+        self.agent.fetch_metadata(_name(remote_agent), ip_addr, port, label)
 
     def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT):
         """Tell the listener at ip_addr:port to forget this agent, or without
         ``ip_addr`` withdraw its etcd keys (in the background)."""
-        self._native.invalidate_metadata(ip_addr, port)
+        self.agent.invalidate_metadata(ip_addr, port)
 
     def check_remote_metadata(self, agent: str, descs=None) -> bool:
         """Whether the peer's metadata is loaded (and covers ``descs``, if given)."""
         if descs is None:
-            return self._native.has_peer(_name(agent))
+            return self.agent.has_peer(_name(agent))
         descs = _need(self.get_xfer_descs(descs))
-        return self._native.has_peer(_name(agent), descs._mem_type, descs._wire())
+        return self.agent.has_peer(_name(agent), descs._mem_type, descs._wire())
 
     def make_connection(self, remote_agent: str, backends: list[str] = []):  # noqa: B006
         """Connect to a peer now rather than at the first transfer (waits, GIL released)."""
-        self._native.connect(_name(remote_agent))
+        self.agent.connect(_name(remote_agent))
 
     # Transfers --------------------------------------------------------------
 
@@ -895,10 +908,10 @@ class nixl_agent:
         if _is_ndarray(xfer_list) and xfer_list.ndim == 2 and xfer_list.shape[1] == 5:
             if mem_type is None:
                 raise ValueError("Please specify a mem type for strided descriptors")
-            return self._native.prep(agent_name, _mem_type(mem_type),
+            return self.agent.prep(agent_name, _mem_type(mem_type),
                                      _packed_rows(xfer_list, 5), True)
         descs = _need(self.get_xfer_descs(xfer_list, mem_type))
-        return self._native.prep(agent_name, descs._mem_type, descs._wire(), False)
+        return self.agent.prep(agent_name, descs._mem_type, descs._wire(), False)
 
     def make_prepped_xfer(
         self,
@@ -914,7 +927,7 @@ class nixl_agent:
         """A transfer request from prepared lists by index (lists of ints or integer
         numpy arrays); ``notif_msg`` is sent after each post's data unless the post
         names another."""
-        return self._native.make_request(
+        return self.agent.make_request(
             operation, local_xfer_side, _indices(local_indices), remote_xfer_side,
             _indices(remote_indices), _bytes(notif_msg), list(backends), not skip_desc_merge)
 
@@ -930,7 +943,7 @@ class nixl_agent:
         """A transfer request from two descriptor lists (prepared here)."""
         if not isinstance(local_descs, nixlXferDList) or not isinstance(remote_descs, nixlXferDList):
             raise TypeError("initialize_xfer takes nixlXferDList lists (see get_xfer_descs)")
-        return self._native.create_request(
+        return self.agent.create_request(
             operation, local_descs._mem_type, local_descs._wire(), remote_descs._mem_type,
             remote_descs._wire(), _name(remote_agent), _bytes(notif_msg), list(backends))
 
@@ -976,11 +989,11 @@ class nixl_agent:
 
     def get_new_notifs(self, backends: list[str] = []) -> dict[str, list[bytes]]:  # noqa: B006
         """New notifications: agent name to list of messages."""
-        return self._native.notifs()
+        return self.agent.notifs()
 
     def update_notifs(self, backends: list[str] = []) -> dict[str, list[bytes]]:  # noqa: B006
         """Add new notifications to ``self.notifs`` and return it."""
-        for peer, msgs in self._native.notifs().items():
+        for peer, msgs in self.agent.notifs().items():
             self.notifs.setdefault(peer, []).extend(msgs)
         return self.notifs
 
@@ -1003,7 +1016,7 @@ class nixl_agent:
     def send_notif(self, remote_agent_name: str, notif_msg: bytes,
                    backend: Optional[str] = None):
         """Send a notification not bound to a transfer (delivered in the background)."""
-        self._native.notify(_name(remote_agent_name), _bytes(notif_msg))
+        self.agent.notify(_name(remote_agent_name), _bytes(notif_msg))
 
     # Beyond NIXL: asyncio ----------------------------------------------------------
 
