@@ -282,7 +282,12 @@ pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<
             for (k, v) in params {
                 match k.as_str() {
                     "lib" => o.library = Some(v.into()),
-                    "num_cpus" => {}
+                    // NIXL's UCCL: CPUs for its engine; nixl-uccl's engine sizes
+                    // itself.
+                    "num_cpus" => tracing::info!(
+                        value = %v,
+                        "UCCL backend parameter num_cpus: the engine sizes itself; not applied"
+                    ),
                     _ => unknown("UCCL", k),
                 }
             }

@@ -1,10 +1,12 @@
 //! # nixl-py
 //!
-//! The native half of the Python package `nixl_rs`: NIXL's Python API
-//! (`nixl_rs._api`: `nixl_agent`, `nixl_agent_config`, same method names, keywords
-//! and return values as NIXL 1.5.1's `nixl._api`) over the Rust agent of crate
-//! `nixl`, plus asyncio counterparts. The Python layer (`python/nixl_rs/_api.py`)
-//! keeps NIXL's signatures; this crate is the module `nixl_rs._native` it calls.
+//! The native half of the Python distribution `nixl-rs`: NIXL's Python API
+//! (`nixl_rs._api`, and NIXL's own package name `nixl`: `nixl._api`,
+//! `nixl._bindings`; `nixl_agent`, `nixl_agent_config`, same method names, keywords,
+//! return values and defaults as NIXL 1.5.1's) over the Rust agent of crate `nixl`,
+//! plus asyncio counterparts. The Python layer (`python/nixl_rs/_api.py`, and
+//! `python/nixl/` over it) keeps NIXL's signatures; this crate is the module
+//! `nixl_rs._native` they call.
 //!
 //! Built with maturin (`maturin build` / `maturin develop` in this folder), which
 //! turns on the `extension-module` feature; a plain `cargo build` makes an rlib and

@@ -430,3 +430,77 @@ def test_real_nixl_and_ours_with_default_configs():
     finally:
         assert ours.exit() == 0
         theirs.exit()
+
+
+class FakeTensor:
+    """Stands in for a torch tensor (no torch here): what NIXL's helpers read."""
+
+    def __init__(self, ptr, n, device):
+        self.ptr, self.n, self.device = ptr, n, device
+
+    def is_contiguous(self):
+        return True
+
+    def get_device(self):
+        return -1 if self.device == "cpu" else int(self.device.split(":")[1])
+
+    def data_ptr(self):
+        return self.ptr
+
+    def numel(self):
+        return self.n
+
+    def element_size(self):
+        return 2
+
+
+def test_tensors_on_different_devices_give_no_list(agents, monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(Tensor=FakeTensor))
+    a = agents()
+    same = [FakeTensor(4096, 8, "cuda:0"), FakeTensor(8192, 8, "cuda:0")]
+    d = a.get_xfer_descs(same)
+    assert d.getType() == nixlBind.VRAM_SEG and list(d) == [(4096, 16, 0), (8192, 16, 0)]
+    # As NIXL: tensors on different devices make no list (None), for both helpers.
+    mixed = [FakeTensor(4096, 8, "cuda:0"), FakeTensor(8192, 8, "cuda:1")]
+    assert a.get_xfer_descs(mixed) is None
+    assert a.get_reg_descs(mixed) is None
+    assert a.get_xfer_descs([FakeTensor(4096, 8, "cpu"), FakeTensor(8192, 8, "cuda:0")]) is None
+
+
+def run_python(code, env):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=HANG)
+
+
+def test_nixl_installed_beside_it_is_named_not_shadowed(tmp_path):
+    # NIXL's meta-distribution "nixl" installed too: importing says so.
+    info = tmp_path / "nixl-1.5.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nixl\nVersion: 1.5.1\n")
+    r = run_python("import nixl; print(nixl.IMPLEMENTATION)", {"PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "nixl-rs"
+    assert "RuntimeWarning" in r.stderr and "distribution 'nixl' 1.5.1" in r.stderr, r.stderr
+    # Alone, no warning.
+    r = run_python("import nixl", {})
+    assert r.returncode == 0 and "RuntimeWarning" not in r.stderr, r.stderr
+
+
+def test_nixl_py_implementation_selects_nixls_own_package():
+    d = os.environ.get("NIXL_TEST_NIXL_WHEEL_DIR")
+    if not d or not os.path.isdir(os.path.join(d, "nixl_cu12")):
+        pytest.skip("no nixl-cu12 wheel: set NIXL_TEST_NIXL_WHEEL_DIR")
+    r = run_python(
+        "import nixl, nixl._api, nixl_cu12._api\n"
+        "assert nixl._api.nixl_agent is nixl_cu12._api.nixl_agent\n"
+        "assert nixl.nixl_agent is nixl_cu12._api.nixl_agent\n"
+        "print(nixl.IMPLEMENTATION)",
+        {"PYTHONPATH": d, "NIXL_PY_IMPLEMENTATION": "nixl"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "nixl_cu12"
