@@ -172,26 +172,59 @@ pub(crate) struct PeerConn {
     /// Our notifications the peer reported dropped ([`Kind::Dropped`]) and the
     /// application was not told of yet: the next operation to the peer fails with it.
     dropped: u64,
-    /// The peer asked us to hold our notifications ([`Kind::Pause`]) until it has
-    /// room ([`Kind::Resume`]).
-    paused: bool,
-    /// Our notifications held meanwhile, in posting order, with what completes when
-    /// each is sent (a transfer's own completion, for a transfer's notification: the
-    /// transfer stays in progress while its notification is held).
+    /// How many of our notifications the peer lets us send ([`Credit`]).
+    credit: Credit,
+    /// Our notifications waiting for the peer's grant, in posting order, with what
+    /// completes when each is sent (a transfer's own completion, for a transfer's
+    /// notification: the transfer stays in progress while its notification waits).
     held: VecDeque<(Bytes, Completer)>,
 }
 
+/// Flow control of our notifications to one peer of ours: the receiver grants
+/// ([`Kind::Credit`]) up to [`CREDIT_WINDOW`] notifications beyond those its agent
+/// took in, so a receiver whose application reads slowly holds at most a window of
+/// ours, and the rest waits here (back-pressure on the sender instead of loss).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Credit {
+    /// No grant yet (it answers our HELLO): the first [`CREDIT_WINDOW`] go; later
+    /// ones wait for it, until [`LEGACY_WAIT`] after the first had to wait (`since`):
+    /// a peer that never grants is an older nixl-rs, sent to freely.
+    Awaiting { since: Option<Instant> },
+    /// Notifications numbered below this may go.
+    Granted(u64),
+    /// A peer that does not grant: no limit.
+    Unlimited,
+}
+
+/// Notifications a receiver lets one sender have on the way or waiting in its
+/// backlog, beyond what its agent took in.
+pub(crate) const CREDIT_WINDOW: u64 = 1024;
+/// A receiver grants again once it took in this many since its last grant.
+const CREDIT_EVERY: u64 = 256;
+/// How long a sender waits for a first grant before treating the peer as one that
+/// does not grant (an older nixl-rs).
+const LEGACY_WAIT: Duration = Duration::from_secs(1);
+
 impl PeerConn {
-    /// Notifications held while the peer asked us to pause.
+    /// Notifications waiting for the peer's grant.
     #[cfg(test)]
     pub(crate) fn held_len(&self) -> usize {
         self.held.len()
     }
 
-    /// Whether the peer asked us to pause.
+    /// Whether the peer granted credit.
     #[cfg(test)]
-    pub(crate) fn is_paused(&self) -> bool {
-        self.paused
+    pub(crate) fn is_granted(&self) -> bool {
+        matches!(self.credit, Credit::Granted(_))
+    }
+
+    /// Whether the next notification may go now.
+    fn may_send(&self) -> bool {
+        match self.credit {
+            Credit::Awaiting { .. } => self.next_seq < CREDIT_WINDOW,
+            Credit::Granted(limit) => self.next_seq < limit,
+            Credit::Unlimited => true,
+        }
     }
 
     /// Queue a flight; an idle connection starts its progress clock `now`.
@@ -255,28 +288,33 @@ struct Drops(Vec<(String, u64, u64)>);
 const BACKLOG_TICK: Duration = Duration::from_millis(2);
 
 /// Most notifications, and bytes, held for one sender while the agent's queue has no
-/// room for them (what a sender told to pause still had on the way, or a NIXL agent,
-/// which cannot be told).
+/// room for them (a sender of ours has at most [`CREDIT_WINDOW`] here; a NIXL agent,
+/// which cannot be held back, more).
 pub(crate) const BACKLOG_PEER_MESSAGES: usize = 4096;
 const BACKLOG_PEER_BYTES: usize = 64 << 20;
 /// Most notifications, and bytes, held for all senders together.
 const BACKLOG_MESSAGES: usize = 65_536;
 const BACKLOG_BYTES: usize = 256 << 20;
+/// Most sender streams granted credit at once.
+const MAX_GRANTS: usize = 16_384;
 
-/// Notifications the agent's queue had no room for, held in arrival order per
-/// sender until it has: back-pressure instead of loss. A sender that speaks our
-/// protocol is told to pause ([`Kind::Pause`]) while its backlog is not empty and to
-/// resume once it drained ([`Kind::Resume`]); it then holds its notifications (and
-/// the transfers they belong to stay in progress) instead of sending them. Held
-/// for known peers and for senders that said HELLO, within [`BACKLOG_PEER_MESSAGES`]
-/// / [`BACKLOG_PEER_BYTES`] each and [`BACKLOG_MESSAGES`] / [`BACKLOG_BYTES`] in
-/// all; past those (or from a name that is neither), a notification is dropped,
-/// counted, and reported to a sender that can be told, as before.
+/// The receive side of notification flow control: notifications the agent's queue
+/// had no room for, held in arrival order per sender until it has, and the credit
+/// granted to each sender of ours ([`Credit`]): a window beyond what the agent took
+/// in, so a slow reader holds at most a window per sender and the senders wait.
+/// Granted to known peers and to senders that said HELLO; held within
+/// [`BACKLOG_PEER_MESSAGES`] / [`BACKLOG_PEER_BYTES`] per sender and
+/// [`BACKLOG_MESSAGES`] / [`BACKLOG_BYTES`] in all. Past those (a sender that
+/// ignores its grant, a NIXL agent) or from a name that is neither known nor heard
+/// from, a notification is dropped, counted, and reported to a sender that can be
+/// told.
 #[derive(Debug, Default)]
 pub(crate) struct Backlogs {
     by_name: HashMap<String, Backlog>,
     messages: usize,
     bytes: usize,
+    /// Per sender stream (name, stream): what the agent took in, what was granted.
+    grants: HashMap<(String, u64), Grant>,
 }
 
 #[derive(Debug, Default)]
@@ -284,8 +322,14 @@ struct Backlog {
     /// (the sender's stream, the notification), oldest first.
     items: VecDeque<(u64, Bytes)>,
     bytes: usize,
-    /// The stream told to pause, if one was.
-    paused: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Grant {
+    /// Notifications of the stream the agent took in (or that were dropped).
+    taken: u64,
+    /// The limit last granted.
+    granted: u64,
 }
 
 impl Backlogs {
@@ -314,6 +358,55 @@ impl Backlogs {
         self.bytes += n;
         Ok(())
     }
+
+    /// One notification of `name`'s `stream` left the sender's window: taken in by
+    /// the agent, or dropped.
+    fn taken(&mut self, name: &str, stream: u64) {
+        // The key is built only for streams that were granted (few), not per call
+        // for every other sender.
+        if self.grants.is_empty() {
+            return;
+        }
+        if let Some(g) = self.grants.get_mut(&(name.to_owned(), stream)) {
+            g.taken += 1;
+        }
+    }
+
+    /// Start granting `name`'s `stream` (its HELLO arrived): the first grant.
+    fn open(&mut self, name: &str, stream: u64) -> Option<u64> {
+        if self.grants.len() >= MAX_GRANTS && !self.grants.contains_key(&(name.to_owned(), stream))
+        {
+            return None;
+        }
+        let g = self
+            .grants
+            .entry((name.to_owned(), stream))
+            .or_insert(Grant {
+                taken: 0,
+                granted: 0,
+            });
+        g.granted = g.taken + CREDIT_WINDOW;
+        Some(g.granted)
+    }
+
+    /// Forget `name`'s streams (it said goodbye, or was forgotten).
+    fn close(&mut self, name: &str) {
+        self.grants.retain(|(n, _), _| n != name);
+    }
+
+    /// New grants due: (name, stream, limit) for each stream that took in
+    /// [`CREDIT_EVERY`] or more since its last grant.
+    fn due(&mut self) -> Vec<(String, u64, u64)> {
+        let mut out = Vec::new();
+        for ((name, stream), g) in self.grants.iter_mut() {
+            let limit = g.taken + CREDIT_WINDOW;
+            if limit >= g.granted + CREDIT_EVERY {
+                g.granted = limit;
+                out.push((name.clone(), *stream, limit));
+            }
+        }
+        out
+    }
 }
 
 /// Where the receive path delivers notifications (disjoint borrows of the core).
@@ -341,7 +434,7 @@ impl Deliver<'_> {
             data
         } else {
             match self.sink.try_deliver(name, data) {
-                Ok(()) => return,
+                Ok(()) => return self.backlogs.taken(name, stream),
                 Err(data) => data,
             }
         };
@@ -354,6 +447,7 @@ impl Deliver<'_> {
         } else {
             data
         };
+        self.backlogs.taken(name, stream);
         if self.sink.deliver(name, data) {
             return;
         }
@@ -492,8 +586,8 @@ pub(crate) struct Core {
     pub(crate) refused: Arc<Refused>,
     /// HELLO senders not known as peers when they said it (at most [`MAX_INBOUND`]):
     /// name -> their worker address. Compared with a peer's address from its
-    /// metadata; dialled only to tell a sender whose notifications are held to pause
-    /// and resume (empty messages, [`Core::tell`]).
+    /// metadata; dialled only to grant a sender credit for its notifications (empty
+    /// CREDIT messages, [`Core::tell`]).
     inbound: HashMap<String, Vec<u8>>,
     /// PINGs and DROPPED reports in flight (outside their connection's queue:
     /// nothing waits for them).
@@ -502,7 +596,7 @@ pub(crate) struct Core {
     drops: Drops,
     /// Notifications held until the agent's queue has room ([`Backlogs`]).
     pub(crate) backlogs: Backlogs,
-    /// Endpoints to senders that are not peers, for PAUSE and RESUME only: name ->
+    /// Endpoints to senders that are not peers, for CREDIT only: name ->
     /// (the address their HELLO gave, the endpoint). At most [`MAX_INBOUND`].
     control: HashMap<String, (Vec<u8>, EpId)>,
     /// Set once shutdown began: PINGs are no longer answered.
@@ -736,7 +830,7 @@ impl Core {
                 let limit = match header.kind {
                     Kind::Notif => max_notification,
                     Kind::Hello | Kind::Bye => MAX_ADDRESS,
-                    Kind::Ping | Kind::Pong | Kind::Dropped | Kind::Pause | Kind::Resume => 0,
+                    Kind::Ping | Kind::Pong | Kind::Dropped | Kind::Credit => 0,
                 };
                 if data.len() > limit {
                     let (c, why) = match header.kind {
@@ -862,7 +956,7 @@ impl Core {
         }
         self.remove_peer(peer, "the peer's connection info changed");
         // A sender we only heard from is a peer now: its own connection carries
-        // PAUSE and RESUME from here on.
+        // its grants from here on.
         if let Some((_, ep)) = self.control.remove(peer) {
             self.ucx.ep_close(ep);
         }
@@ -923,7 +1017,7 @@ impl Core {
                 probe: None,
                 next_probe: 0,
                 dropped: 0,
-                paused: false,
+                credit: Credit::Awaiting { since: None },
                 held: VecDeque::new(),
             },
         );
@@ -949,6 +1043,7 @@ impl Core {
                 )));
             }
         }
+        self.backlogs.close(peer);
     }
 
     /// Resolve a remote key for `region` of `peer`, unpacking it once per connection.
@@ -1157,9 +1252,15 @@ impl Core {
                 Work::Done(done),
             ));
         }
-        if p.paused {
-            // The peer's queue is full: hold it (and the transfer it belongs to)
-            // until the peer says it has room.
+        if !p.held.is_empty() || !p.may_send() {
+            // Beyond what the peer granted: wait (and the transfer it belongs to)
+            // until it grants more.
+            if let Credit::Awaiting {
+                since: since @ None,
+            } = &mut p.credit
+            {
+                *since = Some(self.now);
+            }
             p.held.push_back((msg, done));
             return None;
         }
@@ -1169,6 +1270,61 @@ impl Core {
             self.ucx
                 .am_send(ep, wire::AM_ID, h, msg, false, Work::Done(done)),
         )
+    }
+
+    /// Send what waits for `peer`'s grant, in order, as far as the grant goes.
+    fn send_held(&mut self, peer: &str) {
+        loop {
+            let Some(p) = self.peers.get_mut(peer) else {
+                return;
+            };
+            if !p.may_send() {
+                return;
+            }
+            let Some((msg, done)) = p.held.pop_front() else {
+                return;
+            };
+            let Ok(ep) = p.ep else {
+                done.complete(Err(disconnected(peer, "unreachable")));
+                continue;
+            };
+            let h = self.me.header(peer, Kind::Notif, p.epoch, p.next_seq, &msg);
+            p.next_seq += 1;
+            let flight = self
+                .ucx
+                .am_send(ep, wire::AM_ID, h, msg, false, Work::Done(done));
+            let now = self.now;
+            if let Some(p) = self.peers.get_mut(peer) {
+                p.push(
+                    InFlight {
+                        flight,
+                        notif: None,
+                    },
+                    now,
+                );
+            }
+        }
+    }
+
+    /// Peers that never granted within [`LEGACY_WAIT`] of a notification having to
+    /// wait for it (agents of this crate from before grants) get no limit.
+    fn release_ungranted(&mut self) {
+        let now = self.now;
+        let due: Vec<Arc<str>> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| {
+                matches!(p.credit, Credit::Awaiting { since: Some(t) } if now.duration_since(t) >= LEGACY_WAIT)
+            })
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in due {
+            if let Some(p) = self.peers.get_mut(&name) {
+                tracing::debug!(peer = %name, "ucx: the peer grants no credit (an older nixl-rs); sending without a limit");
+                p.credit = Credit::Unlimited;
+            }
+            self.send_held(&name);
+        }
     }
 
     /// One round: commands, progress, incoming messages, failures, completions.
@@ -1202,6 +1358,7 @@ impl Core {
                 .expire(self.now, &mut |n, st, d| to.deliver(n, st, d));
         }
         self.drain_backlogs();
+        self.release_ungranted();
         self.report_drops();
         self.check_failures();
         self.reap();
@@ -1220,11 +1377,21 @@ impl Core {
             });
         // Held notifications move as the application reads, which raises no event
         // here: look again shortly while any are held.
-        if self.backlogs.len() > 0 {
+        let wait = if self.backlogs.len() > 0 {
             wait.min(BACKLOG_TICK)
         } else {
             wait
-        }
+        };
+        // A sender waiting for a first grant gives up on it at its deadline.
+        self.peers
+            .values()
+            .filter_map(|p| match p.credit {
+                Credit::Awaiting { since: Some(t) } => {
+                    Some((t + LEGACY_WAIT).saturating_duration_since(Instant::now()) + TICK)
+                }
+                _ => None,
+            })
+            .fold(wait, Duration::min)
     }
 
     /// Run every queued command; returns how many.
@@ -1251,7 +1418,7 @@ impl Core {
                 AmEvent::Nixl { sender, msg } => {
                     // NIXL does not order notifications; neither can we. One the
                     // queue has no room for is held (NIXL's protocol cannot be told
-                    // to pause), then dropped and counted past the backlog's bound.
+                    // to wait), then dropped and counted past the backlog's bound.
                     if let Some(sink) = &self.sink {
                         Deliver {
                             sink,
@@ -1270,16 +1437,26 @@ impl Core {
                 Kind::Notif => self.deliver(h.name, h.stream, h.seq, ev_data),
                 Kind::Hello => {
                     tracing::debug!(peer = %h.name, "ucx: peer connected");
-                    match self.peers.get_mut(h.name.as_str()) {
-                        Some(p) if p.address == ev_data[..] => p.heard_hello = true,
+                    let answerable = match self.peers.get_mut(h.name.as_str()) {
+                        Some(p) if p.address == ev_data[..] => {
+                            p.heard_hello = true;
+                            !p.nixl
+                        }
                         // A peer not (yet) loaded: remembered, up to a bound, in case
                         // its metadata comes later with this address.
                         _ if self.inbound.len() < MAX_INBOUND
                             || self.inbound.contains_key(&h.name) =>
                         {
-                            self.inbound.insert(h.name, ev_data.to_vec());
+                            self.inbound.insert(h.name.clone(), ev_data.to_vec());
+                            true
                         }
-                        _ => {}
+                        _ => false,
+                    };
+                    // The sender's first grant: notification flow control ([`Credit`]).
+                    if answerable {
+                        if let Some(limit) = self.backlogs.open(&h.name, h.stream) {
+                            self.tell(&h.name, Kind::Credit, h.stream, limit);
+                        }
                     }
                 }
                 // Answered by the message handler.
@@ -1296,7 +1473,7 @@ impl Core {
                         p.dropped = p.dropped.saturating_add(h.seq);
                     }
                 }
-                Kind::Pause | Kind::Resume => {
+                Kind::Credit => {
                     // Only for our own connection to the sender of it (its stream
                     // echoes our endpoint's), as DROPPED.
                     let Some(p) = self
@@ -1306,23 +1483,12 @@ impl Core {
                     else {
                         continue;
                     };
-                    p.paused = h.kind == Kind::Pause;
-                    if !p.paused {
-                        let held: Vec<_> = p.held.drain(..).collect();
-                        for (msg, done) in held {
-                            if let Some(f) = self.send_notif(&h.name, msg, done) {
-                                if let Some(p) = self.peers.get_mut(h.name.as_str()) {
-                                    p.push(
-                                        InFlight {
-                                            flight: f,
-                                            notif: None,
-                                        },
-                                        self.now,
-                                    );
-                                }
-                            }
-                        }
-                    }
+                    p.credit = match p.credit {
+                        Credit::Granted(l) => Credit::Granted(l.max(h.seq)),
+                        _ => Credit::Granted(h.seq),
+                    };
+                    let name = h.name.clone();
+                    self.send_held(&name);
                 }
                 Kind::Pong => {
                     let p = self.peers.values_mut().find(|p| p.epoch == h.stream);
@@ -1355,10 +1521,8 @@ impl Core {
                                 .forget(&h.name, &mut |n, st, d| to.deliver(n, st, d));
                         }
                         self.inbound.remove(&h.name);
-                        // It can no longer be told to resume: it is gone.
-                        if let Some(b) = self.backlogs.by_name.get_mut(h.name.as_str()) {
-                            b.paused = None;
-                        }
+                        // It sends no more: no more grants.
+                        self.backlogs.close(&h.name);
                         if let Some((_, ep)) = self.control.remove(h.name.as_str()) {
                             self.ucx.ep_close(ep);
                         }
@@ -1388,55 +1552,47 @@ impl Core {
             });
     }
 
-    /// Move held notifications into the agent's queue as it has room, oldest first;
-    /// tell a sender with a backlog to pause, and one whose backlog drained to
-    /// resume ([`Backlogs`]).
+    /// Move held notifications into the agent's queue as it has room, oldest first,
+    /// then grant credit to the streams that took enough in ([`Backlogs`]).
     fn drain_backlogs(&mut self) {
-        if self.backlogs.by_name.is_empty() {
+        if let Some(sink) = &self.sink {
+            let backlogs = &mut self.backlogs;
+            let mut taken = Vec::new();
+            backlogs.by_name.retain(|name, b| {
+                while let Some((stream, data)) = b.items.pop_front() {
+                    let n = data.len();
+                    match sink.try_deliver(name, data) {
+                        Ok(()) => {
+                            b.bytes -= n;
+                            taken.push((name.clone(), stream));
+                        }
+                        Err(data) => {
+                            b.items.push_front((stream, data));
+                            break;
+                        }
+                    }
+                }
+                !b.items.is_empty()
+            });
+            for (name, stream) in taken {
+                backlogs.messages -= 1;
+                backlogs.taken(&name, stream);
+            }
+            backlogs.bytes = backlogs.by_name.values().map(|b| b.bytes).sum();
+        }
+        if self.backlogs.grants.is_empty() {
             return;
         }
-        let Some(sink) = &self.sink else { return };
-        let mut tell = Vec::new();
-        let backlogs = &mut self.backlogs;
-        backlogs.by_name.retain(|name, b| {
-            while let Some((stream, data)) = b.items.pop_front() {
-                let n = data.len();
-                match sink.try_deliver(name, data) {
-                    Ok(()) => {
-                        b.bytes -= n;
-                        backlogs.messages -= 1;
-                        backlogs.bytes -= n;
-                    }
-                    Err(data) => {
-                        b.items.push_front((stream, data));
-                        break;
-                    }
-                }
-            }
-            match (b.items.back(), b.paused) {
-                (None, Some(stream)) => {
-                    tell.push((name.clone(), Kind::Resume, stream));
-                    false
-                }
-                (None, None) => false,
-                (Some(&(stream, _)), None) => {
-                    tell.push((name.clone(), Kind::Pause, stream));
-                    b.paused = Some(stream);
-                    true
-                }
-                (Some(_), Some(_)) => true,
-            }
-        });
-        for (name, kind, stream) in tell {
-            self.tell(&name, kind, stream);
+        for (name, stream, limit) in self.backlogs.due() {
+            self.tell(&name, Kind::Credit, stream, limit);
         }
     }
 
-    /// Send `kind` (PAUSE or RESUME, about the sender's `stream`) to `name`: on our
-    /// connection to it when it is a peer of ours, else on a control endpoint to the
-    /// address its HELLO gave (made when first needed, closed at its BYE). NIXL
-    /// agents, and senders we have no address for, cannot be told.
-    fn tell(&mut self, name: &str, kind: Kind, stream: u64) {
+    /// Send `kind` (a CREDIT about the sender's `stream`, `seq` its limit) to `name`:
+    /// on our connection to it when it is a peer of ours, else on a control endpoint
+    /// to the address its HELLO gave (made when first needed, closed at its BYE).
+    /// NIXL agents, and senders we have no address for, cannot be told.
+    fn tell(&mut self, name: &str, kind: Kind, stream: u64, seq: u64) {
         let ep = match self.peers.get(name) {
             Some(p) if p.nixl || p.failed.is_some() => return,
             Some(p) => match p.ep {
@@ -1456,13 +1612,25 @@ impl Core {
                         let Ok(padded) = Padded::address(address) else {
                             return;
                         };
-                        match self.ucx.ep_create(&padded, false) {
+                        // The same error handling as our data endpoints: UCX
+                        // refuses a connection whose two ends differ in it.
+                        let made = self
+                            .ucx
+                            .ep_create(&padded, self.peer_error_handling)
+                            .or_else(|e| {
+                                if self.peer_error_handling && Ucx::<Work>::is_unreachable(&e) {
+                                    self.ucx.ep_create(&padded, false)
+                                } else {
+                                    Err(e)
+                                }
+                            });
+                        match made {
                             Ok(ep) => {
                                 self.control.insert(name.to_owned(), (address.clone(), ep));
                                 ep
                             }
                             Err(e) => {
-                                tracing::debug!(peer = name, error = %e, "ucx: cannot reach a sender to pause it");
+                                tracing::debug!(peer = name, error = %e, "ucx: cannot reach a sender to grant it credit");
                                 return;
                             }
                         }
@@ -1475,7 +1643,7 @@ impl Core {
             ?kind,
             "ucx: telling a sender about our notification queue"
         );
-        let h = self.me.header(name, kind, stream, 0, &[]);
+        let h = self.me.header(name, kind, stream, seq, &[]);
         let flight = self
             .ucx
             .am_send(ep, wire::AM_ID, h, Bytes::new(), false, Work::Internal);

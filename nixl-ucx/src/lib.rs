@@ -81,19 +81,25 @@
 //!   tcp transport's, 1.13's `ucp_rkey_destroy` after a failed key), so metadata from
 //!   untrusted senders needs the shared secret.
 //! - **A full notification queue.** The progress loop cannot wait for room in the
-//!   agent's queue ([`nixl::NotificationLimits`]), so a notification that finds none
-//!   is dropped, counted and logged ([`nixl::NotificationSink::deliver`]). A flood
-//!   under fresh names fills only the unknown names' pool; a peer whose metadata the
-//!   agent loaded keeps its own bound. When the dropped notification's sender is such
-//!   a known peer, the driver tells it with a DROPPED message on its own connection to
-//!   that peer (naming the sender's stream, so only that sender takes it), and the
-//!   sender's next transfer or notification to this agent fails with
-//!   [`nixl::ErrorKind::NotAllowed`] saying how many were dropped. Senders the agent
-//!   does not know, and NIXL agents (whose protocol has no such message), cannot be
-//!   told: their dropped notifications are only counted and logged here.
+//!   agent's queue ([`nixl::NotificationLimits`]) and UCX cannot stop a sender, so
+//!   notifications between agents of this crate are flow-controlled by credit: the
+//!   receiver grants each sender stream a window beyond what its agent took in (on
+//!   the sender's HELLO, renewed as the agent takes more in; a CREDIT message on our
+//!   connection to the sender, or to the address its HELLO gave), holds what does
+//!   not fit yet in arrival order, and the sender holds what is beyond its grant (the
+//!   transfers those belong to stay in flight). NIXL agents' notifications, which
+//!   cannot be held back, and a sender ignoring its grant are held up to a bound,
+//!   then dropped, counted and logged ([`nixl::NotificationSink::deliver`]); a known
+//!   peer of ours is told with a DROPPED message on its own connection (naming the
+//!   sender's stream, so only that sender takes it), and its next transfer or
+//!   notification to this agent fails with [`nixl::ErrorKind::NotAllowed`] saying
+//!   how many were dropped. A flood under fresh names without HELLO fills only the
+//!   unknown names' pool. Agents of this crate that exchanged NIXL's metadata format
+//!   find each other by its [`nixl::interop::BACKEND_NIXL_RS`] entry and speak this
+//!   protocol, flow control included.
 //! - **Shared secret.** With the agent's secret ([`nixl::AgentBuilder::secret`], or
 //!   [`UcxOptions::secret`], which overrides it), every message of this backend's
-//!   own protocol (notification, HELLO, BYE, PING, PONG, DROPPED) carries an HMAC-SHA256 over
+//!   own protocol (notification, HELLO, BYE, PING, PONG, DROPPED, CREDIT) carries an HMAC-SHA256 over
 //!   the receiving agent's name, its kind, stream, sequence number, the sender's name
 //!   and its whole payload (header version 2, see the `wire` module). The receiver
 //!   checks it in the message handler, after the size limits and before anything
@@ -1070,7 +1076,7 @@ impl NixlDialect for UcxBackend {
         Ok(wire::encode_blob(addr, len, blob))
     }
 
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+    fn add_peer(&self, peer: &str, conn_info: &[u8], nixl_rs: bool) -> Result<()> {
         self.nixl_allowed(&format!("NIXL agent {peer:?}"))?;
         packed::check_address(conn_info).map_err(|e| {
             Error::new(
@@ -1079,8 +1085,10 @@ impl NixlDialect for UcxBackend {
                 format!("NIXL agent {peer:?}: malformed worker address: {e}"),
             )
         })?;
+        // An agent of this crate in NIXL's format speaks our protocol (ordered
+        // notifications with back-pressure, liveness); a NIXL agent, NIXL's.
         self.with_core("ucx add NIXL peer", |core| {
-            core.add_peer(peer, conn_info, true);
+            core.add_peer(peer, conn_info, !nixl_rs);
             Ok(())
         })
     }

@@ -2,10 +2,10 @@
 //! names: a bare UCX worker (no agent) sends 10,000 notifications, each under a fresh
 //! sender name, to an agent that reads nothing meanwhile, while a known peer keeps
 //! sending. The unknown names fill their capped pool and no more; the known peer
-//! loses nothing. A known peer over its own bound is told to pause and loses
-//! nothing; a sender that does not pause is held up to the backlog's bound, then
-//! dropped, told so, and its next operation fails saying so; forged reports change
-//! nothing.
+//! loses nothing. A known peer over its own bound waits for the receiver's credit
+//! and loses nothing; a sender that ignores it is held up to the backlog's bound,
+//! then dropped, told so, and its next operation fails saying so; forged grants and
+//! reports change nothing.
 //!
 //! Needs libucp at run time; without it the tests print a SKIP line.
 
@@ -197,27 +197,42 @@ async fn ten_thousand_sender_names_fill_only_their_pool_and_a_known_peer_loses_n
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_known_peer_over_its_bound_is_paused_and_loses_nothing() {
+async fn a_known_peer_over_its_bound_waits_and_loses_nothing() {
     known_peer_over_its_bound(
-        "a_known_peer_over_its_bound_is_paused_and_loses_nothing",
+        "a_known_peer_over_its_bound_waits_and_loses_nothing",
         None,
+        false,
     )
     .await;
 }
 
-/// The same between agents with a shared secret: PAUSE and RESUME are MAC'd for
-/// their receiver like every message of ours.
+/// The same between agents of this crate that exchanged NIXL's format (what the
+/// Python package does with UCX): the nixl-rs marker in it makes them speak this
+/// crate's protocol to each other, flow control included.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_known_peer_over_its_bound_is_paused_with_a_secret() {
-    let s = SharedSecret::new("pause reports").unwrap();
+async fn agents_exchanging_nixls_format_get_flow_control_too() {
     known_peer_over_its_bound(
-        "a_known_peer_over_its_bound_is_paused_with_a_secret",
-        Some(&s),
+        "agents_exchanging_nixls_format_get_flow_control_too",
+        None,
+        true,
     )
     .await;
 }
 
-/// Held notifications at the sender (told to pause) and at the receiver.
+/// The same between agents with a shared secret: grants are MAC'd for their
+/// receiver like every message of ours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_known_peer_over_its_bound_waits_with_a_secret() {
+    let s = SharedSecret::new("credit grants").unwrap();
+    known_peer_over_its_bound(
+        "a_known_peer_over_its_bound_waits_with_a_secret",
+        Some(&s),
+        false,
+    )
+    .await;
+}
+
+/// Notifications waiting at the sender (for credit) and held at the receiver.
 fn held(sender: &UcxBackend, receiver: &UcxBackend, peer: &str) -> (usize, usize) {
     let g = sender.inner.shared.core.lock().unwrap();
     let s = g
@@ -232,12 +247,13 @@ fn held(sender: &UcxBackend, receiver: &UcxBackend, peer: &str) -> (usize, usize
 }
 
 /// A known peer sends far more than its bound while the target reads nothing: the
-/// target holds what arrives over the bound and tells the sender to pause; the
-/// sender holds the rest (its sends stay pending). Once the target reads, every
+/// target holds at most its credit window, and the sender holds the rest (its sends
+/// stay pending) until the target grants more. Once the target reads, every
 /// notification arrives, in order, none dropped, and every send completes.
-async fn known_peer_over_its_bound(test: &str, secret: Option<&SharedSecret>) {
+async fn known_peer_over_its_bound(test: &str, secret: Option<&SharedSecret>, nixl_format: bool) {
     const BOUND: usize = 8;
-    const SENT: usize = 300;
+    const WINDOW: usize = crate::driver::CREDIT_WINDOW as usize;
+    const SENT: usize = 3000;
     let Some(tb) = backend(test) else { return };
     let gb = UcxBackend::with_options(UcxOptions::default()).unwrap();
     let limits = NotificationLimits {
@@ -246,51 +262,60 @@ async fn known_peer_over_its_bound(test: &str, secret: Option<&SharedSecret>) {
     };
     let target = agent_with("target", &tb, limits, secret).await;
     let good = agent_with("good", &gb, NotificationLimits::default(), secret).await;
-    good.load_metadata(&target.metadata().unwrap()).unwrap();
-    target.load_metadata(&good.metadata().unwrap()).unwrap();
+    if nixl_format {
+        good.load_metadata(&target.nixl_metadata().unwrap())
+            .unwrap();
+        target
+            .load_metadata(&good.nixl_metadata().unwrap())
+            .unwrap();
+        assert!(good.is_nixl_peer("target").unwrap());
+    } else {
+        good.load_metadata(&target.metadata().unwrap()).unwrap();
+        target.load_metadata(&good.metadata().unwrap()).unwrap();
+    }
     good.connect("target").await.unwrap();
     target.connect("good").await.unwrap();
-
-    // A forged PAUSE (not on the target's stream) is ignored.
-    let (mut evil, ep) = bare_worker(&gb.inner.address);
-    let f = send(&mut evil, ep, Kind::Pause, "target", 12_345, 0);
-    settle(&mut evil, vec![f]);
     good.notify("target", "n0").unwrap().await.unwrap();
-
-    // Up to the bound the queue takes them; the next is held at the target, which
-    // tells the sender to pause.
-    for i in 1..=BOUND {
-        good.notify("target", format!("n{i}"))
-            .unwrap()
-            .await
-            .unwrap();
-    }
-    let paused = || {
+    // The target answered our HELLO with a grant.
+    let granted = || {
         let g = gb.inner.shared.core.lock().unwrap();
-        g.as_ref().unwrap().peers.get("target").unwrap().is_paused()
+        g.as_ref()
+            .unwrap()
+            .peers
+            .get("target")
+            .unwrap()
+            .is_granted()
     };
     let deadline = Instant::now() + HANG;
-    while !paused() {
-        assert!(
-            Instant::now() < deadline,
-            "the sender was never told to pause"
-        );
+    while !granted() {
+        assert!(Instant::now() < deadline, "the target granted no credit");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    // Paused: the rest is held at the sender, its sends pending.
+
+    // Far more than the bound, nobody reading: the queue takes the bound, the
+    // target holds a window beyond it, the sender holds the rest (its sends pending).
     let mut sends = Vec::new();
-    for i in BOUND + 1..SENT {
+    for i in 1..SENT {
         sends.push(good.notify("target", format!("n{i}")).unwrap());
     }
+    // The first grant (a window from nothing taken in) is not renewed until the
+    // queue takes in more: the window is all the target holds.
+    let want = (SENT - WINDOW, WINDOW - BOUND);
     let deadline = Instant::now() + HANG;
-    while held(&gb, &tb, "target") != (SENT - BOUND - 1, 1) {
+    while held(&gb, &tb, "target") != want {
         assert!(
             Instant::now() < deadline,
-            "held (sender, receiver): {:?}",
+            "held (sender, receiver): {:?}, want {want:?}",
             held(&gb, &tb, "target")
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    // A forged grant (not on the sender's stream) changes nothing.
+    let (mut evil, ep) = bare_worker(&gb.inner.address);
+    let f = send(&mut evil, ep, Kind::Credit, "target", 12_345, u64::MAX);
+    settle(&mut evil, vec![f]);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(held(&gb, &tb, "target"), want, "a forged CREDIT was taken");
     let s = target.notification_stats();
     assert_eq!(s.dropped, 0, "{s:?}");
     assert_eq!(s.peers.get("good").map(|q| q.messages), Some(BOUND));
@@ -312,7 +337,6 @@ async fn known_peer_over_its_bound(test: &str, secret: Option<&SharedSecret>) {
     }
     assert_eq!(target.notification_stats().dropped, 0);
     assert_eq!(held(&gb, &tb, "target"), (0, 0));
-    // Resumed: the next one goes straight through.
     good.notify("target", "after").unwrap().await.unwrap();
     let n = tokio::time::timeout(HANG, notes.recv())
         .await
@@ -320,20 +344,21 @@ async fn known_peer_over_its_bound(test: &str, secret: Option<&SharedSecret>) {
         .unwrap();
     assert_eq!(&n.msg[..], b"after");
     println!(
-        "FIGURE ucx notification back-pressure (secret: {}): {SENT} sent to a bound of {BOUND} unread; none dropped; 1 held at the receiver, {} at the sender (told to pause, its sends pending); all delivered in order once read",
+        "FIGURE ucx notification flow control (secret: {}, NIXL's format: {nixl_format}): {SENT} sent to a bound of {BOUND} unread; none dropped; {} held at the receiver (the credit window), {} waiting at the sender (its sends pending); all delivered in order once read",
         secret.is_some(),
-        SENT - BOUND - 1
+        want.1,
+        want.0
     );
     assert!(target.shutdown().await.is_clean());
     assert!(good.shutdown().await.is_clean());
 }
 
-/// A sender that does not pause (a bare worker writing on a peer's stream) has its
+/// A sender that ignores its grant (a bare worker writing on a peer's stream) has its
 /// notifications held up to the backlog's bound, then dropped; the drops are
 /// reported on the peer's connection and its next operation fails, naming them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sender_that_ignores_pause_is_dropped_past_the_backlog_and_told() {
-    const TEST: &str = "a_sender_that_ignores_pause_is_dropped_past_the_backlog_and_told";
+async fn a_sender_that_ignores_its_grant_is_dropped_past_the_backlog_and_told() {
+    const TEST: &str = "a_sender_that_ignores_its_grant_is_dropped_past_the_backlog_and_told";
     const BOUND: usize = 8;
     const EXCESS: usize = 50;
     let Some(tb) = backend(TEST) else { return };

@@ -71,11 +71,9 @@ pub(crate) enum Kind {
     Pong = 5,
     /// Notifications of the sender's `stream` were dropped (`seq` of them); no data.
     Dropped = 6,
-    /// The receiver's queue for the sender's `stream` is full: hold further
-    /// notifications until [`Kind::Resume`]; no data.
-    Pause = 7,
-    /// The receiver has room again for the sender's `stream`; no data.
-    Resume = 8,
+    /// The receiver's grant for the sender's `stream`: notifications numbered below
+    /// `seq` may be sent; no data.
+    Credit = 7,
 }
 
 /// A decoded header.
@@ -186,8 +184,7 @@ pub(crate) fn decode_header(b: &[u8]) -> Option<Header> {
         4 => Kind::Ping,
         5 => Kind::Pong,
         6 => Kind::Dropped,
-        7 => Kind::Pause,
-        8 => Kind::Resume,
+        7 => Kind::Credit,
         _ => return None,
     };
     let stream = u64::from_le_bytes(b[4..12].try_into().ok()?);
@@ -264,8 +261,7 @@ mod tests {
             Kind::Ping,
             Kind::Pong,
             Kind::Dropped,
-            Kind::Pause,
-            Kind::Resume,
+            Kind::Credit,
         ] {
             let h = encode_header(kind, 1, 2, "x");
             assert_eq!(decode_header(&h).map(|d| d.kind), Some(kind));
@@ -360,8 +356,7 @@ mod tests {
             Kind::Ping,
             Kind::Pong,
             Kind::Dropped,
-            Kind::Pause,
-            Kind::Resume,
+            Kind::Credit,
         ] {
             let h = encode_signed_header(&s, "r", kind, 1, 2, "x", b"");
             let d = decode_header(&h).unwrap();

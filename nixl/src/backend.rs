@@ -781,9 +781,12 @@ pub trait NixlDialect: Send + Sync + fmt::Debug {
     /// [`ErrorKind::Corrupt`] when NIXL's blob cannot be one of this backend type's.
     fn import_blob(&self, addr: u64, len: u64, blob: &[u8]) -> Result<Bytes>;
 
-    /// Learn (or update) a NIXL agent's connection info, as [`Backend::add_peer`]
-    /// does for agents of this crate: from now on, speak NIXL's dialect to `peer`.
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()>;
+    /// Learn (or update) a NIXL-format peer's connection info, as
+    /// [`Backend::add_peer`] does for agents of this crate: from now on, speak NIXL's
+    /// dialect to `peer`, or, when `nixl_rs` (its metadata carries the
+    /// [`BACKEND_NIXL_RS`](crate::interop::BACKEND_NIXL_RS) entry: it is an agent of
+    /// this crate exchanging NIXL's format), this backend's own protocol.
+    fn add_peer(&self, peer: &str, conn_info: &[u8], nixl_rs: bool) -> Result<()>;
 }
 
 /// A backend: one transport.

@@ -52,6 +52,16 @@ pub const MEM_VRAM: u32 = 1;
 /// NIXL's backend type of its UCX backend.
 pub const BACKEND_UCX: &str = "UCX";
 
+/// The connection entry by which a nixl-rs agent's NIXL-format metadata says that
+/// it is nixl-rs: its backends also speak their own protocol (for nixl-ucx: ordered
+/// notifications with back-pressure, liveness probes). NIXL skips connection
+/// entries of backend types it has not instantiated, so NIXL agents load the
+/// metadata as before; a nixl-rs agent that finds it speaks nixl-rs' protocol to
+/// the peer ([`NixlDialect::add_peer`](crate::NixlDialect::add_peer)).
+pub const BACKEND_NIXL_RS: &str = "NIXL_RS";
+/// The marker entry's connection info: the version of that protocol.
+pub const NIXL_RS_MARKER: &[u8] = b"1";
+
 const DECODE: &str = "decode NIXL metadata";
 const ENCODE: &str = "encode NIXL metadata";
 const DESC_FIXED: usize = 24;

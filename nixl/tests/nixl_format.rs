@@ -83,6 +83,8 @@ fn golden_blobs_truncated_anywhere_are_corrupt() {
 #[derive(Debug, Default)]
 struct NixlSpeakerDouble {
     added: Mutex<Vec<(String, Vec<u8>, bool)>>,
+    /// For each peer added in NIXL's dialect: whether it said it is nixl-rs.
+    nixl_rs: Mutex<Vec<bool>>,
 }
 
 #[derive(Debug)]
@@ -156,11 +158,12 @@ impl NixlDialect for NixlSpeakerDouble {
     fn import_blob(&self, _addr: u64, _len: u64, blob: &[u8]) -> Result<Bytes> {
         Ok(Bytes::from([b"K".as_slice(), blob].concat()))
     }
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+    fn add_peer(&self, peer: &str, conn_info: &[u8], nixl_rs: bool) -> Result<()> {
         self.added
             .lock()
             .unwrap()
             .push((peer.into(), conn_info.into(), true));
+        self.nixl_rs.lock().unwrap().push(nixl_rs);
         Ok(())
     }
 }
@@ -196,6 +199,11 @@ async fn a_nixl_agents_metadata_loads_a_nixl_peer() {
     assert_eq!(added[0].0, "golden");
     assert_eq!(added[0].1.len(), 184);
     assert!(added[0].2, "added in NIXL's dialect");
+    assert_eq!(
+        *b.nixl_rs.lock().unwrap(),
+        [false],
+        "a NIXL agent, not nixl-rs"
+    );
     let full = NixlMetadata::decode(FULL).unwrap();
     let mut want: Vec<(u64, u64)> = full.sections[0]
         .descs
@@ -350,12 +358,20 @@ async fn our_nixl_metadata_is_what_nixl_reads() {
     let r2 = a.register(vec![2u8; 100]).unwrap();
     let md = NixlMetadata::decode(&a.nixl_metadata().unwrap()).unwrap();
     assert_eq!(md.name, "rust");
+    // The nixl-rs marker (NIXL skips backend types it has not instantiated), then
+    // the UCX connection info.
     assert_eq!(
         md.conns,
-        vec![NixlConn {
-            backend: "UCX".into(),
-            info: b"speaker-address".to_vec()
-        }]
+        vec![
+            NixlConn {
+                backend: interop::BACKEND_NIXL_RS.into(),
+                info: interop::NIXL_RS_MARKER.to_vec()
+            },
+            NixlConn {
+                backend: "UCX".into(),
+                info: b"speaker-address".to_vec()
+            }
+        ]
     );
     assert_eq!(md.sections.len(), 1);
     let s = &md.sections[0];
@@ -386,14 +402,17 @@ async fn our_nixl_metadata_is_what_nixl_reads() {
     assert_eq!(p.sections[0].descs.len(), 1);
     assert_eq!(p.sections[0].descs[0].addr, r2.addr());
     let pc = NixlMetadata::decode(&a.nixl_partial_metadata(&[], true).unwrap()).unwrap();
-    assert_eq!(pc.conns.len(), 1);
+    assert_eq!(pc.conns.len(), 2);
     assert!(pc.sections.is_empty());
 
-    // Another agent of this crate loads it as a NIXL peer.
-    let (b, _bb) = speaker("other").await;
+    // Another agent of this crate loads it as a NIXL-format peer, told it is nixl-rs
+    // (its backend then speaks its own protocol to it).
+    let (b, bb) = speaker("other").await;
     b.load_metadata(&a.nixl_metadata().unwrap()).unwrap();
     assert!(b.is_nixl_peer("rust").unwrap());
     assert_eq!(b.remote_regions("rust").unwrap().len(), 2);
+    assert_eq!(*bb.nixl_rs.lock().unwrap(), [true]);
+    assert_eq!(bb.added.lock().unwrap()[0].1, b"speaker-address");
 }
 
 #[tokio::test]

@@ -52,6 +52,16 @@ impl Default for PeerLimits {
 }
 
 /// What loading a peer's metadata does to what is known of it.
+/// Which format a peer's metadata came in, and so which protocol its backends get.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dialect {
+    /// This crate's format.
+    Ours,
+    /// NIXL's format; `nixl_rs` when it carries the nixl-rs marker
+    /// ([`interop::BACKEND_NIXL_RS`]).
+    Nixl { nixl_rs: bool },
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Load {
     /// Partial metadata of the known instance: add or replace regions, keep the
@@ -213,12 +223,12 @@ impl Agent {
         if interop::is_nixl_format(bytes) {
             let md = NixlMetadata::decode(bytes)?;
             check(&md.name)?;
-            let md = self.translate_nixl(md)?;
-            return self.load_decoded(md, true, trust);
+            let (md, nixl_rs) = self.translate_nixl(md)?;
+            return self.load_decoded(md, Dialect::Nixl { nixl_rs }, trust);
         }
         let md = AgentMetadata::decode(bytes)?;
         check(&md.name)?;
-        self.load_decoded(md, false, trust)
+        self.load_decoded(md, Dialect::Ours, trust)
     }
 
     /// Whether `peer` is known (loaded and not forgotten).
@@ -239,14 +249,16 @@ impl Agent {
                 "a NIXL listener loads NIXL's format only",
             );
         }
-        let md = self.translate_nixl(NixlMetadata::decode(bytes)?)?;
-        self.load_decoded(md, true, Trust::NixlListener)
+        let (md, nixl_rs) = self.translate_nixl(NixlMetadata::decode(bytes)?)?;
+        self.load_decoded(md, Dialect::Nixl { nixl_rs }, Trust::NixlListener)
     }
 
     /// Translate a NIXL agent's metadata into this crate's form. The instance is
     /// derived from the connection info (0 without it) and `partial` is set; see
     /// [`Agent::load_decoded`] for how both are then settled.
-    fn translate_nixl(&self, md: NixlMetadata) -> Result<AgentMetadata> {
+    /// Also says whether the metadata carries the nixl-rs marker
+    /// ([`interop::BACKEND_NIXL_RS`]).
+    fn translate_nixl(&self, md: NixlMetadata) -> Result<(AgentMetadata, bool)> {
         const OP: &str = "load NIXL metadata";
         let speakers: Vec<(&str, &dyn crate::backend::NixlDialect)> = self
             .shared
@@ -278,7 +290,14 @@ impl Agent {
                 })
         };
         let mut hasher = std::hash::DefaultHasher::new();
+        let nixl_rs = md
+            .conns
+            .iter()
+            .any(|c| c.backend == interop::BACKEND_NIXL_RS && c.info == interop::NIXL_RS_MARKER);
         for c in &md.conns {
+            if c.backend == interop::BACKEND_NIXL_RS {
+                continue;
+            }
             let Some((ours, _)) = speakers.iter().find(|(_, d)| d.backend_type() == c.backend)
             else {
                 tracing::debug!(peer = %md.name, backend = %c.backend, "NIXL metadata: skipping a backend no backend here speaks");
@@ -338,13 +357,16 @@ impl Agent {
                 r.blobs.push(RegionBlob { backend: b, blob });
             }
         }
-        Ok(AgentMetadata {
-            name: md.name,
-            instance: if has_conn { hasher.finish() } else { 0 },
-            partial: true,
-            backends,
-            regions,
-        })
+        Ok((
+            AgentMetadata {
+                name: md.name,
+                instance: if has_conn { hasher.finish() } else { 0 },
+                partial: true,
+                backends,
+                regions,
+            },
+            nixl_rs,
+        ))
     }
 
     /// Load decoded metadata, as far as `trust` allows (see [`Trust`]); `nixl` for a
@@ -357,7 +379,13 @@ impl Agent {
     /// lock (loads are serialised among themselves only), then swapped in: transfers
     /// to other peers go on meanwhile. A backend that refuses the new connection info
     /// leaves the old state whole, in the agent and in the backends told before it.
-    fn load_decoded(&self, mut md: AgentMetadata, nixl: bool, trust: Trust) -> Result<String> {
+    fn load_decoded(
+        &self,
+        mut md: AgentMetadata,
+        dialect: Dialect,
+        trust: Trust,
+    ) -> Result<String> {
+        let nixl = matches!(dialect, Dialect::Nixl { .. });
         const OP: &str = "load metadata";
         if md.name == self.shared.name {
             return err(ErrorKind::InvalidArgument, OP, "this is the agent's own metadata; use the agent's own name as peer for local transfers");
@@ -553,7 +581,7 @@ impl Agent {
             }
         }
         let restarted = load == (Load::Replace { restarted: true });
-        self.tell_backends(&md, nixl, old.as_deref(), restarted)?;
+        self.tell_backends(&md, dialect, old.as_deref(), restarted)?;
         let (generation, slot) = match (&base, &old) {
             (Some(b), _) => (b.generation, b.slot.clone()),
             (None, old) => {
@@ -653,12 +681,12 @@ impl Agent {
     fn tell_backends(
         &self,
         md: &AgentMetadata,
-        nixl: bool,
+        dialect: Dialect,
         old: Option<&Peer>,
         restarted: bool,
     ) -> Result<()> {
-        let add = |b: &Arc<dyn Backend>, info: &[u8]| match (nixl, b.nixl()) {
-            (true, Some(d)) => d.add_peer(&md.name, info),
+        let add = |b: &Arc<dyn Backend>, info: &[u8]| match (dialect, b.nixl()) {
+            (Dialect::Nixl { nixl_rs }, Some(d)) => d.add_peer(&md.name, info, nixl_rs),
             _ => b.add_peer(&md.name, info),
         };
         let mut told: Vec<&Arc<dyn Backend>> = Vec::new();

@@ -398,6 +398,13 @@ impl Agent {
             conns: Vec::new(),
             sections: Vec::new(),
         };
+        if with_conn {
+            // Says "nixl-rs" to agents of this crate; NIXL skips it.
+            md.conns.push(NixlConn {
+                backend: interop::BACKEND_NIXL_RS.to_owned(),
+                info: interop::NIXL_RS_MARKER.to_vec(),
+            });
+        }
         for (i, b) in self.shared.backends.iter().enumerate() {
             let Some(d) = b.nixl() else { continue };
             if with_conn {
