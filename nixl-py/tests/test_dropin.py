@@ -541,3 +541,18 @@ def test_no_notification_dropped_while_the_receiver_reads_nothing():
     finally:
         decode.shutdown()
         prefill.shutdown()
+
+
+def test_edited_lists_and_sync_modes_as_callers_pass_them(agents):
+    a = agents()
+    src = buf(8192)
+    # A registration list made from a numpy array, then edited (NIXL's bindings).
+    r = a.get_reg_descs(np.array([[addr(src), 4096, 0]], dtype=np.uint64), "DRAM")
+    r.addDesc((addr(src) + 4096, 4096, 0, ""))
+    a.register_memory(r)
+    a.deregister_memory(r)
+    # One sync-mode enum, with NIXL's bindings' values, accepted from either module.
+    assert nixl._api.nixl_thread_sync_t is nixlBind.nixl_thread_sync_t
+    for mode in (nixlBind.NIXL_THREAD_SYNC_DEFAULT, nixl.NIXL_THREAD_SYNC_RW,
+                 nixl._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT):
+        nixl_agent_config(sync_mode=mode)

@@ -174,39 +174,53 @@ pub(crate) struct PeerConn {
     dropped: u64,
     /// How many of our notifications the peer lets us send ([`Credit`]).
     credit: Credit,
-    /// Our notifications waiting for the peer's grant, in posting order, with what
+    /// Bytes of our notifications sent on this connection.
+    sent_bytes: u64,
+    /// When we last asked for credit and have no answer yet ([`Kind::CreditAsk`]).
+    asked: Option<Instant>,
+    /// How long to wait for an answer before asking again while notifications wait.
+    ask_every: Duration,
+    /// Our notifications waiting for the peer's credit, in posting order, with what
     /// completes when each is sent (a transfer's own completion, for a transfer's
     /// notification: the transfer stays in progress while its notification waits).
     held: VecDeque<(Bytes, Completer)>,
 }
 
-/// Flow control of our notifications to one peer of ours: the receiver grants
-/// ([`Kind::Credit`]) up to [`CREDIT_WINDOW`] notifications beyond those its agent
-/// took in, so a receiver whose application reads slowly holds at most a window of
-/// ours, and the rest waits here (back-pressure on the sender instead of loss).
+/// Flow control of our notifications to one peer of ours. The receiver lets a
+/// sender stream have [`CREDIT_WINDOW`] notifications and [`CREDIT_WINDOW_KIB`] KiB
+/// on the way or held in its backlog beyond what its agent took in; the sender asks
+/// ([`Kind::CreditAsk`], answered at once on the UCX reply endpoint, as PING is, so
+/// the receiver never dials anyone) when half its window is used and, while
+/// notifications wait, again every [`ASK_MIN`] to [`ASK_MAX`] (backing off), so no
+/// lost answer stalls it. What is beyond the window waits here: back-pressure on
+/// the sender instead of loss at the receiver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Credit {
-    /// No grant yet (it answers our HELLO): the first [`CREDIT_WINDOW`] go; later
-    /// ones wait for it, until [`LEGACY_WAIT`] after the first had to wait (`since`):
-    /// a peer that never grants is an older nixl-rs, sent to freely.
+    /// No answer yet: the first window goes; later notifications wait for one, until
+    /// [`LEGACY_WAIT`] after the first ask (`since`): a peer that never answers is an
+    /// older nixl-rs, sent to freely.
     Awaiting { since: Option<Instant> },
-    /// Notifications numbered below this may go.
-    Granted(u64),
+    /// Limits on the running message and KiB counts, modulo 2^32 ([`Kind::Credit`]).
+    Granted { messages: u32, kib: u32 },
     /// A peer that does not grant: no limit.
     Unlimited,
 }
 
-/// Notifications a receiver lets one sender have on the way or waiting in its
-/// backlog, beyond what its agent took in.
+/// Notifications a receiver lets one sender stream have on the way or in its
+/// backlog beyond what its agent took in.
 pub(crate) const CREDIT_WINDOW: u64 = 1024;
-/// A receiver grants again once it took in this many since its last grant.
-const CREDIT_EVERY: u64 = 256;
-/// How long a sender waits for a first grant before treating the peer as one that
+/// The same in KiB (4 MiB).
+pub(crate) const CREDIT_WINDOW_KIB: u64 = 4096;
+/// Asking again for credit while notifications wait: first after this, doubling...
+const ASK_MIN: Duration = Duration::from_millis(1);
+/// ...up to this.
+const ASK_MAX: Duration = Duration::from_millis(64);
+/// How long a sender waits for a first answer before treating the peer as one that
 /// does not grant (an older nixl-rs).
 const LEGACY_WAIT: Duration = Duration::from_secs(1);
 
 impl PeerConn {
-    /// Notifications waiting for the peer's grant.
+    /// Notifications waiting for the peer's credit.
     #[cfg(test)]
     pub(crate) fn held_len(&self) -> usize {
         self.held.len()
@@ -215,16 +229,44 @@ impl PeerConn {
     /// Whether the peer granted credit.
     #[cfg(test)]
     pub(crate) fn is_granted(&self) -> bool {
-        matches!(self.credit, Credit::Granted(_))
+        matches!(self.credit, Credit::Granted { .. })
     }
 
     /// Whether the next notification may go now.
     fn may_send(&self) -> bool {
+        let kib = self.sent_bytes >> 10;
         match self.credit {
-            Credit::Awaiting { .. } => self.next_seq < CREDIT_WINDOW,
-            Credit::Granted(limit) => self.next_seq < limit,
+            Credit::Awaiting { .. } => self.next_seq < CREDIT_WINDOW && kib < CREDIT_WINDOW_KIB,
+            Credit::Granted {
+                messages,
+                kib: limit,
+            } => wire::below(self.next_seq, messages) && wire::below(kib, limit),
             Credit::Unlimited => true,
         }
+    }
+
+    /// Whether to ask for more credit now that a notification went: half the
+    /// window is used and no ask is outstanding.
+    fn wants_credit(&self) -> bool {
+        if self.asked.is_some() {
+            return false;
+        }
+        let kib = self.sent_bytes >> 10;
+        let (messages_left, kib_left) = match self.credit {
+            Credit::Awaiting { .. } => (
+                CREDIT_WINDOW.saturating_sub(self.next_seq),
+                CREDIT_WINDOW_KIB.saturating_sub(kib),
+            ),
+            Credit::Granted {
+                messages,
+                kib: limit,
+            } => (
+                u64::from(messages.wrapping_sub(self.next_seq as u32)),
+                u64::from(limit.wrapping_sub(kib as u32)),
+            ),
+            Credit::Unlimited => return false,
+        };
+        messages_left <= CREDIT_WINDOW / 2 || kib_left <= CREDIT_WINDOW_KIB / 2
     }
 
     /// Queue a flight; an idle connection starts its progress clock `now`.
@@ -272,8 +314,10 @@ const MAX_NAME: usize = 4096;
 /// to a few KiB).
 const MAX_ADDRESS: usize = 64 << 10;
 
-/// Most HELLO senders remembered that are not (yet) known peers.
-const MAX_INBOUND: usize = 64;
+/// Most HELLO senders remembered that are not (yet) known peers (a prefill's decode
+/// workers, whose metadata it never loads): their notifications are held, in order,
+/// when the agent's queue is full.
+const MAX_INBOUND: usize = 256;
 
 /// Most DROPPED reports sent per round (one per sender stream that had notifications
 /// dropped in the round); drops past it are counted at the agent, not reported.
@@ -288,48 +332,38 @@ struct Drops(Vec<(String, u64, u64)>);
 const BACKLOG_TICK: Duration = Duration::from_millis(2);
 
 /// Most notifications, and bytes, held for one sender while the agent's queue has no
-/// room for them (a sender of ours has at most [`CREDIT_WINDOW`] here; a NIXL agent,
-/// which cannot be held back, more).
+/// room for them: a sender of ours has at most a credit window here
+/// ([`CREDIT_WINDOW`], [`CREDIT_WINDOW_KIB`] plus one notification); a NIXL agent,
+/// which cannot be held back, may fill it.
 pub(crate) const BACKLOG_PEER_MESSAGES: usize = 4096;
 const BACKLOG_PEER_BYTES: usize = 64 << 20;
 /// Most notifications, and bytes, held for all senders together.
-const BACKLOG_MESSAGES: usize = 65_536;
+const BACKLOG_MESSAGES: usize = 1 << 20;
 const BACKLOG_BYTES: usize = 256 << 20;
-/// Most sender streams granted credit at once.
+/// Most sender streams tracked for credit; past it, new ones are answered without
+/// a limit (and are then dropped past the backlog's bounds).
 const MAX_GRANTS: usize = 16_384;
 
-/// The receive side of notification flow control: notifications the agent's queue
-/// had no room for, held in arrival order per sender until it has, and the credit
-/// granted to each sender of ours ([`Credit`]): a window beyond what the agent took
-/// in, so a slow reader holds at most a window per sender and the senders wait.
-/// Granted to known peers and to senders that said HELLO; held within
-/// [`BACKLOG_PEER_MESSAGES`] / [`BACKLOG_PEER_BYTES`] per sender and
-/// [`BACKLOG_MESSAGES`] / [`BACKLOG_BYTES`] in all. Past those (a sender that
-/// ignores its grant, a NIXL agent) or from a name that is neither known nor heard
-/// from, a notification is dropped, counted, and reported to a sender that can be
-/// told.
+/// Notifications the agent's queue had no room for, held in arrival order per
+/// sender until it has (see [`Credit`] for how senders of ours are held back so
+/// that nothing of theirs is lost). Held for known peers and senders that said
+/// HELLO, within [`BACKLOG_PEER_MESSAGES`] /
+/// [`BACKLOG_PEER_BYTES`] per sender and [`BACKLOG_MESSAGES`] / [`BACKLOG_BYTES`] in
+/// all; past those (a sender ignoring its credit, a NIXL agent) or from a name
+/// that is none of those, a notification is dropped, counted, and reported to a
+/// sender that can be told.
 #[derive(Debug, Default)]
 pub(crate) struct Backlogs {
     by_name: HashMap<String, Backlog>,
     messages: usize,
     bytes: usize,
-    /// Per sender stream (name, stream): what the agent took in, what was granted.
-    grants: HashMap<(String, u64), Grant>,
 }
 
 #[derive(Debug, Default)]
 struct Backlog {
-    /// (the sender's stream, the notification), oldest first.
-    items: VecDeque<(u64, Bytes)>,
+    /// (the sender's stream, for ours; the notification), oldest first.
+    items: VecDeque<(Option<u64>, Bytes)>,
     bytes: usize,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Grant {
-    /// Notifications of the stream the agent took in (or that were dropped).
-    taken: u64,
-    /// The limit last granted.
-    granted: u64,
 }
 
 impl Backlogs {
@@ -339,7 +373,12 @@ impl Backlogs {
     }
 
     /// Hold `data` behind `name`'s backlog, if the bounds allow; else hand it back.
-    fn hold(&mut self, name: &str, stream: u64, data: Bytes) -> std::result::Result<(), Bytes> {
+    fn hold(
+        &mut self,
+        name: &str,
+        stream: Option<u64>,
+        data: Bytes,
+    ) -> std::result::Result<(), Bytes> {
         let n = data.len();
         if self.messages >= BACKLOG_MESSAGES || self.bytes.saturating_add(n) > BACKLOG_BYTES {
             return Err(data);
@@ -358,54 +397,70 @@ impl Backlogs {
         self.bytes += n;
         Ok(())
     }
+}
 
-    /// One notification of `name`'s `stream` left the sender's window: taken in by
-    /// the agent, or dropped.
-    fn taken(&mut self, name: &str, stream: u64) {
-        // The key is built only for streams that were granted (few), not per call
-        // for every other sender.
-        if self.grants.is_empty() {
-            return;
-        }
-        if let Some(g) = self.grants.get_mut(&(name.to_owned(), stream)) {
-            g.taken += 1;
-        }
-    }
+/// What the agent took in (or dropped) of each sender stream of ours, from which
+/// its credit is answered ([`Kind::CreditAsk`]); shared with the message handler,
+/// which answers. Tracked from a stream's first notification or ask, at most
+/// [`MAX_GRANTS`] streams, forgotten at the sender's BYE.
+#[derive(Debug, Default)]
+pub(crate) struct Grants {
+    by_name: HashMap<String, HashMap<u64, Taken>>,
+    streams: usize,
+}
 
-    /// Start granting `name`'s `stream` (its HELLO arrived): the first grant.
-    fn open(&mut self, name: &str, stream: u64) -> Option<u64> {
-        if self.grants.len() >= MAX_GRANTS && !self.grants.contains_key(&(name.to_owned(), stream))
-        {
-            return None;
-        }
-        let g = self
-            .grants
-            .entry((name.to_owned(), stream))
-            .or_insert(Grant {
-                taken: 0,
-                granted: 0,
-            });
-        g.granted = g.taken + CREDIT_WINDOW;
-        Some(g.granted)
-    }
+#[derive(Debug, Default, Clone, Copy)]
+struct Taken {
+    messages: u64,
+    bytes: u64,
+}
 
-    /// Forget `name`'s streams (it said goodbye, or was forgotten).
-    fn close(&mut self, name: &str) {
-        self.grants.retain(|(n, _), _| n != name);
-    }
-
-    /// New grants due: (name, stream, limit) for each stream that took in
-    /// [`CREDIT_EVERY`] or more since its last grant.
-    fn due(&mut self) -> Vec<(String, u64, u64)> {
-        let mut out = Vec::new();
-        for ((name, stream), g) in self.grants.iter_mut() {
-            let limit = g.taken + CREDIT_WINDOW;
-            if limit >= g.granted + CREDIT_EVERY {
-                g.granted = limit;
-                out.push((name.clone(), *stream, limit));
+impl Grants {
+    /// Whether `name`'s `stream` is tracked, tracking it if there is room.
+    fn track(&mut self, name: &str, stream: u64) -> bool {
+        if let Some(s) = self.by_name.get(name) {
+            if s.contains_key(&stream) {
+                return true;
             }
         }
-        out
+        if self.streams >= MAX_GRANTS {
+            return false;
+        }
+        self.streams += 1;
+        self.by_name
+            .entry(name.to_owned())
+            .or_default()
+            .insert(stream, Taken::default());
+        true
+    }
+
+    /// One notification of `len` bytes of `name`'s `stream` left the sender's window:
+    /// taken in by the agent, or dropped.
+    fn taken(&mut self, name: &str, stream: u64, len: usize) {
+        if let Some(t) = self.by_name.get_mut(name).and_then(|s| s.get_mut(&stream)) {
+            t.messages += 1;
+            t.bytes += len as u64;
+        }
+    }
+
+    /// The credit for `name`'s `stream` ([`Kind::Credit`]'s `seq`): a window beyond
+    /// what was taken in; no limit for a stream that cannot be tracked.
+    fn answer(&mut self, name: &str, stream: u64) -> u64 {
+        if !self.track(name, stream) {
+            return wire::credit_seq(u64::from(u32::MAX >> 1), u64::from(u32::MAX >> 1));
+        }
+        let t = self.by_name[name][&stream];
+        wire::credit_seq(
+            t.messages + CREDIT_WINDOW,
+            (t.bytes >> 10) + CREDIT_WINDOW_KIB,
+        )
+    }
+
+    /// Forget `name`'s streams (it said goodbye).
+    fn forget(&mut self, name: &str) {
+        if let Some(s) = self.by_name.remove(name) {
+            self.streams -= s.len();
+        }
     }
 }
 
@@ -415,16 +470,29 @@ struct Deliver<'a> {
     peers: &'a HashMap<Arc<str>, PeerConn>,
     inbound: &'a HashMap<String, Vec<u8>>,
     backlogs: &'a mut Backlogs,
+    grants: &'a Mutex<Grants>,
     drops: &'a mut Drops,
 }
 
 impl Deliver<'_> {
-    /// Deliver one notification from `name` (`stream` is its sender's, for ours):
-    /// behind its sender's backlog if it has one, else to the agent's queue if it has
-    /// room, else held (see [`Backlogs`]); dropped only past the backlog's bounds or
-    /// for a sender we neither know nor heard from. A drop is counted by the sink and
-    /// noted in `drops` when its sender is a peer of ours we can answer.
-    fn deliver(&mut self, name: &str, stream: u64, data: Bytes) {
+    /// Deliver one notification from `name` (`stream`: its sender's, for one of
+    /// ours): behind its sender's backlog if it has one, else to the agent's queue if
+    /// it has room, else held (see [`Backlogs`]); dropped only past the backlog's
+    /// bounds, or from a sender none of ours knows of. A drop is counted, and noted
+    /// in `drops` when its sender is a peer of ours we can answer.
+    fn deliver(&mut self, name: &str, stream: Option<u64>, data: Bytes) {
+        let len = data.len();
+        let mut grants = self.grants.lock().unwrap();
+        // Counted for credit from a stream's first notification (so answers never
+        // lag behind it); held only for known peers and senders that said HELLO.
+        if let Some(st) = stream {
+            grants.track(name, st);
+        }
+        let taken = |g: &mut Grants| {
+            if let Some(st) = stream {
+                g.taken(name, st, len);
+            }
+        };
         let behind = self
             .backlogs
             .by_name
@@ -434,7 +502,7 @@ impl Deliver<'_> {
             data
         } else {
             match self.sink.try_deliver(name, data) {
-                Ok(()) => return self.backlogs.taken(name, stream),
+                Ok(()) => return taken(&mut grants),
                 Err(data) => data,
             }
         };
@@ -447,17 +515,22 @@ impl Deliver<'_> {
         } else {
             data
         };
-        self.backlogs.taken(name, stream);
-        if self.sink.deliver(name, data) {
-            return;
-        }
+        taken(&mut grants);
+        drop(grants);
+        let dropped = if behind {
+            // Never ahead of what is held: dropped.
+            self.sink.drop_unqueued(name, len);
+            true
+        } else {
+            !self.sink.deliver(name, data)
+        };
         let answerable = self
             .peers
             .get(name)
             .is_some_and(|p| !p.nixl && p.failed.is_none() && p.ep.is_ok());
-        if !answerable {
+        let Some(stream) = stream.filter(|_| dropped && answerable) else {
             return;
-        }
+        };
         let d = &mut self.drops.0;
         if let Some(e) = d.iter_mut().find(|(n, s, _)| *s == stream && n == name) {
             e.2 += 1;
@@ -507,6 +580,23 @@ impl Identity {
                 Kind::Pong,
                 ping.stream,
                 ping.seq,
+                &self.agent,
+                &[],
+            ),
+        }
+    }
+
+    /// The CREDIT answering `ask` (already checked): `seq` from [`Grants::answer`];
+    /// with a secret, MAC'd for the asker and naming us, as a PONG.
+    fn credit(&self, ask: &wire::Header, seq: u64) -> Vec<u8> {
+        match &self.secret {
+            None => wire::encode_header(Kind::Credit, ask.stream, seq, ""),
+            Some(s) => wire::encode_signed_header(
+                s,
+                &ask.name,
+                Kind::Credit,
+                ask.stream,
+                seq,
                 &self.agent,
                 &[],
             ),
@@ -585,9 +675,8 @@ pub(crate) struct Core {
     /// What the message handlers refused.
     pub(crate) refused: Arc<Refused>,
     /// HELLO senders not known as peers when they said it (at most [`MAX_INBOUND`]):
-    /// name -> their worker address. Compared with a peer's address from its
-    /// metadata; dialled only to grant a sender credit for its notifications (empty
-    /// CREDIT messages, [`Core::tell`]).
+    /// name -> their worker address. Only ever compared with a peer's address from
+    /// its metadata, never dialled (credit is answered on UCX's reply endpoint).
     inbound: HashMap<String, Vec<u8>>,
     /// PINGs and DROPPED reports in flight (outside their connection's queue:
     /// nothing waits for them).
@@ -596,9 +685,9 @@ pub(crate) struct Core {
     drops: Drops,
     /// Notifications held until the agent's queue has room ([`Backlogs`]).
     pub(crate) backlogs: Backlogs,
-    /// Endpoints to senders that are not peers, for CREDIT only: name ->
-    /// (the address their HELLO gave, the endpoint). At most [`MAX_INBOUND`].
-    control: HashMap<String, (Vec<u8>, EpId)>,
+    /// What the agent took in of each sender stream of ours, for credit answers
+    /// (shared with the message handler).
+    grants: Arc<Mutex<Grants>>,
     /// Set once shutdown began: PINGs are no longer answered.
     closing: Arc<AtomicBool>,
     /// Our name and secret, for the messages we send.
@@ -776,6 +865,8 @@ impl Core {
         let closing = Arc::new(AtomicBool::new(false));
         let closing2 = closing.clone();
         let (count, mut log) = (refused.clone(), Throttle::default());
+        let grants: Arc<Mutex<Grants>> = Arc::default();
+        let grants2 = grants.clone();
         // Data arrives eagerly, already in UCX's buffers: it is looked at before it is
         // copied, and copied only when within its limit and (with a secret) once its
         // MAC verifies. Rendezvous (which would fetch a payload of the sender's
@@ -830,11 +921,22 @@ impl Core {
                 let limit = match header.kind {
                     Kind::Notif => max_notification,
                     Kind::Hello | Kind::Bye => MAX_ADDRESS,
-                    Kind::Ping | Kind::Pong | Kind::Dropped | Kind::Credit => 0,
+                    Kind::Ping | Kind::Pong | Kind::Dropped | Kind::Credit | Kind::CreditAsk => 0,
                 };
                 if data.len() > limit {
                     let (c, why) = match header.kind {
-                        Kind::Notif => (&count.oversized, "notification over the limit"),
+                        Kind::Notif => {
+                            // Gone from its sender's window all the same (without a
+                            // secret: with one, only proven senders count).
+                            if id.secret.is_none() {
+                                grants2.lock().unwrap().taken(
+                                    &header.name,
+                                    header.stream,
+                                    data.len(),
+                                );
+                            }
+                            (&count.oversized, "notification over the limit")
+                        }
                         _ => (&count.malformed, "data too long for its kind"),
                     };
                     return refuse(c, why, &header.name);
@@ -846,6 +948,12 @@ impl Core {
                 }
                 if header.kind == Kind::Ping {
                     return answer(&header);
+                }
+                if header.kind == Kind::CreditAsk {
+                    // Answered here too, on the asker's reply endpoint: never a
+                    // connection of our own making.
+                    let seq = grants2.lock().unwrap().answer(&header.name, header.stream);
+                    return (!closing2.load(Ordering::Acquire)).then(|| id.credit(&header, seq));
                 }
                 ev.lock().unwrap().push(AmEvent::Ours {
                     header,
@@ -923,7 +1031,7 @@ impl Core {
             pings: Vec::new(),
             drops: Drops::default(),
             backlogs: Backlogs::default(),
-            control: HashMap::new(),
+            grants,
             closing,
             me: Identity::default(),
             identity,
@@ -955,11 +1063,6 @@ impl Core {
             }
         }
         self.remove_peer(peer, "the peer's connection info changed");
-        // A sender we only heard from is a peer now: its own connection carries
-        // its grants from here on.
-        if let Some((_, ep)) = self.control.remove(peer) {
-            self.ucx.ep_close(ep);
-        }
         let mut peer_failure = self.peer_error_handling;
         // Checked (and padded) before UCX parses it; the backend refused a malformed
         // one already, so this only repeats the check.
@@ -1018,6 +1121,9 @@ impl Core {
                 next_probe: 0,
                 dropped: 0,
                 credit: Credit::Awaiting { since: None },
+                sent_bytes: 0,
+                asked: None,
+                ask_every: ASK_MIN,
                 held: VecDeque::new(),
             },
         );
@@ -1043,7 +1149,6 @@ impl Core {
                 )));
             }
         }
-        self.backlogs.close(peer);
     }
 
     /// Resolve a remote key for `region` of `peer`, unpacking it once per connection.
@@ -1255,21 +1360,47 @@ impl Core {
         if !p.held.is_empty() || !p.may_send() {
             // Beyond what the peer granted: wait (and the transfer it belongs to)
             // until it grants more.
-            if let Credit::Awaiting {
-                since: since @ None,
-            } = &mut p.credit
-            {
-                *since = Some(self.now);
-            }
             p.held.push_back((msg, done));
+            if p.asked.is_none() {
+                self.ask_credit(peer);
+            }
             return None;
         }
         let h = self.me.header(peer, Kind::Notif, p.epoch, p.next_seq, &msg);
         p.next_seq += 1;
-        Some(
-            self.ucx
-                .am_send(ep, wire::AM_ID, h, msg, false, Work::Done(done)),
-        )
+        p.sent_bytes += msg.len() as u64;
+        let ask = p.wants_credit();
+        let flight = self
+            .ucx
+            .am_send(ep, wire::AM_ID, h, msg, false, Work::Done(done));
+        if ask {
+            self.ask_credit(peer);
+        }
+        Some(flight)
+    }
+
+    /// Ask `peer` for credit ([`Kind::CreditAsk`], answered on the reply endpoint).
+    fn ask_credit(&mut self, peer: &str) {
+        let now = self.now;
+        let Some(p) = self.peers.get_mut(peer) else {
+            return;
+        };
+        let (Ok(ep), None, false) = (&p.ep, &p.failed, p.nixl) else {
+            return;
+        };
+        let ep = *ep;
+        p.asked = Some(now);
+        if let Credit::Awaiting {
+            since: since @ None,
+        } = &mut p.credit
+        {
+            *since = Some(now);
+        }
+        let h = self.me.header(peer, Kind::CreditAsk, p.epoch, 0, &[]);
+        let flight = self
+            .ucx
+            .am_send(ep, wire::AM_ID, h, Bytes::new(), true, Work::Internal);
+        self.pings.push(flight);
     }
 
     /// Send what waits for `peer`'s grant, in order, as far as the grant goes.
@@ -1290,6 +1421,8 @@ impl Core {
             };
             let h = self.me.header(peer, Kind::Notif, p.epoch, p.next_seq, &msg);
             p.next_seq += 1;
+            p.sent_bytes += msg.len() as u64;
+            let ask = p.wants_credit();
             let flight = self
                 .ucx
                 .am_send(ep, wire::AM_ID, h, msg, false, Work::Done(done));
@@ -1303,28 +1436,73 @@ impl Core {
                     now,
                 );
             }
+            if ask {
+                self.ask_credit(peer);
+            }
         }
     }
 
-    /// Peers that never granted within [`LEGACY_WAIT`] of a notification having to
-    /// wait for it (agents of this crate from before grants) get no limit.
-    fn release_ungranted(&mut self) {
+    /// For peers whose notifications wait for credit: drop those whose transfer was
+    /// dropped (cancelled: never sent), ask again when an ask went unanswered (backing
+    /// off), and give a peer that never answered within [`LEGACY_WAIT`] (an older
+    /// nixl-rs) no limit.
+    fn pace_credit(&mut self) {
         let now = self.now;
-        let due: Vec<Arc<str>> = self
-            .peers
-            .iter()
-            .filter(|(_, p)| {
-                matches!(p.credit, Credit::Awaiting { since: Some(t) } if now.duration_since(t) >= LEGACY_WAIT)
-            })
-            .map(|(n, _)| n.clone())
-            .collect();
-        for name in due {
-            if let Some(p) = self.peers.get_mut(&name) {
-                tracing::debug!(peer = %name, "ucx: the peer grants no credit (an older nixl-rs); sending without a limit");
-                p.credit = Credit::Unlimited;
+        let mut ask = Vec::new();
+        let mut free = Vec::new();
+        for (name, p) in self.peers.iter_mut() {
+            if p.held.is_empty() || p.credit == Credit::Unlimited {
+                continue;
             }
+            if p.held.iter().any(|(_, d)| d.is_canceled()) {
+                let mut kept = VecDeque::with_capacity(p.held.len());
+                for (msg, done) in p.held.drain(..) {
+                    if done.is_canceled() {
+                        done.complete(Err(Error::new(
+                            ErrorKind::Canceled,
+                            "ucx notify",
+                            "dropped while waiting for the peer's credit; not sent",
+                        )));
+                    } else {
+                        kept.push_back((msg, done));
+                    }
+                }
+                p.held = kept;
+            }
+            if let Credit::Awaiting { since: Some(t) } = p.credit {
+                if now.duration_since(t) >= LEGACY_WAIT {
+                    tracing::debug!(peer = %name, "ucx: the peer grants no credit (an older nixl-rs); sending without a limit");
+                    p.credit = Credit::Unlimited;
+                    free.push(name.clone());
+                    continue;
+                }
+            }
+            if p.asked.is_none_or(|t| now.duration_since(t) >= p.ask_every) {
+                p.ask_every = (p.ask_every * 2).min(ASK_MAX);
+                ask.push(name.clone());
+            }
+        }
+        for name in free {
             self.send_held(&name);
         }
+        for name in ask {
+            self.ask_credit(&name);
+        }
+    }
+
+    /// When the next [`Core::pace_credit`] is due, if notifications wait for credit.
+    fn credit_deadline(&self) -> Option<Instant> {
+        self.peers
+            .values()
+            .filter(|p| !p.held.is_empty() && p.credit != Credit::Unlimited)
+            .map(|p| {
+                let ask = p.asked.map_or(self.now, |t| t + p.ask_every);
+                match p.credit {
+                    Credit::Awaiting { since: Some(t) } => ask.min(t + LEGACY_WAIT),
+                    _ => ask,
+                }
+            })
+            .min()
     }
 
     /// One round: commands, progress, incoming messages, failures, completions.
@@ -1352,13 +1530,14 @@ impl Core {
                 peers: &self.peers,
                 inbound: &self.inbound,
                 backlogs: &mut self.backlogs,
+                grants: &self.grants,
                 drops: &mut self.drops,
             };
             self.reorder
-                .expire(self.now, &mut |n, st, d| to.deliver(n, st, d));
+                .expire(self.now, &mut |n, st, d| to.deliver(n, Some(st), d));
         }
         self.drain_backlogs();
-        self.release_ungranted();
+        self.pace_credit();
         self.report_drops();
         self.check_failures();
         self.reap();
@@ -1382,16 +1561,11 @@ impl Core {
         } else {
             wait
         };
-        // A sender waiting for a first grant gives up on it at its deadline.
-        self.peers
-            .values()
-            .filter_map(|p| match p.credit {
-                Credit::Awaiting { since: Some(t) } => {
-                    Some((t + LEGACY_WAIT).saturating_duration_since(Instant::now()) + TICK)
-                }
-                _ => None,
-            })
-            .fold(wait, Duration::min)
+        // Notifications waiting for credit: ask again (or give up on a grant) then.
+        match self.credit_deadline() {
+            Some(d) => wait.min(d.saturating_duration_since(Instant::now()) + TICK),
+            None => wait,
+        }
     }
 
     /// Run every queued command; returns how many.
@@ -1425,9 +1599,10 @@ impl Core {
                             peers: &self.peers,
                             inbound: &self.inbound,
                             backlogs: &mut self.backlogs,
+                            grants: &self.grants,
                             drops: &mut self.drops,
                         }
-                        .deliver(&sender, 0, msg);
+                        .deliver(&sender, None, msg);
                     }
                     continue;
                 }
@@ -1437,26 +1612,16 @@ impl Core {
                 Kind::Notif => self.deliver(h.name, h.stream, h.seq, ev_data),
                 Kind::Hello => {
                     tracing::debug!(peer = %h.name, "ucx: peer connected");
-                    let answerable = match self.peers.get_mut(h.name.as_str()) {
-                        Some(p) if p.address == ev_data[..] => {
-                            p.heard_hello = true;
-                            !p.nixl
-                        }
+                    match self.peers.get_mut(h.name.as_str()) {
+                        Some(p) if p.address == ev_data[..] => p.heard_hello = true,
                         // A peer not (yet) loaded: remembered, up to a bound, in case
                         // its metadata comes later with this address.
                         _ if self.inbound.len() < MAX_INBOUND
                             || self.inbound.contains_key(&h.name) =>
                         {
-                            self.inbound.insert(h.name.clone(), ev_data.to_vec());
-                            true
+                            self.inbound.insert(h.name, ev_data.to_vec());
                         }
-                        _ => false,
-                    };
-                    // The sender's first grant: notification flow control ([`Credit`]).
-                    if answerable {
-                        if let Some(limit) = self.backlogs.open(&h.name, h.stream) {
-                            self.tell(&h.name, Kind::Credit, h.stream, limit);
-                        }
+                        _ => {}
                     }
                 }
                 // Answered by the message handler.
@@ -1474,22 +1639,41 @@ impl Core {
                     }
                 }
                 Kind::Credit => {
-                    // Only for our own connection to the sender of it (its stream
-                    // echoes our endpoint's), as DROPPED.
-                    let Some(p) = self
+                    // The answer to our ask, on our connection: found by its stream
+                    // (our endpoint's epoch), as a PONG.
+                    let found = self
                         .peers
-                        .get_mut(h.name.as_str())
-                        .filter(|p| p.epoch == h.stream && !p.nixl)
-                    else {
-                        continue;
-                    };
+                        .iter_mut()
+                        .find(|(_, p)| p.epoch == h.stream && !p.nixl);
+                    let Some((name, p)) = found else { continue };
+                    let (messages, kib) = (h.seq as u32, (h.seq >> 32) as u32);
+                    // Answers only move forward (one computed before another may
+                    // arrive after it).
                     p.credit = match p.credit {
-                        Credit::Granted(l) => Credit::Granted(l.max(h.seq)),
-                        _ => Credit::Granted(h.seq),
+                        Credit::Granted {
+                            messages: m,
+                            kib: k,
+                        } => Credit::Granted {
+                            messages: if wire::below(u64::from(messages), m) {
+                                m
+                            } else {
+                                messages
+                            },
+                            kib: if wire::below(u64::from(kib), k) {
+                                k
+                            } else {
+                                kib
+                            },
+                        },
+                        _ => Credit::Granted { messages, kib },
                     };
-                    let name = h.name.clone();
+                    p.asked = None;
+                    p.ask_every = ASK_MIN;
+                    let name = name.clone();
                     self.send_held(&name);
                 }
+                // Answered by the message handler.
+                Kind::CreditAsk => {}
                 Kind::Pong => {
                     let p = self.peers.values_mut().find(|p| p.epoch == h.stream);
                     if let Some(p) = p {
@@ -1515,17 +1699,15 @@ impl Core {
                                 peers: &self.peers,
                                 inbound: &self.inbound,
                                 backlogs: &mut self.backlogs,
+                                grants: &self.grants,
                                 drops: &mut self.drops,
                             };
                             self.reorder
-                                .forget(&h.name, &mut |n, st, d| to.deliver(n, st, d));
+                                .forget(&h.name, &mut |n, st, d| to.deliver(n, Some(st), d));
                         }
                         self.inbound.remove(&h.name);
-                        // It sends no more: no more grants.
-                        self.backlogs.close(&h.name);
-                        if let Some((_, ep)) = self.control.remove(h.name.as_str()) {
-                            self.ucx.ep_close(ep);
-                        }
+                        // It sends no more: nothing more to answer credit for.
+                        self.grants.lock().unwrap().forget(&h.name);
                     }
                     if let Some(p) = self.peers.get_mut(h.name.as_str()) {
                         if p.address == ev_data[..] && p.failed.is_none() && !p.nixl {
@@ -1544,110 +1726,47 @@ impl Core {
             peers: &self.peers,
             inbound: &self.inbound,
             backlogs: &mut self.backlogs,
+            grants: &self.grants,
             drops: &mut self.drops,
         };
         self.reorder
             .accept(&name, stream, seq, data, self.now, &mut |n, st, d| {
-                to.deliver(n, st, d)
+                to.deliver(n, Some(st), d)
             });
     }
 
-    /// Move held notifications into the agent's queue as it has room, oldest first,
-    /// then grant credit to the streams that took enough in ([`Backlogs`]).
+    /// Move held notifications into the agent's queue as it has room, oldest first
+    /// (what they free of their senders' credit is answered at the next ask).
     fn drain_backlogs(&mut self) {
-        if let Some(sink) = &self.sink {
-            let backlogs = &mut self.backlogs;
-            let mut taken = Vec::new();
-            backlogs.by_name.retain(|name, b| {
-                while let Some((stream, data)) = b.items.pop_front() {
-                    let n = data.len();
-                    match sink.try_deliver(name, data) {
-                        Ok(()) => {
-                            b.bytes -= n;
-                            taken.push((name.clone(), stream));
-                        }
-                        Err(data) => {
-                            b.items.push_front((stream, data));
-                            break;
-                        }
-                    }
-                }
-                !b.items.is_empty()
-            });
-            for (name, stream) in taken {
-                backlogs.messages -= 1;
-                backlogs.taken(&name, stream);
-            }
-            backlogs.bytes = backlogs.by_name.values().map(|b| b.bytes).sum();
-        }
-        if self.backlogs.grants.is_empty() {
+        if self.backlogs.by_name.is_empty() {
             return;
         }
-        for (name, stream, limit) in self.backlogs.due() {
-            self.tell(&name, Kind::Credit, stream, limit);
-        }
-    }
-
-    /// Send `kind` (a CREDIT about the sender's `stream`, `seq` its limit) to `name`:
-    /// on our connection to it when it is a peer of ours, else on a control endpoint
-    /// to the address its HELLO gave (made when first needed, closed at its BYE).
-    /// NIXL agents, and senders we have no address for, cannot be told.
-    fn tell(&mut self, name: &str, kind: Kind, stream: u64, seq: u64) {
-        let ep = match self.peers.get(name) {
-            Some(p) if p.nixl || p.failed.is_some() => return,
-            Some(p) => match p.ep {
-                Ok(ep) => ep,
-                Err(_) => return,
-            },
-            None => {
-                let Some(address) = self.inbound.get(name) else {
-                    return;
-                };
-                match self.control.get(name) {
-                    Some((a, ep)) if a == address => *ep,
-                    _ => {
-                        if let Some((_, old)) = self.control.remove(name) {
-                            self.ucx.ep_close(old);
+        let Some(sink) = &self.sink else { return };
+        let backlogs = &mut self.backlogs;
+        let mut grants = self.grants.lock().unwrap();
+        let (mut moved, mut moved_bytes) = (0, 0);
+        backlogs.by_name.retain(|name, b| {
+            while let Some((stream, data)) = b.items.pop_front() {
+                let n = data.len();
+                match sink.try_deliver(name, data) {
+                    Ok(()) => {
+                        b.bytes -= n;
+                        moved += 1;
+                        moved_bytes += n;
+                        if let Some(st) = stream {
+                            grants.taken(name, st, n);
                         }
-                        let Ok(padded) = Padded::address(address) else {
-                            return;
-                        };
-                        // The same error handling as our data endpoints: UCX
-                        // refuses a connection whose two ends differ in it.
-                        let made = self
-                            .ucx
-                            .ep_create(&padded, self.peer_error_handling)
-                            .or_else(|e| {
-                                if self.peer_error_handling && Ucx::<Work>::is_unreachable(&e) {
-                                    self.ucx.ep_create(&padded, false)
-                                } else {
-                                    Err(e)
-                                }
-                            });
-                        match made {
-                            Ok(ep) => {
-                                self.control.insert(name.to_owned(), (address.clone(), ep));
-                                ep
-                            }
-                            Err(e) => {
-                                tracing::debug!(peer = name, error = %e, "ucx: cannot reach a sender to grant it credit");
-                                return;
-                            }
-                        }
+                    }
+                    Err(data) => {
+                        b.items.push_front((stream, data));
+                        break;
                     }
                 }
             }
-        };
-        tracing::debug!(
-            peer = name,
-            ?kind,
-            "ucx: telling a sender about our notification queue"
-        );
-        let h = self.me.header(name, kind, stream, seq, &[]);
-        let flight = self
-            .ucx
-            .am_send(ep, wire::AM_ID, h, Bytes::new(), false, Work::Internal);
-        self.pings.push(flight);
+            !b.items.is_empty()
+        });
+        backlogs.messages -= moved;
+        backlogs.bytes -= moved_bytes;
     }
 
     /// Tell each known sender whose notifications this round dropped how many, on

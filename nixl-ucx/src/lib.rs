@@ -82,12 +82,13 @@
 //!   untrusted senders needs the shared secret.
 //! - **A full notification queue.** The progress loop cannot wait for room in the
 //!   agent's queue ([`nixl::NotificationLimits`]) and UCX cannot stop a sender, so
-//!   notifications between agents of this crate are flow-controlled by credit: the
-//!   receiver grants each sender stream a window beyond what its agent took in (on
-//!   the sender's HELLO, renewed as the agent takes more in; a CREDIT message on our
-//!   connection to the sender, or to the address its HELLO gave), holds what does
-//!   not fit yet in arrival order, and the sender holds what is beyond its grant (the
-//!   transfers those belong to stay in flight). NIXL agents' notifications, which
+//!   notifications between agents of this crate are flow-controlled by credit: a
+//!   sender stream may have a window (1024 notifications, 4 MiB) beyond what the
+//!   receiving agent took in; the sender asks (CREDIT_ASK) at half its window and,
+//!   while notifications wait, again with back-off, and the receiver answers on UCX's
+//!   reply endpoint (as PING is answered: it never dials anyone). The receiver holds
+//!   what does not fit its agent's queue yet, in arrival order, and the sender holds
+//!   what is beyond its window (the transfers those belong to stay in flight). NIXL agents' notifications, which
 //!   cannot be held back, and a sender ignoring its grant are held up to a bound,
 //!   then dropped, counted and logged ([`nixl::NotificationSink::deliver`]); a known
 //!   peer of ours is told with a DROPPED message on its own connection (naming the
@@ -99,7 +100,7 @@
 //!   protocol, flow control included.
 //! - **Shared secret.** With the agent's secret ([`nixl::AgentBuilder::secret`], or
 //!   [`UcxOptions::secret`], which overrides it), every message of this backend's
-//!   own protocol (notification, HELLO, BYE, PING, PONG, DROPPED, CREDIT) carries an HMAC-SHA256 over
+//!   own protocol (notification, HELLO, BYE, PING, PONG, DROPPED, CREDIT_ASK, CREDIT) carries an HMAC-SHA256 over
 //!   the receiving agent's name, its kind, stream, sequence number, the sender's name
 //!   and its whole payload (header version 2, see the `wire` module). The receiver
 //!   checks it in the message handler, after the size limits and before anything
@@ -309,7 +310,7 @@ pub struct UcxOptions {
     /// ([`UcxOptions::liveness_timeout`]) instead.
     pub peer_error_handling: bool,
     /// When set, every message of this backend's own protocol (notifications, HELLO,
-    /// BYE, liveness probes and their answers) carries an HMAC-SHA256 under this
+    /// BYE, liveness probes, credit requests and their answers, DROPPED reports) carries an HMAC-SHA256 under this
     /// secret, made for the receiving agent's name, and every incoming one must
     /// carry a valid one: a process that reaches the worker without the secret can
     /// neither deliver a notification nor name a sender (see the crate docs, "Shared

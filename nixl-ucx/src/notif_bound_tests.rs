@@ -276,31 +276,15 @@ async fn known_peer_over_its_bound(test: &str, secret: Option<&SharedSecret>, ni
     good.connect("target").await.unwrap();
     target.connect("good").await.unwrap();
     good.notify("target", "n0").unwrap().await.unwrap();
-    // The target answered our HELLO with a grant.
-    let granted = || {
-        let g = gb.inner.shared.core.lock().unwrap();
-        g.as_ref()
-            .unwrap()
-            .peers
-            .get("target")
-            .unwrap()
-            .is_granted()
-    };
-    let deadline = Instant::now() + HANG;
-    while !granted() {
-        assert!(Instant::now() < deadline, "the target granted no credit");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-
     // Far more than the bound, nobody reading: the queue takes the bound, the
     // target holds a window beyond it, the sender holds the rest (its sends pending).
     let mut sends = Vec::new();
     for i in 1..SENT {
         sends.push(good.notify("target", format!("n{i}")).unwrap());
     }
-    // The first grant (a window from nothing taken in) is not renewed until the
-    // queue takes in more: the window is all the target holds.
-    let want = (SENT - WINDOW, WINDOW - BOUND);
+    // The target answers the sender's asks with a window beyond what its queue took
+    // in: it holds that window, and the sender the rest.
+    let want = (SENT - BOUND - WINDOW, WINDOW);
     let deadline = Instant::now() + HANG;
     while held(&gb, &tb, "target") != want {
         assert!(
@@ -310,6 +294,17 @@ async fn known_peer_over_its_bound(test: &str, secret: Option<&SharedSecret>, ni
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    // It got there by the target's answers to its asks.
+    let granted = {
+        let g = gb.inner.shared.core.lock().unwrap();
+        g.as_ref()
+            .unwrap()
+            .peers
+            .get("target")
+            .unwrap()
+            .is_granted()
+    };
+    assert!(granted, "the sender never got an answer");
     // A forged grant (not on the sender's stream) changes nothing.
     let (mut evil, ep) = bare_worker(&gb.inner.address);
     let f = send(&mut evil, ep, Kind::Credit, "target", 12_345, u64::MAX);

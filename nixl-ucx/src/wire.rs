@@ -71,9 +71,24 @@ pub(crate) enum Kind {
     Pong = 5,
     /// Notifications of the sender's `stream` were dropped (`seq` of them); no data.
     Dropped = 6,
-    /// The receiver's grant for the sender's `stream`: notifications numbered below
-    /// `seq` may be sent; no data.
+    /// The answer to a [`Kind::CreditAsk`], on the UCX reply endpoint: how far the
+    /// asker's `stream` may send. `seq` is `(KiB limit << 32) | message limit`, each
+    /// a count since the stream began, modulo 2^32; no data.
     Credit = 7,
+    /// A sender's request for its [`Kind::Credit`] on `stream` (sent with a reply
+    /// endpoint, as PING); no data.
+    CreditAsk = 8,
+}
+
+/// A [`Kind::Credit`]'s `seq`: message and KiB limits, each modulo 2^32.
+pub(crate) fn credit_seq(messages: u64, kib: u64) -> u64 {
+    (kib & 0xffff_ffff) << 32 | (messages & 0xffff_ffff)
+}
+
+/// Whether `count` (a running count, modulo 2^32) is still below the limit `limit`
+/// (the same, within 2^31 of it).
+pub(crate) fn below(count: u64, limit: u32) -> bool {
+    (limit.wrapping_sub(count as u32) as i32) > 0
 }
 
 /// A decoded header.
@@ -185,6 +200,7 @@ pub(crate) fn decode_header(b: &[u8]) -> Option<Header> {
         5 => Kind::Pong,
         6 => Kind::Dropped,
         7 => Kind::Credit,
+        8 => Kind::CreditAsk,
         _ => return None,
     };
     let stream = u64::from_le_bytes(b[4..12].try_into().ok()?);
@@ -262,12 +278,13 @@ mod tests {
             Kind::Pong,
             Kind::Dropped,
             Kind::Credit,
+            Kind::CreditAsk,
         ] {
             let h = encode_header(kind, 1, 2, "x");
             assert_eq!(decode_header(&h).map(|d| d.kind), Some(kind));
         }
         let mut bad = h.clone();
-        bad[3] = 10;
+        bad[3] = 11;
         assert_eq!(decode_header(&bad), None);
     }
 
@@ -357,6 +374,7 @@ mod tests {
             Kind::Pong,
             Kind::Dropped,
             Kind::Credit,
+            Kind::CreditAsk,
         ] {
             let h = encode_signed_header(&s, "r", kind, 1, 2, "x", b"");
             let d = decode_header(&h).unwrap();
@@ -417,5 +435,17 @@ mod tests {
         let mut bad = b.to_vec();
         bad[0] ^= 0x5a;
         assert_eq!(decode_blob(&bad), None);
+    }
+
+    #[test]
+    fn credit_limits_wrap_and_compare_modulo_two_to_the_32() {
+        let seq = credit_seq(5, 7);
+        assert_eq!((seq >> 32, seq & 0xffff_ffff), (7, 5));
+        assert!(below(4, 5) && !below(5, 5) && !below(6, 5));
+        // Counts past 2^32 compare with limits that wrapped too.
+        let count = (1u64 << 32) + 10;
+        let limit = credit_seq(count + 3, 0) as u32;
+        assert!(below(count, limit) && !below(count + 3, limit));
+        assert!(below(u64::from(u32::MAX), 2), "across the wrap");
     }
 }

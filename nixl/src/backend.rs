@@ -141,6 +141,19 @@ impl NotificationSink {
         }
     }
 
+    /// Drop a notification from `peer` that this backend held for want of room and can
+    /// hold no longer (its own bound on what it holds is full): counted and logged as
+    /// [`NotificationSink::deliver`] counts a drop. For a backend that keeps a
+    /// sender's notifications in order behind those it holds, where delivering this
+    /// one now would overtake them.
+    pub fn drop_unqueued(&self, peer: &str, len: usize) {
+        if let Some(c) = &self.dropped {
+            c.increment(1);
+        }
+        self.queues
+            .dropped(peer, len, crate::notification::Short::Peer);
+    }
+
     /// Deliver a notification from `peer` if every bound it counts against has room
     /// ([`NotificationLimits`]); otherwise hand it back, uncounted, for the caller to
     /// deliver later with [`NotificationSink::deliver_async`] (keeping its sender

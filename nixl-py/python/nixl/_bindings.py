@@ -5,8 +5,9 @@ callers use (``nixlBind`` in ``nixl._api``), over nixl-rs.
 Constants and enums carry NIXL 1.5.1's values; the descriptor lists are the ones
 ``nixl._api`` returns and accept NIXL's constructors (``nixlXferDList(DRAM_SEG,
 [(addr, len, dev), ...])``, an Nx3 numpy array, or an initial size) and editing
-methods; the exception classes are the ones nixl-rs raises. NIXL's C++ agent classes
-(``nixlAgent``, ``nixlAgentConfig``) are not offered: use ``nixl._api.nixl_agent``.
+methods; the exception classes are the ones nixl-rs raises. ``nixlAgentConfig`` and
+``nixlAgent`` make a native agent for ``nixl_agent.agent`` (what SGLang's HiCache
+does); NIXL's C++ methods on it are not offered: use ``nixl._api.nixl_agent``'s.
 """
 
 from enum import IntEnum
@@ -14,6 +15,7 @@ from enum import IntEnum
 from nixl_rs import _native
 from nixl_rs._api import (  # noqa: F401
     nixl_mem_t,
+    nixl_thread_sync_t,
     nixlRegDList,
     nixlRemoteDList,
     nixlXferDList,
@@ -52,13 +54,6 @@ class nixl_status_t(IntEnum):
     NIXL_ERR_REPOST_ACTIVE = -7
     NIXL_ERR_UNKNOWN = -8
     NIXL_ERR_NOT_SUPPORTED = -9
-
-
-class nixl_thread_sync_t(IntEnum):
-    NIXL_THREAD_SYNC_NONE = 0
-    NIXL_THREAD_SYNC_STRICT = 1
-    NIXL_THREAD_SYNC_RW = 2
-    NIXL_THREAD_SYNC_DEFAULT = 0
 
 
 class nixl_xfer_op_t(IntEnum):

@@ -110,7 +110,10 @@ def _is_ndarray(obj: object) -> bool:
 
 _STATUS = {"nixlInvalidParamError": "NIXL_ERR_INVALID_PARAM", "nixlNotFoundError": "NIXL_ERR_NOT_FOUND",
            "nixlNotSupportedError": "NIXL_ERR_NOT_SUPPORTED", "nixlNotAllowedError": "NIXL_ERR_NOT_ALLOWED",
-           "nixlBackendError": "NIXL_ERR_BACKEND"}
+           "nixlBackendError": "NIXL_ERR_BACKEND", "nixlMismatchError": "NIXL_ERR_MISMATCH",
+           "nixlNotPostedError": "NIXL_ERR_NOT_POSTED",
+           "nixlRemoteDisconnectError": "NIXL_ERR_REMOTE_DISCONNECT",
+           "nixlCancelledError": "NIXL_ERR_CANCELED", "nixlRepostActiveError": "NIXL_ERR_REPOST_ACTIVE"}
 
 
 def _error(cls, kind: str, operation: str, message: str):
@@ -194,7 +197,7 @@ class _DList:
     def _unpack(self):
         """Rows as a list, for editing."""
         if self._packed is not None:
-            self._rows = [tuple(r) for r in self]
+            self._rows = [tuple(_DList.__getitem__(self, i)[:3]) for i in range(len(self))]
             if self._meta is None:
                 self._meta = [""] * len(self._rows)
             self._packed = None
@@ -457,13 +460,14 @@ def _tensor_rows(descs):
     return mem, rows, tensors
 
 
-class nixl_thread_sync_t(Enum):
-    """NIXL's thread synchronization modes; nixl-rs agents are always thread-safe."""
+class nixl_thread_sync_t(IntEnum):
+    """NIXL's thread synchronization modes, with NIXL's bindings' values (DEFAULT is
+    NONE's value there too); nixl-rs agents are always thread-safe."""
 
     NIXL_THREAD_SYNC_NONE = 0
     NIXL_THREAD_SYNC_STRICT = 1
     NIXL_THREAD_SYNC_RW = 2
-    NIXL_THREAD_SYNC_DEFAULT = 3
+    NIXL_THREAD_SYNC_DEFAULT = 0
 
 
 class nixlXferTelemetry:
@@ -523,7 +527,8 @@ class nixl_agent_config:
         self.port = listen_port
         self.capture_telemetry = capture_telemetry
         self.num_threads = num_threads
-        if sync_mode is not None and not isinstance(sync_mode, nixl_thread_sync_t):
+        if sync_mode is not None and (isinstance(sync_mode, bool)
+                                      or sync_mode not in (0, 1, 2)):
             raise TypeError(
                 f"sync_mode must be a nixl_thread_sync_t (got {type(sync_mode).__name__!r})"
             )

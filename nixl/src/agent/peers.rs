@@ -51,7 +51,6 @@ impl Default for PeerLimits {
     }
 }
 
-/// What loading a peer's metadata does to what is known of it.
 /// Which format a peer's metadata came in, and so which protocol its backends get.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Dialect {
@@ -62,6 +61,7 @@ enum Dialect {
     Nixl { nixl_rs: bool },
 }
 
+/// What loading a peer's metadata does to what is known of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Load {
     /// Partial metadata of the known instance: add or replace regions, keep the
@@ -369,8 +369,8 @@ impl Agent {
         ))
     }
 
-    /// Load decoded metadata, as far as `trust` allows (see [`Trust`]); `nixl` for a
-    /// NIXL agent's (from [`Agent::translate_nixl`]),
+    /// Load decoded metadata, as far as `trust` allows (see [`Trust`]); `dialect`
+    /// [`Dialect::Nixl`] for metadata in NIXL's format (from [`Agent::translate_nixl`]),
     /// whose generation rule is settled here, under the lock: without connection info
     /// it extends the known peer; with the same connection info as known it extends
     /// too; new connection info (or an unknown peer) replaces.
