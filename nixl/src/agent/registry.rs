@@ -274,7 +274,9 @@ impl Agent {
             tokio::pin!(idle);
             idle.as_mut().enable();
             match self.deregister(registration) {
-                Err(e) if e.kind() == ErrorKind::NotAllowed => {
+                // Refused for transfers in flight (nothing changed): wait. A backend
+                // that failed to release it leaves it deregistered all the same.
+                Err(e) if e.kind() == ErrorKind::NotAllowed && registration.is_registered() => {
                     if tokio::time::timeout_at(deadline, idle).await.is_err() {
                         return Err(e);
                     }
