@@ -2,15 +2,18 @@
 """NIXL's Python API (``nixl._api`` of NIXL 1.5.1) over nixl-rs.
 
 Same classes, method names, argument names, defaults and return values as NIXL's
-``_api.py``, so a connector written for NIXL runs by changing its import. Where they
-differ (see the README's Python section):
+``_api.py`` (the package ``nixl`` of this distribution re-exports this module as
+``nixl._api``, so connectors run unchanged). No ``backends`` means ``["UCX"]`` as in
+NIXL; ``"TCP"`` names nixl-tcp, which needs no system library. Where they differ
+(see the README's Python section):
 
-- ``nixl_agent_config(backends=None)`` means ``["TCP"]`` (nixl-tcp, no system
-  libraries); name ``"UCX"`` to use UCX (and to work with NIXL agents).
 - Errors raise: a failed transfer raises from ``check_xfer_state``/``transfer``
-  (NIXL's bindings raise too for most failures; "ERR" is never returned), and bad
-  descriptor inputs raise ``TypeError``/``nixlInvalidParamError`` where NIXL logs and
-  returns None. Every nixl-rs exception carries ``kind``, ``operation`` and ``context``.
+  (NIXL's bindings raise too for every error status; "ERR" is never returned), and
+  bad descriptor inputs raise ``TypeError``/``nixlInvalidParamError`` where NIXL logs
+  and returns None. Every nixl-rs exception carries ``kind``, ``operation`` and
+  ``context``, and its message starts with NIXL's status name.
+- Releasing a transfer in flight cancels it; ``deregister_memory`` waits (bounded)
+  for transfers still using the memory.
 - A backend can be added with ``create_backend`` only before memory is registered,
   metadata handed out or peers added (nixl-rs fixes an agent's backends when it
   starts; the agent is rebuilt until then).
@@ -20,8 +23,9 @@ differ (see the README's Python section):
   it. Partial metadata sent to a listener or etcd, ``estimate_xfer_cost`` and
   memory views raise ``nixlNotSupportedError``.
 - Files: ``backends=["POSIX"]`` (nixl-posix: io_uring, or a thread pool where it is
-  refused), FILE registrations ``(0, length, fd, meta)`` and transfer descriptors
-  ``(file offset, length, fd)``, a storage transfer naming the agent itself, and
+  refused), FILE registrations ``(0, length, fd, meta)`` or NIXL's path mode
+  ``(0, length, devId, "rw,create:PATH")``, transfer descriptors
+  ``(file offset, length, fd or devId)``, a storage transfer naming the agent itself, and
   ``query_memory`` of file paths, as NIXL's POSIX backend takes them. The
   registration keeps its own duplicate of the descriptor; a notification on a
   storage transfer raises, as in NIXL.
@@ -35,7 +39,8 @@ caller's: from ``register_memory`` until ``deregister_memory`` returns (or the a
 is shut down), each range must stay allocated, not be reused, and be valid for its
 memory type; peers may read and write it whenever the application's protocol lets
 them. The agent keeps its registrations alive while transfers use them
-(deregistering memory in flight raises ``nixlNotAllowedError``), and the
+(deregistering memory in flight waits for them, then raises ``nixlNotAllowedError``),
+and the
 ``nixlRegDList`` returned for tensors keeps those tensors referenced.
 """
 
@@ -743,7 +748,9 @@ class nixl_agent:
         return reg_descs
 
     def deregister_memory(self, dereg_list: nixlRegDList, backends: list[str] = []):  # noqa: B006
-        """Deregister memory registered before (raises while transfers use it)."""
+        """Deregister memory registered before. Transfers still using it are waited
+        for (those released in flight are cancelled) up to 10 s; then
+        ``nixlNotAllowedError``, and nothing changes."""
         if not isinstance(dereg_list, nixlRegDList):
             raise TypeError("deregister_memory takes the nixlRegDList register_memory returned")
         self.agent.deregister(dereg_list._mem_type, dereg_list._wire())
