@@ -328,8 +328,11 @@ const MAX_DROP_REPORTS: usize = 1024;
 #[derive(Debug, Default)]
 struct Drops(Vec<(String, u64, u64)>);
 
-/// How often the driver looks for room for held notifications while any are held.
-const BACKLOG_TICK: Duration = Duration::from_millis(2);
+/// How often the driver looks for room for held notifications while any are held,
+/// besides being woken by the application's reads
+/// ([`nixl::NotificationSink::on_room`]): a read that races a notification being
+/// held is caught within this.
+const BACKLOG_TICK: Duration = Duration::from_millis(100);
 
 /// Most notifications, and bytes, held for one sender while the agent's queue has no
 /// room for them: a sender of ours has at most a credit window here
@@ -357,6 +360,9 @@ pub(crate) struct Backlogs {
     by_name: HashMap<String, Backlog>,
     messages: usize,
     bytes: usize,
+    /// Set while anything is held: the agent's reads then wake the driver
+    /// ([`nixl::NotificationSink::on_room`]).
+    pub(crate) holding: Arc<AtomicBool>,
 }
 
 #[derive(Debug, Default)]
@@ -395,6 +401,7 @@ impl Backlogs {
         b.bytes += n;
         self.messages += 1;
         self.bytes += n;
+        self.holding.store(true, Ordering::Release);
         Ok(())
     }
 }
@@ -760,6 +767,11 @@ impl Shared {
         if self.inline && self.run_inline() {
             return;
         }
+        self.wake_driver();
+    }
+
+    /// Wake the driver (it runs a round).
+    pub(crate) fn wake_driver(&self) {
         match &self.wake {
             Wake::Task(n) => n.notify_one(),
             Wake::Thread { fd, sleeping } => {
@@ -1554,8 +1566,8 @@ impl Core {
             .map_or(Duration::from_secs(3600), |d| {
                 d.saturating_duration_since(Instant::now()) + TICK
             });
-        // Held notifications move as the application reads, which raises no event
-        // here: look again shortly while any are held.
+        // Held notifications move as the application reads, which wakes the driver
+        // (`on_room`); look again now and then all the same.
         let wait = if self.backlogs.len() > 0 {
             wait.min(BACKLOG_TICK)
         } else {
@@ -1767,6 +1779,9 @@ impl Core {
         });
         backlogs.messages -= moved;
         backlogs.bytes -= moved_bytes;
+        if backlogs.messages == 0 {
+            backlogs.holding.store(false, Ordering::Release);
+        }
     }
 
     /// Tell each known sender whose notifications this round dropped how many, on

@@ -757,6 +757,16 @@ impl Backend for UcxBackend {
                 secret,
             });
             core.sink = Some(ctx.notifications.clone());
+            // Reads make room for held notifications: wake the driver then.
+            let holding = core.backlogs.holding.clone();
+            let shared = Arc::downgrade(&self.inner.shared);
+            ctx.notifications.on_room(move || {
+                if holding.load(std::sync::atomic::Ordering::Acquire) {
+                    if let Some(s) = shared.upgrade() {
+                        s.wake_driver();
+                    }
+                }
+            });
             Ok(())
         })?;
         let shared = self.inner.shared.clone();

@@ -141,6 +141,15 @@ impl NotificationSink {
         }
     }
 
+    /// Have `f` called each time the application reads one of this agent's
+    /// notifications (room may have freed), from the reading thread: for a backend
+    /// that holds notifications for want of room and sleeps where it cannot await
+    /// [`NotificationSink::deliver_async`] (a progress loop on an event fd). `f` must
+    /// be cheap and must not block (it runs under a lock of the agent's queue).
+    pub fn on_room(&self, f: impl Fn() + Send + Sync + 'static) {
+        self.queues.on_room.lock().unwrap().push(Box::new(f));
+    }
+
     /// Drop a notification from `peer` that this backend held for want of room and can
     /// hold no longer (its own bound on what it holds is full): counted and logged as
     /// [`NotificationSink::deliver`] counts a drop. For a backend that keeps a

@@ -416,6 +416,9 @@ pub(crate) struct PeerQueues {
     /// waiting for room in the total (known peers) or in the unknown pool.
     pub(crate) known_room: Notify,
     pub(crate) unknown_room: Notify,
+    /// Called each time the application reads a notification (room may be free):
+    /// set by a backend that holds notifications and cannot wait on `Notify`s.
+    pub(crate) on_room: Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
 }
 
 impl fmt::Debug for PeerQueues {
@@ -438,6 +441,7 @@ impl PeerQueues {
             log: Mutex::new(DropLog::default()),
             known_room: Notify::new(),
             unknown_room: Notify::new(),
+            on_room: Mutex::new(Vec::new()),
         }
     }
 
@@ -465,6 +469,9 @@ impl PeerQueues {
         // waiter that gets in passes it on, see `pass_on`).
         self.known_room.notify_one();
         self.unknown_room.notify_one();
+        for f in self.on_room.lock().unwrap().iter() {
+            f();
+        }
     }
 
     /// A delivery that waited for room in the pool `short` names got in: the next
