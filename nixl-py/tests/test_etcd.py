@@ -16,12 +16,7 @@ from conftest import HANG, addr, buf, pattern, system_ucx, unique, wait_done, wa
 import nixl_rs
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+from test_two_process import free_port  # noqa: E402 - below the ephemeral range
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import HANG, system_ucx, ucp_wheel_lib, unique
@@ -126,9 +127,29 @@ def test_two_processes_listener_exchange():
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port 0 handed out and
+    taken back is soon handed out again to a process connecting out, so a server
+    told it a moment later could find it taken (see nixl_testkit::free_port)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError):
+        low = 32768
+    lo = 10_000
+    if low <= lo + 1000:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    start = (os.getpid() * 7919 + time.monotonic_ns()) % (low - lo)
+    for i in range(low - lo):
+        port = lo + (start + i * 104_729) % (low - lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between {lo} and {low}")
 
 
 def nixl_wheel_env():

@@ -420,3 +420,37 @@ async fn deliveries_waiting_on_the_unknown_pool_all_get_in_as_the_application_re
     assert_eq!((s.dropped, s.peaks.unknown_peers), (0, 2));
     assert!(s.peaks.unknown.messages <= 2, "{s:?}");
 }
+
+/// A backend that holds notifications it had no room for is told each time the
+/// application reads one (`on_room`), and a notification it holds no longer is
+/// dropped and counted like one the queue refused (`drop_unqueued`).
+#[tokio::test]
+async fn reads_call_on_room_and_a_held_drop_is_counted() {
+    let limits = NotificationLimits {
+        messages: 2,
+        ..NotificationLimits::default()
+    };
+    let (a, sink) = agent("on-room", limits).await;
+    let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    {
+        let reads = reads.clone();
+        sink.on_room(move || {
+            reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        });
+    }
+    for m in [&b"h0"[..], b"h1"] {
+        sink.try_deliver("held", Bytes::from_static(m)).unwrap();
+    }
+    assert!(sink.try_deliver("held", Bytes::from_static(b"h2")).is_err());
+    assert_eq!(reads.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let mut notes = a.notifications().unwrap();
+    assert_eq!(notes.try_recv(), Some(note("held", b"h0")));
+    assert_eq!(reads.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // Room again: the held one goes in.
+    sink.try_deliver("held", Bytes::from_static(b"h2")).unwrap();
+    sink.drop_unqueued("held", 2);
+    assert_eq!(a.notification_stats().dropped, 1);
+    assert_eq!(notes.try_recv(), Some(note("held", b"h1")));
+    assert_eq!(notes.try_recv(), Some(note("held", b"h2")));
+    assert_eq!(reads.load(std::sync::atomic::Ordering::SeqCst), 3);
+}

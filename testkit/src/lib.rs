@@ -14,13 +14,40 @@ pub mod etcd;
 pub mod fake_cuda;
 
 /// A TCP port on 127.0.0.1 that was free a moment ago (for a server a test starts
-/// in another process).
+/// in another process, which must be told a port).
+///
+/// Taken below the kernel's ephemeral range (`ip_local_port_range`): a port the
+/// kernel handed out for port 0 and took back would be handed out again, to any
+/// process connecting out meanwhile (the suite's other tests connect all the time),
+/// so a server told it a moment later could find it taken. Below the range only
+/// servers bind, and each candidate is checked free; the start is spread by the
+/// process id and the clock, so concurrent tests seldom try the same ones.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    const FROM: u32 = 10_000;
+    if low <= FROM + 1000 {
+        // An unusual range: the kernel's own choice, as before.
+        return std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+    }
+    let span = low - FROM;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let start = std::process::id().wrapping_mul(7919).wrapping_add(nanos);
+    for i in 0..span {
+        let port = (FROM + start.wrapping_add(i.wrapping_mul(104_729)) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free TCP port on 127.0.0.1 between {FROM} and {low}");
 }
 
 /// The directory the `nixl-cu12` wheel (NIXL 1.5.1, its Python API and its own
