@@ -471,6 +471,22 @@ impl Grants {
     }
 }
 
+/// The receive path's [`Deliver`] over a core's fields, `None` before the agent
+/// gave its sink. A macro, not a method: the borrows stay disjoint from the
+/// core's `reorder`, which hands `Deliver` the notifications it releases.
+macro_rules! deliverer {
+    ($core:ident) => {
+        $core.sink.as_ref().map(|sink| Deliver {
+            sink,
+            peers: &$core.peers,
+            inbound: &$core.inbound,
+            backlogs: &mut $core.backlogs,
+            grants: &$core.grants,
+            drops: &mut $core.drops,
+        })
+    };
+}
+
 /// Where the receive path delivers notifications (disjoint borrows of the core).
 struct Deliver<'a> {
     sink: &'a NotificationSink,
@@ -1536,15 +1552,7 @@ impl Core {
             }
         }
         self.handle_events();
-        if let Some(sink) = &self.sink {
-            let mut to = Deliver {
-                sink,
-                peers: &self.peers,
-                inbound: &self.inbound,
-                backlogs: &mut self.backlogs,
-                grants: &self.grants,
-                drops: &mut self.drops,
-            };
+        if let Some(mut to) = deliverer!(self) {
             self.reorder
                 .expire(self.now, &mut |n, st, d| to.deliver(n, Some(st), d));
         }
@@ -1605,16 +1613,8 @@ impl Core {
                     // NIXL does not order notifications; neither can we. One the
                     // queue has no room for is held (NIXL's protocol cannot be told
                     // to wait), then dropped and counted past the backlog's bound.
-                    if let Some(sink) = &self.sink {
-                        Deliver {
-                            sink,
-                            peers: &self.peers,
-                            inbound: &self.inbound,
-                            backlogs: &mut self.backlogs,
-                            grants: &self.grants,
-                            drops: &mut self.drops,
-                        }
-                        .deliver(&sender, None, msg);
+                    if let Some(mut to) = deliverer!(self) {
+                        to.deliver(&sender, None, msg);
                     }
                     continue;
                 }
@@ -1705,15 +1705,7 @@ impl Core {
                         // Only a goodbye from the address we know the sender by ends
                         // its streams early; others' streams age out (bounded). What
                         // it sent before is delivered (or held) first.
-                        if let Some(sink) = &self.sink {
-                            let mut to = Deliver {
-                                sink,
-                                peers: &self.peers,
-                                inbound: &self.inbound,
-                                backlogs: &mut self.backlogs,
-                                grants: &self.grants,
-                                drops: &mut self.drops,
-                            };
+                        if let Some(mut to) = deliverer!(self) {
                             self.reorder
                                 .forget(&h.name, &mut |n, st, d| to.deliver(n, Some(st), d));
                         }
@@ -1732,14 +1724,8 @@ impl Core {
     }
 
     fn deliver(&mut self, name: String, stream: u64, seq: u64, data: Bytes) {
-        let Some(sink) = &self.sink else { return };
-        let mut to = Deliver {
-            sink,
-            peers: &self.peers,
-            inbound: &self.inbound,
-            backlogs: &mut self.backlogs,
-            grants: &self.grants,
-            drops: &mut self.drops,
+        let Some(mut to) = deliverer!(self) else {
+            return;
         };
         self.reorder
             .accept(&name, stream, seq, data, self.now, &mut |n, st, d| {

@@ -107,6 +107,18 @@ async fn pair(len: usize) -> (Agent, Agent, Handles, nixl::Registration) {
     (a, b, handles, dst)
 }
 
+/// Post a WRITE of all of `src` into the target's `dst`.
+fn write(a: &Agent, src: &nixl::Registration, dst: &nixl::Registration) -> nixl::Transfer {
+    a.transfer(
+        Op::Write,
+        &one(src.whole()),
+        "target",
+        &one(dst.whole()),
+        None,
+    )
+    .unwrap()
+}
+
 fn one(d: nixl::Desc) -> DescList {
     DescList::from_descs(MemKind::Dram, [d])
 }
@@ -117,15 +129,7 @@ async fn a_refused_deregistration_is_invisible_to_the_backend() {
     let (regions, held) = (double.regions, double.held);
     let src = a.register(vec![7u8; 4096]).unwrap();
     let region = regions.lock().unwrap()[0].clone();
-    let t = a
-        .transfer(
-            Op::Write,
-            &one(src.whole()),
-            "target",
-            &one(dst.whole()),
-            None,
-        )
-        .unwrap();
+    let t = write(&a, &src, &dst);
     assert_eq!(src.inflight(), 1);
 
     // A "target" thread serves a peer from the same registration all along.
@@ -180,15 +184,7 @@ async fn a_transfer_deadline_cancels_a_stalled_transfer() {
     let (a, _b, double, dst) = pair(64).await;
     let held = double.held;
     let src = a.register(vec![7u8; 64]).unwrap();
-    let t = a
-        .transfer(
-            Op::Write,
-            &one(src.whole()),
-            "target",
-            &one(dst.whole()),
-            None,
-        )
-        .unwrap();
+    let t = write(&a, &src, &dst);
     let e = t.timeout(Duration::from_millis(50)).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
     assert_eq!(src.inflight(), 1, "the backend still holds it");
@@ -199,15 +195,7 @@ async fn a_transfer_deadline_cancels_a_stalled_transfer() {
     a.deregister(&src).unwrap();
     // A transfer that finishes in time reports its outcome.
     let src = a.register(vec![7u8; 64]).unwrap();
-    let t = a
-        .transfer(
-            Op::Write,
-            &one(src.whole()),
-            "target",
-            &one(dst.whole()),
-            None,
-        )
-        .unwrap();
+    let t = write(&a, &src, &dst);
     for c in held.lock().unwrap().drain(..) {
         c.complete(Ok(()));
     }
@@ -222,15 +210,7 @@ async fn deregister_when_idle_waits_for_the_backend_to_let_go() {
     let (a, _b, double, dst) = pair(64).await;
     let held = double.held;
     let src = a.register(vec![7u8; 64]).unwrap();
-    let t = a
-        .transfer(
-            Op::Write,
-            &one(src.whole()),
-            "target",
-            &one(dst.whole()),
-            None,
-        )
-        .unwrap();
+    let t = write(&a, &src, &dst);
     drop(t);
     assert_eq!(src.inflight(), 1, "the backend still holds it");
 
