@@ -290,9 +290,7 @@ pub fn tcp_wire(data: &[u8]) {
     let w = &*TCP;
     w.rt.block_on(async {
         let mut s = tokio::net::TcpStream::connect(w.addr).await.unwrap();
-        let mut hello = b"NXTC".to_vec();
-        hello.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
-        hello.extend_from_slice(b"\x04\x00fuzz");
+        let mut hello = nixl_tcp::wire_hello("fuzz");
         hello.extend_from_slice(data);
         let _ = s.write_all(&hello).await;
         let _ = s.shutdown().await;

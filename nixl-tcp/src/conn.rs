@@ -376,7 +376,7 @@ impl Conn {
     /// Start connecting to `addr`; requests queue until the connection is up.
     pub(crate) fn open(
         peer: String,
-        addr: SocketAddr,
+        to: &wire::ConnInfo,
         lane: Lane,
         options: &TcpOptions,
         started: &Started,
@@ -400,7 +400,8 @@ impl Conn {
         let task = Task {
             held: Held::default(),
             peer,
-            addr,
+            addr: to.addr,
+            listener: to.listener,
             lane,
             same_host: conn.same_host.clone(),
             path: conn.path.clone(),
@@ -693,6 +694,8 @@ struct Task {
     held: Held,
     peer: String,
     addr: SocketAddr,
+    /// The id of the listener wanted there.
+    listener: u64,
     lane: Lane,
     same_host: Arc<OnceLock<Arc<same_host::Peer>>>,
     path: Arc<OnceLock<String>>,
@@ -806,6 +809,7 @@ impl Task {
         let mut m = Handshake::new(
             &self.agent,
             &self.peer,
+            self.listener,
             format!("peer {:?} at {}", self.peer, self.addr),
             secret,
             nonce,

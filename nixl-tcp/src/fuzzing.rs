@@ -31,6 +31,8 @@ use crate::{SameHost, TcpBackend, TcpOptions};
 
 /// The agent the fuzzed initiator connects to (which the target proves, with a secret).
 const FUZZ_PEER: &str = "the fuzz peer";
+/// The fuzzed targets' listener id.
+const FUZZ_LISTENER: u64 = 0xf022;
 
 /// The key the planted registration answers to.
 pub const PLANTED_KEY: u64 = 0x706c_616e_7465_6421;
@@ -137,7 +139,7 @@ impl PlantedTarget {
         };
         let mut input = Vec::with_capacity(rest.len() + 16);
         if mode & 0x80 == 0 {
-            input.extend_from_slice(&wire::hello("fuzz"));
+            input.extend_from_slice(&wire::hello("fuzz", wire::ANY_LISTENER));
             input.push(0);
         }
         input.extend_from_slice(rest);
@@ -147,9 +149,14 @@ impl PlantedTarget {
             shift: reg.addr().wrapping_sub(PLANTED_BASE),
         };
         let mut model = reg.to_vec().expect("host memory reads");
-        let mut m =
-            Target::<Planted<'_>>::new(None, "fuzz target", MAX_NOTIFICATION, [7; NONCE_LEN])
-                .with_max_request(MAX_REQUEST);
+        let mut m = Target::<Planted<'_>>::new(
+            None,
+            "fuzz target",
+            FUZZ_LISTENER,
+            MAX_NOTIFICATION,
+            [7; NONCE_LEN],
+        )
+        .with_max_request(MAX_REQUEST);
         let mut pos = 0;
         let mut expected: Vec<Ev> = Vec::new();
         let mut actual: Vec<Ev> = Vec::new();
@@ -540,6 +547,7 @@ pub fn initiator_responses(data: &[u8]) {
     let mut hs = Handshake::new(
         "fuzz",
         FUZZ_PEER,
+        FUZZ_LISTENER,
         "the fuzz target".into(),
         secret,
         [3; NONCE_LEN],
@@ -735,7 +743,7 @@ pub fn target_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let out_of_range = request(wire::REQ_READ, &[planted(4090, 8, 8, 1)], None, None, 7);
     let too_large = request(wire::REQ_READ, &[planted(0, 4096, 0, 17)], None, None, 8);
     let mut handshake = vec![0x80u8];
-    handshake.extend_from_slice(&wire::hello("fuzz"));
+    handshake.extend_from_slice(&wire::hello("fuzz", wire::ANY_LISTENER));
     handshake.push(1);
     handshake.extend_from_slice(&read_piece);
     let mut offered = handshake.clone();

@@ -62,6 +62,13 @@
 //! connection's hello, and so its notifications, carry the name it proved. Traffic
 //! is still not encrypted nor MAC'd after the handshake: run it on a trusted network.
 //!
+//! An address outlives its agent: a restarted agent, or any other, may listen on the
+//! port later. Each backend publishes a random listener id in its connection info
+//! and the hello names the one it wants; another listener refuses it, and the
+//! transfer fails with `RemoteDisconnected` ("another agent listens at its address
+//! now"), as a closed port would. A peer holding stale metadata never delivers a
+//! WRITE or a notification to whoever listens there now.
+//!
 //! The listener bounds what peers that are not (yet) trusted can take: a handshake
 //! must end within [`TcpOptions::handshake_timeout`]; at most
 //! [`TcpOptions::max_incoming_handshakes`] connections wait in theirs (a newcomer
@@ -192,6 +199,13 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 #[doc(hidden)]
 pub const WIRE_VERSION: u16 = wire::VERSION;
 
+/// A hello of agent `name` for whichever listener answers, as this version sends it.
+/// Public for raw-wire tests and fuzzers.
+#[doc(hidden)]
+pub fn wire_hello(name: &str) -> Vec<u8> {
+    wire::hello(name, wire::ANY_LISTENER)
+}
+
 /// The TCP backend. Attach it to an agent with
 /// [`AgentBuilder::backend`](nixl::AgentBuilder::backend).
 #[derive(Debug, Clone)]
@@ -225,6 +239,12 @@ impl TcpBackend {
                 keys: Mutex::new(HashMap::new()),
                 peers: Mutex::new(HashMap::new()),
                 boot,
+                listener: loop {
+                    let id = random_u64();
+                    if id != wire::ANY_LISTENER {
+                        break id;
+                    }
+                },
                 copier: Mutex::new(None),
             }),
         }
@@ -321,7 +341,7 @@ impl TcpBackend {
         let same_host = self.same_host_for(entry);
         let c = Conn::open(
             peer.to_owned(),
-            entry.addr,
+            &entry.info,
             Lane::First(same_host),
             &self.inner.options,
             started,
@@ -339,7 +359,7 @@ impl TcpBackend {
     }
 
     fn same_host_for(&self, entry: &PeerEntry) -> std::result::Result<(), String> {
-        match (&self.inner.boot, &entry.boot) {
+        match (&self.inner.boot, &entry.info.boot) {
             _ if self.inner.options.same_host == SameHost::Off => {
                 Err("turned off in the options".to_owned())
             }
@@ -364,11 +384,11 @@ impl TcpBackend {
                 format!("tcp: no connection info for peer {peer:?}"),
             ));
         };
-        let addr = entry.addr;
+        let info = entry.info.clone();
         let open = || {
             Conn::open(
                 peer.to_owned(),
-                addr,
+                &info,
                 Lane::Extra,
                 &self.inner.options,
                 started,
@@ -414,7 +434,13 @@ impl Backend for TcpBackend {
 
     fn connection_info(&self) -> Bytes {
         self.local_addr()
-            .map(|a| Bytes::from(wire::encode_conn_info(a, self.inner.boot.as_deref())))
+            .map(|addr| {
+                Bytes::from(wire::encode_conn_info(&wire::ConnInfo {
+                    addr,
+                    listener: self.inner.listener,
+                    boot: self.inner.boot.clone(),
+                }))
+            })
             .unwrap_or_default()
     }
 
@@ -480,7 +506,7 @@ impl Backend for TcpBackend {
     }
 
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
-        let (addr, boot) = std::str::from_utf8(conn_info)
+        let info = std::str::from_utf8(conn_info)
             .ok()
             .and_then(wire::decode_conn_info)
             .ok_or_else(|| {
@@ -492,21 +518,20 @@ impl Backend for TcpBackend {
             })?;
         let mut peers = self.inner.peers.lock().unwrap();
         if let Some(old) = peers.get(peer) {
-            if old.addr == addr && old.boot == boot {
-                // Same peer, same address: keep the connections.
+            if old.info == info {
+                // Same peer, same listener: keep the connections.
                 return Ok(());
             }
         }
         let entry = PeerEntry {
-            addr,
-            boot,
+            info,
             conn: None,
             extra: Vec::new(),
         };
         if let Some(old) = peers.insert(peer.to_owned(), entry) {
             old.close(
                 ErrorKind::RemoteDisconnected,
-                "the peer moved to another address",
+                "the peer moved to another address or listener",
             );
         }
         Ok(())

@@ -3,7 +3,6 @@
 //! backend (`lib.rs`), which both work on it.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, RwLock};
 
 use nixl::{Attachment, ErrorKind, RegionRef};
@@ -11,6 +10,7 @@ use nixl::{Attachment, ErrorKind, RegionRef};
 use crate::conn::Conn;
 use crate::options::{Started, TcpOptions};
 use crate::same_host;
+use crate::wire::ConnInfo;
 
 /// A large same-host transfer for the copy thread.
 pub(crate) type CopyJob = Box<dyn FnOnce() + Send>;
@@ -30,6 +30,10 @@ pub(crate) struct Inner {
     pub(crate) peers: Mutex<HashMap<String, PeerEntry>>,
     /// This kernel's boot id, when the same-host path is on.
     pub(crate) boot: Option<String>,
+    /// This backend's listener id (random, in its connection info): hellos for
+    /// another are refused, so stale metadata never reaches whoever listens at a
+    /// reused address.
+    pub(crate) listener: u64,
     /// The copy thread for large same-host transfers, started at the first one.
     pub(crate) copier: Mutex<Option<std::sync::mpsc::Sender<CopyJob>>>,
 }
@@ -37,9 +41,8 @@ pub(crate) struct Inner {
 /// A known peer: where it listens and the connections to it.
 #[derive(Debug)]
 pub(crate) struct PeerEntry {
-    pub(crate) addr: SocketAddr,
-    /// The peer's kernel boot id, from its connection info.
-    pub(crate) boot: Option<String>,
+    /// Where it listens, the listener's id and its kernel boot id.
+    pub(crate) info: ConnInfo,
     /// The first connection: everything but the other pieces of large transfers.
     pub(crate) conn: Option<Arc<Conn>>,
     /// Further connections for the pieces of large transfers, opened at the first.

@@ -125,8 +125,14 @@ async fn serve(
     // A connection that proved the agent's secret is a member's: never closed to
     // make room for another.
     let authenticated = secret.is_some();
-    let mut m = Target::<Inner>::new(secret, &me, inner.options.max_notification, nonce)
-        .with_max_request(inner.options.max_request_bytes);
+    let mut m = Target::<Inner>::new(
+        secret,
+        &me,
+        inner.listener,
+        inner.options.max_notification,
+        nonce,
+    )
+    .with_max_request(inner.options.max_request_bytes);
     let mut _grants = None;
     let mut scratch = Vec::new();
     loop {

@@ -3,10 +3,19 @@
 //! Connection: with a shared secret, the initiator first runs the core's
 //! authentication (`nixl::control`, protocol name `"nixl-tcp"`: both sides prove the
 //! secret and their agent names; the secret never crosses the wire). Then it sends a hello (`MAGIC`,
-//! version, its agent name: the name it proved, where it authenticated); the target
-//! answers with `MAGIC`, version and a status byte (`ST_OK`; `ST_AUTH`: this target
-//! requires the secret and the initiator did not prove it; `ST_REFUSED`: the hello
-//! names another agent than the one proven; anything else: the version differs).
+//! version u16, name length u16, its agent name: the name it proved, where it
+//! authenticated; then the listener id u64 it wants, from the target's connection
+//! info, 0 for any); the target answers with `MAGIC`, version and a status byte
+//! (`ST_OK`; `ST_AUTH`: this target requires the secret and the initiator did not
+//! prove it; `ST_REFUSED`: the hello names another agent than the one proven;
+//! `ST_NOT_PEER`: this listener is not the one wanted; anything else: the version
+//! differs, and then the target answers right after the name).
+//!
+//! The listener id is random per backend instance and published in its connection
+//! info. A port is reused: by a restarted agent, or by any other process once the
+//! agent is gone. Without the id, a peer holding stale metadata would connect to
+//! whoever listens there now, with or without a secret, and deliver its WRITEs and
+//! notifications to the wrong agent (or wait on it forever).
 //! Then the initiator asks for the same-host path (one
 //! byte: 1 when both sides reported the same kernel boot id and it wants the path,
 //! else 0) and the target answers with one byte (0: no), or 1 and an offer: its pid
@@ -39,8 +48,8 @@
 
 pub(crate) const MAGIC: [u8; 4] = *b"NXTC";
 /// 6: authentication (`nixl::control`) before the hello, binding agent names;
-/// `RESP_PAUSE`/`RESP_RESUME`.
-pub(crate) const VERSION: u16 = 6;
+/// `RESP_PAUSE`/`RESP_RESUME`. 7: the hello names the listener it wants.
+pub(crate) const VERSION: u16 = 7;
 pub(crate) const MAX_NAME: usize = 256;
 /// Most run entries one request may carry.
 pub(crate) const MAX_ENTRIES: u32 = 1 << 20;
@@ -72,6 +81,12 @@ pub(crate) const ST_TOO_LARGE: u8 = 3;
 pub(crate) const ST_AUTH: u8 = 4;
 /// Hello reply: the hello names another agent than the one the initiator proved.
 pub(crate) const ST_REFUSED: u8 = 5;
+/// Hello reply: the hello wants another listener than this one (the agent it was
+/// meant for is gone, and another one listens at its address).
+pub(crate) const ST_NOT_PEER: u8 = 6;
+/// The listener id of a hello that takes whichever listener answers (connection
+/// info without one).
+pub(crate) const ANY_LISTENER: u64 = 0;
 /// This protocol's name in the authentication (`nixl::control`).
 pub(crate) const AUTH_PROTOCOL: &str = "nixl-tcp";
 
@@ -108,24 +123,45 @@ pub(crate) fn decode_offer(b: &[u8; OFFER_LEN]) -> Offer {
     }
 }
 
-/// Connection info: `ip:port`, and `;boot=<id>` when the same-host path is possible.
-pub(crate) fn encode_conn_info(addr: std::net::SocketAddr, boot: Option<&str>) -> String {
-    match boot {
-        Some(b) => format!("{addr};boot={b}"),
-        None => addr.to_string(),
-    }
+/// A peer's connection info: where it listens, the listener's id, and its kernel
+/// boot id when the same-host path is possible.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ConnInfo {
+    pub(crate) addr: std::net::SocketAddr,
+    /// [`ANY_LISTENER`] where the info carries none.
+    pub(crate) listener: u64,
+    pub(crate) boot: Option<String>,
 }
 
-/// The address and boot id of [`encode_conn_info`]; unknown `;key=value` parts are
-/// ignored (newer peers may add some).
-pub(crate) fn decode_conn_info(s: &str) -> Option<(std::net::SocketAddr, Option<String>)> {
+/// `ip:port;listener=<16 hex digits>`, and `;boot=<id>` when the same-host path is
+/// possible.
+pub(crate) fn encode_conn_info(info: &ConnInfo) -> String {
+    let mut s = format!("{};listener={:016x}", info.addr, info.listener);
+    if let Some(b) = &info.boot {
+        s.push_str(";boot=");
+        s.push_str(b);
+    }
+    s
+}
+
+/// The fields of [`encode_conn_info`]; unknown `;key=value` parts are ignored (newer
+/// peers may add some), a missing listener id is [`ANY_LISTENER`].
+pub(crate) fn decode_conn_info(s: &str) -> Option<ConnInfo> {
     let mut parts = s.split(';');
     let addr = parts.next()?.parse().ok()?;
-    let boot = parts
-        .filter_map(|p| p.strip_prefix("boot="))
-        .find(|b| !b.is_empty())
-        .map(str::to_owned);
-    Some((addr, boot))
+    let mut info = ConnInfo {
+        addr,
+        listener: ANY_LISTENER,
+        boot: None,
+    };
+    for p in parts {
+        if let Some(b) = p.strip_prefix("boot=").filter(|b| !b.is_empty()) {
+            info.boot.get_or_insert_with(|| b.to_owned());
+        } else if let Some(l) = p.strip_prefix("listener=") {
+            info.listener = u64::from_str_radix(l, 16).ok()?;
+        }
+    }
+    Some(info)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -246,12 +282,14 @@ impl SegEntry {
     }
 }
 
-pub(crate) fn hello(name: &str) -> Vec<u8> {
-    let mut v = Vec::with_capacity(8 + name.len());
+/// The hello of agent `name` for the listener with id `listener`.
+pub(crate) fn hello(name: &str, listener: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(16 + name.len());
     v.extend_from_slice(&MAGIC);
     v.extend_from_slice(&VERSION.to_le_bytes());
     v.extend_from_slice(&(name.len() as u16).to_le_bytes());
     v.extend_from_slice(name.as_bytes());
+    v.extend_from_slice(&listener.to_le_bytes());
     v
 }
 
@@ -325,21 +363,37 @@ mod tests {
         };
         assert_eq!(decode_offer(&encode_offer(&o)), o);
         let a: std::net::SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        let info = |listener, boot: Option<&str>| ConnInfo {
+            addr: a,
+            listener,
+            boot: boot.map(str::to_owned),
+        };
+        let plain = info(0x1234, None);
         assert_eq!(
-            decode_conn_info(&encode_conn_info(a, None)),
-            Some((a, None))
+            encode_conn_info(&plain),
+            "127.0.0.1:5000;listener=0000000000001234"
         );
-        let with = encode_conn_info(a, Some("ab-12"));
-        assert_eq!(with, "127.0.0.1:5000;boot=ab-12");
-        assert_eq!(decode_conn_info(&with), Some((a, Some("ab-12".into()))));
+        assert_eq!(decode_conn_info(&encode_conn_info(&plain)), Some(plain));
+        let with = info(u64::MAX, Some("ab-12"));
+        assert_eq!(
+            encode_conn_info(&with),
+            "127.0.0.1:5000;listener=ffffffffffffffff;boot=ab-12"
+        );
+        assert_eq!(decode_conn_info(&encode_conn_info(&with)), Some(with));
+        // Unknown parts are skipped; info without a listener id takes any listener.
         assert_eq!(
             decode_conn_info("127.0.0.1:5000;future=1;boot=x"),
-            Some((a, Some("x".into())))
+            Some(info(ANY_LISTENER, Some("x")))
         );
         assert_eq!(
             decode_conn_info("[::1]:7;boot="),
-            Some(("[::1]:7".parse().unwrap(), None))
+            Some(ConnInfo {
+                addr: "[::1]:7".parse().unwrap(),
+                listener: ANY_LISTENER,
+                boot: None
+            })
         );
+        assert_eq!(decode_conn_info("127.0.0.1:5000;listener=zz"), None);
         assert_eq!(decode_conn_info("nonsense"), None);
         assert_eq!(decode_conn_info(""), None);
     }

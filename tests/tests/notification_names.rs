@@ -43,11 +43,7 @@ const LIMITS: NotificationLimits = NotificationLimits {
 /// PAUSE and RESUME, which a held-back connection gets first).
 async fn notify_as(addr: SocketAddr, name: &str) {
     let mut s = TcpStream::connect(addr).await.unwrap();
-    let mut hello = b"NXTC".to_vec();
-    hello.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
-    hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
-    hello.extend_from_slice(name.as_bytes());
-    s.write_all(&hello).await.unwrap();
+    s.write_all(&nixl_tcp::wire_hello(name)).await.unwrap();
     let mut reply = [0u8; 7];
     s.read_exact(&mut reply).await.unwrap();
     assert_eq!(reply[6], ST_OK);

@@ -31,12 +31,7 @@ struct Raw {
 impl Raw {
     async fn connect(addr: SocketAddr) -> Self {
         let mut s = TcpStream::connect(addr).await.unwrap();
-        let name = b"mallory";
-        let mut hello = b"NXTC".to_vec();
-        hello.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
-        hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
-        hello.extend_from_slice(name);
-        s.write_all(&hello).await.unwrap();
+        s.write_all(&nixl_tcp::wire_hello("mallory")).await.unwrap();
         let mut reply = [0u8; 7];
         s.read_exact(&mut reply).await.unwrap();
         assert_eq!(reply[6], ST_OK, "no secret configured");
@@ -496,10 +491,7 @@ async fn shared_secret_gates_every_connection() {
     // A raw client that says hello without authenticating is told the secret is
     // required and closed, before any request is read.
     let mut s = TcpStream::connect(addr).await.unwrap();
-    let mut hello = b"NXTC".to_vec();
-    hello.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
-    hello.extend_from_slice(b"\x01\x00m");
-    s.write_all(&hello).await.unwrap();
+    s.write_all(&nixl_tcp::wire_hello("m")).await.unwrap();
     let mut reply = [0u8; 7];
     s.read_exact(&mut reply).await.unwrap();
     assert_eq!(reply[6], 4, "authentication required");
@@ -760,11 +752,7 @@ async fn a_connection_cannot_say_hello_as_another_agent_than_it_proved() {
             let out = auth.received(&b).unwrap();
             s.write_all(&out).await.unwrap();
         }
-        let mut h = b"NXTC".to_vec();
-        h.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
-        h.extend_from_slice(&(hello.len() as u16).to_le_bytes());
-        h.extend_from_slice(hello.as_bytes());
-        s.write_all(&h).await.unwrap();
+        s.write_all(&nixl_tcp::wire_hello(hello)).await.unwrap();
         let mut reply = [0u8; 7];
         s.read_exact(&mut reply).await.unwrap();
         if !accepted {

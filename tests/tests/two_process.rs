@@ -253,7 +253,9 @@ async fn unprivileged_initiator_falls_back_to_tcp_or_is_refused() {
         })
         .await
         .unwrap();
-        writeln!(stdin, "stop").unwrap();
+        // The child may be gone already: it exits at its next line once nobody
+        // reads its output (the reader above is dropped).
+        let _ = writeln!(stdin, "stop");
         drop(stdin);
         let _ = child.wait();
         let path = path.expect("the initiator reported its data path");

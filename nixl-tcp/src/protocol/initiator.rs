@@ -82,6 +82,8 @@ pub(crate) struct Handshake {
     buf: [u8; wire::OFFER_LEN + NONCE_LEN],
     need: usize,
     agent: String,
+    /// The id of the listener wanted (from the peer's connection info).
+    listener: u64,
     /// "peer X at ADDR", for messages.
     who: String,
     /// The authentication under way (with a secret, before the hello).
@@ -93,13 +95,15 @@ pub(crate) struct Handshake {
 
 impl Handshake {
     /// Start: `agent` is this side's name, `peer` the name of the agent it connects
-    /// to (which the target must prove, with a secret), `who` describes the peer in
+    /// to (which the target must prove, with a secret), `listener` the id of its
+    /// listener (which the target checks), `who` describes the peer in
     /// messages, `nonce` is this side's challenge (used only with a secret),
     /// `require` makes a missing same-host path fail the connection.
     #[allow(clippy::too_many_arguments)] // one connection's whole setup
     pub(crate) fn new(
         agent: &str,
         peer: &str,
+        listener: u64,
         who: String,
         secret: Option<SharedSecret>,
         nonce: [u8; NONCE_LEN],
@@ -111,6 +115,7 @@ impl Handshake {
             buf: [0; wire::OFFER_LEN + NONCE_LEN],
             need: 7,
             agent: agent.to_owned(),
+            listener,
             who,
             auth: None,
             want,
@@ -139,7 +144,7 @@ impl Handshake {
     fn hello(&mut self) {
         self.out.push_back(HandshakeAction::Send {
             what: "hello",
-            bytes: wire::hello(&self.agent),
+            bytes: wire::hello(&self.agent, self.listener),
         });
         self.ask(HsStep::Reply, 7);
     }
@@ -245,6 +250,19 @@ impl Handshake {
             wire::ST_AUTH => self.refused("it requires a shared secret; none is configured"),
             wire::ST_REFUSED => {
                 self.refused("it refused our hello: the name differs from the one proven")
+            }
+            wire::ST_NOT_PEER => {
+                // The agent is gone and another listens at its address: for this
+                // connection, the peer is as unreachable as a closed port says.
+                let e = Error::new(
+                    ErrorKind::RemoteDisconnected,
+                    "tcp connect",
+                    format!(
+                        "{} is gone: another agent listens at its address now (its metadata is stale; load the peer's current metadata)",
+                        self.who
+                    ),
+                );
+                self.fail(e);
             }
             status => self.refused(&format!("handshake refused (status {status})")),
         }

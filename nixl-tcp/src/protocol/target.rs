@@ -87,6 +87,8 @@ enum Step {
     Name {
         version_ok: bool,
     },
+    /// The listener id the hello wants, after its name.
+    Listener,
     Auth,
     Want,
     /// Waiting for [`Target::offered`].
@@ -126,6 +128,9 @@ pub(crate) struct Target<R: Registry> {
     secret: Option<SharedSecret>,
     /// This agent's name, which the authentication proves to the peer.
     me: String,
+    /// This listener's id (in its connection info); a hello wanting another is
+    /// refused.
+    listener: u64,
     nonce: [u8; NONCE_LEN],
     /// The authentication under way.
     auth: Option<ServerAuth>,
@@ -159,6 +164,7 @@ impl<R: Registry> Target<R> {
     pub(crate) fn new(
         secret: Option<SharedSecret>,
         me: &str,
+        listener: u64,
         max_notification: usize,
         nonce: [u8; NONCE_LEN],
     ) -> Self {
@@ -172,6 +178,7 @@ impl<R: Registry> Target<R> {
             max_request: DEFAULT_MAX_REQUEST,
             secret,
             me: me.to_owned(),
+            listener,
             nonce,
             auth: None,
             proven: None,
@@ -200,6 +207,7 @@ impl<R: Registry> Target<R> {
             Step::Start
                 | Step::Hello
                 | Step::Name { .. }
+                | Step::Listener
                 | Step::Auth
                 | Step::Want
                 | Step::Offering
@@ -269,6 +277,11 @@ impl<R: Registry> Target<R> {
             Step::Start => self.on_start(),
             Step::Hello => self.on_hello(),
             Step::Name { version_ok } => self.on_name(version_ok),
+            Step::Listener => {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(&self.small[..8]);
+                self.on_listener(u64::from_le_bytes(b));
+            }
             Step::Auth => self.on_auth(),
             Step::Want => {
                 if self.small[0] == 1 {
@@ -369,13 +382,27 @@ impl<R: Registry> Target<R> {
             return self.close("peer name is not UTF-8");
         };
         self.peer = peer.to_owned();
+        if version_ok {
+            self.ask(Step::Listener, 8);
+        } else {
+            // Another version's hello may end here: answer now.
+            self.reply(1);
+        }
+    }
+
+    fn on_listener(&mut self, wanted: u64) {
         let status = match (&self.secret, &self.proven) {
-            _ if !version_ok => 1,
-            (None, _) => wire::ST_OK,
             (Some(_), None) => wire::ST_AUTH,
+            _ if wanted != wire::ANY_LISTENER && wanted != self.listener => wire::ST_NOT_PEER,
+            (None, _) => wire::ST_OK,
             (Some(_), Some(name)) if *name == self.peer => wire::ST_OK,
             (Some(_), Some(_)) => wire::ST_REFUSED,
         };
+        self.reply(status);
+    }
+
+    /// Answer the hello with `status`; go on after `ST_OK`, else close.
+    fn reply(&mut self, status: u8) {
         let mut reply = Vec::with_capacity(7);
         reply.extend_from_slice(&wire::MAGIC);
         reply.extend_from_slice(&wire::VERSION.to_le_bytes());
@@ -390,6 +417,10 @@ impl<R: Registry> Target<R> {
             wire::ST_REFUSED => self.close(format!(
                 "peer authenticated as {:?} but says hello as {:?}",
                 self.proven.as_deref().unwrap_or_default(),
+                self.peer
+            )),
+            wire::ST_NOT_PEER => self.close(format!(
+                "peer {:?} wants another listener (stale connection info)",
                 self.peer
             )),
             _ => self.close("unsupported protocol version"),

@@ -76,7 +76,7 @@ fn idle_client_child() {
         let ok = match opening.as_str() {
             "tcp" => {
                 let mut reply = [0u8; 7];
-                s.write_all(&hello("idle")).is_ok()
+                s.write_all(&nixl_tcp::wire_hello("idle")).is_ok()
                     && s.read_exact(&mut reply).is_ok()
                     && s.write_all(&[0]).is_ok()
             }
@@ -112,14 +112,6 @@ fn idle_client_child() {
     std::io::stdout().flush().unwrap();
     let mut line = String::new();
     let _ = std::io::stdin().read_line(&mut line);
-}
-
-fn hello(name: &str) -> Vec<u8> {
-    let mut h = b"NXTC".to_vec();
-    h.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
-    h.extend_from_slice(&(name.len() as u16).to_le_bytes());
-    h.extend_from_slice(name.as_bytes());
-    h
 }
 
 /// A side-channel frame: magic, version 2, kind Fetch (4), two zero bytes, no payload.

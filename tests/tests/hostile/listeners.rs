@@ -80,14 +80,6 @@ async fn closed(socks: &mut [TcpStream]) -> usize {
         .count()
 }
 
-fn nixl_tcp_hello(name: &str) -> Vec<u8> {
-    let mut h = b"NXTC".to_vec();
-    h.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
-    h.extend_from_slice(&(name.len() as u16).to_le_bytes());
-    h.extend_from_slice(name.as_bytes());
-    h
-}
-
 async fn tcp_target(options: TcpOptions) -> (Agent, SocketAddr) {
     let b = TcpBackend::with_options(options);
     let agent = Agent::builder("target")
@@ -213,7 +205,7 @@ async fn nixl_tcp_serves_a_peer_past_idle_sockets_and_a_slowloris() {
             _ => break,
         }
     }
-    let slow = slowloris(addr, nixl_tcp_hello(&"s".repeat(200)));
+    let slow = slowloris(addr, nixl_tcp::wire_hello(&"s".repeat(200)));
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let a = tcp_initiator().await;
@@ -354,7 +346,7 @@ async fn nixl_tcp_closes_a_handshake_that_does_not_end_in_time() {
     // Silent.
     let mut silent = TcpStream::connect(addr).await.unwrap();
     // A hello a byte at a time: each read is quick, the handshake is not.
-    let hello = nixl_tcp_hello("slow");
+    let hello = nixl_tcp::wire_hello("slow");
     let mut slow = TcpStream::connect(addr).await.unwrap();
     let dribble = async {
         for b in &hello {
@@ -371,7 +363,7 @@ async fn nixl_tcp_closes_a_handshake_that_does_not_end_in_time() {
     assert!(slow_closed, "a slow handshake is closed");
     // A handshake in time is served.
     let mut ok = TcpStream::connect(addr).await.unwrap();
-    ok.write_all(&nixl_tcp_hello("quick")).await.unwrap();
+    ok.write_all(&nixl_tcp::wire_hello("quick")).await.unwrap();
     let mut reply = [0u8; 7];
     ok.read_exact(&mut reply).await.unwrap();
     ok.write_all(&[0]).await.unwrap();
@@ -419,7 +411,7 @@ async fn nixl_tcp_refuses_a_stride_zero_read_over_the_byte_cap() {
     let r = b.register(pattern(3, 4096)).unwrap();
     let key = key_of(&b.metadata().unwrap(), r.id());
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(&nixl_tcp_hello("mallory")).await.unwrap();
+    s.write_all(&nixl_tcp::wire_hello("mallory")).await.unwrap();
     let mut reply = [0u8; 7];
     s.read_exact(&mut reply).await.unwrap();
     s.write_all(&[0]).await.unwrap();
@@ -450,7 +442,7 @@ async fn nixl_tcp_cuts_a_reader_that_stops_reading() {
     let r = b.register(vec![0u8; BIG as usize]).unwrap();
     let key = key_of(&b.metadata().unwrap(), r.id());
     let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(&nixl_tcp_hello("mallory")).await.unwrap();
+    s.write_all(&nixl_tcp::wire_hello("mallory")).await.unwrap();
     let mut reply = [0u8; 7];
     s.read_exact(&mut reply).await.unwrap();
     s.write_all(&[0]).await.unwrap();

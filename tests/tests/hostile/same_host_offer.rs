@@ -111,11 +111,7 @@ struct Told {
 fn ask_for_the_offer(addr: SocketAddr) -> Told {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let name = b"mallory";
-    let mut hello = b"NXTC".to_vec();
-    hello.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());
-    hello.extend_from_slice(&(name.len() as u16).to_le_bytes());
-    hello.extend_from_slice(name);
+    let mut hello = nixl_tcp::wire_hello("mallory");
     hello.push(1); // the same-host request: yes
     s.write_all(&hello).unwrap();
     let mut reply = [0u8; 8];

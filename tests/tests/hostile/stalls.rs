@@ -48,7 +48,8 @@ async fn stalling_target(listener: TcpListener, stall: Stall) {
     let mut hello = [0u8; 8];
     s.read_exact(&mut hello).await.unwrap();
     let name_len = u16::from_le_bytes([hello[6], hello[7]]) as usize;
-    let mut name = vec![0u8; name_len];
+    // The name, then the listener id it wants.
+    let mut name = vec![0u8; name_len + 8];
     s.read_exact(&mut name).await.unwrap();
     let mut reply = b"NXTC".to_vec();
     reply.extend_from_slice(&nixl_tcp::WIRE_VERSION.to_le_bytes());

@@ -360,7 +360,7 @@ fn handshake(
     offers: Option<Offer>,
     opens: std::result::Result<(), String>,
 ) -> Ended {
-    let mut t = Target::<NoRegs>::new(target_secret, "target", 1024, [3; NONCE_LEN]);
+    let mut t = Target::<NoRegs>::new(target_secret, "target", LISTENER, 1024, [3; NONCE_LEN]);
     let (mut to_target, mut to_init) = (Vec::<u8>::new(), Vec::<u8>::new());
     let mut end = Ended {
         up: None,
@@ -416,10 +416,14 @@ fn handshake(
     end
 }
 
+/// The simulated target's listener id.
+const LISTENER: u64 = 0x5eed;
+
 fn init(secret: Option<SharedSecret>, want: Want, require: bool) -> Handshake {
     Handshake::new(
         "initiator",
         "target",
+        LISTENER,
         "peer \"target\" at 127.0.0.1:1".into(),
         secret,
         [9; NONCE_LEN],
@@ -487,6 +491,48 @@ fn a_required_same_host_path_that_is_missing_fails_the_connection() {
 }
 
 #[test]
+fn handshake_reaches_only_the_listener_it_wants() {
+    // Another listener at the peer's address (the peer is gone, its port reused by a
+    // restarted agent or any other): refused as a disconnected peer, with or without
+    // a secret, and nothing is served.
+    let s = || Some(SharedSecret::new("s3cret-s3cret-s3cret").unwrap());
+    for secret in [None, s()] {
+        let stale = Handshake::new(
+            "initiator",
+            "target",
+            LISTENER + 1,
+            "peer \"target\" at 127.0.0.1:1".into(),
+            secret.clone(),
+            [9; NONCE_LEN],
+            Want::Yes,
+            false,
+        );
+        let end = handshake(stale, secret.clone(), Some(offer()), Ok(()));
+        let e = end.failed.expect("refused");
+        assert_eq!(e.kind(), ErrorKind::RemoteDisconnected);
+        assert!(e.context().contains("another agent listens"), "{e}");
+        assert!(end
+            .target_closed
+            .expect("closed")
+            .contains("another listener"));
+        assert!(end.up.is_none() && end.opened.is_none() && !end.serving);
+        // Connection info without a listener id takes whichever answers.
+        let any = Handshake::new(
+            "initiator",
+            "target",
+            wire::ANY_LISTENER,
+            "peer \"target\" at 127.0.0.1:1".into(),
+            secret.clone(),
+            [9; NONCE_LEN],
+            Want::Yes,
+            false,
+        );
+        let end = handshake(any, secret, Some(offer()), Ok(()));
+        assert_eq!(end.up, Some(Outcome::SameHost));
+    }
+}
+
+#[test]
 fn handshake_authenticates_both_ways() {
     let s = || Some(SharedSecret::new("s3cret-s3cret-s3cret").unwrap());
     let end = handshake(init(s(), Want::Yes, false), s(), Some(offer()), Ok(()));
@@ -503,6 +549,7 @@ fn handshake_authenticates_both_ways() {
     let elsewhere = Handshake::new(
         "initiator",
         "decode-9",
+        LISTENER,
         "peer \"decode-9\" at 127.0.0.1:1".into(),
         s(),
         [9; NONCE_LEN],
@@ -600,16 +647,17 @@ impl Registry for TakeAll {
 
 /// A target past its handshake (no secret, no same-host path).
 fn serving_target() -> Target<TakeAll> {
-    let mut t = Target::<TakeAll>::new(None, "target", 1024, [0; NONCE_LEN]);
+    let mut t = Target::<TakeAll>::new(None, "target", LISTENER, 1024, [0; NONCE_LEN]);
     let feed = |t: &mut Target<TakeAll>, bytes: &[u8]| {
         let buf = t.need().expect("reading");
         buf.copy_from_slice(&bytes[..buf.len()]);
         t.received(&TakeAll);
     };
-    let hello = wire::hello("initiator");
+    let hello = wire::hello("initiator", LISTENER);
     feed(&mut t, &hello[..4]);
     feed(&mut t, &hello[4..8]);
-    feed(&mut t, &hello[8..]);
+    feed(&mut t, &hello[8..17]);
+    feed(&mut t, &hello[17..]);
     feed(&mut t, &[0]);
     while t.poll().is_some() {}
     assert!(t.at_boundary());

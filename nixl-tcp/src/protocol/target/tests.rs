@@ -86,12 +86,15 @@ struct Sim {
     seen: Vec<Seen>,
 }
 
+/// The simulated target's listener id.
+const LISTENER: u64 = 0x1157_e4e4;
+
 impl Sim {
     fn new(secret: Option<SharedSecret>) -> Self {
         let mut reg = Fake::default();
         reg.0.insert(KEY, (BASE, LEN));
         Self {
-            m: Target::new(secret, "target", 1024, [7; NONCE_LEN]),
+            m: Target::new(secret, "target", LISTENER, 1024, [7; NONCE_LEN]),
             reg,
             input: Vec::new(),
             at: 0,
@@ -102,7 +105,7 @@ impl Sim {
     /// A target past a plain handshake (no secret, no same-host path).
     fn serving() -> Self {
         let mut s = Self::new(None);
-        s.feed(&wire::hello("init"));
+        s.feed(&wire::hello("init", LISTENER));
         s.feed(&[0]);
         assert_eq!(s.take(), vec![Seen::Reply(ok_reply())]);
         assert!(s.m.at_boundary());
@@ -489,11 +492,11 @@ fn pieces_move_their_range_and_are_checked_whole() {
 
 #[test]
 fn hello_is_checked() {
-    let mut bad_magic = wire::hello("x");
+    let mut bad_magic = wire::hello("x", LISTENER);
     bad_magic[0] ^= 1;
-    let mut no_name = wire::hello("x");
+    let mut no_name = wire::hello("x", LISTENER);
     no_name[6..8].copy_from_slice(&0u16.to_le_bytes());
-    let mut long_name = wire::hello("x");
+    let mut long_name = wire::hello("x", LISTENER);
     long_name[6..8].copy_from_slice(&(wire::MAX_NAME as u16 + 1).to_le_bytes());
     for (what, hello) in [
         ("magic", bad_magic),
@@ -506,13 +509,13 @@ fn hello_is_checked() {
     }
     // A name that is not UTF-8.
     let mut s = Sim::new(None);
-    let mut h = wire::hello("ab");
+    let mut h = wire::hello("ab", LISTENER);
     h[8] = 0xff;
     s.feed(&h);
     assert_eq!(s.take(), vec![Seen::Close]);
     // Another version: answered (so the peer can say why), then closed.
     let mut s = Sim::new(None);
-    let mut h = wire::hello("ab");
+    let mut h = wire::hello("ab", LISTENER);
     h[4..6].copy_from_slice(&(wire::VERSION + 1).to_le_bytes());
     s.feed(&h);
     let mut reply = ok_reply();
@@ -520,15 +523,34 @@ fn hello_is_checked() {
     assert_eq!(s.take(), vec![Seen::Reply(reply), Seen::Close]);
     // The longest name is read whole.
     let mut s = Sim::new(None);
-    s.feed(&wire::hello(&"n".repeat(wire::MAX_NAME)));
+    s.feed(&wire::hello(&"n".repeat(wire::MAX_NAME), LISTENER));
     assert_eq!(s.take(), vec![Seen::Reply(ok_reply())]);
     assert_eq!(s.m.peer(), "n".repeat(wire::MAX_NAME));
+    // A hello for another listener (stale connection info): refused, then closed.
+    let mut s = Sim::new(None);
+    s.feed(&wire::hello("ab", LISTENER ^ 1));
+    let mut reply = ok_reply();
+    *reply.last_mut().unwrap() = wire::ST_NOT_PEER;
+    assert_eq!(s.take(), vec![Seen::Reply(reply), Seen::Close]);
+    // One for any listener (connection info without an id): served.
+    let mut s = Sim::new(None);
+    s.feed(&wire::hello("ab", wire::ANY_LISTENER));
+    assert_eq!(s.take(), vec![Seen::Reply(ok_reply())]);
+    // Version 6's hello ends with the name: another version is answered right there.
+    let mut s = Sim::new(None);
+    let mut h = wire::hello("ab", LISTENER);
+    h.truncate(h.len() - 8);
+    h[4..6].copy_from_slice(&6u16.to_le_bytes());
+    s.feed(&h);
+    let mut reply = ok_reply();
+    *reply.last_mut().unwrap() = 1;
+    assert_eq!(s.take(), vec![Seen::Reply(reply), Seen::Close]);
 }
 
 #[test]
 fn same_host_request_waits_for_the_offer() {
     let mut s = Sim::new(None);
-    s.feed(&wire::hello("init"));
+    s.feed(&wire::hello("init", LISTENER));
     s.feed(&[1]);
     assert_eq!(s.take(), vec![Seen::Reply(ok_reply()), Seen::Offer]);
     assert!(s.m.need().is_none(), "nothing read before the offer");
@@ -546,7 +568,7 @@ fn same_host_request_waits_for_the_offer() {
     assert!(s.m.at_boundary());
     // No offer: one byte says so.
     let mut s = Sim::new(None);
-    s.feed(&wire::hello("init"));
+    s.feed(&wire::hello("init", LISTENER));
     s.feed(&[1]);
     s.take();
     s.m.offered(None);
@@ -593,7 +615,7 @@ fn shared_secret_gates_every_request() {
     *auth_required.last_mut().unwrap() = wire::ST_AUTH;
     // A hello (and a request) without the proof first: refused, nothing read on.
     let mut s = Sim::new(Some(secret.clone()));
-    let mut early = wire::hello("init");
+    let mut early = wire::hello("init", LISTENER);
     early.extend_from_slice(&[0; 25]);
     s.feed(&early);
     assert_eq!(s.take(), vec![Seen::Reply(auth_required), Seen::Close]);
@@ -601,7 +623,7 @@ fn shared_secret_gates_every_request() {
     // The secret proven as "init", then the hello as "init": served.
     let mut s = Sim::new(Some(secret.clone()));
     authenticate(&mut s, &secret, "init").unwrap();
-    s.feed(&wire::hello("init"));
+    s.feed(&wire::hello("init", LISTENER));
     s.feed(&[0]);
     assert_eq!(s.take(), vec![Seen::Reply(ok_reply())]);
     assert!(s.m.at_boundary());
@@ -609,7 +631,7 @@ fn shared_secret_gates_every_request() {
     // Proven as "init", hello as someone else: refused.
     let mut s = Sim::new(Some(secret.clone()));
     authenticate(&mut s, &secret, "init").unwrap();
-    s.feed(&wire::hello("decode-7"));
+    s.feed(&wire::hello("decode-7", LISTENER));
     let mut other_name = ok_reply();
     *other_name.last_mut().unwrap() = wire::ST_REFUSED;
     assert_eq!(s.take(), vec![Seen::Reply(other_name), Seen::Close]);
@@ -651,7 +673,7 @@ fn shared_secret_gates_every_request() {
 fn the_same_host_offer_is_made_only_after_authentication() {
     let secret = SharedSecret::new("s3cret-s3cret-s3cret").unwrap();
     let mut s = Sim::new(Some(secret.clone()));
-    let mut bytes = wire::hello("init");
+    let mut bytes = wire::hello("init", LISTENER);
     bytes.push(1);
     s.feed(&bytes);
     assert!(!s.take().contains(&Seen::Offer), "no offer unauthenticated");
@@ -811,7 +833,7 @@ fn requests_over_the_byte_cap_are_refused_and_the_connection_stays_usable() {
 fn handshaking_ends_when_requests_begin() {
     let mut s = Sim::new(None);
     assert!(s.m.handshaking());
-    s.feed(&wire::hello("init"));
+    s.feed(&wire::hello("init", LISTENER));
     assert!(s.m.handshaking(), "the same-host request is part of it");
     s.feed(&[0]);
     assert!(!s.m.handshaking());
