@@ -460,7 +460,23 @@ impl Conn {
         done: Completer,
         whole: impl FnOnce(Option<Bytes>, Completer) -> Job,
     ) -> Option<Job> {
+        if let Ok(Err(e)) = &r {
+            self.direct_failed(e);
+        }
         after_direct(&self.peer, self.require, r, notif, done, whole)
+    }
+
+    /// A direct transfer that found the target gone (its table closed, its process
+    /// exited) ends this connection too, before its reader may have seen the socket
+    /// close: the next request dials the peer's address again instead of failing on
+    /// the same stale path.
+    fn direct_failed(&self, e: &Error) {
+        if e.kind() == ErrorKind::RemoteDisconnected {
+            self.close(
+                ErrorKind::RemoteDisconnected,
+                "the same-host path found the peer gone",
+            );
+        }
     }
 
     /// GPU memory to or from this same-host peer: device copies queued here as one
@@ -483,6 +499,7 @@ impl Conn {
         let batch = match peer.gpu.batch(op, &local, &direct) {
             Ok(Ok(batch)) => batch,
             Ok(Err(e)) => {
+                self.direct_failed(&e);
                 done.complete(Err(e));
                 return None;
             }
