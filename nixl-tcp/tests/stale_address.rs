@@ -122,3 +122,33 @@ async fn a_reused_address_is_not_the_peer() {
         }
     }
 }
+
+/// The agent now at the address wants a secret this peer does not have: still
+/// "another agent", not "a secret is required".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_address_with_a_secret_is_not_the_peer() {
+    let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let (a, _) = agent("a", loopback, SameHost::Off).await;
+    let (b, addr) = agent("b", loopback, SameHost::Off).await;
+    let peer = a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let _ = b.shutdown().await;
+    drop(b);
+    let c = Agent::builder("c")
+        .backend(TcpBackend::with_options(TcpOptions {
+            listen: addr,
+            same_host: SameHost::Off,
+            secret: Some(nixl::SharedSecret::new("s3cret-s3cret-s3cret").unwrap()),
+            ..TcpOptions::default()
+        }))
+        .build()
+        .await
+        .unwrap();
+    let e = bounded("notification with stale metadata", async {
+        a.notify(&peer, &b"x"[..])?.await
+    })
+    .await
+    .expect_err("no agent b listens there now");
+    assert_eq!(e.kind(), ErrorKind::RemoteDisconnected, "{e}");
+    assert!(e.to_string().contains("another agent listens"), "{e}");
+    drop(c);
+}

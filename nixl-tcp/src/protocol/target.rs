@@ -391,9 +391,11 @@ impl<R: Registry> Target<R> {
     }
 
     fn on_listener(&mut self, wanted: u64) {
+        // Another listener first: that client wants an agent that is not here, and
+        // the id it names is public (connection info) whatever it proved.
         let status = match (&self.secret, &self.proven) {
-            (Some(_), None) => wire::ST_AUTH,
             _ if wanted != wire::ANY_LISTENER && wanted != self.listener => wire::ST_NOT_PEER,
+            (Some(_), None) => wire::ST_AUTH,
             (None, _) => wire::ST_OK,
             (Some(_), Some(name)) if *name == self.peer => wire::ST_OK,
             (Some(_), Some(_)) => wire::ST_REFUSED,

@@ -532,6 +532,13 @@ fn hello_is_checked() {
     let mut reply = ok_reply();
     *reply.last_mut().unwrap() = wire::ST_NOT_PEER;
     assert_eq!(s.take(), vec![Seen::Reply(reply), Seen::Close]);
+    // Also where this target wants a secret the client did not prove: the client
+    // learns it reached another agent, not that it lacks a secret.
+    let mut s = Sim::new(Some(SharedSecret::new("s3cret-s3cret-s3cret").unwrap()));
+    s.feed(&wire::hello("ab", LISTENER ^ 1));
+    let mut reply = ok_reply();
+    *reply.last_mut().unwrap() = wire::ST_NOT_PEER;
+    assert_eq!(s.take(), vec![Seen::Reply(reply), Seen::Close]);
     // One for any listener (connection info without an id): served.
     let mut s = Sim::new(None);
     s.feed(&wire::hello("ab", wire::ANY_LISTENER));
