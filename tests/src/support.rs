@@ -127,6 +127,21 @@ pub fn own_thread_count(case: &str) -> Option<usize> {
     }
 }
 
+/// The names of this process's threads (`/proc/self/task/*/comm`), sorted, for a
+/// thread-count failure to say which thread stayed.
+pub fn thread_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+                .map(|n| n.trim().to_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
 fn process_threads() -> usize {
     std::fs::read_to_string("/proc/self/status")
         .ok()

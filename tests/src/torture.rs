@@ -19,7 +19,7 @@ use nixl::{
     Transfer,
 };
 
-use crate::support::{own_thread_count, thread_count, BackendUnderTest};
+use crate::support::{own_thread_count, thread_count, thread_names, BackendUnderTest};
 
 /// Watchdog for each await inside a run.
 const WATCHDOG: Duration = Duration::from_secs(20);
@@ -109,7 +109,8 @@ pub async fn run_lifecycles(but: &BackendUnderTest, base: u64, count: u64) -> To
             let threads = thread_count();
             assert!(
                 threads <= before,
-                "seed {seed}: {threads} threads after the run, {before} before"
+                "seed {seed}: {threads} threads after the run, {before} before: {:?}",
+                thread_names()
             );
         }
     }
