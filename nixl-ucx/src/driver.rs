@@ -245,6 +245,26 @@ impl PeerConn {
         }
     }
 
+    /// Put notification `msg` on the wire to this peer, within its grant: its header
+    /// carries the next sequence number, and the counts the grant is measured in move
+    /// on. Returns the flight and whether to ask for more credit now.
+    fn send_granted(
+        &mut self,
+        me: &Identity,
+        ucx: &mut Ucx<Work>,
+        peer: &str,
+        ep: EpId,
+        msg: Bytes,
+        done: Completer,
+    ) -> (FlightId, bool) {
+        let h = me.header(peer, Kind::Notif, self.epoch, self.next_seq, &msg);
+        self.next_seq += 1;
+        self.sent_bytes += msg.len() as u64;
+        let ask = self.wants_credit();
+        let flight = ucx.am_send(ep, wire::AM_ID, h, msg, false, Work::Done(done));
+        (flight, ask)
+    }
+
     /// Whether to ask for more credit now that a notification went: half the
     /// window is used and no ask is outstanding.
     fn wants_credit(&self) -> bool {
@@ -1394,13 +1414,7 @@ impl Core {
             }
             return None;
         }
-        let h = self.me.header(peer, Kind::Notif, p.epoch, p.next_seq, &msg);
-        p.next_seq += 1;
-        p.sent_bytes += msg.len() as u64;
-        let ask = p.wants_credit();
-        let flight = self
-            .ucx
-            .am_send(ep, wire::AM_ID, h, msg, false, Work::Done(done));
+        let (flight, ask) = p.send_granted(&self.me, &mut self.ucx, peer, ep, msg, done);
         if ask {
             self.ask_credit(peer);
         }
@@ -1447,13 +1461,7 @@ impl Core {
                 done.complete(Err(disconnected(peer, "unreachable")));
                 continue;
             };
-            let h = self.me.header(peer, Kind::Notif, p.epoch, p.next_seq, &msg);
-            p.next_seq += 1;
-            p.sent_bytes += msg.len() as u64;
-            let ask = p.wants_credit();
-            let flight = self
-                .ucx
-                .am_send(ep, wire::AM_ID, h, msg, false, Work::Done(done));
+            let (flight, ask) = p.send_granted(&self.me, &mut self.ucx, peer, ep, msg, done);
             let now = self.now;
             if let Some(p) = self.peers.get_mut(peer) {
                 p.push(
