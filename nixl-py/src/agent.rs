@@ -17,12 +17,12 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::backends;
 use crate::errors::{invalid, raise, IntoPy};
 use crate::etcd::{self, Etcd};
 use crate::handles::{deliver, DlistHandle, XferHandle};
 use crate::memory::{caller_memory, file_memory, path_memory, path_mode};
 use crate::runtime::rt;
+use nixl_compat::backends;
 
 /// How long shutdown waits for this layer's own tasks (asyncio waiters, exchange
 /// requests) after cancelling them.

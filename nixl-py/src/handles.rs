@@ -306,13 +306,13 @@ impl XferHandle {
             us(t.duration),
             t.bytes,
             t.segments as u64,
-            crate::backends::nixl_name(&t.backend),
+            nixl_compat::backends::nixl_name(&t.backend),
         ))
     }
 
     /// NIXL's name of the backend serving this request.
     fn _backend(&self) -> PyResult<String> {
-        Ok(crate::backends::nixl_name(
+        Ok(nixl_compat::backends::nixl_name(
             self.request("query transfer backend")?.backend(),
         ))
     }

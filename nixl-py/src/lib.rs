@@ -25,7 +25,7 @@
 #![deny(unsafe_code)]
 
 mod agent;
-mod backends;
+use nixl_compat::backends;
 mod errors;
 mod etcd;
 mod handles;
@@ -64,17 +64,7 @@ fn plugins() -> Vec<&'static str> {
 /// CUDA driver), by path: what the backends bound so far.
 #[pyfunction]
 fn native_libraries() -> Vec<String> {
-    nixl::native::mapped_objects(&[
-        "libucp.so",
-        "libucs.so",
-        "libuct.so",
-        "libibverbs.so",
-        "libuccl_p2p.so",
-        "libcuda.so",
-    ])
-    .into_iter()
-    .map(|p| p.display().to_string())
-    .collect()
+    nixl_compat::native_libraries()
 }
 
 /// A backend's parameter names and defaults (NIXL's `get_plugin_params`).

@@ -265,6 +265,23 @@ impl Agent {
         send(addr, options, "send NIXL metadata", &[MARK, b"LOAD", &md]).await
     }
 
+    /// Send part of this agent's metadata (NIXL's format, see
+    /// [`Agent::nixl_partial_metadata`]) to the NIXL listener at `addr`, which loads
+    /// it (NIXL's `send_local_partial_metadata` with an address).
+    ///
+    /// # Errors
+    /// As [`Agent::nixl_partial_metadata`] and [`Agent::send_nixl_metadata`].
+    pub async fn send_nixl_partial_metadata(
+        &self,
+        addr: SocketAddr,
+        registrations: &[crate::Registration],
+        with_conn_info: bool,
+        options: &NixlListenerOptions,
+    ) -> Result<()> {
+        let md = self.nixl_partial_metadata(registrations, with_conn_info)?;
+        send(addr, options, "send NIXL metadata", &[MARK, b"LOAD", &md]).await
+    }
+
     /// Tell the agent whose NIXL listener is at `addr` to forget this agent (NIXL's
     /// `invalidate_local_metadata` with an address).
     ///

@@ -315,6 +315,29 @@ impl Agent {
             .map(drop)
     }
 
+    /// Send part of this agent's metadata (see [`Agent::partial_metadata`]) to the
+    /// agent serving at `addr`, which loads it, as [`Agent::send_metadata`] does.
+    ///
+    /// # Errors
+    /// As [`Agent::partial_metadata`] and [`Agent::send_metadata`].
+    pub async fn send_partial_metadata(
+        &self,
+        addr: SocketAddr,
+        registrations: &[crate::Registration],
+        with_conn_info: bool,
+        options: &SideChannelOptions,
+    ) -> Result<()> {
+        let md = self.partial_metadata(registrations, with_conn_info)?;
+        let options = &*self.with_agent_secret(options);
+        let who = Who {
+            me: self.name(),
+            server: None,
+        };
+        request(addr, options, who, "send metadata", Kind::Send, &md)
+            .await
+            .map(drop)
+    }
+
     /// Tell the agent serving at `addr` to forget this agent. A server forgets a
     /// known peer only for a trusted client (see
     /// [`SideChannelOptions::accept_peer_updates`]).

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use nixl::{Backend, ErrorKind};
 
 /// NIXL's names of the backends compiled in, in the order `get_plugin_list` shows.
-pub(crate) fn plugins() -> Vec<&'static str> {
+pub fn plugins() -> Vec<&'static str> {
     let mut v = Vec::new();
     if cfg!(feature = "tcp") {
         v.push("TCP");
@@ -27,7 +27,7 @@ pub(crate) fn plugins() -> Vec<&'static str> {
 }
 
 /// Our backend name (`Backend::name`) for a NIXL name; ours are accepted too.
-pub(crate) fn ours(nixl_name: &str) -> Option<&'static str> {
+pub fn ours(nixl_name: &str) -> Option<&'static str> {
     match nixl_name {
         "TCP" | "tcp" => Some("tcp"),
         "UCX" | "ucx" => Some("ucx"),
@@ -39,7 +39,7 @@ pub(crate) fn ours(nixl_name: &str) -> Option<&'static str> {
 }
 
 /// NIXL's name for one of ours (`"agent"`, the agent's own same-process copies, stays).
-pub(crate) fn nixl_name(ours: &str) -> String {
+pub fn nixl_name(ours: &str) -> String {
     match ours {
         "tcp" | "ucx" | "verbs" | "uccl" | "posix" => ours.to_ascii_uppercase(),
         other => other.to_owned(),
@@ -48,7 +48,7 @@ pub(crate) fn nixl_name(ours: &str) -> String {
 
 /// Parameter keys each backend takes (NIXL's `get_plugin_params`), with their
 /// defaults as strings ("" where the default is computed).
-pub(crate) fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
+pub fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
     match ours(nixl_name) {
         Some("tcp") => vec![
             ("listen", "127.0.0.1:0"),
@@ -81,6 +81,16 @@ pub(crate) fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
             ("threads", "8"),
             ("durability", "none"),
         ],
+        _ => Vec::new(),
+    }
+}
+
+/// Memory types a backend serves (NIXL's `get_plugin_params` mems), by NIXL's
+/// name: what its [`nixl::Capabilities`] say once made, known before loading it.
+pub fn mem_types(nixl_name: &str) -> Vec<&'static str> {
+    match ours(nixl_name) {
+        Some("tcp" | "ucx" | "verbs" | "uccl") => vec!["DRAM", "VRAM"],
+        Some("posix") => vec!["DRAM", "FILE"],
         _ => Vec::new(),
     }
 }
@@ -173,7 +183,19 @@ fn size(backend: &str, key: &str, v: &str) -> nixl::Result<usize> {
     not(any(feature = "tcp", feature = "ucx", feature = "verbs", feature = "uccl")),
     allow(unused_variables)
 )]
-pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<dyn Backend>> {
+pub fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<dyn Backend>> {
+    // An empty value for a key whose default is computed ("" in `params`) means
+    // that default: callers hand `get_plugin_params`' defaults back unchanged
+    // (NIXL's C API users do), and "lib" = "" is not a library to load.
+    let computed = self::params(name);
+    let given: Vec<(String, String)> = params
+        .iter()
+        .filter(|(k, v)| {
+            !(v.is_empty() && computed.iter().any(|(ck, cv)| ck == k && cv.is_empty()))
+        })
+        .cloned()
+        .collect();
+    let params = given.as_slice();
     match ours(name) {
         #[cfg(feature = "tcp")]
         Some("tcp") => {
@@ -358,5 +380,35 @@ pub(crate) fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<
                 plugins().join(", ")
             ),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(feature = "tcp")]
+    #[test]
+    fn defaults_handed_back_unchanged_make_the_backend() {
+        // What NIXL's C API users do: get_plugin_params, then create_backend with
+        // those values (computed defaults are "").
+        let defaults: Vec<(String, String)> = params("TCP")
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        let b = make("TCP", &defaults).expect("defaults make a backend");
+        assert_eq!(b.name(), "tcp");
+        // An empty value where the default is not computed is still checked.
+        let bad = [("max_notification".to_owned(), String::new())];
+        assert!(make("TCP", &bad).is_err());
+    }
+
+    #[test]
+    fn names_and_memory_types() {
+        assert_eq!(ours("UCX"), Some("ucx"));
+        assert_eq!(ours("GDS_MT"), None);
+        assert_eq!(nixl_name("posix"), "POSIX");
+        assert_eq!(mem_types("POSIX"), vec!["DRAM", "FILE"]);
+        assert!(mem_types("OBJ").is_empty());
     }
 }

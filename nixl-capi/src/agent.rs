@@ -1,0 +1,919 @@
+//! NIXL's agent, as its C API sees it, over [`nixl::Agent`].
+//!
+//! A NIXL agent is made first and given backends afterwards
+//! (`create_backend`); a nixl-rs agent fixes its backends when it starts. So the
+//! nixl-rs agent is started at the first call that needs it (registering memory,
+//! metadata, transfers, notifications) with the backends created so far; a backend
+//! created after that is refused with a message saying so. Dynamo's order (agent,
+//! then its backends, then registrations) never meets that.
+//!
+//! Locks: one per agent for its setup (taken once per call that needs the
+//! nixl-rs agent, for a clone), one for registrations (register/deregister), one
+//! for the notification stream (`get_notifs`). Posting and polling a request take
+//! only that request's lock.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use nixl::exchange::{NixlListenerOptions, SideChannelOptions};
+use nixl::{
+    Agent, AgentOptions, Backend, Indices, MemKind, Notifications, Op, RegisterOptions,
+    Registration, RequestOptions, TelemetryOptions,
+};
+use nixl_compat::backends;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::lists::{mem, DescList, NotifMap, OptArgs, Params, QueryResponses, RegDesc};
+use crate::runtime::rt;
+use crate::status::{Failure, Outcome, NOT_FOUND};
+use crate::xfer::{Prepared, XferReq};
+
+/// How long `deregister_mem` waits for transfers still using the memory (those
+/// released in flight are being cancelled) before it fails.
+const DEREGISTER_WAIT: Duration = Duration::from_secs(10);
+
+/// How long destroying an agent waits for its own background calls (metadata
+/// exchange, notification sends) after cancelling them.
+const TASKS_BOUND: Duration = Duration::from_secs(5);
+
+/// `nixl_capi_agent_config_t`, as the agent keeps it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Config {
+    /// NIXL's `enable_listen_thread` with its `listen_port` (0: any free port).
+    pub listen: Option<u16>,
+    /// NIXL's `capture_telemetry` (the `NIXL_TELEMETRY_ENABLE` environment wins).
+    pub capture_telemetry: bool,
+}
+
+/// Whether per-transfer telemetry is on: `NIXL_TELEMETRY_ENABLE` when set (y, yes,
+/// on, 1, true, any case; anything else is off), else the agent's config.
+pub fn telemetry_enabled(config: bool, env: Option<&str>) -> bool {
+    match env {
+        Some(v) => matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "y" | "yes" | "on" | "1" | "true"
+        ),
+        None => config,
+    }
+}
+
+struct Attached {
+    /// Our name (`Backend::name`).
+    name: &'static str,
+    backend: Arc<dyn Backend>,
+    params: Vec<(String, String)>,
+}
+
+#[derive(Default)]
+struct Setup {
+    attached: Vec<Attached>,
+    /// Started at first use.
+    agent: Option<Agent>,
+    /// The listener `enable_listen_thread` asked for, once bound.
+    listening: Option<SocketAddr>,
+}
+
+/// One registered descriptor.
+struct Reg {
+    mem: u32,
+    desc: RegDesc,
+    reg: Registration,
+    /// A repeat of a descriptor registered before (same registration).
+    again: bool,
+}
+
+/// A NIXL agent (`nixl_capi_agent_t`).
+pub struct CAgent {
+    name: String,
+    config: Config,
+    telemetry: bool,
+    setup: Mutex<Setup>,
+    regs: Mutex<Vec<Reg>>,
+    notifs: Mutex<Option<Notifications>>,
+    tasks: TaskTracker,
+    cancel: CancellationToken,
+}
+
+impl std::fmt::Debug for CAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CAgent").field("name", &self.name).finish()
+    }
+}
+
+fn socket_addr(ip: &str, port: u16) -> Outcome<SocketAddr> {
+    (ip, port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| Failure::invalid(format!("cannot resolve address {ip:?}:{port}")))
+}
+
+/// Our backend name for NIXL's (or ours).
+pub fn backend_name(nixl_name: &str) -> Outcome<&'static str> {
+    backends::ours(nixl_name).ok_or_else(|| {
+        Failure::backend(format!(
+            "no backend {nixl_name:?} in nixl-rs' libnixl_capi.so; available: {}",
+            backends::plugins().join(", ")
+        ))
+    })
+}
+
+impl CAgent {
+    /// A new agent; nothing starts until it is used.
+    ///
+    /// # Errors
+    /// An empty name (NIXL refuses it too).
+    pub fn new(name: &str, config: Config) -> Outcome<Self> {
+        if name.is_empty() {
+            return Err(Failure::backend("an agent needs a name"));
+        }
+        let env = std::env::var("NIXL_TELEMETRY_ENABLE").ok();
+        if std::env::var_os("NIXL_TELEMETRY_DIR").is_some() {
+            tracing::warn!(
+                "NIXL_TELEMETRY_DIR is set: nixl-rs records per-transfer telemetry \
+                 (nixl_capi_get_xfer_telemetry) but writes no telemetry files"
+            );
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            config,
+            telemetry: telemetry_enabled(config.capture_telemetry, env.as_deref()),
+            setup: Mutex::new(Setup::default()),
+            regs: Mutex::new(Vec::new()),
+            notifs: Mutex::new(None),
+            tasks: TaskTracker::new(),
+            cancel: CancellationToken::new(),
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether per-transfer telemetry is recorded.
+    pub fn telemetry(&self) -> bool {
+        self.telemetry
+    }
+
+    /// The running nixl-rs agent, started now if this is the first call that needs it.
+    fn agent(&self) -> Outcome<Agent> {
+        let mut setup = self.setup.lock().unwrap();
+        if let Some(a) = &setup.agent {
+            return Ok(a.clone());
+        }
+        let rt = rt()?;
+        let mut b = Agent::builder(&self.name)
+            .options(AgentOptions::default())
+            .telemetry(TelemetryOptions {
+                transfers: self.telemetry,
+                ..TelemetryOptions::default()
+            });
+        for a in &setup.attached {
+            b = b.backend_arc(a.backend.clone());
+        }
+        let agent = rt.block_on(b.build())?;
+        *self.notifs.lock().unwrap() = Some(agent.notifications()?);
+        if let Some(port) = self.config.listen {
+            let addr = SocketAddr::from(([0, 0, 0, 0], port));
+            let nixl = speaks_nixl(&setup.attached);
+            let bound = rt.block_on(async {
+                if nixl {
+                    agent
+                        .listen_nixl(addr, &NixlListenerOptions::default())
+                        .await
+                } else {
+                    // NIXL's listener trusts everyone who reaches it (loads,
+                    // invalidations); so does this one (README: bind where only
+                    // peers reach).
+                    let options = SideChannelOptions {
+                        accept_peer_updates: true,
+                        ..SideChannelOptions::default()
+                    };
+                    agent.listen(addr, &options).await
+                }
+            })?;
+            tracing::info!(agent = %self.name, %bound, nixl, "metadata listener");
+            setup.listening = Some(bound);
+        }
+        setup.agent = Some(agent.clone());
+        Ok(agent)
+    }
+
+    /// Whether metadata goes in NIXL's format (a backend speaks NIXL's protocol).
+    fn speaks_nixl(&self) -> bool {
+        speaks_nixl(&self.setup.lock().unwrap().attached)
+    }
+
+    /// The address the metadata listener is bound to, once started.
+    pub fn listening(&self) -> Option<SocketAddr> {
+        self.setup.lock().unwrap().listening
+    }
+
+    /// NIXL's `createBackend`: make backend `name` with `params` for this agent.
+    ///
+    /// # Errors
+    /// (All reported as BACKEND, as NIXL does.) An unknown name, a second backend of
+    /// a name, a bad parameter, a missing native library, or an agent already in use.
+    pub fn create_backend(&self, name: &str, params: &Params) -> Outcome<&'static str> {
+        let ours = backend_name(name)?;
+        let mut setup = self.setup.lock().unwrap();
+        if setup.attached.iter().any(|a| a.name == ours) {
+            return Err(Failure::backend(format!(
+                "backend {name:?} is already created for agent {:?}",
+                self.name
+            )));
+        }
+        if setup.agent.is_some() {
+            return Err(Failure::backend(format!(
+                "agent {:?} is in use (memory registered, metadata or transfers made): \
+                 nixl-rs fixes an agent's backends when it starts; create every backend first",
+                self.name
+            )));
+        }
+        let params = params.pairs();
+        let backend = backends::make(name, &params).map_err(|e| Failure::from(e).collapsed())?;
+        setup.attached.push(Attached {
+            name: ours,
+            backend,
+            params,
+        });
+        Ok(ours)
+    }
+
+    /// NIXL's `getBackendParams`: the memory types a created backend serves and its
+    /// parameters (defaults, overridden by those it was made with).
+    ///
+    /// # Errors
+    /// A backend this agent did not create.
+    pub fn backend_params(&self, ours: &str) -> Outcome<(Vec<u32>, Params)> {
+        let setup = self.setup.lock().unwrap();
+        let a = setup
+            .attached
+            .iter()
+            .find(|a| a.name == ours)
+            .ok_or_else(|| Failure::backend(format!("backend {ours:?} is not this agent's")))?;
+        let caps = a.backend.capabilities();
+        let mut mems = Vec::new();
+        if caps.dram {
+            mems.push(mem::DRAM);
+        }
+        if caps.vram {
+            mems.push(mem::VRAM);
+        }
+        if caps.file {
+            mems.push(mem::FILE);
+        }
+        let mut params = Params::default();
+        for (k, v) in backends::params(ours) {
+            params.add(k, v);
+        }
+        for (k, v) in &a.params {
+            params.add(k, v);
+        }
+        Ok((mems, params))
+    }
+
+    /// Backends (ours) that serve `kind`, among the created ones or the hinted ones.
+    fn serving(&self, kind: MemKind, hint: &[&'static str]) -> Vec<&'static str> {
+        let setup = self.setup.lock().unwrap();
+        setup
+            .attached
+            .iter()
+            .filter(|a| hint.is_empty() || hint.contains(&a.name))
+            .filter(|a| {
+                let c = a.backend.capabilities();
+                match kind {
+                    MemKind::Dram => c.dram,
+                    MemKind::Vram { .. } => c.vram,
+                    MemKind::File { .. } => c.file,
+                }
+            })
+            .map(|a| a.name)
+            .collect()
+    }
+
+    /// NIXL's `registerMem`: each descriptor becomes a registration, with the hinted
+    /// backends or every backend serving its memory type. All or none.
+    ///
+    /// # Errors
+    /// NOT_FOUND when no backend serves the memory type; the registration's error.
+    pub fn register(&self, list: &DescList, opt: &OptArgs) -> Outcome {
+        if list.descs.is_empty() {
+            return Ok(());
+        }
+        let kind0 = list.kind(0)?;
+        let serving = self.serving(kind0, &opt.backends);
+        if serving.is_empty() {
+            return Err(Failure::not_found(format!(
+                "register memory: no backend of agent {:?} serves {} memory",
+                self.name,
+                mem::NAMES[list.mem as usize].trim_end_matches('\0')
+            )));
+        }
+        let agent = self.agent()?;
+        let options = RegisterOptions {
+            backends: Some(serving.iter().map(|s| (*s).to_owned()).collect()),
+        };
+        let mut made: Vec<Reg> = Vec::with_capacity(list.descs.len());
+        for d in &list.descs {
+            // NIXL registers the same descriptor again without complaint (nixl-sys'
+            // RAII handles and Dynamo's layouts do); it counts once more here, and
+            // the memory stays registered until the last of them is deregistered.
+            if let Some(same) = self.same(list.mem, d) {
+                made.push(Reg {
+                    mem: list.mem,
+                    desc: d.clone(),
+                    reg: same,
+                    again: true,
+                });
+                continue;
+            }
+            let r = memory(list.mem, d).and_then(|m| Ok(agent.register_with(m, &options)?));
+            match r {
+                Ok(reg) => made.push(Reg {
+                    mem: list.mem,
+                    desc: d.clone(),
+                    reg,
+                    again: false,
+                }),
+                Err(e) => {
+                    for r in made.iter().filter(|r| !r.again) {
+                        if let Err(e) = agent.deregister(&r.reg) {
+                            tracing::warn!(error = %e, "rolling back a registration");
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        self.regs.lock().unwrap().extend(made);
+        Ok(())
+    }
+
+    /// NIXL's `deregisterMem`: each descriptor names a registration by (address,
+    /// length, device); a transfer still using it is waited for (bounded).
+    ///
+    /// # Errors
+    /// NOT_FOUND for a descriptor that names no registration; BACKEND when a
+    /// transfer keeps the memory past the bound.
+    pub fn deregister(&self, list: &DescList) -> Outcome {
+        let agent = self.agent()?;
+        let mut picked = Vec::with_capacity(list.descs.len());
+        {
+            let regs = self.regs.lock().unwrap();
+            for d in &list.descs {
+                match self.same_in(&regs, list.mem, d) {
+                    Some(r) => picked.push(r),
+                    None => {
+                        return Err(Failure::not_found(format!(
+                            "deregister memory: no registration at {:#x} of {} bytes, device {}",
+                            d.addr, d.len, d.dev
+                        )))
+                    }
+                }
+            }
+        }
+        let rt = rt()?;
+        for reg in picked {
+            let last = {
+                let mut regs = self.regs.lock().unwrap();
+                let Some(i) = regs.iter().position(|r| r.reg.id() == reg.id()) else {
+                    continue;
+                };
+                let shared = regs.iter().filter(|r| r.reg.id() == reg.id()).count() > 1;
+                if shared {
+                    regs.remove(i);
+                }
+                !shared
+            };
+            if last {
+                // Transfers released while in flight are being cancelled by their
+                // backend: wait for it to let go.
+                rt.block_on(agent.deregister_when_idle(&reg, DEREGISTER_WAIT))?;
+                self.regs.lock().unwrap().retain(|r| r.reg.id() != reg.id());
+            }
+        }
+        Ok(())
+    }
+
+    /// The registration of exactly this descriptor, if any.
+    fn same(&self, mem: u32, d: &RegDesc) -> Option<Registration> {
+        self.same_in(&self.regs.lock().unwrap(), mem, d)
+    }
+
+    fn same_in(&self, regs: &[Reg], mem: u32, d: &RegDesc) -> Option<Registration> {
+        regs.iter()
+            .find(|r| {
+                r.mem == mem && r.desc.addr == d.addr && r.desc.len == d.len && r.desc.dev == d.dev
+            })
+            .map(|r| r.reg.clone())
+    }
+
+    /// The registration holding `d` of memory type `mem`.
+    fn registration_for(&self, mem: u32, d: &RegDesc) -> Option<Registration> {
+        let regs = self.regs.lock().unwrap();
+        regs.iter()
+            .find(|r| r.mem == mem && r.desc.addr == d.addr && r.desc.len == d.len)
+            .or_else(|| {
+                regs.iter().find(|r| {
+                    r.mem == mem
+                        && r.desc.dev == d.dev
+                        && r.desc.addr <= d.addr
+                        && d.addr.saturating_add(d.len) <= r.desc.addr + r.desc.len
+                })
+            })
+            .map(|r| r.reg.clone())
+    }
+
+    /// Full metadata: NIXL's format when a backend speaks NIXL's protocol (NIXL
+    /// agents load it), else nixl-rs' own.
+    pub fn local_md(&self) -> Outcome<Bytes> {
+        let agent = self.agent()?;
+        Ok(if self.speaks_nixl() {
+            agent.nixl_metadata()
+        } else {
+            agent.metadata()
+        }?)
+    }
+
+    /// The registrations holding `list`'s descriptors (NIXL's partial metadata).
+    fn picked(&self, list: &DescList) -> Outcome<Vec<Registration>> {
+        let mut picked: Vec<Registration> = Vec::new();
+        for d in &list.descs {
+            let reg = self.registration_for(list.mem, d).ok_or_else(|| {
+                Failure::not_found(format!(
+                    "partial metadata: {:#x}+{} is not registered",
+                    d.addr, d.len
+                ))
+            })?;
+            if !picked.iter().any(|p| p.id() == reg.id()) {
+                picked.push(reg);
+            }
+        }
+        Ok(picked)
+    }
+
+    /// NIXL's `getLocalPartialMD`: an empty list gives the connection info alone;
+    /// otherwise the registrations holding the descriptors, without it.
+    pub fn local_partial_md(&self, list: &DescList) -> Outcome<Bytes> {
+        let agent = self.agent()?;
+        let picked = self.picked(list)?;
+        let conn = picked.is_empty();
+        Ok(if self.speaks_nixl() {
+            agent.nixl_partial_metadata(&picked, conn)
+        } else {
+            agent.partial_metadata(&picked, conn)
+        }?)
+    }
+
+    /// NIXL's `loadRemoteMD`: the peer's name.
+    ///
+    /// # Errors
+    /// Malformed metadata, this agent's own, or no backend in common (BACKEND).
+    pub fn load_remote_md(&self, md: &[u8]) -> Outcome<String> {
+        if md.is_empty() {
+            return Err(Failure::invalid("load remote metadata: no bytes"));
+        }
+        let agent = self.agent()?;
+        agent.load_metadata(md).map_err(|e| {
+            let f = Failure::from(e);
+            if f.status == NOT_FOUND {
+                f.collapsed()
+            } else {
+                f
+            }
+        })
+    }
+
+    /// NIXL's `invalidateRemoteMD`.
+    ///
+    /// # Errors
+    /// NOT_FOUND for an unknown peer, INVALID_PARAM for this agent's own name.
+    pub fn invalidate_remote_md(&self, peer: &str) -> Outcome {
+        if peer == self.name {
+            return Err(Failure::invalid(
+                "invalidate remote metadata: that is this agent's own name",
+            ));
+        }
+        match self.agent()?.forget_peer(peer) {
+            Err(e) if e.kind() == nixl::ErrorKind::UnknownPeer => Err(Failure::not_found(format!(
+                "invalidate remote metadata: no peer {peer:?} is loaded"
+            ))),
+            other => Ok(other?),
+        }
+    }
+
+    /// NIXL's `checkRemoteMD`: the peer is loaded and, given descriptors, they lie
+    /// in what it advertised.
+    pub fn check_remote_md(&self, peer: &str, list: Option<&DescList>) -> Outcome {
+        let agent = self.agent()?;
+        let missing = || Failure::not_found(format!("no metadata of {peer:?} covers that"));
+        if peer != self.name && !agent.peers().iter().any(|p| p == peer) {
+            return Err(missing());
+        }
+        match list {
+            Some(l) if !l.descs.is_empty() => {
+                agent
+                    .prep_remote(peer, &l.to_nixl()?)
+                    .map_err(|_| missing())?;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// NIXL's `makeConnection`.
+    pub fn make_connection(&self, peer: &str) -> Outcome {
+        let agent = self.agent()?;
+        Ok(rt()?.block_on(agent.connect(peer))?)
+    }
+
+    /// Run `what` in the background (NIXL's metadata calls return at once); a
+    /// failure is logged.
+    fn spawn(
+        &self,
+        what: &'static str,
+        fut: impl std::future::Future<Output = nixl::Result<()>> + Send + 'static,
+    ) -> Outcome {
+        let cancel = self.cancel.clone();
+        rt()?.spawn(self.tasks.track_future(async move {
+            tokio::select! {
+                r = fut => if let Err(e) = r {
+                    tracing::warn!(error = %e, "{what} failed");
+                },
+                () = cancel.cancelled() => {}
+            }
+        }));
+        Ok(())
+    }
+
+    fn no_etcd(op: &str) -> Failure {
+        Failure::invalid(format!(
+            "{op}: no ip_addr in the optional arguments, and nixl-rs' libnixl_capi.so \
+             has no etcd exchange; give the peer's address (nixl_capi_opt_args_set_ip_addr)"
+        ))
+    }
+
+    /// NIXL's `sendLocalMD` / `sendLocalPartialMD` to the listener at the
+    /// arguments' address, in the background.
+    pub fn send_local_md(&self, partial: Option<&DescList>, opt: &OptArgs) -> Outcome {
+        const OP: &str = "send local metadata";
+        if opt.ip_addr.is_empty() {
+            return Err(Self::no_etcd(OP));
+        }
+        let addr = socket_addr(&opt.ip_addr, opt.port)?;
+        let agent = self.agent()?;
+        let picked = partial.map(|l| self.picked(l)).transpose()?;
+        if self.speaks_nixl() {
+            self.spawn(OP, async move {
+                let o = NixlListenerOptions::default();
+                match picked {
+                    Some(p) => {
+                        agent
+                            .send_nixl_partial_metadata(addr, &p, p.is_empty(), &o)
+                            .await
+                    }
+                    None => agent.send_nixl_metadata(addr, &o).await,
+                }
+            })
+        } else {
+            self.spawn(OP, async move {
+                let o = SideChannelOptions::default();
+                match picked {
+                    Some(p) => {
+                        agent
+                            .send_partial_metadata(addr, &p, p.is_empty(), &o)
+                            .await
+                    }
+                    None => agent.send_metadata(addr, &o).await,
+                }
+            })
+        }
+    }
+
+    /// NIXL's `fetchRemoteMD`: fetch `peer`'s metadata from the listener at the
+    /// arguments' address and load it, in the background (`check_remote_md` says
+    /// when it is there).
+    pub fn fetch_remote_md(&self, peer: &str, opt: &OptArgs) -> Outcome {
+        const OP: &str = "fetch remote metadata";
+        if opt.ip_addr.is_empty() {
+            return Err(Self::no_etcd(OP));
+        }
+        let addr = socket_addr(&opt.ip_addr, opt.port)?;
+        let agent = self.agent()?;
+        let peer = peer.to_owned();
+        if self.speaks_nixl() {
+            self.spawn(OP, async move {
+                agent
+                    .fetch_nixl_peer_metadata(addr, &peer, &NixlListenerOptions::default())
+                    .await
+            })
+        } else {
+            self.spawn(OP, async move {
+                agent
+                    .fetch_peer_metadata(addr, &peer, &SideChannelOptions::default())
+                    .await
+            })
+        }
+    }
+
+    /// NIXL's `invalidateLocalMD`: tell the listener at the arguments' address to
+    /// forget this agent, in the background.
+    pub fn invalidate_local_md(&self, opt: &OptArgs) -> Outcome {
+        const OP: &str = "invalidate local metadata";
+        if opt.ip_addr.is_empty() {
+            return Err(Self::no_etcd(OP));
+        }
+        let addr = socket_addr(&opt.ip_addr, opt.port)?;
+        let agent = self.agent()?;
+        if self.speaks_nixl() {
+            self.spawn(OP, async move {
+                agent
+                    .invalidate_nixl_at(addr, &NixlListenerOptions::default())
+                    .await
+            })
+        } else {
+            self.spawn(OP, async move {
+                agent
+                    .invalidate_at(addr, &SideChannelOptions::default())
+                    .await
+            })
+        }
+    }
+
+    /// NIXL's `prepXferDlist`: `peer` empty for the local side, this agent's name
+    /// for its own memory as the remote side, else a loaded peer's.
+    pub fn prep(&self, peer: &str, list: &DescList) -> Outcome<Prepared> {
+        let agent = self.agent()?;
+        let l = list.to_nixl()?;
+        let local = peer.is_empty() || peer == "NIXL_INIT_AGENT";
+        let p = if local {
+            agent.prep_local(&l)
+        } else {
+            agent.prep_remote(peer, &l)
+        }
+        .map_err(|e| {
+            // NIXL: an unknown peer, or descriptors no backend covers.
+            let f = Failure::from(e);
+            if f.status == crate::status::BACKEND {
+                f
+            } else {
+                Failure::not_found(f.message)
+            }
+        })?;
+        Ok(Prepared {
+            prepared: Arc::new(p),
+            local,
+        })
+    }
+
+    /// NIXL's `makeXferReq`.
+    pub fn make_request(
+        &self,
+        op: Op,
+        local: &Prepared,
+        local_idx: &[usize],
+        remote: &Prepared,
+        remote_idx: &[usize],
+        opt: Option<&OptArgs>,
+    ) -> Outcome<XferReq> {
+        if !local.local || remote.local {
+            return Err(Failure::invalid(
+                "make transfer request: give a local prepared list, then a remote one",
+            ));
+        }
+        if local_idx.is_empty() || local_idx.len() != remote_idx.len() {
+            return Err(Failure::invalid(format!(
+                "make transfer request: {} local and {} remote indices",
+                local_idx.len(),
+                remote_idx.len()
+            )));
+        }
+        for (idx, list, side) in [(local_idx, local, "local"), (remote_idx, remote, "remote")] {
+            if let Some(i) = idx.iter().find(|&&i| i >= list.prepared.len()) {
+                return Err(Failure::invalid(format!(
+                    "make transfer request: {side} index {i} is out of range ({} descriptors)",
+                    list.prepared.len()
+                )));
+            }
+        }
+        let options = RequestOptions {
+            backends: opt.and_then(OptArgs::backend_names),
+            merge: !opt.is_some_and(|o| o.skip_desc_merge),
+        };
+        let agent = self.agent()?;
+        let _rt = rt()?.enter();
+        let req = agent.make_request(
+            op,
+            &local.prepared,
+            Indices::List(local_idx),
+            &remote.prepared,
+            Indices::List(remote_idx),
+            &options,
+        )?;
+        Ok(XferReq::new(
+            req,
+            opt.and_then(OptArgs::notif),
+            self.telemetry,
+        ))
+    }
+
+    /// NIXL's `createXferReq`: `peer` may be this agent's own name (local moves:
+    /// host, device, files).
+    ///
+    /// # Errors
+    /// Every failure is BACKEND, as NIXL reports them.
+    pub fn create_request(
+        &self,
+        op: Op,
+        local: &DescList,
+        remote: &DescList,
+        peer: &str,
+        opt: Option<&OptArgs>,
+    ) -> Outcome<XferReq> {
+        let make = || -> Outcome<XferReq> {
+            if local.descs.len() != remote.descs.len() {
+                return Err(Failure::invalid(format!(
+                    "create transfer request: {} local and {} remote descriptors",
+                    local.descs.len(),
+                    remote.descs.len()
+                )));
+            }
+            let options = RequestOptions {
+                backends: opt.and_then(OptArgs::backend_names),
+                merge: true,
+            };
+            let (l, r) = (local.to_nixl()?, remote.to_nixl()?);
+            let agent = self.agent()?;
+            let _rt = rt()?.enter();
+            let req = agent.create_request(op, &l, peer, &r, &options)?;
+            Ok(XferReq::new(
+                req,
+                opt.and_then(OptArgs::notif),
+                self.telemetry,
+            ))
+        };
+        make().map_err(Failure::collapsed)
+    }
+
+    /// NIXL's `getNotifs`: append every notification received since the last call.
+    ///
+    /// # Errors
+    /// BACKEND when no backend of the agent carries notifications.
+    pub fn get_notifs(&self, map: &mut NotifMap, opt: Option<&OptArgs>) -> Outcome {
+        let hint = opt.map(|o| o.backends.clone()).unwrap_or_default();
+        let any = {
+            let setup = self.setup.lock().unwrap();
+            setup
+                .attached
+                .iter()
+                .filter(|a| hint.is_empty() || hint.contains(&a.name))
+                .any(|a| a.backend.capabilities().notifications)
+        };
+        if !any {
+            return Err(Failure::backend(format!(
+                "get notifications: no backend of agent {:?} carries notifications",
+                self.name
+            )));
+        }
+        self.agent()?;
+        let mut g = self.notifs.lock().unwrap();
+        if let Some(n) = g.as_mut() {
+            while let Some(note) = n.try_recv() {
+                map.push(&note.peer, note.msg.to_vec());
+            }
+        }
+        Ok(())
+    }
+
+    /// NIXL's `genNotif`: a notification to `peer`, sent in the background.
+    pub fn gen_notif(&self, peer: &str, msg: &[u8]) -> Outcome {
+        let agent = self.agent()?;
+        let _rt = rt()?.enter();
+        let t = agent
+            .notify(peer, Bytes::copy_from_slice(msg))
+            .map_err(|e| match e.kind() {
+                nixl::ErrorKind::UnknownPeer => Failure::not_found(e.to_string()),
+                _ => Failure::backend(e.to_string()),
+            })?;
+        self.spawn("send notification", t)
+    }
+
+    /// NIXL's `queryMem`: one backend (POSIX) answers for each descriptor's file
+    /// (the descriptor's metadata is its path): its size, mode and modification
+    /// time, or nothing when it does not exist.
+    pub fn query_mem(&self, list: &DescList, opt: Option<&OptArgs>) -> Outcome<QueryResponses> {
+        let hint = opt.map(|o| o.backends.as_slice()).unwrap_or_default();
+        let [b] = hint else {
+            return Err(Failure::invalid(
+                "query memory: name exactly one backend in the optional arguments",
+            ));
+        };
+        if *b != "posix" {
+            return Err(Failure::backend(format!(
+                "query memory: backend {} does not answer it (POSIX does)",
+                backends::nixl_name(b)
+            )));
+        }
+        let mut out = QueryResponses::default();
+        for d in &list.descs {
+            let meta = String::from_utf8_lossy(&d.meta);
+            let path = nixl_compat::memory::path_mode(&meta).map_or(&*meta, |(_, p)| p);
+            out.0.push(std::fs::metadata(path).ok().map(|m| {
+                use std::os::unix::fs::MetadataExt;
+                let mut p = Params::default();
+                p.add("size", &m.len().to_string());
+                p.add("mode", &m.mode().to_string());
+                p.add("mtime", &m.mtime().to_string());
+                p
+            }));
+        }
+        Ok(out)
+    }
+
+    /// Stop everything the agent started (NIXL's agent destructor).
+    pub fn shutdown(&self) {
+        let agent = self.setup.lock().unwrap().agent.take();
+        let Ok(rt) = rt() else { return };
+        rt.block_on(async {
+            self.cancel.cancel();
+            self.tasks.close();
+            if tokio::time::timeout(TASKS_BOUND, self.tasks.wait())
+                .await
+                .is_err()
+            {
+                tracing::warn!(agent = %self.name, "background calls still running at destroy");
+            }
+            if let Some(a) = agent {
+                let report = a.shutdown().await;
+                if !report.is_clean() {
+                    tracing::warn!(agent = %self.name, ?report, "agent shut down uncleanly");
+                }
+            }
+        });
+        self.regs.lock().unwrap().clear();
+        self.notifs.lock().unwrap().take();
+    }
+}
+
+fn speaks_nixl(attached: &[Attached]) -> bool {
+    attached.iter().any(|a| a.backend.nixl().is_some())
+}
+
+/// The memory a registration descriptor names.
+fn memory(mem: u32, d: &RegDesc) -> Outcome<nixl::Memory> {
+    let kind = crate::lists::kind(mem, d.dev)?;
+    Ok(match kind {
+        MemKind::File { fd } => {
+            let meta = String::from_utf8_lossy(&d.meta);
+            match nixl_compat::memory::path_mode(&meta) {
+                Some((o, path)) => nixl_compat::memory::path_memory(d.addr, d.len, fd, o, path)?,
+                None => crate::memory::file(d.addr, d.len, fd)?,
+            }
+        }
+        _ => crate::memory::caller(d.addr, d.len, kind)?,
+    })
+}
+
+/// NIXL's transfer operation values.
+pub fn op(value: u32) -> Outcome<Op> {
+    match value {
+        0 => Ok(Op::Read),
+        1 => Ok(Op::Write),
+        other => Err(Failure::invalid(format!(
+            "transfer operation {other} is neither READ (0) nor WRITE (1)"
+        ))),
+    }
+}
+
+impl Drop for CAgent {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn telemetry_env_wins_over_config() {
+        assert!(telemetry_enabled(true, None));
+        assert!(!telemetry_enabled(false, None));
+        assert!(telemetry_enabled(false, Some("1")));
+        assert!(telemetry_enabled(false, Some("Yes")));
+        assert!(!telemetry_enabled(true, Some("0")));
+        assert!(!telemetry_enabled(true, Some("false")));
+    }
+
+    #[test]
+    fn ops() {
+        assert_eq!(op(0).unwrap(), Op::Read);
+        assert_eq!(op(1).unwrap(), Op::Write);
+        assert_eq!(op(2).unwrap_err().status, crate::status::INVALID_PARAM);
+    }
+}

@@ -1,0 +1,75 @@
+//! The one tokio runtime every agent of the process shares, and logging.
+//!
+//! C callers block on it (building an agent, connecting, deregistering, shutting
+//! down); posting and polling never do. Its workers park when idle: no thread
+//! spins while nothing moves.
+
+use std::sync::OnceLock;
+
+use tokio::runtime::Runtime;
+
+use crate::status::{Failure, Outcome};
+
+static RT: OnceLock<Runtime> = OnceLock::new();
+
+/// The shared runtime, started on first use (make agents after a `fork`: only the
+/// parent's runtime is started in a child). Workers: `NIXL_RS_THREADS`, else up to 4.
+pub fn rt() -> Outcome<&'static Runtime> {
+    if let Some(rt) = RT.get() {
+        return Ok(rt);
+    }
+    let workers = std::env::var("NIXL_RS_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get().min(4))
+                .unwrap_or(2)
+        });
+    let built = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .thread_name("nixl-rs")
+        .enable_all()
+        .build()
+        .map_err(|e| Failure::backend(format!("starting nixl-rs' runtime: {e}")))?;
+    // A racing first call built another one; the loser is dropped here, unused.
+    let _ = RT.set(built);
+    Ok(RT.get().expect("set above"))
+}
+
+/// Log to stderr once per process, filtered by `NIXL_RS_LOG` (tracing's syntax),
+/// else by NIXL's `NIXL_LOG_LEVEL` (TRACE, DEBUG, INFO, WARN, ERROR, FATAL),
+/// else warnings and errors. A subscriber the host program installed wins.
+pub fn init_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_env("NIXL_RS_LOG")
+            .ok()
+            .or_else(|| {
+                let level = match std::env::var("NIXL_LOG_LEVEL")
+                    .ok()?
+                    .to_ascii_uppercase()
+                    .as_str()
+                {
+                    "TRACE" => "trace",
+                    "DEBUG" => "debug",
+                    "INFO" => "info",
+                    "WARN" | "WARNING" => "warn",
+                    "ERROR" | "FATAL" => "error",
+                    _ => return None,
+                };
+                Some(tracing_subscriber::EnvFilter::new(level))
+            })
+            .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("warn"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .try_init();
+        tracing::info!(
+            target: "nixl_capi",
+            "{}; native libraries are bound as backends are created (nixl_rs_capi_native_libraries)",
+            crate::IMPLEMENTATION.trim_end_matches('\0')
+        );
+    });
+}
