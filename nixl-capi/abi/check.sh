@@ -9,6 +9,8 @@
 #                    for in Cargo's registry sources). Not found: SKIP, exit 0.
 #   LIBNIXL_CAPI_SO  a libnixl_capi.so to check (or env NIXL_CAPI_LIB); optional.
 #                    NVIDIA's library passes too (its nixl-rs extras are skipped).
+#   env NIXL_CAPI_HEADER   header to check instead of nixl-capi/include/nixl_capi.h
+#   env NIXL_CAPI_ABI_KEEP non-empty: keep the work directory (printed)
 #
 # What is compared (gcc does the parsing; nothing is matched by hand in C text):
 #   a) prototypes: every nixl_capi_* declaration as gcc prints it (-aux-info),
@@ -27,7 +29,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-ours="$here/../include/nixl_capi.h"
+ours=${NIXL_CAPI_HEADER:-$here/../include/nixl_capi.h}
 CC=${CC:-gcc}
 
 wrapper=${1:-${NIXL_SYS_WRAPPER_H:-}}
@@ -71,10 +73,11 @@ fail() {
     echo "FAIL: $*" >&2
     failed=1
 }
-# compare NAME FILE_NIXL FILE_OURS: print a diff (- NIXL, + ours) on difference.
+# compare WHAT EXPECTED ACTUAL [EXPECTED_LABEL ACTUAL_LABEL]: fail with a diff.
 compare() {
-    if ! diff -u --label "NIXL wrapper.h" --label "nixl_capi.h" "$2" "$3" >"$work/diff.txt"; then
-        fail "$1 differ (- NIXL wrapper.h, + nixl_capi.h):"
+    local a=${4:-NIXL wrapper.h} b=${5:-nixl_capi.h}
+    if ! diff -u --label "$a" --label "$b" "$2" "$3" >"$work/diff.txt"; then
+        fail "$1 differ (- $a, + $b):"
         cat "$work/diff.txt" >&2
     fi
 }
@@ -83,23 +86,26 @@ compare() {
 for side in nixl ours; do
     if [[ $side == nixl ]]; then h=$wrapper; else h=$ours; fi
     printf '#include "%s"\n' "$h" >"$work/$side.c"
-    "$CC" -std=c11 -fsyntax-only -aux-info "$work/$side.aux" "$work/$side.c"
-    "$CC" -std=c11 -c -o /dev/null -fdump-go-spec="$work/$side.go" "$work/$side.c"
+    if ! "$CC" -std=c11 -fsyntax-only -aux-info "$work/$side.aux" "$work/$side.c" ||
+        ! "$CC" -std=c11 -c -o /dev/null -fdump-go-spec="$work/$side.go" "$work/$side.c"; then
+        echo "FAIL: $h does not compile as C11" >&2
+        exit 1
+    fi
 
     # a) prototypes: drop gcc's "/* file:line:NC */" prefix, squeeze spaces.
     grep -E '^/\*.*\*/ *extern .*[ *]nixl_capi_[A-Za-z0-9_]* \(' "$work/$side.aux" |
         sed -E 's|^/\*[^*]*\*/ *||; s/\(\/\* \?\?\? \*\/\)/(void)/; s/[[:space:]]+/ /g; s/ $//' |
-        sort >"$work/$side.protos"
+        sort >"$work/$side.protos" || true
     sed -E 's/.*[ *](nixl_capi_[A-Za-z0-9_]*) \(.*/\1/' "$work/$side.protos" | sort -u >"$work/$side.funcs"
 
     # b) type dump: nixl_capi_* types and NIXL_CAPI_* constants, not functions.
     grep -E '^(type _nixl_capi_|const _NIXL_CAPI_|const _sizeof_nixl_capi_)' "$work/$side.go" |
-        sort >"$work/$side.types"
+        sort >"$work/$side.types" || true
 done
 
 # Our own additions, exported by nixl-rs' library only.
 grep -E '^/\*.*\*/ *extern .*[ *]nixl_rs_[A-Za-z0-9_]* \(' "$work/ours.aux" |
-    sed -E 's/.*[ *](nixl_rs_[A-Za-z0-9_]*) \(.*/\1/' | sort -u >"$work/ours.extras"
+    sed -E 's/.*[ *](nixl_rs_[A-Za-z0-9_]*) \(.*/\1/' | sort -u >"$work/ours.extras" || true
 
 nfuncs=$(wc -l <"$work/nixl.funcs")
 if [[ $nfuncs -ne 104 ]]; then
@@ -179,16 +185,16 @@ libnote=""
 if [[ -n "$lib" ]]; then
     nm -D --defined-only "$lib" | awk 'NF >= 3 { sub(/@.*/, "", $3); print $2, $3 }' >"$work/lib.syms"
     awk '$2 ~ /^nixl_capi_/ { print $2 }' "$work/lib.syms" | sort -u >"$work/lib.funcs"
-    compare "functions of wrapper.h vs nixl_capi_* symbols of $lib" "$work/nixl.funcs" "$work/lib.funcs"
+    compare "nixl_capi_* functions" "$work/nixl.funcs" "$work/lib.funcs" "NIXL wrapper.h" "$lib"
     notfunc=$(awk '$2 ~ /^nixl_(capi|rs)_/ && $1 != "T" && $1 != "i" { print $2 " (" $1 ")" }' "$work/lib.syms")
     [[ -z "$notfunc" ]] || fail "$lib: exported as non-functions: $notfunc"
 
     soname=$(readelf -d "$lib" | sed -nE 's/.*\(SONAME\).*\[(.*)\].*/\1/p')
     [[ "$soname" == libnixl_capi.so ]] || fail "$lib: SONAME is '${soname:-none}', must be libnixl_capi.so"
 
-    if awk '$2 == "nixl_rs_capi_version"' "$work/lib.syms" | grep -q .; then
+    if awk '$2 == "nixl_rs_capi_version" { found = 1 } END { exit !found }' "$work/lib.syms"; then
         awk '$2 ~ /^nixl_rs_/ { print $2 }' "$work/lib.syms" | sort -u >"$work/lib.extras"
-        compare "nixl_rs_* functions of nixl_capi.h vs symbols of $lib" "$work/ours.extras" "$work/lib.extras"
+        compare "nixl_rs_* functions" "$work/ours.extras" "$work/lib.extras" "nixl_capi.h" "$lib"
         libnote="; $(basename "$lib"): $(wc -l <"$work/lib.funcs") nixl_capi_* + $(wc -l <"$work/lib.extras") nixl_rs_* symbols, SONAME $soname"
     else
         libnote="; $(basename "$lib"): $(wc -l <"$work/lib.funcs") nixl_capi_* symbols, SONAME $soname (not nixl-rs' library: nixl_rs_* extras not checked)"

@@ -87,7 +87,7 @@ struct nixl_capi_mem_view_s;
  * All fields are 64-bit; sizeof == 40.
  */
 struct nixl_capi_xfer_telemetry_s {
-    uint64_t start_time_us;    /* post time, microseconds (monotonic clock) */
+    uint64_t start_time_us;    /* post time, microseconds since the Unix epoch */
     uint64_t post_duration_us; /* time spent inside the post call */
     uint64_t xfer_duration_us; /* post until completion was observed */
     uint64_t total_bytes;      /* sum of the descriptor lengths */
@@ -207,8 +207,10 @@ nixl_capi_status_t nixl_capi_invalidate_remote_md(nixl_capi_agent_t agent, const
 /*
  * Side-channel metadata exchange. With an IP address in opt_args
  * (nixl_capi_opt_args_set_ip_addr / _set_port) the peer's listener is used;
- * otherwise the configured metadata store (etcd). These calls queue the
- * exchange and return; poll nixl_capi_check_remote_md() for its result.
+ * otherwise NIXL's configured metadata store (etcd), which nixl-rs' library
+ * does not offer: without an address they give ERROR_INVALID_PARAM. These
+ * calls queue the exchange and return; poll nixl_capi_check_remote_md() for
+ * its result.
  */
 nixl_capi_status_t nixl_capi_invalidate_local_md(nixl_capi_agent_t agent, nixl_capi_opt_args_t opt_args);
 nixl_capi_status_t nixl_capi_send_local_md(nixl_capi_agent_t agent, nixl_capi_opt_args_t opt_args);
@@ -572,7 +574,8 @@ nixl_capi_status_t nixl_capi_notif_map_clear(nixl_capi_notif_map_t map);
 /*
  * Backend handles describing local or remote buffers for GPU-initiated
  * transfers. nixl-rs has no device-initiated backend: both prep calls give
- * NOT_FOUND. Release a view before destroying its agent.
+ * NOT_FOUND, and release_mem_view gives INVALID_PARAM (no handle is ever
+ * one of its views).
  */
 nixl_capi_status_t
 nixl_capi_prep_mem_view_local(nixl_capi_agent_t agent,
