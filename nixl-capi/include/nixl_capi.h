@@ -207,10 +207,11 @@ nixl_capi_status_t nixl_capi_invalidate_remote_md(nixl_capi_agent_t agent, const
 /*
  * Side-channel metadata exchange. With an IP address in opt_args
  * (nixl_capi_opt_args_set_ip_addr / _set_port) the peer's listener is used;
- * otherwise NIXL's configured metadata store (etcd), which nixl-rs' library
- * does not offer: without an address they give ERROR_INVALID_PARAM. These
- * calls queue the exchange and return; poll nixl_capi_check_remote_md() for
- * its result.
+ * otherwise etcd at NIXL_ETCD_ENDPOINTS (nixl-rs' library built with its
+ * `etcd` feature; else, or with the variable unset, ERROR_INVALID_PARAM).
+ * Partial metadata through etcd needs a label this API cannot give
+ * (ERROR_INVALID_PARAM). These calls queue the exchange and return; poll
+ * nixl_capi_check_remote_md() for its result.
  */
 nixl_capi_status_t nixl_capi_invalidate_local_md(nixl_capi_agent_t agent, nixl_capi_opt_args_t opt_args);
 nixl_capi_status_t nixl_capi_send_local_md(nixl_capi_agent_t agent, nixl_capi_opt_args_t opt_args);

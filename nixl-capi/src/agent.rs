@@ -23,6 +23,7 @@ use nixl::{
     Registration, RequestOptions, TelemetryOptions,
 };
 use nixl_compat::backends;
+use nixl_compat::etcd::{self, Etcd};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -95,6 +96,8 @@ pub struct CAgent {
     notifs: Mutex<Option<Notifications>>,
     tasks: TaskTracker,
     cancel: CancellationToken,
+    /// The metadata calls given no address (NIXL's etcd).
+    etcd: Arc<Etcd>,
 }
 
 impl std::fmt::Debug for CAgent {
@@ -146,6 +149,7 @@ impl CAgent {
             notifs: Mutex::new(None),
             tasks: TaskTracker::new(),
             cancel: CancellationToken::new(),
+            etcd: Arc::default(),
         })
     }
 
@@ -551,19 +555,29 @@ impl CAgent {
         Ok(())
     }
 
-    fn no_etcd(op: &str) -> Failure {
-        Failure::invalid(format!(
-            "{op}: no ip_addr in the optional arguments, and nixl-rs' libnixl_capi.so \
-             has no etcd exchange; give the peer's address (nixl_capi_opt_args_set_ip_addr)"
-        ))
+    /// An etcd call for a metadata call given no address (NIXL's etcd exchange at
+    /// `NIXL_ETCD_ENDPOINTS`).
+    ///
+    /// # Errors
+    /// INVALID_PARAM (as NIXL's) when there is no etcd: no endpoints, or a build
+    /// without the `etcd` feature.
+    fn etcd(&self, op: &'static str) -> Outcome<etcd::Call> {
+        let agent = self.agent()?;
+        etcd::Call::new(self.etcd.clone(), agent, self.speaks_nixl(), op)
+            .map_err(|e| Failure::invalid(e.to_string()))
     }
 
-    /// NIXL's `sendLocalMD` / `sendLocalPartialMD` to the listener at the
-    /// arguments' address, in the background.
+    /// NIXL's `sendLocalMD` / `sendLocalPartialMD`: to the listener at the
+    /// arguments' address, else to etcd; in the background.
     pub fn send_local_md(&self, partial: Option<&DescList>, opt: &OptArgs) -> Outcome {
         const OP: &str = "send local metadata";
         if opt.ip_addr.is_empty() {
-            return Err(Self::no_etcd(OP));
+            if partial.is_some() {
+                return Err(Failure::invalid(
+                    "send local partial metadata: through etcd it needs a label, which NIXL's C API cannot give; give the peer's address",
+                ));
+            }
+            return self.spawn(OP, self.etcd(OP)?.publish());
         }
         let addr = socket_addr(&opt.ip_addr, opt.port)?;
         let agent = self.agent()?;
@@ -596,12 +610,12 @@ impl CAgent {
     }
 
     /// NIXL's `fetchRemoteMD`: fetch `peer`'s metadata from the listener at the
-    /// arguments' address and load it, in the background (`check_remote_md` says
-    /// when it is there).
+    /// arguments' address, else from etcd, and load it, in the background
+    /// (`check_remote_md` says when it is there).
     pub fn fetch_remote_md(&self, peer: &str, opt: &OptArgs) -> Outcome {
         const OP: &str = "fetch remote metadata";
         if opt.ip_addr.is_empty() {
-            return Err(Self::no_etcd(OP));
+            return self.spawn(OP, self.etcd(OP)?.fetch(peer.to_owned(), String::new()));
         }
         let addr = socket_addr(&opt.ip_addr, opt.port)?;
         let agent = self.agent()?;
@@ -622,11 +636,11 @@ impl CAgent {
     }
 
     /// NIXL's `invalidateLocalMD`: tell the listener at the arguments' address to
-    /// forget this agent, in the background.
+    /// forget this agent, else withdraw it from etcd; in the background.
     pub fn invalidate_local_md(&self, opt: &OptArgs) -> Outcome {
         const OP: &str = "invalidate local metadata";
         if opt.ip_addr.is_empty() {
-            return Err(Self::no_etcd(OP));
+            return self.spawn(OP, self.etcd(OP)?.invalidate());
         }
         let addr = socket_addr(&opt.ip_addr, opt.port)?;
         let agent = self.agent()?;

@@ -230,3 +230,47 @@ fn query_mem_answers_for_files_through_posix_only() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn one_agent_posts_and_polls_from_several_threads() {
+    let a = std::sync::Arc::new(tcp_agent("capi-threads-a"));
+    let b = tcp_agent("capi-threads-b");
+    const THREADS: usize = 4;
+    const LEN: usize = 16 << 10;
+    let src: Vec<Vec<u8>> = (0..THREADS).map(|t| vec![t as u8 + 1; LEN]).collect();
+    let dst: Vec<Vec<u8>> = (0..THREADS).map(|_| vec![0u8; LEN]).collect();
+    for s in &src {
+        a.register(&list(mem::DRAM, &[s]), &OptArgs::default())
+            .unwrap();
+    }
+    for d in &dst {
+        b.register(&list(mem::DRAM, &[d]), &OptArgs::default())
+            .unwrap();
+    }
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (a, src, dst) = (a.clone(), &src[t], &dst[t]);
+            s.spawn(move || {
+                let req = a
+                    .create_request(
+                        Op::Write,
+                        &list(mem::DRAM, &[src]),
+                        &list(mem::DRAM, &[dst]),
+                        "capi-threads-b",
+                        None,
+                    )
+                    .unwrap();
+                for _ in 0..50 {
+                    wait(&req, req.post(None).unwrap());
+                }
+            });
+        }
+    });
+    for (t, d) in dst.iter().enumerate() {
+        assert!(
+            d.iter().all(|&x| x == t as u8 + 1),
+            "thread {t}'s bytes arrived"
+        );
+    }
+}

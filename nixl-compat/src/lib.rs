@@ -8,6 +8,7 @@
 #![deny(unsafe_code)]
 
 pub mod backends;
+pub mod etcd;
 // Audited: turns caller-provided addresses and file descriptors into `nixl::Memory`
 // under the callers' documented contract.
 #[allow(unsafe_code)]

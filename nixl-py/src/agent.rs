@@ -18,11 +18,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::errors::{invalid, raise, IntoPy};
-use crate::etcd::{self, Etcd};
 use crate::handles::{deliver, DlistHandle, XferHandle};
 use crate::memory::{caller_memory, file_memory, path_memory, path_mode};
 use crate::runtime::rt;
 use nixl_compat::backends;
+use nixl_compat::etcd::{self, Etcd};
 
 /// How long shutdown waits for this layer's own tasks (asyncio waiters, exchange
 /// requests) after cancelling them.
@@ -290,8 +290,8 @@ impl Inner {
 
     /// An etcd call of the metadata API (no IP address) for `op`, checked before
     /// anything starts; it fixes the agent's backends, as any exchange does.
-    fn etcd_call(&self, op: &str) -> PyResult<etcd::Call> {
-        let call = etcd::Call::new(self.etcd.clone(), self.agent(), self.speaks_nixl(), op)?;
+    fn etcd_call(&self, op: &'static str) -> PyResult<etcd::Call> {
+        let call = etcd::Call::new(self.etcd.clone(), self.agent(), self.speaks_nixl(), op).py()?;
         self.used.store(true, Ordering::Release);
         Ok(call)
     }

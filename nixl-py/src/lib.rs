@@ -27,7 +27,6 @@
 mod agent;
 use nixl_compat::backends;
 mod errors;
-mod etcd;
 mod handles;
 // Audited: turns caller-provided addresses and file descriptors into `nixl::Memory` under the Python
 // API's documented contract.

@@ -1,6 +1,7 @@
-//! NIXL's etcd metadata exchange for the Python API: the metadata calls given no IP
-//! address use etcd, as NIXL's do, at the endpoints `NIXL_ETCD_ENDPOINTS` names
-//! (comma-separated), through the core's [`nixl::exchange::EtcdExchange`].
+//! NIXL's etcd metadata exchange for the drop-in surfaces: the metadata calls given
+//! no IP address use etcd, as NIXL's do, at the endpoints `NIXL_ETCD_ENDPOINTS`
+//! names (comma-separated), through the core's `nixl::exchange::EtcdExchange`
+//! (feature `etcd`).
 //!
 //! An agent with a NIXL-speaking backend (UCX) uses NIXL's key layout and format under
 //! `NIXL_ETCD_NAMESPACE` (NIXL's default when unset), so NIXL agents of the same etcd
@@ -10,10 +11,7 @@
 
 use std::sync::Arc;
 
-use nixl::Agent;
-use pyo3::PyResult;
-
-use crate::errors::raise;
+use nixl::{Agent, ErrorKind};
 
 /// Where NIXL's agents find etcd.
 const ENV_ENDPOINTS: &str = "NIXL_ETCD_ENDPOINTS";
@@ -25,19 +23,19 @@ const ENV_NAMESPACE: &str = "NIXL_ETCD_NAMESPACE";
 const FETCH_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// One agent's etcd exchange, connected at first use.
-#[derive(Default)]
-pub(crate) struct Etcd {
+#[derive(Default, Debug)]
+pub struct Etcd {
     #[cfg(feature = "etcd")]
     exchange: tokio::sync::OnceCell<nixl::exchange::EtcdExchange>,
 }
 
-/// The endpoints `NIXL_ETCD_ENDPOINTS` names; a Python error when it is unset or this
-/// build has no etcd, raised before anything starts in the background.
-fn endpoints(op: &str) -> PyResult<Vec<String>> {
-    let not_supported = |why: String| raise("NotSupported", op, "etcd", format!("{op}: {why}"));
+/// The endpoints `NIXL_ETCD_ENDPOINTS` names; `NotSupported` when it is unset or
+/// this build has no etcd, before anything starts in the background.
+fn endpoints(op: &'static str) -> nixl::Result<Vec<String>> {
+    let not_supported = |why: String| nixl::Error::new(ErrorKind::NotSupported, op, why);
     if cfg!(not(feature = "etcd")) {
         return Err(not_supported(
-            "without an IP address NIXL uses etcd, and this build of nixl_rs has none (build nixl-py with the feature `etcd`); give ip_addr and port of the peer's listener".into(),
+            "without an IP address NIXL uses etcd, and this build of nixl-rs has none (build with the feature `etcd`); give the IP address and port of the peer's listener".into(),
         ));
     }
     let list: Vec<String> = std::env::var(ENV_ENDPOINTS)
@@ -56,9 +54,10 @@ fn endpoints(op: &str) -> PyResult<Vec<String>> {
 }
 
 /// One metadata call for etcd, ready to run in the background.
+#[allow(missing_debug_implementations)]
 // Without the feature a call is never made (`Call::new` refuses), so nothing reads it.
 #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
-pub(crate) struct Call {
+pub struct Call {
     etcd: Arc<Etcd>,
     agent: Agent,
     /// The agent speaks NIXL (NIXL's layout).
@@ -67,8 +66,11 @@ pub(crate) struct Call {
 }
 
 impl Call {
-    /// A call for `op`; the Python error of [`endpoints`] when etcd is not there.
-    pub(crate) fn new(etcd: Arc<Etcd>, agent: Agent, nixl: bool, op: &str) -> PyResult<Self> {
+    /// A call for `op`.
+    ///
+    /// # Errors
+    /// `NotSupported` when etcd is not there (no endpoints, or not in this build).
+    pub fn new(etcd: Arc<Etcd>, agent: Agent, nixl: bool, op: &'static str) -> nixl::Result<Self> {
         Ok(Self {
             endpoints: endpoints(op)?,
             etcd,
@@ -107,14 +109,14 @@ impl Call {
     }
 
     /// Publish the agent's full metadata.
-    pub(crate) async fn publish(self) -> nixl::Result<()> {
+    pub async fn publish(self) -> nixl::Result<()> {
         self.exchange().await?.publish().await
     }
 
     /// Load `peer`'s full metadata (`label` empty) or its partial metadata under
     /// `label`, waiting up to [`FETCH_WAIT`] for it to appear; a full fetch then
     /// follows the peer (reloaded when it publishes again, forgotten when it goes).
-    pub(crate) async fn fetch(self, peer: String, label: String) -> nixl::Result<()> {
+    pub async fn fetch(self, peer: String, label: String) -> nixl::Result<()> {
         let x = self.exchange().await?;
         if label.is_empty() {
             x.fetch(&peer, FETCH_WAIT).await
@@ -124,7 +126,7 @@ impl Call {
     }
 
     /// Withdraw everything this agent published (peers following it forget it).
-    pub(crate) async fn invalidate(self) -> nixl::Result<()> {
+    pub async fn invalidate(self) -> nixl::Result<()> {
         self.exchange().await?.invalidate().await
     }
 }
@@ -140,15 +142,18 @@ impl Call {
         )
     }
 
-    pub(crate) async fn publish(self) -> nixl::Result<()> {
+    /// Not in this build.
+    pub async fn publish(self) -> nixl::Result<()> {
         Err(Self::absent())
     }
 
-    pub(crate) async fn fetch(self, _: String, _: String) -> nixl::Result<()> {
+    /// Not in this build.
+    pub async fn fetch(self, _: String, _: String) -> nixl::Result<()> {
         Err(Self::absent())
     }
 
-    pub(crate) async fn invalidate(self) -> nixl::Result<()> {
+    /// Not in this build.
+    pub async fn invalidate(self) -> nixl::Result<()> {
         Err(Self::absent())
     }
 }
