@@ -1047,14 +1047,16 @@ impl<K: HoldsMemory> Ucx<K> {
     /// Close endpoints whose deferred close is due, and move finished closes to free
     /// slots; returns how many are still closing (deferred ones included).
     pub(crate) fn reap_closed(&mut self) -> usize {
-        let now = Instant::now();
+        // Read the clock only when some endpoint waits to close (every round calls
+        // this, posts included).
+        let mut now = None;
         let mut left = 0;
         for i in 0..self.eps.len() {
             if let EpState::Open {
                 close_at: Some(t), ..
             } = self.eps[i].state
             {
-                if now >= t {
+                if *now.get_or_insert_with(Instant::now) >= t {
                     self.close_now(i as u32);
                 } else {
                     left += 1;
