@@ -114,7 +114,7 @@ impl Call {
     }
 
     /// Load `peer`'s full metadata (`label` empty) or its partial metadata under
-    /// `label`, waiting up to [`FETCH_WAIT`] for it to appear; a full fetch then
+    /// `label`, waiting up to 30 s for it to appear; a full fetch then
     /// follows the peer (reloaded when it publishes again, forgotten when it goes).
     pub async fn fetch(self, peer: String, label: String) -> nixl::Result<()> {
         let x = self.exchange().await?;
