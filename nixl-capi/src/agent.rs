@@ -28,7 +28,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::lists::{mem, DescList, NotifMap, OptArgs, Params, QueryResponses, RegDesc};
-use crate::runtime::rt;
+use crate::runtime::Locked;
+use crate::runtime::{block_on, rt};
 use crate::status::{Failure, Outcome, NOT_FOUND};
 use crate::xfer::{Prepared, XferReq};
 
@@ -93,7 +94,13 @@ pub struct CAgent {
     telemetry: bool,
     setup: Mutex<Setup>,
     regs: Mutex<Vec<Reg>>,
+    /// Held by one registration or deregistration at a time: a deregistration
+    /// waits for the memory's transfers with `regs` unlocked, and a registration of
+    /// the same descriptor meanwhile must not count on what is going away.
+    reg_op: Mutex<()>,
     notifs: Mutex<Option<Notifications>>,
+    /// Notifications this agent sent itself, for its next `get_notifs`.
+    to_self: Mutex<Vec<Vec<u8>>>,
     tasks: TaskTracker,
     cancel: CancellationToken,
     /// The metadata calls given no address (NIXL's etcd).
@@ -146,7 +153,9 @@ impl CAgent {
             telemetry: telemetry_enabled(config.capture_telemetry, env.as_deref()),
             setup: Mutex::new(Setup::default()),
             regs: Mutex::new(Vec::new()),
+            reg_op: Mutex::new(()),
             notifs: Mutex::new(None),
+            to_self: Mutex::new(Vec::new()),
             tasks: TaskTracker::new(),
             cancel: CancellationToken::new(),
             etcd: Arc::default(),
@@ -164,12 +173,15 @@ impl CAgent {
     }
 
     /// The running nixl-rs agent, started now if this is the first call that needs it.
+    ///
+    /// A start that fails leaves fresh instances of the backends (a backend starts
+    /// once), so a later call tries again. A listener that cannot bind fails the
+    /// call that started the agent; the agent runs on without it.
     fn agent(&self) -> Outcome<Agent> {
-        let mut setup = self.setup.lock().unwrap();
+        let mut setup = self.setup.locked();
         if let Some(a) = &setup.agent {
             return Ok(a.clone());
         }
-        let rt = rt()?;
         let mut b = Agent::builder(&self.name)
             .options(AgentOptions::default())
             .telemetry(TelemetryOptions {
@@ -179,16 +191,29 @@ impl CAgent {
         for a in &setup.attached {
             b = b.backend_arc(a.backend.clone());
         }
-        let agent = rt.block_on(b.build())?;
-        *self.notifs.lock().unwrap() = Some(agent.notifications()?);
+        let agent = match block_on(b.build())? {
+            Ok(agent) => agent,
+            Err(e) => {
+                for a in &mut setup.attached {
+                    match backends::make(a.name, &a.params) {
+                        Ok(fresh) => a.backend = fresh,
+                        Err(e) => {
+                            tracing::warn!(backend = a.name, error = %e, "remaking a backend after a failed start")
+                        }
+                    }
+                }
+                return Err(e.into());
+            }
+        };
+        *self.notifs.locked() = Some(agent.notifications()?);
+        setup.agent = Some(agent.clone());
         if let Some(port) = self.config.listen {
             let addr = SocketAddr::from(([0, 0, 0, 0], port));
             let nixl = speaks_nixl(&setup.attached);
-            let bound = rt.block_on(async {
+            let a = agent.clone();
+            let bound = block_on(async move {
                 if nixl {
-                    agent
-                        .listen_nixl(addr, &NixlListenerOptions::default())
-                        .await
+                    a.listen_nixl(addr, &NixlListenerOptions::default()).await
                 } else {
                     // NIXL's listener trusts everyone who reaches it (loads,
                     // invalidations); so does this one (README: bind where only
@@ -197,24 +222,29 @@ impl CAgent {
                         accept_peer_updates: true,
                         ..SideChannelOptions::default()
                     };
-                    agent.listen(addr, &options).await
+                    a.listen(addr, &options).await
                 }
+            })?
+            .map_err(|e| {
+                Failure::backend(format!(
+                    "agent {:?} started, but its metadata listener (enable_listen_thread, port {port}) did not: {e}",
+                    self.name
+                ))
             })?;
             tracing::info!(agent = %self.name, %bound, nixl, "metadata listener");
             setup.listening = Some(bound);
         }
-        setup.agent = Some(agent.clone());
         Ok(agent)
     }
 
     /// Whether metadata goes in NIXL's format (a backend speaks NIXL's protocol).
     fn speaks_nixl(&self) -> bool {
-        speaks_nixl(&self.setup.lock().unwrap().attached)
+        speaks_nixl(&self.setup.locked().attached)
     }
 
     /// The address the metadata listener is bound to, once started.
     pub fn listening(&self) -> Option<SocketAddr> {
-        self.setup.lock().unwrap().listening
+        self.setup.locked().listening
     }
 
     /// NIXL's `createBackend`: make backend `name` with `params` for this agent.
@@ -224,7 +254,7 @@ impl CAgent {
     /// a name, a bad parameter, a missing native library, or an agent already in use.
     pub fn create_backend(&self, name: &str, params: &Params) -> Outcome<&'static str> {
         let ours = backend_name(name)?;
-        let mut setup = self.setup.lock().unwrap();
+        let mut setup = self.setup.locked();
         if setup.attached.iter().any(|a| a.name == ours) {
             return Err(Failure::backend(format!(
                 "backend {name:?} is already created for agent {:?}",
@@ -254,7 +284,7 @@ impl CAgent {
     /// # Errors
     /// A backend this agent did not create.
     pub fn backend_params(&self, ours: &str) -> Outcome<(Vec<u32>, Params)> {
-        let setup = self.setup.lock().unwrap();
+        let setup = self.setup.locked();
         let a = setup
             .attached
             .iter()
@@ -283,7 +313,7 @@ impl CAgent {
 
     /// Backends (ours) that serve `kind`, among the created ones or the hinted ones.
     fn serving(&self, kind: MemKind, hint: &[&'static str]) -> Vec<&'static str> {
-        let setup = self.setup.lock().unwrap();
+        let setup = self.setup.locked();
         setup
             .attached
             .iter()
@@ -319,6 +349,7 @@ impl CAgent {
             )));
         }
         let agent = self.agent()?;
+        let _one = self.reg_op.locked();
         let options = RegisterOptions {
             backends: Some(serving.iter().map(|s| (*s).to_owned()).collect()),
         };
@@ -327,7 +358,11 @@ impl CAgent {
             // NIXL registers the same descriptor again without complaint (nixl-sys'
             // RAII handles and Dynamo's layouts do); it counts once more here, and
             // the memory stays registered until the last of them is deregistered.
-            if let Some(same) = self.same(list.mem, d) {
+            // Not files: a descriptor number may name another file by now.
+            let same = (list.mem != mem::FILE)
+                .then(|| self.same(list.mem, d))
+                .flatten();
+            if let Some(same) = same {
                 made.push(Reg {
                     mem: list.mem,
                     desc: d.clone(),
@@ -354,7 +389,7 @@ impl CAgent {
                 }
             }
         }
-        self.regs.lock().unwrap().extend(made);
+        self.regs.locked().extend(made);
         Ok(())
     }
 
@@ -366,9 +401,10 @@ impl CAgent {
     /// transfer keeps the memory past the bound.
     pub fn deregister(&self, list: &DescList) -> Outcome {
         let agent = self.agent()?;
+        let _one = self.reg_op.locked();
         let mut picked = Vec::with_capacity(list.descs.len());
         {
-            let regs = self.regs.lock().unwrap();
+            let regs = self.regs.locked();
             for d in &list.descs {
                 match self.same_in(&regs, list.mem, d) {
                     Some(r) => picked.push(r),
@@ -381,10 +417,9 @@ impl CAgent {
                 }
             }
         }
-        let rt = rt()?;
         for reg in picked {
             let last = {
-                let mut regs = self.regs.lock().unwrap();
+                let mut regs = self.regs.locked();
                 let Some(i) = regs.iter().position(|r| r.reg.id() == reg.id()) else {
                     continue;
                 };
@@ -397,8 +432,8 @@ impl CAgent {
             if last {
                 // Transfers released while in flight are being cancelled by their
                 // backend: wait for it to let go.
-                rt.block_on(agent.deregister_when_idle(&reg, DEREGISTER_WAIT))?;
-                self.regs.lock().unwrap().retain(|r| r.reg.id() != reg.id());
+                block_on(agent.deregister_when_idle(&reg, DEREGISTER_WAIT))??;
+                self.regs.locked().retain(|r| r.reg.id() != reg.id());
             }
         }
         Ok(())
@@ -406,7 +441,7 @@ impl CAgent {
 
     /// The registration of exactly this descriptor, if any.
     fn same(&self, mem: u32, d: &RegDesc) -> Option<Registration> {
-        self.same_in(&self.regs.lock().unwrap(), mem, d)
+        self.same_in(&self.regs.locked(), mem, d)
     }
 
     fn same_in(&self, regs: &[Reg], mem: u32, d: &RegDesc) -> Option<Registration> {
@@ -419,7 +454,7 @@ impl CAgent {
 
     /// The registration holding `d` of memory type `mem`.
     fn registration_for(&self, mem: u32, d: &RegDesc) -> Option<Registration> {
-        let regs = self.regs.lock().unwrap();
+        let regs = self.regs.locked();
         regs.iter()
             .find(|r| r.mem == mem && r.desc.addr == d.addr && r.desc.len == d.len)
             .or_else(|| {
@@ -533,7 +568,7 @@ impl CAgent {
     /// NIXL's `makeConnection`.
     pub fn make_connection(&self, peer: &str) -> Outcome {
         let agent = self.agent()?;
-        Ok(rt()?.block_on(agent.connect(peer))?)
+        Ok(block_on(async move { agent.connect(peer).await })??)
     }
 
     /// Run `what` in the background (NIXL's metadata calls return at once); a
@@ -671,12 +706,13 @@ impl CAgent {
             agent.prep_remote(peer, &l)
         }
         .map_err(|e| {
-            // NIXL: an unknown peer, or descriptors no backend covers.
+            // NIXL: an unknown peer, or descriptors no backend covers, is
+            // NOT_FOUND; malformed descriptors are INVALID_PARAM.
             let f = Failure::from(e);
             if f.status == crate::status::BACKEND {
-                f
-            } else {
                 Failure::not_found(f.message)
+            } else {
+                f
             }
         })?;
         Ok(Prepared {
@@ -781,7 +817,7 @@ impl CAgent {
     pub fn get_notifs(&self, map: &mut NotifMap, opt: Option<&OptArgs>) -> Outcome {
         let hint = opt.map(|o| o.backends.clone()).unwrap_or_default();
         let any = {
-            let setup = self.setup.lock().unwrap();
+            let setup = self.setup.locked();
             setup
                 .attached
                 .iter()
@@ -795,18 +831,42 @@ impl CAgent {
             )));
         }
         self.agent()?;
-        let mut g = self.notifs.lock().unwrap();
+        let mut g = self.notifs.locked();
         if let Some(n) = g.as_mut() {
             while let Some(note) = n.try_recv() {
                 map.push(&note.peer, note.msg.to_vec());
             }
         }
+        for msg in std::mem::take(&mut *self.to_self.locked()) {
+            map.push(&self.name, msg);
+        }
         Ok(())
+    }
+
+    /// Whether a created backend carries notifications.
+    fn notifies(&self) -> bool {
+        self.setup
+            .locked()
+            .attached
+            .iter()
+            .any(|a| a.backend.capabilities().notifications)
     }
 
     /// NIXL's `genNotif`: a notification to `peer`, sent in the background.
     pub fn gen_notif(&self, peer: &str, msg: &[u8]) -> Outcome {
         let agent = self.agent()?;
+        if peer == self.name {
+            // To itself (NIXL delivers these through a backend that serves local
+            // transfers and carries notifications): straight to its own queue.
+            if !self.notifies() {
+                return Err(Failure::backend(format!(
+                    "send notification: no backend of agent {:?} carries notifications",
+                    self.name
+                )));
+            }
+            self.to_self.locked().push(msg.to_vec());
+            return Ok(());
+        }
         let _rt = rt()?.enter();
         let t = agent
             .notify(peer, Bytes::copy_from_slice(msg))
@@ -851,9 +911,12 @@ impl CAgent {
 
     /// Stop everything the agent started (NIXL's agent destructor).
     pub fn shutdown(&self) {
-        let agent = self.setup.lock().unwrap().agent.take();
-        let Ok(rt) = rt() else { return };
-        rt.block_on(async {
+        let agent = self.setup.locked().agent.take();
+        if agent.is_none() && self.tasks.is_empty() {
+            // Never started: nothing runs (and no runtime needs starting).
+            return;
+        }
+        let done = block_on(async {
             self.cancel.cancel();
             self.tasks.close();
             if tokio::time::timeout(TASKS_BOUND, self.tasks.wait())
@@ -869,8 +932,11 @@ impl CAgent {
                 }
             }
         });
-        self.regs.lock().unwrap().clear();
-        self.notifs.lock().unwrap().take();
+        if let Err(e) = done {
+            tracing::warn!(agent = %self.name, error = %e, "shutting down");
+        }
+        self.regs.locked().clear();
+        self.notifs.locked().take();
     }
 }
 

@@ -180,8 +180,17 @@ impl DescList {
     }
 
     /// Grow with zeroed descriptors or truncate.
-    pub fn resize(&mut self, n: usize) {
+    ///
+    /// # Errors
+    /// BACKEND when the memory for `n` descriptors cannot be had (NIXL's
+    /// `bad_alloc`).
+    pub fn resize(&mut self, n: usize) -> Outcome {
+        let more = n.saturating_sub(self.descs.len());
+        self.descs
+            .try_reserve(more)
+            .map_err(|e| Failure::backend(format!("resize descriptor list to {n}: {e}")))?;
         self.descs.resize(n, RegDesc::default());
+        Ok(())
     }
 
     /// What `*_dlist_print` writes to stdout.
@@ -317,8 +326,9 @@ mod tests {
             dev: 0,
             meta: Vec::new(),
         });
-        l.resize(3);
+        l.resize(3).unwrap();
         assert_eq!(l.descs.len(), 3);
+        assert!(l.resize(usize::MAX).is_err(), "refused, not an abort");
         assert!(l.remove(5).is_err());
         assert!(l.remove(-1).is_err());
         l.remove(2).unwrap();

@@ -18,6 +18,13 @@ pub fn rt() -> Outcome<&'static Runtime> {
     if let Some(rt) = RT.get() {
         return Ok(rt);
     }
+    // One thread builds it (a runtime built by a loser of a race would be dropped,
+    // which panics where a runtime is running).
+    static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = lock(&BUILDING);
+    if let Some(rt) = RT.get() {
+        return Ok(rt);
+    }
     let workers = std::env::var("NIXL_RS_THREADS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -33,9 +40,47 @@ pub fn rt() -> Outcome<&'static Runtime> {
         .enable_all()
         .build()
         .map_err(|e| Failure::backend(format!("starting nixl-rs' runtime: {e}")))?;
-    // A racing first call built another one; the loser is dropped here, unused.
     let _ = RT.set(built);
     Ok(RT.get().expect("set above"))
+}
+
+/// Run `fut` on the shared runtime and wait for it. From a thread that is itself
+/// inside a tokio runtime of this library (a Rust program using this crate from
+/// async code), the wait happens on a scoped helper thread, where blocking is
+/// allowed. (A C or nixl-sys caller's own tokio is another copy of tokio: its
+/// threads are not "inside" ours.)
+pub fn block_on<F>(fut: F) -> Outcome<F::Output>
+where
+    F: std::future::Future + Send,
+    F::Output: Send,
+{
+    let rt = rt()?;
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Ok(rt.block_on(fut));
+    }
+    std::thread::scope(|s| {
+        s.spawn(|| rt.block_on(fut))
+            .join()
+            .map_err(|_| Failure::backend("a blocking call panicked"))
+    })
+}
+
+/// Lock `m`, also after a panic while it was held (every call is caught at the C
+/// boundary; the state a lock protects here stays consistent across one).
+pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// [`lock`] as a method.
+pub trait Locked<T> {
+    /// The guard, poisoned or not.
+    fn locked(&self) -> std::sync::MutexGuard<'_, T>;
+}
+
+impl<T> Locked<T> for std::sync::Mutex<T> {
+    fn locked(&self) -> std::sync::MutexGuard<'_, T> {
+        lock(self)
+    }
 }
 
 /// Log to stderr once per process, filtered by `NIXL_RS_LOG` (tracing's syntax),

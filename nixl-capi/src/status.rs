@@ -86,10 +86,12 @@ impl fmt::Display for Failure {
 pub fn of_kind(kind: nixl::ErrorKind) -> Status {
     use nixl::ErrorKind as K;
     match kind {
-        K::InvalidArgument | K::OutOfRange | K::ZeroLength | K::LengthMismatch => INVALID_PARAM,
-        // Descriptors outside every registration: NIXL finds no backend that
-        // covers them.
-        K::UnknownPeer | K::StaleGeneration | K::NotFound | K::SpansRegions => NOT_FOUND,
+        K::InvalidArgument | K::ZeroLength | K::LengthMismatch => INVALID_PARAM,
+        // Descriptors outside every registration (or across two): NIXL finds no
+        // backend that covers them.
+        K::UnknownPeer | K::StaleGeneration | K::NotFound | K::SpansRegions | K::OutOfRange => {
+            NOT_FOUND
+        }
         _ => BACKEND,
     }
 }
@@ -130,6 +132,7 @@ mod tests {
         assert_eq!(of_kind(K::UnknownPeer), NOT_FOUND);
         assert_eq!(of_kind(K::StaleGeneration), NOT_FOUND);
         assert_eq!(of_kind(K::SpansRegions), NOT_FOUND);
+        assert_eq!(of_kind(K::OutOfRange), NOT_FOUND);
         assert_eq!(of_kind(K::RemoteDisconnected), BACKEND);
         assert_eq!(of_kind(K::NotSupported), BACKEND);
         assert_eq!(of_kind(K::Canceled), BACKEND);

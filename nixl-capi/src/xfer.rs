@@ -13,6 +13,7 @@ use futures_util::FutureExt;
 use nixl::{PreparedDescs, Status as XStatus, Transfer, XferRequest};
 
 use crate::runtime::rt;
+use crate::runtime::Locked;
 use crate::status::{of_kind, Failure, Outcome, Status, IN_PROG, SUCCESS};
 
 /// A prepared descriptor list (NIXL's `prepXferDlist` result).
@@ -97,7 +98,7 @@ impl XferReq {
     /// The previous post still running (BACKEND, NIXL's REPOST_ACTIVE); a peer
     /// forgotten or reloaded since (NOT_FOUND); the transfer's failure.
     pub fn post(&self, notif: Option<Option<Bytes>>) -> Outcome<Status> {
-        let mut slot = self.slot.lock().unwrap();
+        let mut slot = self.slot.locked();
         let req = slot.req.as_ref().ok_or_else(released)?;
         let notif = notif.unwrap_or_else(|| self.notif.clone());
         let _rt = rt()?.enter();
@@ -110,7 +111,7 @@ impl XferReq {
     /// NIXL's `getXferStatus`: SUCCESS, IN_PROG, or how it failed; an ended post
     /// keeps its answer.
     pub fn status(&self) -> Outcome<Status> {
-        let mut slot = self.slot.lock().unwrap();
+        let mut slot = self.slot.locked();
         if slot.req.is_none() {
             return Err(released());
         }
@@ -124,7 +125,7 @@ impl XferReq {
 
     /// The backend serving the request (ours name).
     pub fn backend(&self) -> Outcome<String> {
-        let slot = self.slot.lock().unwrap();
+        let slot = self.slot.locked();
         Ok(slot.req.as_ref().ok_or_else(released)?.backend().to_owned())
     }
 
@@ -143,7 +144,7 @@ impl XferReq {
         if self.status()? == IN_PROG {
             return Ok(None);
         }
-        let slot = self.slot.lock().unwrap();
+        let slot = self.slot.locked();
         let req = slot.req.as_ref().ok_or_else(released)?;
         let t = req
             .telemetry()
@@ -166,7 +167,7 @@ impl XferReq {
     /// # Errors
     /// INVALID_PARAM when already released.
     pub fn release(&self) -> Outcome {
-        let mut slot = self.slot.lock().unwrap();
+        let mut slot = self.slot.locked();
         if slot.req.is_none() {
             return Err(released());
         }
@@ -176,6 +177,6 @@ impl XferReq {
 
     /// Whether it was released (`destroy` frees only released requests).
     pub fn is_released(&self) -> bool {
-        self.slot.lock().unwrap().req.is_none()
+        self.slot.locked().req.is_none()
     }
 }

@@ -140,6 +140,12 @@ fn write_with_a_notification_then_read_back_between_two_agents() {
     assert_eq!(e.status, BACKEND);
     assert!(e.message.contains("create every backend first"), "{e}");
 
+    // A notification to itself arrives in its own next get_notifs.
+    a.gen_notif("capi-a", b"self").unwrap();
+    let mut mine = NotifMap::default();
+    a.get_notifs(&mut mine, None).unwrap();
+    assert_eq!(mine.of(b"capi-a").unwrap(), &vec![b"self".to_vec()]);
+
     a.invalidate_remote_md("capi-b").unwrap();
     assert_eq!(
         a.invalidate_remote_md("capi-b").unwrap_err().status,

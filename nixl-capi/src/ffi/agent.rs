@@ -13,6 +13,7 @@ use super::{
 };
 use crate::agent::{backend_name, CAgent, Config};
 use crate::lists::{cstring, mem, Params};
+use crate::runtime::Locked;
 use crate::status::{Failure, Outcome, Status};
 use nixl_compat::backends;
 
@@ -52,7 +53,7 @@ pub(super) unsafe fn opt(p: *mut Handle<OptArgsH>) -> Outcome<Option<crate::list
         return Ok(None);
     }
     // SAFETY: the contract is `get`'s.
-    Ok(Some(unsafe { get(p) }?.0.lock().unwrap().clone()))
+    Ok(Some(unsafe { get(p) }?.0.locked().clone()))
 }
 
 fn new_agent(name: &str, config: Config, out: Out<*mut Handle<AgentH>>) -> Outcome<Status> {
@@ -205,7 +206,7 @@ pub unsafe extern "C" fn nixl_capi_create_backend(
             Params::default()
         } else {
             // SAFETY: as above.
-            unsafe { get(params) }?.0.lock().unwrap().clone()
+            unsafe { get(params) }?.0.locked().clone()
         };
         let ours = a.0.create_backend(name, &params)?;
         tracing::info!(target: "nixl_capi", agent = a.0.name(), backend = name, "backend created");
@@ -255,7 +256,7 @@ pub unsafe extern "C" fn nixl_capi_register_mem(
     guard("register_mem", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, l, o) = unsafe { (get(agent)?, get(dlist)?, opt(opt_args)?) };
-        let list = l.0.lock().unwrap().clone();
+        let list = l.0.locked().clone();
         a.0.register(&list, &o.unwrap_or_default())?;
         ok()
     })
@@ -274,7 +275,7 @@ pub unsafe extern "C" fn nixl_capi_deregister_mem(
             opt(opt_args)?;
             (get(agent)?, get(dlist)?)
         };
-        let list = l.0.lock().unwrap().clone();
+        let list = l.0.locked().clone();
         a.0.deregister(&list)?;
         ok()
     })
@@ -309,9 +310,9 @@ pub unsafe extern "C" fn nixl_capi_query_mem(
     guard("query_mem", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, l, r, o) = unsafe { (get(agent)?, get(descs)?, get(resp)?, opt(opt_args)?) };
-        let list = l.0.lock().unwrap().clone();
+        let list = l.0.locked().clone();
         let answers = a.0.query_mem(&list, o.as_ref())?;
-        *r.0.lock().unwrap() = answers;
+        *r.0.locked() = answers;
         ok()
     })
 }
@@ -357,7 +358,7 @@ pub unsafe extern "C" fn nixl_capi_get_local_partial_md(
                 Out::new(len, "len")?,
             )
         };
-        let list = l.0.lock().unwrap().clone();
+        let list = l.0.locked().clone();
         put_md(&a.0.local_partial_md(&list)?, d, n)
     })
 }
@@ -414,7 +415,7 @@ pub unsafe extern "C" fn nixl_capi_check_remote_md(
             None
         } else {
             // SAFETY: as above.
-            Some(unsafe { get(descs) }?.0.lock().unwrap().clone())
+            Some(unsafe { get(descs) }?.0.locked().clone())
         };
         a.0.check_remote_md(peer, list.as_ref())?;
         ok()
@@ -445,7 +446,7 @@ pub unsafe extern "C" fn nixl_capi_send_local_partial_md(
     guard("send_local_partial_md", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, l, o) = unsafe { (get(agent)?, get(descs)?, opt(opt_args)?) };
-        let list = l.0.lock().unwrap().clone();
+        let list = l.0.locked().clone();
         a.0.send_local_md(Some(&list), &o.unwrap_or_default())?;
         ok()
     })
@@ -497,7 +498,7 @@ pub unsafe extern "C" fn nixl_capi_get_notifs(
     guard_quiet("get_notifs", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, m, o) = unsafe { (get(agent)?, get(notif_map)?, opt(opt_args)?) };
-        a.0.get_notifs(&mut m.0.lock().unwrap(), o.as_ref())?;
+        a.0.get_notifs(&mut m.0.locked(), o.as_ref())?;
         ok()
     })
 }

@@ -9,6 +9,7 @@ use super::{
     bytes, cstr, destroy, get, guard, index, malloc_copy, new_handle, ok, tagged, Handle, Out,
 };
 use crate::lists::{mem, DescList, NotifMap, OptArgs, Params, QueryResponses, RegDesc, RemoteList};
+use crate::runtime::Locked;
 use crate::status::{Failure, Status};
 
 /// `nixl_capi_params_t`.
@@ -79,7 +80,7 @@ pub unsafe extern "C" fn nixl_capi_params_add(
     guard("params_add", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (p, k, v) = unsafe { (get(params)?, cstr(key, "key")?, cstr(value, "value")?) };
-        p.0.lock().unwrap().add(k, v);
+        p.0.locked().add(k, v);
         ok()
     })
 }
@@ -93,7 +94,7 @@ pub unsafe extern "C" fn nixl_capi_params_is_empty(
     guard("params_is_empty", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (p, out) = unsafe { (get(params)?, Out::new(is_empty, "is_empty")?) };
-        out.set(p.0.lock().unwrap().0.is_empty());
+        out.set(p.0.locked().0.is_empty());
         ok()
     })
 }
@@ -140,8 +141,8 @@ pub unsafe extern "C" fn nixl_capi_params_iterator_next(
                 get(it.params)?,
             )
         };
-        let map = params.0.lock().unwrap();
-        let mut next = it.next.lock().unwrap();
+        let map = params.0.locked();
+        let mut next = it.next.locked();
         match map.0.get(*next) {
             Some((mk, mv)) => {
                 k.set(mk.as_ptr());
@@ -298,7 +299,7 @@ pub unsafe extern "C" fn nixl_capi_opt_args_add_backend(
     guard("opt_args_add_backend", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, b) = unsafe { (get(args)?, get(backend)?) };
-        let mut a = a.0.lock().unwrap();
+        let mut a = a.0.locked();
         if !a.backends.contains(&b.name) {
             a.backends.push(b.name);
         }
@@ -316,7 +317,7 @@ pub unsafe extern "C" fn nixl_capi_opt_args_set_notif_msg(
     guard("opt_args_set_notif_msg", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, d) = unsafe { (get(args)?, bytes(data, len, "data")?) };
-        a.0.lock().unwrap().notif_msg = d.to_vec();
+        a.0.locked().notif_msg = d.to_vec();
         ok()
     })
 }
@@ -331,7 +332,7 @@ pub unsafe extern "C" fn nixl_capi_opt_args_get_notif_msg(
     guard("opt_args_get_notif_msg", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, d, l) = unsafe { (get(args)?, Out::new(data, "data")?, Out::new(len, "len")?) };
-        let a = a.0.lock().unwrap();
+        let a = a.0.locked();
         put_blob(&a.notif_msg, d, l)
     })
 }
@@ -356,7 +357,7 @@ pub unsafe extern "C" fn nixl_capi_opt_args_set_custom_param(
     guard("opt_args_set_custom_param", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, d) = unsafe { (get(args)?, bytes(data, len, "data")?) };
-        a.0.lock().unwrap().custom_param = Some(d.to_vec());
+        a.0.locked().custom_param = Some(d.to_vec());
         ok()
     })
 }
@@ -371,7 +372,7 @@ pub unsafe extern "C" fn nixl_capi_opt_args_get_custom_param(
     guard("opt_args_get_custom_param", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, d, l) = unsafe { (get(args)?, Out::new(data, "data")?, Out::new(len, "len")?) };
-        let a = a.0.lock().unwrap();
+        let a = a.0.locked();
         put_blob(a.custom_param.as_deref().unwrap_or_default(), d, l)
     })
 }
@@ -384,7 +385,7 @@ pub unsafe extern "C" fn nixl_capi_opt_args_set_has_notif(
 ) -> Status {
     guard("opt_args_set_has_notif", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-        unsafe { get(args) }?.0.lock().unwrap().has_notif = has_notif;
+        unsafe { get(args) }?.0.locked().has_notif = has_notif;
         ok()
     })
 }
@@ -398,7 +399,7 @@ pub unsafe extern "C" fn nixl_capi_opt_args_get_has_notif(
     guard("opt_args_get_has_notif", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, out) = unsafe { (get(args)?, Out::new(has_notif, "has_notif")?) };
-        out.set(a.0.lock().unwrap().has_notif);
+        out.set(a.0.locked().has_notif);
         ok()
     })
 }
@@ -411,7 +412,7 @@ pub unsafe extern "C" fn nixl_capi_opt_args_set_skip_desc_merge(
 ) -> Status {
     guard("opt_args_set_skip_desc_merge", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-        unsafe { get(args) }?.0.lock().unwrap().skip_desc_merge = skip_merge;
+        unsafe { get(args) }?.0.locked().skip_desc_merge = skip_merge;
         ok()
     })
 }
@@ -425,7 +426,7 @@ pub unsafe extern "C" fn nixl_capi_opt_args_get_skip_desc_merge(
     guard("opt_args_get_skip_desc_merge", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, out) = unsafe { (get(args)?, Out::new(skip_merge, "skip_merge")?) };
-        out.set(a.0.lock().unwrap().skip_desc_merge);
+        out.set(a.0.locked().skip_desc_merge);
         ok()
     })
 }
@@ -439,7 +440,7 @@ pub unsafe extern "C" fn nixl_capi_opt_args_set_ip_addr(
     guard("opt_args_set_ip_addr", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (a, ip) = unsafe { (get(args)?, cstr(ip_addr, "ip_addr")?) };
-        a.0.lock().unwrap().ip_addr = ip.to_owned();
+        a.0.locked().ip_addr = ip.to_owned();
         ok()
     })
 }
@@ -452,7 +453,7 @@ pub unsafe extern "C" fn nixl_capi_opt_args_set_port(
 ) -> Status {
     guard("opt_args_set_port", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-        unsafe { get(args) }?.0.lock().unwrap().port = port;
+        unsafe { get(args) }?.0.locked().port = port;
         ok()
     })
 }
@@ -491,7 +492,7 @@ macro_rules! dlist_shims {
             guard(stringify!($get_type), || {
                 // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
                 let (l, out) = unsafe { (get(dlist)?, Out::new(mem_type, "mem_type")?) };
-                out.set(l.0.lock().unwrap().mem);
+                out.set(l.0.locked().mem);
                 ok()
             })
         }
@@ -502,7 +503,7 @@ macro_rules! dlist_shims {
             guard(stringify!($count), || {
                 // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
                 let (l, out) = unsafe { (get(dlist)?, Out::new(count, "count")?) };
-                out.set(l.0.lock().unwrap().descs.len());
+                out.set(l.0.locked().descs.len());
                 ok()
             })
         }
@@ -513,7 +514,7 @@ macro_rules! dlist_shims {
             guard(stringify!($is_empty), || {
                 // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
                 let (l, out) = unsafe { (get(dlist)?, Out::new(is_empty, "is_empty")?) };
-                out.set(l.0.lock().unwrap().descs.is_empty());
+                out.set(l.0.locked().descs.is_empty());
                 ok()
             })
         }
@@ -523,12 +524,7 @@ macro_rules! dlist_shims {
         pub unsafe extern "C" fn $trim(dlist: *mut Handle<$h>) -> Status {
             guard(stringify!($trim), || {
                 // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-                unsafe { get(dlist) }?
-                    .0
-                    .lock()
-                    .unwrap()
-                    .descs
-                    .shrink_to_fit();
+                unsafe { get(dlist) }?.0.locked().descs.shrink_to_fit();
                 ok()
             })
         }
@@ -538,7 +534,7 @@ macro_rules! dlist_shims {
         pub unsafe extern "C" fn $rem(dlist: *mut Handle<$h>, index: c_int) -> Status {
             guard(stringify!($rem), || {
                 // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-                unsafe { get(dlist) }?.0.lock().unwrap().remove(index)?;
+                unsafe { get(dlist) }?.0.locked().remove(index)?;
                 ok()
             })
         }
@@ -548,7 +544,7 @@ macro_rules! dlist_shims {
         pub unsafe extern "C" fn $clear(dlist: *mut Handle<$h>) -> Status {
             guard(stringify!($clear), || {
                 // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-                unsafe { get(dlist) }?.0.lock().unwrap().descs.clear();
+                unsafe { get(dlist) }?.0.locked().descs.clear();
                 ok()
             })
         }
@@ -558,7 +554,7 @@ macro_rules! dlist_shims {
         pub unsafe extern "C" fn $resize(dlist: *mut Handle<$h>, new_size: usize) -> Status {
             guard(stringify!($resize), || {
                 // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-                unsafe { get(dlist) }?.0.lock().unwrap().resize(new_size);
+                unsafe { get(dlist) }?.0.locked().resize(new_size)?;
                 ok()
             })
         }
@@ -568,7 +564,7 @@ macro_rules! dlist_shims {
         pub unsafe extern "C" fn $print(dlist: *mut Handle<$h>) -> Status {
             guard(stringify!($print), || {
                 // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-                let text = unsafe { get(dlist) }?.0.lock().unwrap().render($what);
+                let text = unsafe { get(dlist) }?.0.locked().render($what);
                 use std::io::Write;
                 let mut out = std::io::stdout().lock();
                 out.write_all(text.as_bytes())
@@ -629,17 +625,12 @@ pub unsafe extern "C" fn nixl_capi_xfer_dlist_add_desc(
 ) -> Status {
     guard("xfer_dlist_add_desc", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-        unsafe { get(dlist) }?
-            .0
-            .lock()
-            .unwrap()
-            .descs
-            .push(RegDesc {
-                addr: addr as u64,
-                len: len as u64,
-                dev: dev_id,
-                meta: Vec::new(),
-            });
+        unsafe { get(dlist) }?.0.locked().descs.push(RegDesc {
+            addr: addr as u64,
+            len: len as u64,
+            dev: dev_id,
+            meta: Vec::new(),
+        });
         ok()
     })
 }
@@ -657,7 +648,7 @@ pub unsafe extern "C" fn nixl_capi_reg_dlist_add_desc(
     guard("reg_dlist_add_desc", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (l, meta) = unsafe { (get(dlist)?, bytes(metadata, metadata_len, "metadata")?) };
-        l.0.lock().unwrap().descs.push(RegDesc {
+        l.0.locked().descs.push(RegDesc {
             addr: addr as u64,
             len: len as u64,
             dev: dev_id,
@@ -709,8 +700,7 @@ pub unsafe extern "C" fn nixl_capi_remote_dlist_add_desc(
             // SAFETY: as above.
             unsafe { cstr(remote_agent, "remote_agent") }?.to_owned()
         };
-        l.0.lock()
-            .unwrap()
+        l.0.locked()
             .descs
             .push((addr as u64, len as u64, dev_id, agent));
         ok()
@@ -748,7 +738,7 @@ pub unsafe extern "C" fn nixl_capi_notif_map_size(
     guard("notif_map_size", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (m, out) = unsafe { (get(map)?, Out::new(size, "size")?) };
-        out.set(m.0.lock().unwrap().0.len());
+        out.set(m.0.locked().0.len());
         ok()
     })
 }
@@ -763,7 +753,7 @@ pub unsafe extern "C" fn nixl_capi_notif_map_get_agent_at(
     guard("notif_map_get_agent_at", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (m, out) = unsafe { (get(map)?, Out::new(agent_name, "agent_name")?) };
-        let m = m.0.lock().unwrap();
+        let m = m.0.locked();
         out.set(m.0[index(index_, m.0.len(), "notif map")?].0.as_ptr());
         ok()
     })
@@ -785,7 +775,7 @@ pub unsafe extern "C" fn nixl_capi_notif_map_get_notifs_size(
                 Out::new(size, "size")?,
             )
         };
-        out.set(m.0.lock().unwrap().of(name.as_bytes())?.len());
+        out.set(m.0.locked().of(name.as_bytes())?.len());
         ok()
     })
 }
@@ -809,7 +799,7 @@ pub unsafe extern "C" fn nixl_capi_notif_map_get_notif(
                 Out::new(len, "len")?,
             )
         };
-        let m = m.0.lock().unwrap();
+        let m = m.0.locked();
         let v = m.of(name.as_bytes())?;
         let msg = &v[index(index_, v.len(), "notification")?];
         d.set(msg.as_ptr().cast());
@@ -823,7 +813,7 @@ pub unsafe extern "C" fn nixl_capi_notif_map_get_notif(
 pub unsafe extern "C" fn nixl_capi_notif_map_clear(map: *mut Handle<NotifMapH>) -> Status {
     guard("notif_map_clear", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-        unsafe { get(map) }?.0.lock().unwrap().0.clear();
+        unsafe { get(map) }?.0.locked().0.clear();
         ok()
     })
 }
@@ -861,7 +851,7 @@ pub unsafe extern "C" fn nixl_capi_query_resp_list_size(
     guard("query_resp_list_size", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (l, out) = unsafe { (get(list)?, Out::new(size, "size")?) };
-        out.set(l.0.lock().unwrap().0.len());
+        out.set(l.0.locked().0.len());
         ok()
     })
 }
@@ -876,7 +866,7 @@ pub unsafe extern "C" fn nixl_capi_query_resp_list_has_value(
     guard("query_resp_list_has_value", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (l, out) = unsafe { (get(list)?, Out::new(has_value, "has_value")?) };
-        let l = l.0.lock().unwrap();
+        let l = l.0.locked();
         out.set(l.0[index(index_, l.0.len(), "query response")?].is_some());
         ok()
     })
@@ -892,7 +882,7 @@ pub unsafe extern "C" fn nixl_capi_query_resp_list_get_params(
     guard("query_resp_list_get_params", || {
         // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
         let (l, out) = unsafe { (get(list)?, Out::new(params, "params")?) };
-        let l = l.0.lock().unwrap();
+        let l = l.0.locked();
         let p = l.0[index(index_, l.0.len(), "query response")?]
             .clone()
             .ok_or_else(|| Failure::invalid(format!("query response {index_} holds no value")))?;

@@ -204,6 +204,7 @@ pub fn guard_quiet(op: &'static str, f: impl FnOnce() -> Outcome<Status>) -> Sta
 }
 
 fn run(op: &'static str, quiet: bool, f: impl FnOnce() -> Outcome<Status>) -> Status {
+    let op = op.strip_prefix("nixl_capi_").unwrap_or(op);
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(s)) => s,
         Ok(Err(fail)) => {

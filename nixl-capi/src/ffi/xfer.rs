@@ -5,8 +5,9 @@ use std::ffi::{c_char, c_int, c_void};
 
 use super::agent::{opt, AgentH, BackendH};
 use super::lists::{OptArgsH, RemoteListH, XferListH};
-use super::{cstr, free, get, guard, new_handle, ok, tagged, Handle, Out};
+use super::{cstr, destroy, free, get, guard, new_handle, ok, tagged, Handle, Out};
 use crate::agent::op;
+use crate::runtime::Locked;
 use crate::status::{Failure, Outcome, Status, INVALID_STATE, SUCCESS};
 use crate::xfer::{Prepared, XferReq};
 
@@ -52,7 +53,7 @@ pub unsafe extern "C" fn nixl_capi_prep_xfer_dlist(
                 Out::new(dlist_hndl, "dlist_hndl")?,
             )
         };
-        let list = l.0.lock().unwrap().clone();
+        let list = l.0.locked().clone();
         out.set(new_handle(DlistH(a.0.prep(peer, &list)?)));
         ok()
     })
@@ -64,14 +65,10 @@ pub unsafe extern "C" fn nixl_capi_release_xfer_dlist_handle(
     agent: *mut Handle<AgentH>,
     dlist_handle: *mut Handle<DlistH>,
 ) -> Status {
-    guard("release_xfer_dlist_handle", || {
-        // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-        unsafe {
-            get(agent)?;
-            free(dlist_handle)?;
-        }
-        ok()
-    })
+    // The agent is not needed (nixl-sys may release a list after its agent).
+    let _ = agent;
+    // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
+    unsafe { destroy("release_xfer_dlist_handle", dlist_handle) }
 }
 
 /// Indices from C (non-negative).
@@ -80,7 +77,11 @@ pub unsafe extern "C" fn nixl_capi_release_xfer_dlist_handle(
 /// `p` is null or points to `n` readable `int`s.
 unsafe fn indices(p: *const c_int, n: usize, what: &str) -> Outcome<Vec<usize>> {
     // SAFETY: the contract is `bytes`'s, for `n` ints.
-    let raw = unsafe { super::bytes(p.cast(), n * std::mem::size_of::<c_int>(), what) }?;
+    let len = n
+        .checked_mul(std::mem::size_of::<c_int>())
+        .ok_or_else(|| Failure::invalid(format!("{what}: {n} indices")))?;
+    // SAFETY: as above, for `len` bytes.
+    let raw = unsafe { super::bytes(p.cast(), len, what) }?;
     raw.chunks_exact(std::mem::size_of::<c_int>())
         .map(|c| {
             let i = c_int::from_ne_bytes(c.try_into().expect("int-sized"));
@@ -146,7 +147,7 @@ pub unsafe extern "C" fn nixl_capi_create_xfer_req(
                 opt(opt_args)?,
             )
         };
-        let (l, r) = (l.0.lock().unwrap().clone(), r.0.lock().unwrap().clone());
+        let (l, r) = (l.0.locked().clone(), r.0.locked().clone());
         let req =
             a.0.create_request(op(operation)?, &l, &r, peer, o.as_ref())?;
         out.set(new_handle(ReqH(req)));
