@@ -796,11 +796,17 @@ pub(crate) struct Shared {
 impl Shared {
     /// Hand a command to the driver. Never blocks.
     pub(crate) fn submit(&self, cmd: Cmd) {
+        let cmd = if self.inline {
+            match self.run_inline(cmd) {
+                Ok(true) => return,
+                Ok(false) => return self.wake_driver(),
+                Err(cmd) => cmd,
+            }
+        } else {
+            cmd
+        };
         if let Err(mpsc::SendError(cmd)) = self.tx.send(cmd) {
             fail_cmd(cmd, ErrorKind::ShutDown, "the ucx backend has stopped");
-            return;
-        }
-        if self.inline && self.run_inline() {
             return;
         }
         self.wake_driver();
@@ -818,12 +824,12 @@ impl Shared {
         }
     }
 
-    /// Run the driver's round on the calling thread when nobody else is in UCX: the
-    /// command just queued (and any before it, in order) is issued at once, and on
-    /// shared memory a small transfer usually completes before `post` returns, with
-    /// no thread hop. Returns whether nothing is left in flight, so the driver need
-    /// not be woken; `false` (the driver is busy, or work is pending) wakes it as
-    /// usual.
+    /// Issue `cmd` on the calling thread when nobody else is in UCX: the commands
+    /// queued before it first (in order), then it, then a whole round (progress,
+    /// failures, completions); on shared memory a small transfer usually completes
+    /// before `post` returns, with no thread hop and no queue. Returns whether
+    /// nothing is left in flight (the driver need not be woken), or hands `cmd`
+    /// back when UCX was not to be had (the driver takes it).
     ///
     /// The driver holds UCX for one round at a time (microseconds), and while
     /// transfers flow it runs round after round: a post that found it busy waits
@@ -831,7 +837,7 @@ impl Shared {
     /// next round (a thread hop, ~1 µs per 4 KiB transfer posted back to back).
     /// Bounded, so a post made from inside a round (none is, today) cannot wait
     /// on itself.
-    fn run_inline(&self) -> bool {
+    fn run_inline(&self, cmd: Cmd) -> Result<bool, Cmd> {
         let mut deadline = None;
         let mut g = loop {
             match self.core.try_lock() {
@@ -842,14 +848,19 @@ impl Shared {
                 {
                     std::hint::spin_loop();
                 }
-                Err(_) => return false,
+                Err(_) => return Err(cmd),
             }
         };
         let Some(core) = g.as_mut() else {
-            return false;
+            return Err(cmd);
         };
+        if core.closing.load(Ordering::Acquire) {
+            return Err(cmd);
+        }
+        core.drain_inbox();
+        core.exec(cmd);
         core.step();
-        !core.busy()
+        Ok(!core.busy())
     }
 
     pub(crate) fn mark_stopped(&self) {
