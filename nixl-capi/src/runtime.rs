@@ -4,44 +4,15 @@
 //! down); posting and polling never do. Its workers park when idle: no thread
 //! spins while nothing moves.
 
-use std::sync::OnceLock;
-
 use tokio::runtime::Runtime;
 
 use crate::status::{Failure, Outcome};
 
-static RT: OnceLock<Runtime> = OnceLock::new();
-
-/// The shared runtime, started on first use (make agents after a `fork`: only the
-/// parent's runtime is started in a child). Workers: `NIXL_RS_THREADS`, else up to 4.
+/// The shared runtime (`nixl_compat::runtime::shared`: `NIXL_RS_THREADS` workers,
+/// else up to 4), started on first use.
 pub fn rt() -> Outcome<&'static Runtime> {
-    if let Some(rt) = RT.get() {
-        return Ok(rt);
-    }
-    // One thread builds it (a runtime built by a loser of a race would be dropped,
-    // which panics where a runtime is running).
-    static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = lock(&BUILDING);
-    if let Some(rt) = RT.get() {
-        return Ok(rt);
-    }
-    let workers = std::env::var("NIXL_RS_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n: &usize| n > 0)
-        .unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map(|n| n.get().min(4))
-                .unwrap_or(2)
-        });
-    let built = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .thread_name("nixl-rs")
-        .enable_all()
-        .build()
-        .map_err(|e| Failure::backend(format!("starting nixl-rs' runtime: {e}")))?;
-    let _ = RT.set(built);
-    Ok(RT.get().expect("set above"))
+    nixl_compat::runtime::shared()
+        .map_err(|e| Failure::backend(format!("starting nixl-rs' runtime: {e}")))
 }
 
 /// Run `fut` on the shared runtime and wait for it. From a thread that is itself

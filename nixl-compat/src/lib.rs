@@ -9,6 +9,7 @@
 
 pub mod backends;
 pub mod etcd;
+pub mod runtime;
 // Audited: turns caller-provided addresses and file descriptors into `nixl::Memory`
 // under the callers' documented contract.
 #[allow(unsafe_code)]

@@ -2,41 +2,20 @@
 //! hook that stops calling into Python before the interpreter goes.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
 
 use pyo3::prelude::*;
 use tokio::runtime::Runtime;
 
-static RT: OnceLock<Runtime> = OnceLock::new();
 /// Set at interpreter exit (`atexit`): tasks no longer call into Python.
 static FINALIZING: AtomicBool = AtomicBool::new(false);
 
-/// The shared runtime, started on first use (after a fork, only the parent's is
-/// started: make agents after forking). Workers: `NIXL_RS_THREADS`, else up to 4.
+/// The shared runtime (`nixl_compat::runtime::shared`), started on first use
+/// (after a fork, only the parent's is started: make agents after forking).
+/// Workers: `NIXL_RS_THREADS`, else up to 4.
 pub(crate) fn rt() -> PyResult<&'static Runtime> {
-    if let Some(rt) = RT.get() {
-        return Ok(rt);
-    }
-    let workers = std::env::var("NIXL_RS_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|&n: &usize| n > 0)
-        .unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map(|n| n.get().min(4))
-                .unwrap_or(2)
-        });
-    let built = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .thread_name("nixl-rs")
-        .enable_all()
-        .build()
-        .map_err(|e| {
-            pyo3::exceptions::PyOSError::new_err(format!("starting nixl-rs' runtime: {e}"))
-        })?;
-    // A racing first call built another one; the loser is dropped here, unused.
-    let _ = RT.set(built);
-    Ok(RT.get().expect("set above"))
+    nixl_compat::runtime::shared().map_err(|e| {
+        pyo3::exceptions::PyOSError::new_err(format!("starting nixl-rs' runtime: {e}"))
+    })
 }
 
 /// Whether tasks may still call into Python.

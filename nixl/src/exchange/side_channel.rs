@@ -305,12 +305,22 @@ impl Agent {
         options: &SideChannelOptions,
     ) -> Result<()> {
         let md = self.metadata()?;
+        self.send_metadata_bytes(addr, options, &md).await
+    }
+
+    /// Send `md` (this agent's metadata, whole or part) for the server to load.
+    async fn send_metadata_bytes(
+        &self,
+        addr: SocketAddr,
+        options: &SideChannelOptions,
+        md: &[u8],
+    ) -> Result<()> {
         let options = &*self.with_agent_secret(options);
         let who = Who {
             me: self.name(),
             server: None,
         };
-        request(addr, options, who, "send metadata", Kind::Send, &md)
+        request(addr, options, who, "send metadata", Kind::Send, md)
             .await
             .map(drop)
     }
@@ -328,14 +338,7 @@ impl Agent {
         options: &SideChannelOptions,
     ) -> Result<()> {
         let md = self.partial_metadata(registrations, with_conn_info)?;
-        let options = &*self.with_agent_secret(options);
-        let who = Who {
-            me: self.name(),
-            server: None,
-        };
-        request(addr, options, who, "send metadata", Kind::Send, &md)
-            .await
-            .map(drop)
+        self.send_metadata_bytes(addr, options, &md).await
     }
 
     /// Tell the agent serving at `addr` to forget this agent. A server forgets a
