@@ -215,6 +215,23 @@ pub unsafe extern "C" fn nixl_capi_create_backend(
     })
 }
 
+/// Add a backend hint.
+#[no_mangle]
+pub unsafe extern "C" fn nixl_capi_opt_args_add_backend(
+    args: *mut Handle<OptArgsH>,
+    backend: *mut Handle<BackendH>,
+) -> Status {
+    guard("opt_args_add_backend", || {
+        // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
+        let (a, b) = unsafe { (get(args)?, get(backend)?) };
+        let mut a = a.0.locked();
+        if !a.backends.contains(&b.name) {
+            a.backends.push(b.name);
+        }
+        ok()
+    })
+}
+
 /// Free a backend handle (the backend stays with its agent until it is destroyed).
 #[no_mangle]
 pub unsafe extern "C" fn nixl_capi_destroy_backend(backend: *mut Handle<BackendH>) -> Status {

@@ -290,23 +290,6 @@ pub unsafe extern "C" fn nixl_capi_destroy_opt_args(args: *mut Handle<OptArgsH>)
     unsafe { destroy("destroy_opt_args", args) }
 }
 
-/// Add a backend hint.
-#[no_mangle]
-pub unsafe extern "C" fn nixl_capi_opt_args_add_backend(
-    args: *mut Handle<OptArgsH>,
-    backend: *mut Handle<super::agent::BackendH>,
-) -> Status {
-    guard("opt_args_add_backend", || {
-        // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-        let (a, b) = unsafe { (get(args)?, get(backend)?) };
-        let mut a = a.0.locked();
-        if !a.backends.contains(&b.name) {
-            a.backends.push(b.name);
-        }
-        ok()
-    })
-}
-
 /// Set the notification message.
 #[no_mangle]
 pub unsafe extern "C" fn nixl_capi_opt_args_set_notif_msg(
