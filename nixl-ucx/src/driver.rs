@@ -825,8 +825,8 @@ impl Shared {
     }
 
     /// Issue `cmd` on the calling thread when nobody else is in UCX: the commands
-    /// queued before it first (in order), then it, then a whole round (progress,
-    /// failures, completions); on shared memory a small transfer usually completes
+    /// queued before it first (in order), then it, then progress, failures and
+    /// completions ([`Core::step_with`]); on shared memory a small transfer usually completes
     /// before `post` returns, with no thread hop and no queue. Returns whether
     /// nothing is left in flight (the driver need not be woken), or hands `cmd`
     /// back when UCX was not to be had (the driver takes it).
@@ -857,9 +857,7 @@ impl Shared {
         if core.closing.load(Ordering::Acquire) {
             return Err(cmd);
         }
-        core.drain_inbox();
-        core.exec(cmd);
-        core.step();
+        core.step_with(cmd);
         Ok(!core.busy())
     }
 
@@ -1572,21 +1570,9 @@ impl Core {
     /// One round: commands, progress, incoming messages, failures, completions.
     /// Returns the number of commands executed.
     pub(crate) fn step(&mut self) -> usize {
-        if let Some(d) = self.gpu {
-            // Whichever thread runs this round (the driver, or a caller posting
-            // inline), UCX finds the GPU's context current.
-            if let Err(e) = nixl::gpu::bind_thread(d) {
-                tracing::warn!(error = %e, "ucx: binding the GPU context failed");
-            }
-        }
+        self.bind_gpu();
         let mut n = self.drain_inbox();
-        for _ in 0..64 {
-            let p = self.ucx.progress() as usize;
-            n += p;
-            if p == 0 {
-                break;
-            }
-        }
+        n += self.progress();
         self.handle_events();
         if let Some(mut to) = deliverer!(self) {
             self.reorder
@@ -1598,6 +1584,43 @@ impl Core {
         self.check_failures();
         self.reap();
         self.ucx.reap_closed();
+        n
+    }
+
+    /// A posting caller's round ([`Shared::run_inline`]): the commands queued
+    /// before `cmd`, `cmd`, progress, incoming messages, failures, completions. The
+    /// driver keeps the rest (held notifications, credit, drop reports, closing
+    /// endpoints), which its timers and wake-ups drive.
+    pub(crate) fn step_with(&mut self, cmd: Cmd) {
+        self.bind_gpu();
+        self.drain_inbox();
+        self.exec(cmd);
+        self.progress();
+        self.handle_events();
+        self.check_failures();
+        self.reap();
+    }
+
+    /// Whichever thread runs a round (the driver, or a caller posting inline), UCX
+    /// finds the GPU's context current.
+    fn bind_gpu(&self) {
+        if let Some(d) = self.gpu {
+            if let Err(e) = nixl::gpu::bind_thread(d) {
+                tracing::warn!(error = %e, "ucx: binding the GPU context failed");
+            }
+        }
+    }
+
+    /// Progress UCX until it has nothing more to do (at most 64 calls).
+    fn progress(&mut self) -> usize {
+        let mut n = 0;
+        for _ in 0..64 {
+            let p = self.ucx.progress() as usize;
+            n += p;
+            if p == 0 {
+                break;
+            }
+        }
         n
     }
 
