@@ -26,6 +26,7 @@ use std::ptr::NonNull;
 use crate::status::{Failure, Outcome, Status, BACKEND, INVALID_PARAM, NOT_FOUND, SUCCESS};
 
 mod agent;
+mod dlists;
 mod lists;
 mod xfer;
 

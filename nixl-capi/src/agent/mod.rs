@@ -8,22 +8,23 @@
 //! then its backends, then registrations) never meets that.
 //!
 //! Locks: one per agent for its setup (taken once per call that needs the
-//! nixl-rs agent, for a clone), one for registrations (register/deregister), one
-//! for the notification stream (`get_notifs`). Posting and polling a request take
-//! only that request's lock.
+//! nixl-rs agent, for a clone), one for the registrations table, one held by one
+//! registration or deregistration at a time, one for the notification stream
+//! (`get_notifs`). Posting and polling a request take only that request's lock.
+//! The metadata exchange calls are in `exchange`.
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use nixl::exchange::{NixlListenerOptions, SideChannelOptions};
 use nixl::{
-    Agent, AgentOptions, Backend, Indices, MemKind, Notifications, Op, RegisterOptions,
-    Registration, RequestOptions, TelemetryOptions,
+    Agent, AgentOptions, Backend, Indices, Notifications, Op, Registration, RequestOptions,
+    TelemetryOptions,
 };
 use nixl_compat::backends;
-use nixl_compat::etcd::{self, Etcd};
+use nixl_compat::etcd::Etcd;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -32,6 +33,9 @@ use crate::runtime::Locked;
 use crate::runtime::{block_on, rt};
 use crate::status::{Failure, Outcome, NOT_FOUND};
 use crate::xfer::{Prepared, XferReq};
+
+mod exchange;
+mod registry;
 
 /// How long `deregister_mem` waits for transfers still using the memory (those
 /// released in flight are being cancelled) before it fails.
@@ -111,14 +115,6 @@ impl std::fmt::Debug for CAgent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CAgent").field("name", &self.name).finish()
     }
-}
-
-fn socket_addr(ip: &str, port: u16) -> Outcome<SocketAddr> {
-    (ip, port)
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut a| a.next())
-        .ok_or_else(|| Failure::invalid(format!("cannot resolve address {ip:?}:{port}")))
 }
 
 /// Our backend name for NIXL's (or ours).
@@ -311,163 +307,6 @@ impl CAgent {
         Ok((mems, params))
     }
 
-    /// Backends (ours) that serve `kind`, among the created ones or the hinted ones.
-    fn serving(&self, kind: MemKind, hint: &[&'static str]) -> Vec<&'static str> {
-        let setup = self.setup.locked();
-        setup
-            .attached
-            .iter()
-            .filter(|a| hint.is_empty() || hint.contains(&a.name))
-            .filter(|a| {
-                let c = a.backend.capabilities();
-                match kind {
-                    MemKind::Dram => c.dram,
-                    MemKind::Vram { .. } => c.vram,
-                    MemKind::File { .. } => c.file,
-                }
-            })
-            .map(|a| a.name)
-            .collect()
-    }
-
-    /// NIXL's `registerMem`: each descriptor becomes a registration, with the hinted
-    /// backends or every backend serving its memory type. All or none.
-    ///
-    /// # Errors
-    /// NOT_FOUND when no backend serves the memory type; the registration's error.
-    pub fn register(&self, list: &DescList, opt: &OptArgs) -> Outcome {
-        if list.descs.is_empty() {
-            return Ok(());
-        }
-        let kind0 = list.kind(0)?;
-        let serving = self.serving(kind0, &opt.backends);
-        if serving.is_empty() {
-            return Err(Failure::not_found(format!(
-                "register memory: no backend of agent {:?} serves {} memory",
-                self.name,
-                mem::NAMES[list.mem as usize].trim_end_matches('\0')
-            )));
-        }
-        let agent = self.agent()?;
-        let _one = self.reg_op.locked();
-        let options = RegisterOptions {
-            backends: Some(serving.iter().map(|s| (*s).to_owned()).collect()),
-        };
-        let mut made: Vec<Reg> = Vec::with_capacity(list.descs.len());
-        for d in &list.descs {
-            // NIXL registers the same descriptor again without complaint (nixl-sys'
-            // RAII handles and Dynamo's layouts do); it counts once more here, and
-            // the memory stays registered until the last of them is deregistered.
-            // Not files: a descriptor number may name another file by now.
-            let same = (list.mem != mem::FILE)
-                .then(|| self.same(list.mem, d))
-                .flatten();
-            if let Some(same) = same {
-                made.push(Reg {
-                    mem: list.mem,
-                    desc: d.clone(),
-                    reg: same,
-                    again: true,
-                });
-                continue;
-            }
-            let r = memory(list.mem, d).and_then(|m| Ok(agent.register_with(m, &options)?));
-            match r {
-                Ok(reg) => made.push(Reg {
-                    mem: list.mem,
-                    desc: d.clone(),
-                    reg,
-                    again: false,
-                }),
-                Err(e) => {
-                    for r in made.iter().filter(|r| !r.again) {
-                        if let Err(e) = agent.deregister(&r.reg) {
-                            tracing::warn!(error = %e, "rolling back a registration");
-                        }
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        self.regs.locked().extend(made);
-        Ok(())
-    }
-
-    /// NIXL's `deregisterMem`: each descriptor names a registration by (address,
-    /// length, device); a transfer still using it is waited for (bounded).
-    ///
-    /// # Errors
-    /// NOT_FOUND for a descriptor that names no registration; BACKEND when a
-    /// transfer keeps the memory past the bound.
-    pub fn deregister(&self, list: &DescList) -> Outcome {
-        let agent = self.agent()?;
-        let _one = self.reg_op.locked();
-        let mut picked = Vec::with_capacity(list.descs.len());
-        {
-            let regs = self.regs.locked();
-            for d in &list.descs {
-                match self.same_in(&regs, list.mem, d) {
-                    Some(r) => picked.push(r),
-                    None => {
-                        return Err(Failure::not_found(format!(
-                            "deregister memory: no registration at {:#x} of {} bytes, device {}",
-                            d.addr, d.len, d.dev
-                        )))
-                    }
-                }
-            }
-        }
-        for reg in picked {
-            let last = {
-                let mut regs = self.regs.locked();
-                let Some(i) = regs.iter().position(|r| r.reg.id() == reg.id()) else {
-                    continue;
-                };
-                let shared = regs.iter().filter(|r| r.reg.id() == reg.id()).count() > 1;
-                if shared {
-                    regs.remove(i);
-                }
-                !shared
-            };
-            if last {
-                // Transfers released while in flight are being cancelled by their
-                // backend: wait for it to let go.
-                block_on(agent.deregister_when_idle(&reg, DEREGISTER_WAIT))??;
-                self.regs.locked().retain(|r| r.reg.id() != reg.id());
-            }
-        }
-        Ok(())
-    }
-
-    /// The registration of exactly this descriptor, if any.
-    fn same(&self, mem: u32, d: &RegDesc) -> Option<Registration> {
-        self.same_in(&self.regs.locked(), mem, d)
-    }
-
-    fn same_in(&self, regs: &[Reg], mem: u32, d: &RegDesc) -> Option<Registration> {
-        regs.iter()
-            .find(|r| {
-                r.mem == mem && r.desc.addr == d.addr && r.desc.len == d.len && r.desc.dev == d.dev
-            })
-            .map(|r| r.reg.clone())
-    }
-
-    /// The registration holding `d` of memory type `mem`.
-    fn registration_for(&self, mem: u32, d: &RegDesc) -> Option<Registration> {
-        let regs = self.regs.locked();
-        regs.iter()
-            .find(|r| r.mem == mem && r.desc.addr == d.addr && r.desc.len == d.len)
-            .or_else(|| {
-                regs.iter().find(|r| {
-                    r.mem == mem
-                        && r.desc.dev == d.dev
-                        && r.desc.addr <= d.addr
-                        && d.addr.saturating_add(d.len) <= r.desc.addr + r.desc.len
-                })
-            })
-            .map(|r| r.reg.clone())
-    }
-
     /// Full metadata: NIXL's format when a backend speaks NIXL's protocol (NIXL
     /// agents load it), else nixl-rs' own.
     pub fn local_md(&self) -> Outcome<Bytes> {
@@ -588,110 +427,6 @@ impl CAgent {
             }
         }));
         Ok(())
-    }
-
-    /// An etcd call for a metadata call given no address (NIXL's etcd exchange at
-    /// `NIXL_ETCD_ENDPOINTS`).
-    ///
-    /// # Errors
-    /// INVALID_PARAM (as NIXL's) when there is no etcd: no endpoints, or a build
-    /// without the `etcd` feature.
-    fn etcd(&self, op: &'static str) -> Outcome<etcd::Call> {
-        let agent = self.agent()?;
-        etcd::Call::new(self.etcd.clone(), agent, self.speaks_nixl(), op)
-            .map_err(|e| Failure::invalid(e.to_string()))
-    }
-
-    /// NIXL's `sendLocalMD` / `sendLocalPartialMD`: to the listener at the
-    /// arguments' address, else to etcd; in the background.
-    pub fn send_local_md(&self, partial: Option<&DescList>, opt: &OptArgs) -> Outcome {
-        const OP: &str = "send local metadata";
-        if opt.ip_addr.is_empty() {
-            if partial.is_some() {
-                return Err(Failure::invalid(
-                    "send local partial metadata: through etcd it needs a label, which NIXL's C API cannot give; give the peer's address",
-                ));
-            }
-            return self.spawn(OP, self.etcd(OP)?.publish());
-        }
-        let addr = socket_addr(&opt.ip_addr, opt.port)?;
-        let agent = self.agent()?;
-        let picked = partial.map(|l| self.picked(l)).transpose()?;
-        if self.speaks_nixl() {
-            self.spawn(OP, async move {
-                let o = NixlListenerOptions::default();
-                match picked {
-                    Some(p) => {
-                        agent
-                            .send_nixl_partial_metadata(addr, &p, p.is_empty(), &o)
-                            .await
-                    }
-                    None => agent.send_nixl_metadata(addr, &o).await,
-                }
-            })
-        } else {
-            self.spawn(OP, async move {
-                let o = SideChannelOptions::default();
-                match picked {
-                    Some(p) => {
-                        agent
-                            .send_partial_metadata(addr, &p, p.is_empty(), &o)
-                            .await
-                    }
-                    None => agent.send_metadata(addr, &o).await,
-                }
-            })
-        }
-    }
-
-    /// NIXL's `fetchRemoteMD`: fetch `peer`'s metadata from the listener at the
-    /// arguments' address, else from etcd, and load it, in the background
-    /// (`check_remote_md` says when it is there).
-    pub fn fetch_remote_md(&self, peer: &str, opt: &OptArgs) -> Outcome {
-        const OP: &str = "fetch remote metadata";
-        if opt.ip_addr.is_empty() {
-            return self.spawn(OP, self.etcd(OP)?.fetch(peer.to_owned(), String::new()));
-        }
-        let addr = socket_addr(&opt.ip_addr, opt.port)?;
-        let agent = self.agent()?;
-        let peer = peer.to_owned();
-        if self.speaks_nixl() {
-            self.spawn(OP, async move {
-                agent
-                    .fetch_nixl_peer_metadata(addr, &peer, &NixlListenerOptions::default())
-                    .await
-            })
-        } else {
-            self.spawn(OP, async move {
-                agent
-                    .fetch_peer_metadata(addr, &peer, &SideChannelOptions::default())
-                    .await
-            })
-        }
-    }
-
-    /// NIXL's `invalidateLocalMD`: tell the listener at the arguments' address to
-    /// forget this agent, else withdraw it from etcd; in the background.
-    pub fn invalidate_local_md(&self, opt: &OptArgs) -> Outcome {
-        const OP: &str = "invalidate local metadata";
-        if opt.ip_addr.is_empty() {
-            return self.spawn(OP, self.etcd(OP)?.invalidate());
-        }
-        let addr = socket_addr(&opt.ip_addr, opt.port)?;
-        let agent = self.agent()?;
-        if self.speaks_nixl() {
-            self.spawn(OP, async move {
-                agent
-                    .invalidate_nixl_at(addr, &NixlListenerOptions::default())
-                    .await
-            })
-        } else {
-            self.spawn(OP, async move {
-                agent
-                    .invalidate_at(addr, &SideChannelOptions::default())
-                    .await
-            })
-        }
     }
 
     /// NIXL's `prepXferDlist`: `peer` empty for the local side, this agent's name
@@ -942,21 +677,6 @@ impl CAgent {
 
 fn speaks_nixl(attached: &[Attached]) -> bool {
     attached.iter().any(|a| a.backend.nixl().is_some())
-}
-
-/// The memory a registration descriptor names.
-fn memory(mem: u32, d: &RegDesc) -> Outcome<nixl::Memory> {
-    let kind = crate::lists::kind(mem, d.dev)?;
-    Ok(match kind {
-        MemKind::File { fd } => {
-            let meta = String::from_utf8_lossy(&d.meta);
-            match nixl_compat::memory::path_mode(&meta) {
-                Some((o, path)) => nixl_compat::memory::path_memory(d.addr, d.len, fd, o, path)?,
-                None => crate::memory::file(d.addr, d.len, fd)?,
-            }
-        }
-        _ => crate::memory::caller(d.addr, d.len, kind)?,
-    })
 }
 
 /// NIXL's transfer operation values.
