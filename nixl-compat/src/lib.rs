@@ -8,6 +8,7 @@
 #![deny(unsafe_code)]
 
 pub mod backends;
+pub mod background;
 pub mod etcd;
 pub mod runtime;
 // Audited: turns caller-provided addresses and file descriptors into `nixl::Memory`

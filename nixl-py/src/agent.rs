@@ -12,10 +12,9 @@ use nixl::{
     Notifications, Op, RegisterOptions, Registration, RequestOptions, SideChannelOptions,
     TelemetryOptions,
 };
+use nixl_compat::background::Background;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::errors::{invalid, raise, IntoPy};
 use crate::handles::{deliver, DlistHandle, XferHandle};
@@ -77,8 +76,8 @@ struct Inner {
     /// prepared lists): backends can no longer be swapped by rebuilding it.
     used: AtomicBool,
     shut_down: AtomicBool,
-    tasks: TaskTracker,
-    cancel: CancellationToken,
+    /// This layer's own tasks: asyncio waiters, metadata exchange requests.
+    background: Background,
     /// The metadata calls given no IP address (NIXL's etcd).
     etcd: Arc<Etcd>,
 }
@@ -301,15 +300,7 @@ impl Inner {
         what: &'static str,
         fut: impl std::future::Future<Output = nixl::Result<()>> + Send + 'static,
     ) -> PyResult<()> {
-        let cancel = self.cancel.clone();
-        rt()?.spawn(self.tasks.track_future(async move {
-            tokio::select! {
-                r = fut => if let Err(e) = r {
-                    tracing::warn!(error = %e, "{what} failed");
-                },
-                () = cancel.cancelled() => {}
-            }
-        }));
+        self.background.spawn_logged(rt()?, what, fut);
         Ok(())
     }
 }
@@ -369,8 +360,7 @@ impl PyAgent {
             requeued: Arc::new(Requeued::default()),
             used: AtomicBool::new(false),
             shut_down: AtomicBool::new(false),
-            tasks: TaskTracker::new(),
-            cancel: CancellationToken::new(),
+            background: Background::default(),
             etcd: Arc::default(),
         });
         py.allow_threads(|| rt.block_on(inner.listen(&agent)))
@@ -954,8 +944,8 @@ impl PyAgent {
         }
         let notifs = self.inner.notifs.clone();
         let requeued = self.inner.requeued.clone();
-        let cancel = self.inner.cancel.clone();
-        rt()?.spawn(self.inner.tasks.track_future(async move {
+        let cancel = self.inner.background.token().clone();
+        rt()?.spawn(self.inner.background.tracker().track_future(async move {
             // An earlier waiter whose awaiter went away may hold the stream and hand
             // its notification back: take those first, and wake up for them.
             let next = loop {
@@ -1023,7 +1013,7 @@ impl PyAgent {
     /// Tasks and backend threads still running (0 after a clean shutdown).
     fn running_tasks(&self) -> (usize, usize, Vec<String>) {
         let m = self.inner.agent().task_monitor();
-        (m.len(), self.inner.tasks.len(), m.threads())
+        (m.len(), self.inner.background.tracker().len(), m.threads())
     }
 
     /// Stop everything the agent started and join it (GIL released). Returns the
@@ -1036,11 +1026,7 @@ impl PyAgent {
         let rt = rt()?;
         let report = py.allow_threads(|| {
             rt.block_on(async {
-                inner.cancel.cancel();
-                inner.tasks.close();
-                let tasks_done = tokio::time::timeout(TASKS_BOUND, inner.tasks.wait())
-                    .await
-                    .is_ok();
+                let tasks_done = inner.background.stop(TASKS_BOUND).await;
                 let report = inner.agent().shutdown().await;
                 inner.regs.lock().unwrap().clear();
                 inner.notifs.lock().await.take();
@@ -1076,8 +1062,8 @@ impl PyAgent {
         XferHandle::new(
             req,
             notif,
-            self.inner.tasks.clone(),
-            self.inner.cancel.clone(),
+            self.inner.background.tracker().clone(),
+            self.inner.background.token().clone(),
         )
     }
 }

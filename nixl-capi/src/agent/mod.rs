@@ -24,9 +24,8 @@ use nixl::{
     TelemetryOptions,
 };
 use nixl_compat::backends;
+use nixl_compat::background::Background;
 use nixl_compat::etcd::Etcd;
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::lists::{mem, DescList, NotifMap, OptArgs, Params, QueryResponses, RegDesc};
 use crate::runtime::Locked;
@@ -105,8 +104,7 @@ pub struct CAgent {
     notifs: Mutex<Option<Notifications>>,
     /// Notifications this agent sent itself, for its next `get_notifs`.
     to_self: Mutex<Vec<Vec<u8>>>,
-    tasks: TaskTracker,
-    cancel: CancellationToken,
+    background: Background,
     /// The metadata calls given no address (NIXL's etcd).
     etcd: Arc<Etcd>,
 }
@@ -152,8 +150,7 @@ impl CAgent {
             reg_op: Mutex::new(()),
             notifs: Mutex::new(None),
             to_self: Mutex::new(Vec::new()),
-            tasks: TaskTracker::new(),
-            cancel: CancellationToken::new(),
+            background: Background::default(),
             etcd: Arc::default(),
         })
     }
@@ -417,15 +414,7 @@ impl CAgent {
         what: &'static str,
         fut: impl std::future::Future<Output = nixl::Result<()>> + Send + 'static,
     ) -> Outcome {
-        let cancel = self.cancel.clone();
-        rt()?.spawn(self.tasks.track_future(async move {
-            tokio::select! {
-                r = fut => if let Err(e) = r {
-                    tracing::warn!(error = %e, "{what} failed");
-                },
-                () = cancel.cancelled() => {}
-            }
-        }));
+        self.background.spawn_logged(rt()?, what, fut);
         Ok(())
     }
 
@@ -647,17 +636,12 @@ impl CAgent {
     /// Stop everything the agent started (NIXL's agent destructor).
     pub fn shutdown(&self) {
         let agent = self.setup.locked().agent.take();
-        if agent.is_none() && self.tasks.is_empty() {
+        if agent.is_none() && self.background.tracker().is_empty() {
             // Never started: nothing runs (and no runtime needs starting).
             return;
         }
         let done = block_on(async {
-            self.cancel.cancel();
-            self.tasks.close();
-            if tokio::time::timeout(TASKS_BOUND, self.tasks.wait())
-                .await
-                .is_err()
-            {
+            if !self.background.stop(TASKS_BOUND).await {
                 tracing::warn!(agent = %self.name, "background calls still running at destroy");
             }
             if let Some(a) = agent {

@@ -308,11 +308,28 @@ pub unsafe extern "C" fn nixl_capi_get_xfer_telemetry(
     })
 }
 
-fn no_views() -> Failure {
-    Failure::not_found(
+/// Both memory-view preparations: arguments checked as NIXL's, then NOT_FOUND (no
+/// backend of nixl-rs offers NIXL's device-initiated API).
+///
+/// # Safety
+/// As [`get`] for each handle; `mvh` as [`Out::new`].
+unsafe fn refuse_view<T: super::Tagged>(
+    agent: *mut Handle<AgentH>,
+    descs: *mut Handle<T>,
+    mvh: *mut *mut c_void,
+    opt_args: *mut Handle<OptArgsH>,
+) -> crate::status::Outcome<Status> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        get(agent)?;
+        get(descs)?;
+        Out::new(mvh, "mvh")?;
+        opt(opt_args)?;
+    }
+    Err(Failure::not_found(
         "memory views: no backend of nixl-rs offers NIXL's device-initiated API \
          (GPU kernels posting transfers)",
-    )
+    ))
 }
 
 /// Memory views of local buffers: no backend offers them (NOT_FOUND).
@@ -323,15 +340,9 @@ pub unsafe extern "C" fn nixl_capi_prep_mem_view_local(
     mvh: *mut *mut c_void,
     opt_args: *mut Handle<OptArgsH>,
 ) -> Status {
-    guard("prep_mem_view_local", || {
-        // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-        unsafe {
-            get(agent)?;
-            get(descs)?;
-            Out::new(mvh, "mvh")?;
-            opt(opt_args)?;
-        }
-        Err(no_views())
+    // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
+    guard("prep_mem_view_local", || unsafe {
+        refuse_view(agent, descs, mvh, opt_args)
     })
 }
 
@@ -343,15 +354,9 @@ pub unsafe extern "C" fn nixl_capi_prep_mem_view_remote(
     mvh: *mut *mut c_void,
     opt_args: *mut Handle<OptArgsH>,
 ) -> Status {
-    guard("prep_mem_view_remote", || {
-        // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
-        unsafe {
-            get(agent)?;
-            get(descs)?;
-            Out::new(mvh, "mvh")?;
-            opt(opt_args)?;
-        }
-        Err(no_views())
+    // SAFETY: C's arguments, checked by the helpers (module `ffi` docs).
+    guard("prep_mem_view_remote", || unsafe {
+        refuse_view(agent, descs, mvh, opt_args)
     })
 }
 
