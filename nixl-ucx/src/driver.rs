@@ -2280,11 +2280,11 @@ pub(crate) fn run_thread(shared: Arc<Shared>, stop: CancellationToken) {
     };
     let mut pace = Pace::new(shared.spin);
     while !stop.is_cancelled() {
-        let (activity, busy, idle) = {
+        let (activity, busy) = {
             let mut g = shared.core.lock().unwrap();
             let Some(core) = g.as_mut() else { break };
             let a = core.step();
-            (a, core.busy(), core.idle_wait())
+            (a, core.busy())
         };
         if pace.hot(activity, busy) {
             std::hint::spin_loop();
@@ -2301,6 +2301,10 @@ pub(crate) fn run_thread(shared: Arc<Shared>, stop: CancellationToken) {
             sleeping.store(false, Ordering::SeqCst);
             continue;
         }
+        // A post may have issued its transfer inline between this thread's round and
+        // now (it found `sleeping` false, so it woke nobody): the wait is for what
+        // is in flight now, not at the round.
+        let (busy, idle) = (busy || core.busy(), core.idle_wait());
         drop(g);
         // The stop flag comes with a wake, so the idle wait can be long.
         fd.wait_with(efd, pace.tick(busy, idle));
