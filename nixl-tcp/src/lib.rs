@@ -641,6 +641,12 @@ impl Backend for TcpBackend {
         // A peer still copying past the bound is the shutdown report's to name.
         revoked
     }
+
+    fn destroy(&self) -> Result<()> {
+        // Sockets, tasks and shared-memory grants all ended in `shutdown`; the
+        // registrations' memory belongs to the agent. Nothing is left to release.
+        Ok(())
+    }
 }
 
 /// Key and same-host slot of a region blob (8 bytes: key only; 12: key and slot).

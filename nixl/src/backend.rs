@@ -925,13 +925,12 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// Release what remains (contexts, workers, protection domains) after every
     /// registration was deregistered (step 7 of the [teardown order](Backend#teardown-order)).
-    /// The default does nothing, for backends whose state `Drop` releases in any order.
+    /// Required, so that every backend says what it releases here; one whose state
+    /// `Drop` releases in any order returns `Ok(())` and says so.
     ///
     /// # Errors
     /// When releasing failed; the agent reports it.
-    fn destroy(&self) -> Result<()> {
-        Ok(())
-    }
+    fn destroy(&self) -> Result<()>;
 }
 
 #[cfg(test)]

@@ -3,14 +3,11 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
 use nixl::{
-    Agent, AlignedBuf, Backend, BackendContext, Capabilities, Completer, ErrorKind, Memory,
-    PreparedTransfer, RegionRef, Result, TransferPlan,
+    Agent, AlignedBuf, Capabilities, ErrorKind, Memory, PreparedTransfer, Result, TransferPlan,
 };
+use nixl_testkit::double::{backend, Double};
 
 /// A backend that only registers, and counts its allocations when `offers` is set.
 #[derive(Debug, Default)]
@@ -19,8 +16,7 @@ struct Fake {
     allocs: AtomicUsize,
 }
 
-#[async_trait]
-impl Backend for Fake {
+impl Double for Fake {
     fn name(&self) -> &str {
         if self.offers {
             "offers"
@@ -39,41 +35,14 @@ impl Backend for Fake {
             ..Capabilities::default()
         }
     }
-    async fn start(&self, _ctx: BackendContext) -> Result<()> {
-        Ok(())
-    }
-    fn connection_info(&self) -> Bytes {
-        Bytes::new()
-    }
-    fn register(&self, _region: &RegionRef) -> Result<Bytes> {
-        Ok(Bytes::new())
-    }
-    fn deregister(&self, _region_id: u64) -> Result<()> {
-        Ok(())
-    }
     fn alloc(&self, len: usize) -> Option<Result<Memory>> {
         self.offers.then(|| {
             self.allocs.fetch_add(1, Ordering::Relaxed);
             Ok(AlignedBuf::new(len).into())
         })
     }
-    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
-        Ok(())
-    }
-    async fn connect(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn remove_peer(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
     fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         unreachable!("no transfers in this test")
-    }
-    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
-        done.complete(Ok(()));
-    }
-    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
-        Ok(())
     }
 }
 
@@ -85,8 +54,8 @@ async fn alloc_prefers_the_first_backend_that_offers_memory() {
         ..Fake::default()
     });
     let a = Agent::builder("a")
-        .backend_arc(plain.clone())
-        .backend_arc(offers.clone())
+        .backend(backend(plain.clone()))
+        .backend(backend(offers.clone()))
         .build()
         .await
         .unwrap();
@@ -104,7 +73,7 @@ async fn alloc_prefers_the_first_backend_that_offers_memory() {
 async fn alloc_falls_back_to_host_memory() {
     let plain = Arc::new(Fake::default());
     let a = Agent::builder("a")
-        .backend_arc(plain)
+        .backend(backend(plain))
         .build()
         .await
         .unwrap();
@@ -121,7 +90,7 @@ async fn alloc_falls_back_to_host_memory() {
 async fn alloc_beyond_this_machine_is_refused() {
     let plain = Arc::new(Fake::default());
     let a = Agent::builder("a")
-        .backend_arc(plain)
+        .backend(backend(plain))
         .build()
         .await
         .unwrap();

@@ -8,12 +8,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
-    Agent, Backend, BackendContext, Capabilities, Completer, DescList, ErrorKind, MemKind, Op,
-    PreparedTransfer, RegionRef, Result, TransferPlan,
+    Agent, Capabilities, Completer, DescList, ErrorKind, MemKind, Op, PreparedTransfer, RegionRef,
+    Result, TransferPlan,
 };
+use nixl_testkit::double::{backend, Double};
 
 /// Test double: a backend whose transfers stay in flight until the test completes
 /// them, and which hands the test its registrations (as a target serving peers
@@ -33,8 +33,7 @@ impl PreparedTransfer for Held {
     }
 }
 
-#[async_trait]
-impl Backend for HeldDouble {
+impl Double for HeldDouble {
     fn name(&self) -> &str {
         "held"
     }
@@ -45,9 +44,6 @@ impl Backend for HeldDouble {
             ..Capabilities::default()
         }
     }
-    async fn start(&self, _ctx: BackendContext) -> Result<()> {
-        Ok(())
-    }
     fn connection_info(&self) -> Bytes {
         Bytes::from_static(b"held")
     }
@@ -55,26 +51,8 @@ impl Backend for HeldDouble {
         self.regions.lock().unwrap().push(region.clone());
         Ok(Bytes::new())
     }
-    fn deregister(&self, _region_id: u64) -> Result<()> {
-        Ok(())
-    }
-    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
-        Ok(())
-    }
-    async fn connect(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn remove_peer(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
     fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         Ok(Box::new(Held(self.held.clone())))
-    }
-    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
-        done.complete(Ok(()));
-    }
-    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
-        Ok(())
     }
 }
 
@@ -93,12 +71,12 @@ async fn pair(len: usize) -> (Agent, Agent, Handles, nixl::Registration) {
         held: double.held.clone(),
     };
     let a = Agent::builder("initiator")
-        .backend(double)
+        .backend(backend(double))
         .build()
         .await
         .unwrap();
     let b = Agent::builder("target")
-        .backend(HeldDouble::default())
+        .backend(backend(HeldDouble::default()))
         .build()
         .await
         .unwrap();

@@ -10,14 +10,13 @@
 //! info.
 
 use std::sync::Mutex;
-use std::time::Duration;
 
-use async_trait::async_trait;
 use nixl::interop::{self, NixlConn, NixlDesc, NixlMetadata, NixlSection};
 use nixl::{
-    Agent, Backend, BackendContext, Bytes, Capabilities, Completer, DescList, ErrorKind, Indices,
-    MemKind, NixlDialect, Op, PreparedTransfer, RegionRef, RequestOptions, Result, TransferPlan,
+    Agent, Bytes, Capabilities, Completer, DescList, ErrorKind, Indices, MemKind, NixlDialect, Op,
+    PreparedTransfer, RegionRef, RequestOptions, Result, TransferPlan,
 };
+use nixl_testkit::double::{backend, Double};
 use proptest::prelude::*;
 
 const FULL: &[u8] = include_bytes!("data/nixl-1.5.1/full.bin");
@@ -96,8 +95,7 @@ impl PreparedTransfer for Nothing {
     }
 }
 
-#[async_trait]
-impl Backend for NixlSpeakerDouble {
+impl Double for NixlSpeakerDouble {
     fn name(&self) -> &str {
         "speaker"
     }
@@ -109,17 +107,11 @@ impl Backend for NixlSpeakerDouble {
             ..Capabilities::default()
         }
     }
-    async fn start(&self, _ctx: BackendContext) -> Result<()> {
-        Ok(())
-    }
     fn connection_info(&self) -> Bytes {
         Bytes::from_static(b"speaker-address")
     }
     fn register(&self, region: &RegionRef) -> Result<Bytes> {
         Ok(Bytes::from(format!("Kkey{}", region.id())))
-    }
-    fn deregister(&self, _region_id: u64) -> Result<()> {
-        Ok(())
     }
     fn nixl(&self) -> Option<&dyn NixlDialect> {
         Some(self)
@@ -131,20 +123,8 @@ impl Backend for NixlSpeakerDouble {
             .push((peer.into(), conn_info.into(), false));
         Ok(())
     }
-    async fn connect(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn remove_peer(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
     fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         Ok(Box::new(Nothing))
-    }
-    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
-        done.complete(Ok(()));
-    }
-    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
-        Ok(())
     }
 }
 
@@ -171,7 +151,7 @@ impl NixlDialect for NixlSpeakerDouble {
 async fn speaker(name: &str) -> (Agent, std::sync::Arc<NixlSpeakerDouble>) {
     let b = std::sync::Arc::new(NixlSpeakerDouble::default());
     let a = Agent::builder(name)
-        .backend_arc(b.clone())
+        .backend(backend(b.clone()))
         .build()
         .await
         .unwrap();

@@ -10,10 +10,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use nixl::{
-    Agent, Backend, BackendContext, Capabilities, Completer, ErrorKind, Notification,
-    NotificationLimits, NotificationSink, PreparedTransfer, QueuedNotifications, RegionRef, Result,
-    TransferPlan,
+    Agent, BackendContext, Capabilities, ErrorKind, Notification, NotificationLimits,
+    NotificationSink, PreparedTransfer, QueuedNotifications, Result, TransferPlan,
 };
+use nixl_testkit::double::{backend, Double};
 
 /// Test double: keeps the sink the agent gave it, does nothing else.
 #[derive(Debug, Default)]
@@ -22,7 +22,7 @@ struct SinkDouble {
 }
 
 #[async_trait]
-impl Backend for SinkDouble {
+impl Double for SinkDouble {
     fn name(&self) -> &str {
         "sink"
     }
@@ -36,32 +36,8 @@ impl Backend for SinkDouble {
         *self.sink.lock().unwrap() = Some(ctx.notifications);
         Ok(())
     }
-    fn connection_info(&self) -> Bytes {
-        Bytes::new()
-    }
-    fn register(&self, _region: &RegionRef) -> Result<Bytes> {
-        Ok(Bytes::new())
-    }
-    fn deregister(&self, _region_id: u64) -> Result<()> {
-        Ok(())
-    }
-    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
-        Ok(())
-    }
-    async fn connect(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn remove_peer(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
     fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         unreachable!("no transfers in this test")
-    }
-    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
-        done.complete(Ok(()));
-    }
-    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
-        Ok(())
     }
 }
 
@@ -91,7 +67,7 @@ async fn agent(name: &str, limits: NotificationLimits) -> (Agent, NotificationSi
             metrics: true,
             ..Default::default()
         })
-        .backend(double)
+        .backend(backend(double))
         .build()
         .await
         .unwrap();

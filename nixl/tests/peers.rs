@@ -5,11 +5,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use nixl::{
-    Agent, Backend, BackendContext, Bytes, Capabilities, Completer, DescList, ErrorKind, MemKind,
-    Op, PreparedTransfer, RegionRef, RequestOptions, Result, TransferPlan,
+    Agent, Bytes, Capabilities, Completer, DescList, ErrorKind, MemKind, Op, PreparedTransfer,
+    RegionRef, RequestOptions, Result, TransferPlan,
 };
+use nixl_testkit::double::{backend, Double};
 
 /// A test double of a transport that keeps a ledger of the connection info it was
 /// given per peer, refuses connection info it is told to, can hold `add_peer` until a
@@ -48,8 +48,7 @@ impl PreparedTransfer for Done {
     }
 }
 
-#[async_trait]
-impl Backend for Ledger {
+impl Double for Ledger {
     fn name(&self) -> &str {
         self.name
     }
@@ -60,17 +59,11 @@ impl Backend for Ledger {
             ..Capabilities::default()
         }
     }
-    async fn start(&self, _ctx: BackendContext) -> Result<()> {
-        Ok(())
-    }
     fn connection_info(&self) -> Bytes {
         Bytes::from(self.info.lock().unwrap().clone())
     }
     fn register(&self, _region: &RegionRef) -> Result<Bytes> {
         Ok(Bytes::from_static(b"key"))
-    }
-    fn deregister(&self, _region_id: u64) -> Result<()> {
-        Ok(())
     }
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
         let held = self.hold.lock().unwrap().clone();
@@ -93,9 +86,6 @@ impl Backend for Ledger {
             .insert(peer.to_owned(), conn_info.to_vec());
         Ok(())
     }
-    async fn connect(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
     fn remove_peer(&self, peer: &str) -> Result<()> {
         self.peers.lock().unwrap().remove(peer);
         Ok(())
@@ -103,18 +93,12 @@ impl Backend for Ledger {
     fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         Ok(Box::new(Done))
     }
-    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
-        done.complete(Ok(()));
-    }
-    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
-        Ok(())
-    }
 }
 
 async fn agent(name: &str, backends: &[&Arc<Ledger>]) -> Agent {
     let mut b = Agent::builder(name);
     for l in backends {
-        b = b.backend_arc(Arc::clone(l) as Arc<dyn Backend>);
+        b = b.backend(backend(Arc::clone(l)));
     }
     b.build().await.unwrap()
 }

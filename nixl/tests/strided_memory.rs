@@ -7,10 +7,10 @@ mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 
 use common::Recorder;
 use nixl::{Agent, DescList, Indices, MemKind, RequestOptions};
+use nixl_testkit::double::backend;
 
 /// Counts bytes allocated (never subtracts): an upper bound of what was held.
 struct Counting;
@@ -53,12 +53,12 @@ async fn ten_million_block_request_holds_o_runs() {
     const BLOCK: u64 = 64;
     const STRIDE: u64 = 128;
     let a = Agent::builder("a")
-        .backend_arc(Arc::new(Recorder::default()))
+        .backend(backend(Recorder::default()))
         .build()
         .await
         .unwrap();
     let b = Agent::builder("b")
-        .backend_arc(Arc::new(Recorder::default()))
+        .backend(backend(Recorder::default()))
         .build()
         .await
         .unwrap();

@@ -8,11 +8,10 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use nixl::{
-    Agent, AgentOptions, Backend, BackendContext, Capabilities, Completer, PreparedTransfer,
-    RegionRef, Result, TransferPlan,
+    Agent, AgentOptions, BackendContext, Capabilities, PreparedTransfer, Result, TransferPlan,
 };
+use nixl_testkit::double::{backend, Double};
 
 /// Test double: a backend whose only work is one OS thread that blocks in a channel
 /// receive until its wake sends on the channel (or, when `stubborn`, ignores its stop
@@ -26,7 +25,7 @@ struct ThreadDouble {
 }
 
 #[async_trait]
-impl Backend for ThreadDouble {
+impl Double for ThreadDouble {
     fn name(&self) -> &str {
         "threads"
     }
@@ -59,29 +58,8 @@ impl Backend for ThreadDouble {
             },
         )
     }
-    fn connection_info(&self) -> Bytes {
-        Bytes::new()
-    }
-    fn register(&self, _region: &RegionRef) -> Result<Bytes> {
-        Ok(Bytes::new())
-    }
-    fn deregister(&self, _region_id: u64) -> Result<()> {
-        Ok(())
-    }
-    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
-        Ok(())
-    }
-    async fn connect(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn remove_peer(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
     fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         unreachable!("no transfers in this test")
-    }
-    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
-        done.complete(Ok(()));
     }
     async fn shutdown(&self, _timeout: Duration) -> Result<()> {
         if let Some(stopped) = &self.slow_stop {
@@ -106,11 +84,11 @@ fn gone(name: &str) -> bool {
 
 async fn agent(thread: &str) -> Agent {
     Agent::builder("threads")
-        .backend(ThreadDouble {
+        .backend(backend(ThreadDouble {
             thread: thread.into(),
             stubborn: None,
             slow_stop: None,
-        })
+        }))
         .build()
         .await
         .unwrap()
@@ -188,11 +166,11 @@ async fn stubborn_thread_is_named_not_waited_on() {
     const T: &str = "t-stubborn";
     let release = Arc::new(AtomicBool::new(false));
     let a = Agent::builder("stubborn")
-        .backend(ThreadDouble {
+        .backend(backend(ThreadDouble {
             thread: T.into(),
             stubborn: Some(release.clone()),
             slow_stop: None,
-        })
+        }))
         .options(AgentOptions {
             drain_timeout: Duration::from_secs(1),
             shutdown_timeout: Duration::from_millis(200),
@@ -217,11 +195,11 @@ async fn stubborn_thread_is_named_not_waited_on() {
 async fn a_concurrent_shutdown_waits_for_the_first() {
     let stopped = Arc::new(AtomicBool::new(false));
     let a = Agent::builder("slow")
-        .backend(ThreadDouble {
+        .backend(backend(ThreadDouble {
             thread: "t-slow-stop".into(),
             stubborn: None,
             slow_stop: Some(stopped.clone()),
-        })
+        }))
         .build()
         .await
         .unwrap();

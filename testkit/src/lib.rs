@@ -1,5 +1,6 @@
 //! Test helpers shared by nixl-rs's test suites: visible SKIP and FIGURE lines,
-//! deterministic byte patterns, OS-thread checks, and a real etcd server. Dev-only.
+//! deterministic byte patterns, OS-thread checks, a real etcd server, and backend
+//! test doubles with the agent fixtures most tests start with ([`double`]). Dev-only.
 //!
 //! SKIP and FIGURE lines go to stderr and, when `NIXL_SKIP_LOG` / `NIXL_FIGURE_LOG`
 //! name a file (`scripts/test` sets both), are appended there, so the script lists
@@ -8,6 +9,7 @@
 
 use std::time::{Duration, Instant};
 
+pub mod double;
 pub mod elf;
 #[cfg(feature = "etcd")]
 pub mod etcd;

@@ -1,13 +1,9 @@
 //! A test double of a transport shared by the strided-list tests.
 
 use std::sync::Mutex;
-use std::time::Duration;
 
-use async_trait::async_trait;
-use nixl::{
-    Backend, BackendContext, Bytes, Capabilities, Completer, PreparedTransfer, RegionRef, Result,
-    Target, TransferPlan,
-};
+use nixl::{Bytes, Completer, PreparedTransfer, RegionRef, Result, Target, TransferPlan};
+use nixl_testkit::double::Double;
 
 /// What reached the backend: runs, and every segment as (local registration, local
 /// offset, length, target address or offset, target registration).
@@ -41,39 +37,12 @@ impl PreparedTransfer for Kept {
     }
 }
 
-#[async_trait]
-impl Backend for Recorder {
+impl Double for Recorder {
     fn name(&self) -> &str {
         "recorder"
     }
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            local: true,
-            remote: true,
-            dram: true,
-            ..Capabilities::default()
-        }
-    }
-    async fn start(&self, _ctx: BackendContext) -> Result<()> {
-        Ok(())
-    }
-    fn connection_info(&self) -> Bytes {
-        Bytes::new()
-    }
     fn register(&self, _region: &RegionRef) -> Result<Bytes> {
         Ok(Bytes::from_static(b"key"))
-    }
-    fn deregister(&self, _region_id: u64) -> Result<()> {
-        Ok(())
-    }
-    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
-        Ok(())
-    }
-    async fn connect(&self, _peer: &str) -> Result<()> {
-        Ok(())
-    }
-    fn remove_peer(&self, _peer: &str) -> Result<()> {
-        Ok(())
     }
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         let mut seen = Seen {
@@ -92,11 +61,5 @@ impl Backend for Recorder {
         }
         *self.last.lock().unwrap() = seen;
         Ok(Box::new(Kept(plan)))
-    }
-    fn notify(&self, _peer: &str, _msg: Bytes, done: Completer) {
-        done.complete(Ok(()));
-    }
-    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
-        Ok(())
     }
 }
