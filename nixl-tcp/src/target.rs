@@ -6,9 +6,8 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
-use nixl::control::{Admission, Ticket};
+use nixl::control::{Admission, Incoming, Ticket};
 use nixl::NotificationSink;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
@@ -26,50 +25,35 @@ use crate::wire::{self, Offer, ResponseHeader, SegEntry};
 /// limits of [`Admission`] and [`TcpOptions::handshake_timeout`](crate::TcpOptions).
 pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: &Started) {
     let cancel = started.cancel.clone();
-    let tracker = started.ctx.tracker.clone();
     let sink = started.ctx.notifications.clone();
     let secret = started.secret.clone();
     let me: Arc<str> = started.ctx.agent_name.as_str().into();
     let o = &inner.options;
     let admission = Admission::new(o.max_incoming_handshakes, o.max_incoming_connections);
-    started.ctx.tracker.spawn(async move {
-        loop {
-            let accepted = tokio::select! {
-                _ = cancel.cancelled() => break,
-                r = listener.accept() => r,
-            };
-            match accepted {
-                Ok((stream, from)) => {
-                    let conn_cancel = cancel.child_token();
-                    let ticket = admission.admit(from.ip(), conn_cancel.clone());
-                    let (inner, sink, secret) = (inner.clone(), sink.clone(), secret.clone());
-                    let me = me.clone();
-                    let deadline = tokio::time::Instant::now() + inner.options.handshake_timeout;
-                    tracker.spawn(async move {
-                        tokio::select! {
-                            _ = conn_cancel.cancelled() => {}
-                            r = serve(inner, stream, sink, (secret, me), ticket, deadline) => {
-                                if let Err(e) = r {
-                                    tracing::debug!(%from, error = %e, "tcp: closed incoming connection");
-                                }
-                            }
+    let handshake_timeout = o.handshake_timeout;
+    nixl::control::spawn_accept_loop(
+        "tcp",
+        listener,
+        admission,
+        &started.ctx.tracker,
+        cancel,
+        move |c: Incoming| {
+            let (inner, sink, secret) = (inner.clone(), sink.clone(), secret.clone());
+            let me = me.clone();
+            let deadline = tokio::time::Instant::now() + handshake_timeout;
+            async move {
+                let from = c.from;
+                tokio::select! {
+                    _ = c.close.cancelled() => {}
+                    r = serve(inner, c.stream, sink, (secret, me), c.ticket, deadline) => {
+                        if let Err(e) = r {
+                            tracing::debug!(%from, error = %e, "tcp: closed incoming connection");
                         }
-                    });
-                }
-                Err(e) => {
-                    // Out of descriptors and similar: free one held by a connection
-                    // still in its handshake, and back off instead of spinning.
-                    tracing::warn!(error = %e, "tcp: accept failed");
-                    admission.shed_oldest();
-                    tokio::select! {
-                        _ = cancel.cancelled() => break,
-                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
                     }
                 }
             }
-        }
-        tracing::debug!("tcp listener stopped");
-    });
+        },
+    );
 }
 
 fn proto(msg: impl Into<String>) -> std::io::Error {

@@ -1059,18 +1059,21 @@ const CONTROL_SEND_BUFFER: usize = 16 * 1024;
 const CONTROL_PROTOCOL: &str = "nixl-uccl control";
 
 /// Target side: one inbound control connection.
-#[allow(clippy::too_many_arguments)] // one connection's whole setup
 async fn serve_control(
-    mut stream: TcpStream,
-    from: std::net::SocketAddr,
+    incoming: nixl::control::Incoming,
     ctx: BackendContext,
-    admission: Arc<nixl::control::Admission>,
     mut registered: watch::Receiver<bool>,
     liveness: Duration,
     connect_timeout: Duration,
     confirmer: Confirmer,
     stats: Arc<reply::Stats>,
 ) {
+    let nixl::control::Incoming {
+        mut stream,
+        from,
+        mut ticket,
+        close: evict,
+    } = incoming;
     // A peer whose host dies, or that stops reading (a zero window), is cut within
     // the liveness bound by the kernel too, not only by the write deadline below.
     nixl::control::tune(&stream, liveness);
@@ -1086,8 +1089,6 @@ async fn serve_control(
     // The agent's secret first, where set: nothing is answered or kept for a peer
     // that does not prove it.
     let peer = format!("UCCL control connection from {from}");
-    let evict = tokio_util::sync::CancellationToken::new();
-    let mut ticket = admission.admit(from.ip(), evict.clone());
     let auth = tokio::select! {
         _ = evict.cancelled() => return,
         r = nixl::control::authenticate_server(&mut stream, CONTROL_PROTOCOL, secret.as_ref(), &me, &peer, connect_timeout) => r,
@@ -1725,30 +1726,32 @@ impl UcclBackend {
             inner.options.max_incoming_handshakes,
             inner.options.max_incoming_connections,
         );
-        ctx.spawn(async move {
-            loop {
-                match listener.accept().await {
-                    Ok((s, from)) => spawn_ctx.spawn(serve_control(
-                        s,
-                        from,
-                        spawn_ctx.clone(),
-                        admission.clone(),
-                        registered.clone(),
-                        liveness,
-                        connect_timeout,
-                        confirmer.clone(),
-                        stats.clone(),
-                    )),
-                    Err(e) => {
-                        // Out of descriptors, most likely: free one held by a
-                        // connection still in its handshake.
-                        tracing::warn!(%e, "UCCL control listener");
-                        admission.shed_oldest();
-                        tokio::time::sleep(Duration::from_millis(10)).await;
+        nixl::control::spawn_accept_loop(
+            "uccl",
+            listener,
+            admission,
+            &ctx.tracker,
+            ctx.cancel.clone(),
+            move |c| {
+                // Dropped at once when the agent stops or the admission closes it.
+                let close = c.close.clone();
+                let serve = serve_control(
+                    c,
+                    spawn_ctx.clone(),
+                    registered.clone(),
+                    liveness,
+                    connect_timeout,
+                    confirmer.clone(),
+                    stats.clone(),
+                );
+                async move {
+                    tokio::select! {
+                        _ = close.cancelled() => {}
+                        _ = serve => {}
                     }
                 }
-            }
-        });
+            },
+        );
 
         Ok(Started {
             ctx,

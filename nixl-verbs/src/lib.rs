@@ -504,40 +504,29 @@ impl VerbsBackend {
         let control = o.advertise.unwrap_or(bound);
         let cancel = ctx.cancel.child_token();
         // The accept loop.
-        let (me, c, tracker) = (self.clone(), cancel.clone(), ctx.tracker.clone());
+        let (me, c) = (self.clone(), cancel.clone());
         let secret = ctx.secret.clone();
         let admission =
             nixl::control::Admission::new(o.max_incoming_handshakes, o.max_incoming_connections);
-        ctx.tracker.spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    _ = c.cancelled() => break,
-                    r = listener.accept() => r,
-                };
-                match accepted {
-                    Ok((s, from)) => {
-                        let (me, cc, secret) = (me.clone(), c.child_token(), secret.clone());
-                        let evict = CancellationToken::new();
-                        let ticket = admission.admit(from.ip(), evict.clone());
-                        tracker.spawn(async move {
-                            if let Err(e) = me.serve(s, from, secret, (ticket, evict), cc).await {
-                                tracing::debug!(%from, error = %e, "verbs: control connection ended");
-                            }
-                        });
-                    }
-                    Err(e) => {
-                        // Out of descriptors, most likely: free one held by a
-                        // connection still in its handshake.
-                        tracing::warn!(error = %e, "verbs: accept failed");
-                        admission.shed_oldest();
-                        tokio::select! {
-                            _ = c.cancelled() => break,
-                            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                        }
+        nixl::control::spawn_accept_loop(
+            "verbs",
+            listener,
+            admission,
+            &ctx.tracker,
+            c,
+            move |conn| {
+                let (me, secret) = (me.clone(), secret.clone());
+                async move {
+                    let from = conn.from;
+                    if let Err(e) = me
+                        .serve(conn.stream, from, secret, conn.ticket, conn.close)
+                        .await
+                    {
+                        tracing::debug!(%from, error = %e, "verbs: control connection ended");
                     }
                 }
-            }
-        });
+            },
+        );
         let handle = ctx.tracker.spawn(completion_loop(
             self.inner.clone(),
             dev,
@@ -823,8 +812,8 @@ impl VerbsBackend {
         mut s: TcpStream,
         from: std::net::SocketAddr,
         secret: Option<nixl::SharedSecret>,
-        (mut ticket, evict): (nixl::control::Ticket, CancellationToken),
-        cancel: CancellationToken,
+        mut ticket: nixl::control::Ticket,
+        close: CancellationToken,
     ) -> Result<()> {
         const OP: &str = "verbs accept";
         let o = &self.inner.options;
@@ -836,13 +825,13 @@ impl VerbsBackend {
             Error::new(
                 ErrorKind::NotAllowed,
                 OP,
-                "closed in its handshake to admit a newer connection (VerbsOptions::max_incoming_handshakes)",
+                "closed in its handshake: to admit a newer connection (VerbsOptions::max_incoming_handshakes), or the agent stops",
             )
         };
         let peer = format!("control connection from {from}");
         let me = self.started(OP)?.ctx.agent_name.clone();
         let authenticated = tokio::select! {
-            _ = evict.cancelled() => return Err(evicted()),
+            _ = close.cancelled() => return Err(evicted()),
             r = nixl::control::authenticate_server(&mut s, CONTROL_PROTOCOL, secret.as_ref(), &me, &peer, o.connect_timeout) => r?,
         };
         if authenticated == nixl::control::Authenticated::Missing {
@@ -856,7 +845,7 @@ impl VerbsBackend {
             ));
         }
         let frame = tokio::select! {
-            _ = evict.cancelled() => return Err(evicted()),
+            _ = close.cancelled() => return Err(evicted()),
             r = tokio::time::timeout(o.connect_timeout, read_frame(&mut s)) => r,
         }
         .map_err(|_| Error::new(ErrorKind::TimedOut, OP, "no hello in time"))?
@@ -923,7 +912,7 @@ impl VerbsBackend {
             // Checked under the list's lock: a shutdown or drop that already emptied
             // the list (its token is cancelled first) would miss these queue pairs,
             // and deregister memory they reach.
-            if cancel.is_cancelled() {
+            if close.is_cancelled() {
                 for i in &inbound {
                     i.close();
                 }
@@ -939,8 +928,7 @@ impl VerbsBackend {
             tracing::debug!(peer = %hello.agent, qps = inbound.len(), "verbs: peer connected");
             let mut buf = [0u8; 64];
             tokio::select! {
-                _ = cancel.cancelled() => {}
-                _ = evict.cancelled() => {}
+                _ = close.cancelled() => {}
                 _ = s.read(&mut buf) => {}
             }
         }

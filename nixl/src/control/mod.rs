@@ -1,5 +1,6 @@
-//! What every backend's control connection shares: admission (connection caps that
-//! keep legitimate peers served, [`Admission`]), socket settings ([`tune`]),
+//! What every backend's control connection shares: one accept loop
+//! ([`spawn_accept_loop`]), admission (connection caps that keep legitimate peers
+//! served, [`Admission`]), socket settings ([`tune`]),
 //! length-prefixed frames ([`write_frame`], [`read_frame`]) and authentication with
 //! the agent's shared secret. nixl-tcp, nixl-verbs and nixl-uccl use it; nixl-tcp
 //! runs the authentication machines ([`ClientAuth`], [`ServerAuth`]) inside its own
@@ -51,10 +52,12 @@ mod admission;
 mod auth;
 mod frame;
 mod handshake;
+mod listener;
 mod socket;
 
 pub use admission::{Admission, AdmissionLimits, Ticket, Working};
 pub use auth::{authenticate_client, authenticate_server, Authenticated};
 pub use frame::{read_frame, write_frame};
 pub use handshake::{nonce, ClientAuth, Refusal, ServerAuth, AUTH_MAGIC, MAX_NAME, NONCE_LEN};
+pub use listener::{spawn_accept_loop, Incoming, ACCEPT_BACKOFF};
 pub use socket::{set_user_timeout, tune};

@@ -61,15 +61,12 @@ where
     O: Send + Sync + 'static,
     F: Fn(crate::agent::WeakAgent, tokio::net::TcpStream, std::sync::Arc<O>, Ticket) -> Fut
         + Send
-        + Sync
         + 'static,
     Fut: std::future::Future<Output = std::result::Result<(), String>> + Send + 'static,
 {
-    use std::sync::Arc;
-    use std::time::Duration;
-
     use crate::control::Admission;
     use crate::error::{err, Error, ErrorKind};
+    use std::sync::Arc;
 
     if !agent.is_running() {
         return err(ErrorKind::ShutDown, op, "the agent is shutting down");
@@ -81,46 +78,30 @@ where
         Error::new(ErrorKind::Backend, op, "listener has no address").with_source(e)
     })?;
     let cancel = agent.child_token();
-    let tracker = agent.tracker().clone();
     let weak = agent.downgrade();
     let options = Arc::new(options);
-    let serve = Arc::new(serve);
     let max = max_connections.max(1);
     let admission = Admission::new(max.div_ceil(4), max);
-    let name = agent.name().to_owned();
-    agent.tracker().spawn(async move {
-        loop {
-            let (stream, from) = tokio::select! {
-                _ = cancel.cancelled() => break,
-                r = listener.accept() => match r {
-                    Ok(x) => x,
-                    Err(e) => {
-                        // Out of descriptors, most likely: free one held by a
-                        // connection still in its handshake.
-                        tracing::warn!(error = %e, "{what}: accept failed");
-                        admission.shed_oldest();
-                        tokio::select! {
-                            _ = cancel.cancelled() => break,
-                            _ = tokio::time::sleep(Duration::from_millis(50)) => continue,
-                        }
-                    }
-                },
-            };
-            let token = cancel.child_token();
-            let ticket = admission.admit(from.ip(), token.clone());
-            let conn = serve(weak.clone(), stream, options.clone(), ticket);
-            tracker.spawn(async move {
+    crate::control::spawn_accept_loop(
+        what,
+        listener,
+        admission,
+        agent.tracker(),
+        cancel,
+        move |c| {
+            let from = c.from;
+            let conn = serve(weak.clone(), c.stream, options.clone(), c.ticket);
+            async move {
                 tokio::select! {
-                    _ = token.cancelled() => {}
+                    _ = c.close.cancelled() => {}
                     r = conn => {
                         if let Err(why) = r {
                             tracing::info!(%from, %why, "{what}: closed connection");
                         }
                     }
                 }
-            });
-        }
-        tracing::debug!(agent = %name, %bound, "{what} listener stopped");
-    });
+            }
+        },
+    );
     Ok(bound)
 }
