@@ -69,7 +69,8 @@
 //!   read meanwhile (back-pressure on that peer; nothing is dropped); the target
 //!   sends PONGs while it waits so the initiator does not count it dead.
 //! - **The control connection** is authenticated with the agent's shared secret
-//!   where one is set ([`nixl::AgentBuilder::secret`], through [`nixl::control`]),
+//!   where one is set ([`nixl::AgentBuilder::secret`], or this backend's own,
+//!   [`UcclOptions::secret`], through [`nixl::control`]),
 //!   and its hello must name the agent proven, so notifications carry a proven name;
 //!   without a secret the name in the hello is taken as given (NIXL-compatible).
 //!   UCCL's own engine channel is never authenticated: run UCCL on a trusted fabric.
@@ -226,6 +227,10 @@ pub struct UcclOptions {
     /// side (GPU memory is copied to the host for it) and one round trip per
     /// transfer. Turn it off only where the fabric is known not to lose operations.
     pub confirm: bool,
+    /// When set, the control connection is authenticated with this secret instead
+    /// of the agent's ([`nixl::AgentBuilder::secret`]); the same secret on every
+    /// agent of a deployment. `None` (the default): the agent's, if it has one.
+    pub secret: Option<nixl::SharedSecret>,
 }
 
 impl Default for UcclOptions {
@@ -244,6 +249,7 @@ impl Default for UcclOptions {
             max_outstanding: 256,
             device: 0,
             confirm: true,
+            secret: None,
         }
     }
 }
@@ -995,7 +1001,7 @@ async fn control_writer(
         tokio::select! {
             _ = state.dead.cancelled() => break,
             _ = tick.tick() => {
-                if let Err(e) = write_within(&mut wr, &Frame::Ping.encode(), hold).await {
+                if let Err(e) = write_unless_dead(&mut wr, &Frame::Ping.encode(), hold, &state).await {
                     state.kill(format!("control connection: {e}"));
                     break;
                 }
@@ -1003,13 +1009,13 @@ async fn control_writer(
             m = rx.recv() => match m {
                 None => break,
                 Some(Out::Frame(f)) => {
-                    if let Err(e) = write_within(&mut wr, &f, hold).await {
+                    if let Err(e) = write_unless_dead(&mut wr, &f, hold, &state).await {
                         state.kill(format!("control connection: {e}"));
                         break;
                     }
                 }
                 Some(Out::Notif(msg, done)) => {
-                    let r = write_within(&mut wr, &Frame::Notif(msg).encode(), hold).await;
+                    let r = write_unless_dead(&mut wr, &Frame::Notif(msg).encode(), hold, &state).await;
                     match r {
                         Ok(()) => done.complete(Ok(())),
                         Err(e) => {
@@ -1032,6 +1038,21 @@ async fn control_writer(
                 state.why(),
             )));
         }
+    }
+}
+
+/// [`write_within`], ending early when the link dies: a write the peer holds back (it
+/// does not read) must not keep a removed or moved peer's queued notifications from
+/// failing until `deadline`.
+async fn write_unless_dead(
+    w: &mut tokio::net::tcp::OwnedWriteHalf,
+    b: &[u8],
+    deadline: Duration,
+    state: &LinkState,
+) -> std::io::Result<()> {
+    tokio::select! {
+        _ = state.dead.cancelled() => Err(std::io::Error::other("the link is down")),
+        r = write_within(w, b, deadline) => r,
     }
 }
 
@@ -1626,6 +1647,7 @@ impl UcclBackend {
     /// Create the engine and start its threads and control listener: the state
     /// [`Backend::start`] keeps.
     async fn start_engine(&self, ctx: BackendContext) -> Result<Started> {
+        let ctx = ctx.with_own_secret(self.inner.options.secret.as_ref());
         const OP: &str = "start uccl";
         let inner = &self.inner;
         // Creating an engine initialises the NIC and GPU and may take a while: on an
@@ -1881,11 +1903,11 @@ impl Backend for UcclBackend {
             )
         })?;
         let mut peers = self.inner.peers.lock().unwrap();
-        match peers.get_mut(peer) {
-            Some(s) if s.info == info => {}
+        let moved = match peers.get_mut(peer) {
+            Some(s) if s.info == info => None,
             Some(s) => {
                 s.info = info;
-                s.link = None;
+                s.link.take()
             }
             None => {
                 peers.insert(
@@ -1897,7 +1919,15 @@ impl Backend for UcclBackend {
                         seq: Arc::default(),
                     },
                 );
+                None
             }
+        };
+        drop(peers);
+        if let Some(l) = moved {
+            // As remove_peer: the old link's transfers and queued notifications fail
+            // now (not at the stall bound) and its control tasks end; the engine
+            // connection closes when the last operation UCCL accepted lets go.
+            l.state.kill(format!("{peer:?} moved to another address"));
         }
         Ok(())
     }

@@ -1215,9 +1215,11 @@ impl Core {
             for f in p.queue.drain(..) {
                 self.orphans.push((f, format!("peer {peer:?}: {why}")));
             }
+            // As the queued transfers: their connection is gone (tcp, verbs and uccl
+            // fail them the same way).
             for (_, done) in p.held.drain(..) {
                 done.complete(Err(Error::new(
-                    ErrorKind::UnknownPeer,
+                    ErrorKind::RemoteDisconnected,
                     "ucx notify",
                     format!("peer {peer:?}: {why}"),
                 )));

@@ -345,6 +345,15 @@ impl BackendContext {
         self.threads.spawn(name, body, wake)
     }
 
+    /// This context with `own` as its secret, where set: a backend whose options name
+    /// a secret of its own uses it instead of the agent's.
+    pub fn with_own_secret(mut self, own: Option<&crate::secret::SharedSecret>) -> Self {
+        if let Some(own) = own {
+            self.secret = Some(own.clone());
+        }
+        self
+    }
+
     /// Spawn a task through the tracker that ends when `cancel` fires.
     pub fn spawn<F>(&self, fut: F)
     where

@@ -54,6 +54,7 @@ macro_rules! conformance_tests {
             drop_agent_ends_tasks,
             three_agents_one_process,
             dropped_peers_never_hang,
+            moved_peer_closed,
             vram_transfers,
             vram_notifications_after_data,
             vram_lifetime,

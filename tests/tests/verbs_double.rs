@@ -105,12 +105,28 @@ mod gpu_stand_in {
 /// is refused and reaches no memory; with it, transfers work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agents_secret_authenticates_the_control_connection() {
+    secret_authenticates_the_control_connection(false).await;
+}
+
+/// The backend's own secret (its options' `secret`) wins over the agent's: a target
+/// whose agent has another secret still admits only peers with the backend's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backends_own_secret_wins_over_the_agents() {
+    secret_authenticates_the_control_connection(true).await;
+}
+
+/// The target proves "deployment-secret": as its agent's secret, or, with
+/// `target_own`, as its backend's own while its agent has another.
+async fn secret_authenticates_the_control_connection(target_own: bool) {
     use nixl::{Agent, SharedSecret};
     use nixl_conformance::support::{bounded, one, remote};
-    let agent = |name: &'static str, secret: Option<&'static str>| async move {
-        let b = Agent::builder(name).backend_arc(Arc::new(
-            VerbsBackend::with_test_double(VerbsOptions::default()).unwrap(),
-        ));
+    let agent = |name: &'static str, secret: Option<&'static str>, own: Option<&'static str>| async move {
+        let options = VerbsOptions {
+            secret: own.map(|s| SharedSecret::new(s).unwrap()),
+            ..VerbsOptions::default()
+        };
+        let b = Agent::builder(name)
+            .backend_arc(Arc::new(VerbsBackend::with_test_double(options).unwrap()));
         match secret {
             Some(s) => b.secret(SharedSecret::new(s).unwrap()),
             None => b,
@@ -119,11 +135,15 @@ async fn the_agents_secret_authenticates_the_control_connection() {
         .await
         .unwrap()
     };
-    let t = agent("target", Some("deployment-secret")).await;
+    let t = if target_own {
+        agent("target", Some("the-agents-own"), Some("deployment-secret")).await
+    } else {
+        agent("target", Some("deployment-secret"), None).await
+    };
     let mem = t.register(vec![0u8; 4096]).unwrap();
     let md = t.metadata().unwrap();
     for (name, secret) in [("none", None), ("wrong", Some("another-secret"))] {
-        let a = agent(name, secret).await;
+        let a = agent(name, secret, None).await;
         let src = a.register(vec![7u8; 4096]).unwrap();
         a.load_metadata(&md).unwrap();
         let rd = remote(&a, "target", mem.id());
@@ -144,7 +164,7 @@ async fn the_agents_secret_authenticates_the_control_connection() {
         vec![0u8; 4096],
         "nothing reached the memory"
     );
-    let a = agent("insider", Some("deployment-secret")).await;
+    let a = agent("insider", Some("deployment-secret"), None).await;
     let src = a.register(vec![9u8; 4096]).unwrap();
     a.load_metadata(&md).unwrap();
     let rd = remote(&a, "target", mem.id());
