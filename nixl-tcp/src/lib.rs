@@ -156,6 +156,7 @@
 mod cma;
 mod conn;
 mod direct;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 mod gpu_direct;
@@ -196,11 +197,13 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The wire protocol version this crate speaks (the hello's second field). Public for
 /// raw-wire tests and fuzzers, which must follow it to get past the hello.
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub const WIRE_VERSION: u16 = wire::VERSION;
 
 /// A hello of agent `name` for whichever listener answers, as this version sends it.
 /// Public for raw-wire tests and fuzzers.
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub fn wire_hello(name: &str) -> Vec<u8> {
     wire::hello(name, wire::ANY_LISTENER)

@@ -1,6 +1,6 @@
 //! The UCCL engine API as this crate uses it: one trait, implemented by the real
 //! library ([`crate::library`]) and, for tests, by an in-process test double
-//! ([`crate::test_double`], feature `test-double`).
+//! (`test_double`, feature `test-double`).
 //!
 //! The backend's lifecycle (who calls what, from which thread, in which order) is
 //! written once against [`EngineApi`]; only the binding differs. Handles are opaque

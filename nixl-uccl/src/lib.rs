@@ -122,7 +122,7 @@
 //! - **Not yet run on hardware.** The data path has not run against a real UCCL engine
 //!   (that needs an NVIDIA GPU and an RDMA NIC). What runs in CI: the symbol check
 //!   against the real wheel, the missing-driver error, the codecs, and the whole
-//!   lifecycle and conformance suite against [`test_double`] (feature `test-double`),
+//!   lifecycle and conformance suite against `test_double` (feature `test-double`),
 //!   an in-process stand-in that reproduces UCCL's blocking behaviour. It proves this
 //!   crate's structure, not UCCL's data path. Known UCCL 0.1.1 behaviour to check on
 //!   hardware: towards a peer on the same host UCCL takes its IPC path, which handles
@@ -136,6 +136,7 @@
 pub mod api;
 mod catch;
 mod confirm;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod host;
@@ -569,7 +570,7 @@ impl UcclBackend {
     }
 
     /// A backend over another implementation of the engine API: the
-    /// [`test_double`] (feature `test-double`), or an alternative binding.
+    /// `test_double` (feature `test-double`), or an alternative binding.
     pub fn with_api(api: Arc<dyn EngineApi>, options: UcclOptions) -> Self {
         Self::build(api, None, options)
     }

@@ -175,6 +175,7 @@
 
 mod driver;
 mod ffi;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 #[cfg(test)]

@@ -125,7 +125,8 @@ impl Header {
     }
 
     /// The bytes this header decodes from (a version 1 header may have had trailing
-    /// bytes, which are not kept).
+    /// bytes, which are not kept). For the fuzz harness's round trip and the tests.
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn encode(&self) -> Vec<u8> {
         encode(
             self.kind,

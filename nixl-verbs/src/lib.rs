@@ -150,6 +150,7 @@ pub mod test_double;
 pub mod wire;
 
 pub use ffi::library;
+#[cfg(feature = "abi-layout")]
 #[doc(hidden)]
 pub use ffi::sys::{layout as ffi_layout, signatures as ffi_signatures};
 

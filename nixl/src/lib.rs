@@ -46,6 +46,7 @@ mod descriptor;
 mod error;
 pub mod exchange;
 pub mod file;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 mod gate;

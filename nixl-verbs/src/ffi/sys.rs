@@ -22,7 +22,9 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::marker::{PhantomData, PhantomPinned};
-use std::mem::{align_of, offset_of, size_of};
+#[cfg(feature = "abi-layout")]
+use std::mem::offset_of;
+use std::mem::{align_of, size_of};
 
 /// Marks a type only ever used behind a pointer: not `Send`, `Sync` or `Unpin`, and
 /// never built in Rust.
@@ -703,6 +705,7 @@ pub(crate) type WcStatusStrFn = unsafe extern "C" fn(c_int) -> *const c_char;
 /// Rust type above that declares it: exported symbols by name, the inline data path
 /// as `ibv_context_ops.<field>`. The `abi_layout` test has the C compiler check each
 /// against the header (`__builtin_types_compatible_p`).
+#[cfg(feature = "abi-layout")]
 pub fn signatures() -> &'static [(&'static str, &'static str)] {
     &[
         ("ibv_get_device_list", "struct ibv_device **(*)(int *)"),
@@ -790,6 +793,7 @@ pub fn signatures() -> &'static [(&'static str, &'static str)] {
 /// the Rust field is called. `struct _compat_ibv_port_attr` is not in the public
 /// header: it is `struct ibv_port_attr` up to `port_cap_flags2`, and the test checks
 /// it against that.
+#[cfg(feature = "abi-layout")]
 pub fn layout() -> Vec<(&'static str, &'static str, usize)> {
     macro_rules! rows {
         ($out:ident, $c:literal, $t:ty; $($f:ident),* $(,)?) => {
@@ -914,6 +918,7 @@ pub fn layout() -> Vec<(&'static str, &'static str, usize)> {
 }
 
 /// The crate's value of the MTU of `bytes` (0 when it has none).
+#[cfg(feature = "abi-layout")]
 fn mtu(bytes: u32) -> u8 {
     crate::api::Mtu::from_bytes(bytes).map_or(0, |m| m.0)
 }

@@ -27,6 +27,7 @@ pub use etcd::{
 /// The etcd client crate [`EtcdOptions::client`] returns a client of.
 #[cfg(feature = "etcd")]
 pub use etcd_client;
+#[cfg(feature = "fuzzing")]
 pub(crate) use nixl_listener::fuzz_frames as fuzz_nixl_listener;
 pub use nixl_listener::{NixlListenerOptions, NIXL_DEFAULT_PORT};
 pub use side_channel::{SharedSecret, SideChannelOptions};

@@ -411,6 +411,7 @@ async fn serve(
 /// through [`crate::fuzzing`]). Panics when an invariant breaks: a frame over the
 /// limit, bytes lost or invented between frames, a parse that re-encodes to
 /// different commands, a `LOAD` that is not the frame's last command.
+#[cfg(feature = "fuzzing")]
 pub(crate) fn fuzz_frames(data: &[u8]) {
     const MAX: usize = 64 << 10;
     let mut r = data;
