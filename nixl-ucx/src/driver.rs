@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::ffi::{EpId, FlightId, HoldsMemory, RkeyId, RmaSeg, Ucx, UcxError, WakeFd};
 use crate::packed::Padded;
+use crate::protocol::{self, Grant, OnHello};
 use crate::reorder::{self, Reorder};
 use crate::wire::{self, Kind};
 
@@ -1685,16 +1686,22 @@ impl Core {
                 Kind::Notif => self.deliver(h.name, h.stream, h.seq, ev_data),
                 Kind::Hello => {
                     tracing::debug!(peer = %h.name, "ucx: peer connected");
-                    match self.peers.get_mut(h.name.as_str()) {
-                        Some(p) if p.address == ev_data[..] => p.heard_hello = true,
-                        // A peer not (yet) loaded: remembered, up to a bound, in case
-                        // its metadata comes later with this address.
-                        _ if self.inbound.len() < MAX_INBOUND
-                            || self.inbound.contains_key(&h.name) =>
-                        {
+                    let known = self.peers.get(h.name.as_str()).map(|p| &p.address[..]);
+                    let remembered = (
+                        self.inbound.len(),
+                        MAX_INBOUND,
+                        self.inbound.contains_key(&h.name),
+                    );
+                    match protocol::on_hello(known, &ev_data, remembered) {
+                        OnHello::Heard => {
+                            if let Some(p) = self.peers.get_mut(h.name.as_str()) {
+                                p.heard_hello = true;
+                            }
+                        }
+                        OnHello::Remember => {
                             self.inbound.insert(h.name, ev_data.to_vec());
                         }
-                        _ => {}
+                        OnHello::Ignore => {}
                     }
                 }
                 // Answered by the message handler.
@@ -1705,7 +1712,7 @@ impl Core {
                     let p = self
                         .peers
                         .get_mut(h.name.as_str())
-                        .filter(|p| p.epoch == h.stream && !p.nixl);
+                        .filter(|p| protocol::ours(p.epoch, p.nixl, h.stream));
                     if let Some(p) = p {
                         tracing::warn!(peer = %h.name, dropped = h.seq, "ucx: the peer dropped notifications this agent sent it (its notification queue was full); the next operation to it fails");
                         p.dropped = p.dropped.saturating_add(h.seq);
@@ -1717,29 +1724,15 @@ impl Core {
                     let found = self
                         .peers
                         .iter_mut()
-                        .find(|(_, p)| p.epoch == h.stream && !p.nixl);
+                        .find(|(_, p)| protocol::ours(p.epoch, p.nixl, h.stream));
                     let Some((name, p)) = found else { continue };
                     let (messages, kib) = (h.seq as u32, (h.seq >> 32) as u32);
-                    // Answers only move forward (one computed before another may
-                    // arrive after it).
-                    p.credit = match p.credit {
-                        Credit::Granted {
-                            messages: m,
-                            kib: k,
-                        } => Credit::Granted {
-                            messages: if wire::below(u64::from(messages), m) {
-                                m
-                            } else {
-                                messages
-                            },
-                            kib: if wire::below(u64::from(kib), k) {
-                                k
-                            } else {
-                                kib
-                            },
-                        },
-                        _ => Credit::Granted { messages, kib },
+                    let held = match p.credit {
+                        Credit::Granted { messages, kib } => Some(Grant { messages, kib }),
+                        _ => None,
                     };
+                    let Grant { messages, kib } = protocol::merge_grant(held, messages, kib);
+                    p.credit = Credit::Granted { messages, kib };
                     p.asked = None;
                     p.ask_every = ASK_MIN;
                     let name = name.clone();
@@ -1751,7 +1744,7 @@ impl Core {
                     let p = self.peers.values_mut().find(|p| p.epoch == h.stream);
                     if let Some(p) = p {
                         if p.probe
-                            .is_some_and(|pr| (pr.first..=pr.seq).contains(&h.seq))
+                            .is_some_and(|pr| protocol::answers_probe(pr.first, pr.seq, h.seq))
                         {
                             p.probe = None;
                             p.last_progress = self.now;
@@ -1760,9 +1753,14 @@ impl Core {
                 }
                 Kind::Bye => {
                     tracing::debug!(peer = %h.name, "ucx: peer said goodbye");
-                    let known = self.peers.get(h.name.as_str()).map(|p| &p.address[..]);
+                    let loaded = self.peers.get(h.name.as_str()).map(|p| protocol::Loaded {
+                        address: &p.address,
+                        failed: p.failed.is_some(),
+                        nixl: p.nixl,
+                    });
                     let heard = self.inbound.get(&h.name).map(|a| &a[..]);
-                    if known == Some(&ev_data[..]) || heard == Some(&ev_data[..]) {
+                    let bye = protocol::on_bye(&ev_data, loaded, heard);
+                    if bye.end_streams {
                         // Only a goodbye from the address we know the sender by ends
                         // its streams early; others' streams age out (bounded). What
                         // it sent before is delivered (or held) first.
@@ -1774,8 +1772,8 @@ impl Core {
                         // It sends no more: nothing more to answer credit for.
                         self.grants.lock().unwrap().forget(&h.name);
                     }
-                    if let Some(p) = self.peers.get_mut(h.name.as_str()) {
-                        if p.address == ev_data[..] && p.failed.is_none() && !p.nixl {
+                    if bye.fail_peer {
+                        if let Some(p) = self.peers.get_mut(h.name.as_str()) {
                             p.fail(&mut self.ucx, "the peer shut down".into());
                         }
                     }

@@ -184,6 +184,7 @@ mod library;
 #[cfg(test)]
 mod notif_bound_tests;
 mod packed;
+mod protocol;
 mod reorder;
 mod wire;
 

@@ -142,6 +142,7 @@
 pub mod api;
 mod budget;
 mod ffi;
+mod handshake;
 mod inbound;
 mod link;
 pub mod plan;
@@ -758,37 +759,15 @@ impl VerbsBackend {
         let reply = read_frame(&mut s)
             .await
             .map_err(|e| io("handshake reply", e))?;
-        let (max_notif, theirs) = match Reply::decode(&reply)? {
-            Reply::Accepted {
-                max_notification,
-                qps,
-            } if qps.len() == halves.len() => {
-                // Our send buffers hold our own limit; the peer's receive buffers its.
-                ((max_notification as usize).min(o.max_notification), qps)
-            }
-            Reply::Accepted { qps: n, .. } => {
-                return Err(Error::new(
-                    ErrorKind::Corrupt,
-                    OP,
-                    format!(
-                        "peer {:?} answered with {} queue pairs for {}",
-                        link.peer,
-                        n.len(),
-                        halves.len()
-                    ),
-                ))
-            }
-            Reply::Refused(why) => {
-                return Err(Error::new(
-                    ErrorKind::Backend,
-                    OP,
-                    format!(
-                        "peer {:?} could not accept the connection: {why}",
-                        link.peer
-                    ),
-                ))
-            }
-        };
+        let handshake::Accepted {
+            max_notification: max_notif,
+            theirs,
+        } = handshake::on_reply(
+            &link.peer,
+            Reply::decode(&reply)?,
+            halves.len(),
+            o.max_notification,
+        )?;
         let mut lanes = Vec::new();
         for ((qp, mine), theirs) in qps.into_iter().zip(&halves).zip(&theirs) {
             let [_, rtr, rts] = plan::connect(
@@ -842,15 +821,9 @@ impl VerbsBackend {
             _ = close.cancelled() => return Err(evicted()),
             r = nixl::control::authenticate_server(&mut s, CONTROL_PROTOCOL, secret.as_ref(), &me, &peer, o.connect_timeout) => r?,
         };
-        if authenticated == nixl::control::Authenticated::Missing {
-            // Nothing is made for a peer that did not prove the secret.
-            let why = "this agent requires its shared secret (AgentBuilder::secret); the connection did not prove it";
-            let _ = write_frame(&mut s, &Reply::Refused(why.into()).encode()).await;
-            return Err(Error::new(
-                ErrorKind::NotAllowed,
-                OP,
-                format!("{peer}: {why}"),
-            ));
+        // Nothing is made for a peer refused here, before or after its hello.
+        if let Err(r) = handshake::on_authenticated(&authenticated) {
+            return Err(refuse(&mut s, r, &peer, None).await);
         }
         let frame = tokio::select! {
             _ = close.cancelled() => return Err(evicted()),
@@ -858,24 +831,17 @@ impl VerbsBackend {
         }
         .map_err(|_| Error::new(ErrorKind::TimedOut, OP, "no hello in time"))?
         .map_err(|e| io("hello", e))?;
-        let hello = Hello::decode(&frame)?;
-        if let Err(e) = authenticated.check_hello(&hello.agent, OP, &peer) {
-            // Connected as one agent, introduced as another: nothing is made for it.
-            let _ = write_frame(&mut s, &Reply::Refused(e.to_string()).encode()).await;
-            return Err(e);
-        }
+        let hello = match handshake::on_hello(&frame, &authenticated, &peer) {
+            Ok(h) => h,
+            Err(Ok(not_a_hello)) => return Err(not_a_hello),
+            // Connected as one agent, introduced as another.
+            Err(Err(r)) => return Err(refuse(&mut s, r, &peer, None).await),
+        };
         // Never closed to make room: the peer's traffic goes over its queue pairs,
         // so an idle control socket says nothing of whether it works (and its queue
         // pairs are bounded by the budget below).
         if !ticket.establish_with(true) {
-            // Refused before any queue pair is made for it.
-            let why = "too many peers connected (VerbsOptions::max_incoming_connections)";
-            let _ = write_frame(&mut s, &Reply::Refused(why.into()).encode()).await;
-            return Err(Error::new(
-                ErrorKind::NotAllowed,
-                OP,
-                format!("{peer}: {why}"),
-            ));
+            return Err(refuse(&mut s, handshake::Refusal::TooManyPeers, &peer, None).await);
         }
         // Admitted only within its source's budget and the completion queue's
         // share for peers; nothing is made for it before.
@@ -887,13 +853,8 @@ impl VerbsBackend {
         let grant = match self.inner.budget.admit(source, hello.qps.len()) {
             Ok(g) => g,
             Err(why) => {
-                let why = why.to_string();
-                let _ = write_frame(&mut s, &Reply::Refused(why.clone()).encode()).await;
-                return Err(Error::new(
-                    ErrorKind::NotAllowed,
-                    OP,
-                    format!("{peer} (hello as {:?}): {why}", hello.agent),
-                ));
+                let r = handshake::Refusal::Budget(why.to_string());
+                return Err(refuse(&mut s, r, &peer, Some(&hello.agent)).await);
             }
         };
         let made = self.accept_qps(&hello);
@@ -997,6 +958,18 @@ fn notification_slots(dev: &Arc<Device>, size: usize, count: usize) -> Result<Sl
 
 /// Most bytes in one control frame.
 const MAX_FRAME: usize = 64 * 1024;
+
+/// Answer `r` to the initiator (best effort: it may be gone) and give the error the
+/// connection's task ends with.
+async fn refuse(
+    s: &mut TcpStream,
+    r: handshake::Refusal,
+    peer: &str,
+    hello: Option<&str>,
+) -> Error {
+    let _ = write_frame(s, &Reply::Refused(r.why()).encode()).await;
+    r.into_error(peer, hello)
+}
 
 /// The control connection's name in the authentication ([`nixl::control`]).
 const CONTROL_PROTOCOL: &str = "nixl-verbs control";
