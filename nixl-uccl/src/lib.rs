@@ -136,6 +136,7 @@
 pub mod api;
 mod catch;
 mod confirm;
+mod control;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
@@ -168,6 +169,7 @@ use tokio_util::sync::CancellationToken;
 
 use api::{ConnHandle, Deregistered, EngineApi, EngineOwner, FifoItem, NewEngine, OwnedConn};
 use confirm::{Confirmer, Regs, Work};
+use control::{AtInitiator, AtTarget};
 use wire::{ConnInfo, Frame};
 
 /// Longest notification this backend carries, in bytes (UCCL's own stop at 256).
@@ -824,34 +826,8 @@ impl Inner {
             .write_all(&Frame::Hello(st.ctx.agent_name.clone()).encode())
             .await
             .map_err(gone)?;
-        match wire::read_frame(&mut stream).await.map_err(gone)? {
-            Some(Frame::HelloAck(name)) if name == peer => {}
-            Some(Frame::HelloAck(name)) => {
-                return err(
-                    ErrorKind::Mismatch,
-                    OP,
-                    format!("{} answers as {name:?}, not {peer:?}", info.control),
-                )
-            }
-            // The peer closed the connection before answering: it is going away.
-            None => {
-                return err(
-                    ErrorKind::RemoteDisconnected,
-                    OP,
-                    format!(
-                        "{peer:?} closed the control connection ({}) before answering hello",
-                        info.control
-                    ),
-                )
-            }
-            Some(other) => {
-                return err(
-                    ErrorKind::Corrupt,
-                    OP,
-                    format!("{peer:?} answered {other:?} to hello"),
-                )
-            }
-        }
+        let answer = wire::read_frame(&mut stream).await.map_err(gone)?;
+        control::on_hello_ack(peer, &info.control, answer)?;
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let state = Arc::new(LinkState {
             dead: st.ctx.cancel.child_token(),
@@ -970,16 +946,18 @@ async fn control_reader(
             _ = state.dead.cancelled() => return,
             r = tokio::time::timeout(liveness, wire::read_frame(&mut rd)) => match r {
                 Err(_) => return state.kill(format!("{peer:?} was silent for {liveness:?} on the control connection")),
-                Ok(Ok(Some(Frame::Ready))) => {
-                    state.ready.send_replace(true);
-                }
-                Ok(Ok(Some(Frame::Verified { id, digest }))) => {
-                    if let Some(tx) = state.verifies.lock().unwrap().remove(&id) {
-                        let _ = tx.send(digest);
+                Ok(Ok(read)) => match control::at_initiator(&peer, read) {
+                    AtInitiator::Ready => {
+                        state.ready.send_replace(true);
                     }
-                }
-                Ok(Ok(Some(_))) => {}
-                Ok(Ok(None)) => return state.kill(format!("{peer:?} closed the control connection")),
+                    AtInitiator::Verified { id, digest } => {
+                        if let Some(tx) = state.verifies.lock().unwrap().remove(&id) {
+                            let _ = tx.send(digest);
+                        }
+                    }
+                    AtInitiator::Nothing => {}
+                    AtInitiator::Dead(why) => return state.kill(why),
+                },
                 Ok(Err(e)) => return state.kill(format!("control connection to {peer:?}: {e}")),
             },
         }
@@ -1135,14 +1113,15 @@ async fn serve_control(
             tracing::debug!(%from, "UCCL control: closed in its handshake to admit a newer connection");
             return;
         }
-        r = tokio::time::timeout(liveness, wire::read_frame_max(&mut rd, 1024)) => r,
+        r = tokio::time::timeout(liveness, wire::read_frame_max(&mut rd, control::MAX_HELLO)) => r,
     };
-    let name = match hello {
-        Ok(Ok(Some(Frame::Hello(n)))) => n,
-        other => {
-            tracing::debug!(?other, "UCCL control: no hello");
-            return;
-        }
+    let Some(name) = hello
+        .ok()
+        .and_then(Result::ok)
+        .and_then(control::hello_name)
+    else {
+        tracing::debug!(%from, "UCCL control: no hello");
+        return;
     };
     if let Err(e) = auth.check_hello(&name, "uccl accept", &peer) {
         // Its notifications would carry a name it did not prove.
@@ -1198,10 +1177,17 @@ async fn serve_control(
             // Every frame is activity: a live peer pings, so only a connection whose
             // peer went quiet may give its place to a newcomer.
             ticket.touch();
+            let frame = match frame {
+                Ok(Ok(Some(f))) => control::at_target(f),
+                // The kernel's user timeout (our answers unacknowledged, a zero
+                // window) shows here when the reader notices first.
+                Ok(Err(e)) => return cut_by_reader.cut_if_not_reading(&e, from),
+                _ => return,
+            };
             match frame {
                 // Waits for room in the agent's queue, not reading this connection
                 // meanwhile (back-pressure on this peer alone), nothing dropped.
-                Ok(Ok(Some(Frame::Notif(m)))) => {
+                AtTarget::Deliver(m) => {
                     let _working = ticket.working();
                     if held_back(&sink, &name, m, &replies, liveness)
                         .await
@@ -1210,8 +1196,8 @@ async fn serve_control(
                         return;
                     }
                 }
-                Ok(Ok(Some(Frame::Ping))) => replies.ping(),
-                Ok(Ok(Some(Frame::Verify { id, ranges }))) => {
+                AtTarget::Pong => replies.ping(),
+                AtTarget::Verify { id, ranges } => {
                     // Back-pressure: nothing more is read until there is room.
                     replies.accept_verify().await;
                     let w = Work::Remote {
@@ -1223,14 +1209,10 @@ async fn serve_control(
                         return;
                     }
                 }
-                Ok(Ok(Some(f))) => {
-                    tracing::debug!(?f, peer = %name, "UCCL control: unexpected frame");
+                AtTarget::Close => {
+                    tracing::debug!(peer = %name, "UCCL control: unexpected frame");
                     return;
                 }
-                // The kernel's user timeout (our answers unacknowledged, a zero
-                // window) shows here when the reader notices first.
-                Ok(Err(e)) => return cut_by_reader.cut_if_not_reading(&e, from),
-                _ => return,
             }
         }
     };
