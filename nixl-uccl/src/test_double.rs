@@ -762,3 +762,76 @@ pub fn wait_until(timeout: Duration, f: impl Fn() -> bool) -> bool {
     }
     f()
 }
+
+/// The engine owner's teardown (`crate::api`) against the double: here rather than
+/// beside the owner, so that the API never imports its double.
+#[cfg(test)]
+mod owner_tests {
+    use std::sync::Arc;
+
+    use super::TestDouble;
+    use crate::api::{EngineOwner, NewEngine, OwnedConn};
+    use crate::test_double;
+
+    /// Two threads close an engine's inbound connections at once (a shutdown and
+    /// another closer): when either `close_inbound` returns, every inbound
+    /// connection is destroyed. Before the destroys ran under the list's lock, the
+    /// loser found the list empty and returned while the winner was still
+    /// destroying, and a shutdown then went on to deregister memory.
+    #[test]
+    fn close_inbound_returns_only_once_every_connection_is_destroyed() {
+        const CONNS: usize = 64;
+        let api = TestDouble::api();
+        api.bind_thread(0).unwrap();
+        let owner = || Arc::new(EngineOwner::new(NewEngine::create(api.clone(), 0).unwrap()));
+        let (a, b) = (owner(), owner());
+        let b_meta = api.metadata(b.engine).unwrap();
+        let port: u16 = b_meta
+            .split_once('?')
+            .and_then(|(x, _)| x.rsplit_once(':'))
+            .and_then(|(_, p)| p.parse().ok())
+            .unwrap();
+        // B's accept waits for its first registration.
+        let mem = [0u8; 64];
+        // SAFETY: `mem` outlives the region, destroyed below before it drops.
+        let mr = unsafe { api.reg(b.engine, mem.as_ptr() as usize, mem.len()) }.unwrap();
+        for round in 0..50 {
+            let acceptor = {
+                let b = b.clone();
+                std::thread::spawn(move || {
+                    b.bind_thread().unwrap();
+                    for _ in 0..CONNS {
+                        b.accept().expect("accepted");
+                    }
+                })
+            };
+            let outbound: Vec<OwnedConn> = (0..CONNS)
+                .map(|_| a.connect("127.0.0.1", "double", port).unwrap())
+                .collect();
+            acceptor.join().unwrap();
+            assert_eq!(test_double::engine_connections(&b_meta), CONNS);
+            let start = Arc::new(std::sync::Barrier::new(2));
+            let closers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (b, start, b_meta) = (b.clone(), start.clone(), b_meta.clone());
+                    std::thread::spawn(move || {
+                        start.wait();
+                        b.close_inbound();
+                        test_double::engine_connections(&b_meta)
+                    })
+                })
+                .collect();
+            for c in closers {
+                let left = c.join().unwrap();
+                assert_eq!(
+                    left, 0,
+                    "round {round}: close_inbound returned with {left} inbound connection(s) not yet destroyed"
+                );
+            }
+            drop(outbound);
+        }
+        api.mr_destroy(b.engine, mr);
+        drop((a, b));
+        assert_eq!(test_double::violations(), Vec::<String>::new());
+    }
+}
