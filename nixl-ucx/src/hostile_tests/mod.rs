@@ -235,12 +235,6 @@ fn rendezvous_flood(
     outcome
 }
 
-/// Rendezvous offers (`UCP_AM_SEND_FLAG_RNDV`, which neither this backend nor NIXL
-/// ever sends: both force eager) on every id the backend listens on, with payloads
-/// from nothing to 1 MiB, while a legitimate peer keeps notifying: each offer is
-/// declined through UCX's own path (the sender's send fails with the declining
-/// status, UCX drops the descriptor once), counted, and nothing of it is delivered;
-
 /// A small deterministic generator (xorshift64*), so a failing case can be re-run.
 struct Rng(u64);
 

@@ -94,6 +94,11 @@ async fn liveness_probes_are_authenticated() {
     }
 }
 
+/// Rendezvous offers (`UCP_AM_SEND_FLAG_RNDV`, which neither this backend nor NIXL
+/// ever sends: both force eager) on every id the backend listens on, with payloads
+/// from nothing to 1 MiB, while a legitimate peer keeps notifying: each offer is
+/// declined through UCX's own path (the sender's send fails with the declining
+/// status, UCX drops the descriptor once), counted, and nothing of it is delivered;
 /// the peer's notifications all arrive, in order. Before the fix the handler released
 /// the descriptor itself and returned `UCS_OK`, so UCX released it a second time (and
 /// acknowledged twice): the sender saw success, and the receiver's heap was corrupted

@@ -131,7 +131,6 @@ struct Ended {
 
 /// Run a handshake between the initiator's machine and the real target machine,
 /// moving bytes between them as two sockets would. `offers`: what the target offers;
-
 /// `opens`: how opening an offer goes.
 fn handshake(
     mut m: Handshake,
