@@ -28,11 +28,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use nixl::kit::{Outcome as Striped, StripeGate};
 use nixl::{Completer, Error, ErrorKind, Op, Result, Segments};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, watch, Notify};
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::direct::{Direct, Unsuitable};
@@ -64,7 +65,7 @@ enum Item {
     Raw(Vec<u8>),
     /// The end of a transfer split across connections: nothing queued after it is
     /// sent before every piece has landed (then its notification goes first).
-    Gate(Arc<GateSlot>),
+    Gate(Arc<StripeGate>),
 }
 
 /// Which connection to a peer this is.
@@ -75,92 +76,6 @@ pub(crate) enum Lane {
     First(std::result::Result<(), String>),
     /// A further connection for pieces of large transfers; TCP only.
     Extra,
-}
-
-/// Where a split transfer's outcome meets its first connection's writer. Whoever
-/// lets go last (the writer that stopped, or the last piece completing after it)
-/// finishes a transfer left in it, so it never ends as "dropped without completing".
-pub(crate) struct GateSlot {
-    peer: String,
-    /// The outcome, once every piece completed; and whether the writer is gone.
-    state: Mutex<(Option<Gated>, bool)>,
-    ready: Notify,
-}
-
-impl GateSlot {
-    pub(crate) fn new(peer: &str) -> Self {
-        Self {
-            peer: peer.to_owned(),
-            state: Mutex::new((None, false)),
-            ready: Notify::new(),
-        }
-    }
-
-    /// Every piece completed: hand the outcome to the writer (or finish it here,
-    /// when the writer is gone).
-    pub(crate) fn open(&self, g: Gated) {
-        let mut st = self.state.lock().unwrap();
-        if st.1 {
-            drop(st);
-            return g.close(&self.peer);
-        }
-        st.0 = Some(g);
-        drop(st);
-        self.ready.notify_one();
-    }
-
-    async fn wait(&self) -> Gated {
-        loop {
-            let ready = self.ready.notified();
-            if let Some(g) = self.state.lock().unwrap().0.take() {
-                return g;
-            }
-            ready.await;
-        }
-    }
-
-    /// The writer is gone: finish what is here now, and what arrives later.
-    fn close(&self) {
-        let g = {
-            let mut st = self.state.lock().unwrap();
-            st.1 = true;
-            st.0.take()
-        };
-        if let Some(g) = g {
-            g.close(&self.peer);
-        }
-    }
-}
-
-impl Drop for GateSlot {
-    fn drop(&mut self) {
-        self.close();
-    }
-}
-
-/// A split transfer whose every piece has completed, for its first connection's
-/// writer.
-pub(crate) struct Gated {
-    pub(crate) done: Completer,
-    pub(crate) result: Result<()>,
-    pub(crate) notif: Option<Bytes>,
-}
-
-impl Gated {
-    /// Finish it without the first connection: the data moved (or failed) already,
-    /// only a notification can no longer be sent.
-    pub(crate) fn close(self, peer: &str) {
-        let r = match (self.result, self.notif) {
-            (Err(e), _) => Err(e),
-            (Ok(()), None) => Ok(()),
-            (Ok(()), Some(_)) => Err(Error::new(
-                ErrorKind::RemoteDisconnected,
-                "tcp transfer",
-                format!("peer {peer:?}: the connection closed before the notification was sent"),
-            )),
-        };
-        self.done.complete(r);
-    }
 }
 
 /// The socket while the writer task is idle (flushed, nothing queued): the one place
@@ -432,13 +347,13 @@ impl Conn {
     }
 
     /// Queue the gate of a split transfer behind everything queued so far.
-    pub(crate) fn submit_gate(&self, gate: Arc<GateSlot>) {
+    pub(crate) fn submit_gate(&self, gate: Arc<StripeGate>) {
         let mut idle = self.idle.lock().unwrap();
         self.hand_over(&mut idle);
         // On failure the connection is closing: the gate finishes the transfer when
         // its last piece completes.
         if let Err(mpsc::error::SendError(Item::Gate(g))) = self.tx.send(Item::Gate(gate)) {
-            g.close();
+            g.close(g.closed_error());
         }
     }
 
@@ -788,7 +703,7 @@ impl Task {
         while let Ok(item) = rx.try_recv() {
             match item {
                 Item::Job(job) => job.done.complete(Err(dead_error(&self.table))),
-                Item::Gate(gate) => gate.close(),
+                Item::Gate(gate) => gate.close(gate.closed_error()),
                 Item::Own(_) | Item::Raw(_) => {}
             }
         }
@@ -975,7 +890,7 @@ impl Task {
                     // If this future is dropped while waiting, the slot finishes the
                     // transfer when its last piece completes.
                     match gate.wait().await {
-                        Gated {
+                        Striped {
                             done,
                             result: Ok(()),
                             notif: Some(n),
@@ -983,7 +898,7 @@ impl Task {
                             self.send(w, &mut scratch, next_id(), Job::notify(n, done))
                                 .await
                         }
-                        Gated { done, result, .. } => {
+                        Striped { done, result, .. } => {
                             done.complete(result);
                             Ok(())
                         }

@@ -707,10 +707,10 @@ impl RemotePrepared {
             Ok(extra) => extra,
             Err(e) => return done.complete(Err(e)),
         };
-        let gate = Arc::new(conn::GateSlot::new(&self.peer));
+        let gate = Arc::new(nixl::kit::StripeGate::new("tcp transfer", &self.peer));
         let slot = gate.clone();
         let parts = done.split_then(stripes.len(), move |done, result| {
-            slot.open(conn::Gated {
+            slot.open(nixl::kit::Outcome {
                 done,
                 result,
                 notif,

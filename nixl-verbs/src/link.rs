@@ -3,10 +3,11 @@
 //! capacity, signalling selectively, and matching completions to transfers.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use nixl::kit::{Outcome, StripeGate};
 use nixl::{Completer, Error, ErrorKind, Result};
 use tokio_util::sync::CancellationToken;
 
@@ -25,8 +26,8 @@ pub(crate) struct Job {
     /// Reports the outcome once the last work request completed.
     pub(crate) done: Option<Completer>,
     /// Nothing after this job is posted before the gate opens (a transfer split
-    /// across queue pairs: see [`Gate`]).
-    pub(crate) gate: Option<Arc<Gate>>,
+    /// across queue pairs: see [`StripeGate`]).
+    pub(crate) gate: Option<Arc<StripeGate>>,
     /// Work requests posted so far.
     next: usize,
 }
@@ -57,7 +58,7 @@ impl Job {
         }
     }
 
-    pub(crate) fn gate(gate: Arc<Gate>) -> Self {
+    pub(crate) fn gate(gate: Arc<StripeGate>) -> Self {
         Self {
             plan: None,
             notif: None,
@@ -80,63 +81,7 @@ impl Job {
             d.complete(Err(e.cloned()));
         }
         if let Some(g) = self.gate {
-            g.close(e);
-        }
-    }
-}
-
-/// The end of a transfer whose work requests were spread over several queue pairs:
-/// it sits in the first queue pair's queue after that queue pair's share, holds back
-/// what comes after it until every share has completed, then sends the notification
-/// (or reports the outcome). So notifications keep posting order and follow all of
-/// their transfer's data, as on one queue pair.
-#[derive(Default)]
-pub(crate) struct Gate {
-    open: AtomicBool,
-    state: Mutex<GateState>,
-}
-
-type Outcome = (Completer, Result<()>, Option<Bytes>);
-
-#[derive(Default)]
-struct GateState {
-    outcome: Option<Outcome>,
-    /// The first queue pair failed before the gate opened.
-    closed: Option<Error>,
-}
-
-impl Gate {
-    /// Every share completed: `done` with their combined result, and the
-    /// notification to send.
-    pub(crate) fn open(&self, done: Completer, r: Result<()>, notif: Option<Bytes>) {
-        let mut st = self.state.lock().unwrap();
-        if let Some(e) = &st.closed {
-            let e = e.cloned();
-            drop(st);
-            return done.complete(r.and(Err(e)));
-        }
-        st.outcome = Some((done, r, notif));
-        self.open.store(true, Ordering::Release);
-    }
-
-    fn is_open(&self) -> bool {
-        self.open.load(Ordering::Acquire)
-    }
-
-    fn take(&self) -> Option<Outcome> {
-        self.state.lock().unwrap().outcome.take()
-    }
-
-    /// The first queue pair failed: finish without it, now or when the shares are
-    /// done.
-    fn close(&self, e: &Error) {
-        let outcome = {
-            let mut st = self.state.lock().unwrap();
-            st.closed.get_or_insert_with(|| e.cloned());
-            st.outcome.take()
-        };
-        if let Some((done, r, _)) = outcome {
-            done.complete(r.and(Err(e.cloned())));
+            g.close(e.cloned());
         }
     }
 }
@@ -202,7 +147,7 @@ struct Sq {
 /// What to finish after the lane's lock is released (completers may run code:
 /// wakers, and a split transfer's last part posting on another lane).
 #[derive(Default)]
-pub(crate) struct Finish(Vec<(Completer, Result<()>)>, Vec<(Arc<Gate>, Error)>);
+pub(crate) struct Finish(Vec<(Completer, Result<()>)>, Vec<(Arc<StripeGate>, Error)>);
 
 impl Finish {
     fn absorb(&mut self, other: Self) {
@@ -215,7 +160,7 @@ impl Finish {
             c.complete(r);
         }
         for (g, e) in self.1 {
-            g.close(&e);
+            g.close(e);
         }
     }
 }
@@ -415,8 +360,13 @@ impl Sq {
                 }
                 let g = job.gate.take().expect("checked");
                 self.backlog.pop_front();
-                if let Some((done, r, notif)) = g.take() {
-                    match (r, notif) {
+                if let Some(Outcome {
+                    done,
+                    result,
+                    notif,
+                }) = g.take()
+                {
+                    match (result, notif) {
                         (Ok(()), Some(n)) => {
                             self.backlog.push_front(Job::notify(n, done));
                         }
@@ -674,7 +624,7 @@ impl Link {
     }
 
     /// Post a transfer: on one lane whole, or split across lanes with a gate on the
-    /// first (see [`Gate`]).
+    /// first (see [`StripeGate`]).
     pub(crate) fn post(&self, p: Pending) {
         let (lanes, max_notif) = {
             let mut st = self.state.lock().unwrap();
@@ -725,10 +675,14 @@ pub(crate) fn post_on(lanes: &[Arc<Lane>], max_notif: usize, peer: &str, p: Pend
                 return lanes[0].submit(Job::transfer(plan.clone(), 0..wrs, notif, done));
             }
             // Shares of whole work requests, in order; the first lane holds the gate.
-            let gate = Arc::new(Gate::default());
+            let gate = Arc::new(StripeGate::new("verbs transfer", peer));
             let (g, first) = (gate.clone(), lanes[0].clone());
-            let completers = done.split_then(parts, move |done, r| {
-                g.open(done, r, notif);
+            let completers = done.split_then(parts, move |done, result| {
+                g.open(Outcome {
+                    done,
+                    result,
+                    notif,
+                });
                 first.kick();
             });
             let mut completers = completers.into_iter();

@@ -20,7 +20,9 @@
 //!   pages): checking a list and building requests from it cost O(runs), not
 //!   O(blocks), and backends get the segments as runs ([`Segments`]).
 //! - Transports implement the object-safe [`Backend`] trait, one crate each
-//!   (`nixl-tcp` is the embedded default).
+//!   (`nixl-tcp` is the embedded default). What a backend author needs, and the
+//!   plumbing backends share (listener, handshake, back-pressure, split transfers),
+//!   is in [`kit`]; the crate root is the application's API.
 //!
 //! ```no_run
 //! # async fn demo(backend_a: impl nixl::Backend, backend_b: impl nixl::Backend) -> nixl::Result<()> {
@@ -52,6 +54,7 @@ pub mod fuzzing;
 mod gate;
 pub mod gpu;
 pub mod interop;
+pub mod kit;
 mod memory;
 pub mod metadata;
 pub mod native;
