@@ -11,6 +11,7 @@ use futures_util::StreamExt;
 use nixl::metadata::AgentMetadata;
 use nixl::{Agent, AgentOptions, Backend, DescList, ErrorKind, MemKind, Op};
 use nixl_tcp::{SameHost, TcpBackend, TcpOptions};
+use nixl_testkit::double::one;
 
 const CONNECTIONS: usize = 3;
 
@@ -51,10 +52,6 @@ fn connections_to(to: SocketAddr) -> usize {
             f.len() > 3 && f[2].ends_with(&port) && f[3] == "01"
         })
         .count()
-}
-
-fn one(d: nixl::Desc) -> DescList {
-    DescList::from_descs(MemKind::Dram, [d])
 }
 
 async fn bounded<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {

@@ -8,7 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use nixl::{Agent, AgentOptions, Backend, DescList, MemKind, Registration};
+use nixl::{Agent, AgentOptions, Backend, Registration};
+use nixl_testkit::double::one;
 use nixl_uccl::test_double::{self, TestDouble};
 use nixl_uccl::{UcclBackend, UcclOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -107,10 +108,6 @@ async fn flood_until_cut(mut s: TcpStream, chunk: Vec<u8>) -> u64 {
         .await
         .expect("the target never cut a client that does not read");
     sent
-}
-
-fn one(d: nixl::Desc) -> DescList {
-    DescList::from_descs(MemKind::Dram, [d])
 }
 
 fn remote(a: &Agent, peer: &str, r: &Registration) -> nixl::Desc {

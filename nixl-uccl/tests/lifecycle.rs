@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use nixl::{Agent, AgentOptions, Backend, DescList, ErrorKind, MemKind, Op, Registration};
+use nixl::{Agent, AgentOptions, Backend, ErrorKind, Op, Registration};
+use nixl_testkit::double::one;
 use nixl_uccl::test_double::{self, TestDouble};
 use nixl_uccl::{UcclBackend, UcclOptions, MAX_NOTIFICATION};
 
@@ -37,10 +38,6 @@ async fn agent_with(name: &str, o: UcclOptions) -> (Agent, UcclBackend) {
 
 async fn agent(name: &str) -> (Agent, UcclBackend) {
     agent_with(name, options()).await
-}
-
-fn one(d: nixl::Desc) -> DescList {
-    DescList::from_descs(MemKind::Dram, [d])
 }
 
 fn remote(a: &Agent, peer: &str, r: &Registration) -> nixl::Desc {

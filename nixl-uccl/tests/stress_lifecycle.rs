@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use nixl::{Agent, AgentOptions, DescList, MemKind, Op};
+use nixl::{Agent, AgentOptions, DescList, Op};
+use nixl_testkit::double::one;
 use nixl_testkit::threads;
 use nixl_uccl::test_double::{self, TestDouble};
 use nixl_uccl::{UcclBackend, UcclOptions};
@@ -57,10 +58,6 @@ async fn agent(name: String) -> (Agent, UcclBackend) {
         .await
         .unwrap();
     (a, b)
-}
-
-fn one(d: nixl::Desc) -> DescList {
-    DescList::from_descs(MemKind::Dram, [d])
 }
 
 fn whole_remote(a: &Agent, peer: &str, id: u64) -> DescList {

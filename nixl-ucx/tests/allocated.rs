@@ -9,16 +9,13 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use nixl::{DescList, ErrorKind, MemKind, Op, RequestOptions, Status};
+use nixl::{ErrorKind, Op, RequestOptions, Status};
 use nixl_ucx::UcxOptions;
 
 mod common;
 
 use common::agent;
-
-fn one(d: nixl::Desc) -> DescList {
-    DescList::from_descs(MemKind::Dram, [d])
-}
+use nixl_testkit::double::one;
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;

@@ -9,7 +9,8 @@
 
 use std::time::{Duration, Instant};
 
-use nixl::{Agent, DescList, ErrorKind, MemKind, Op, RequestOptions};
+use nixl::{Agent, ErrorKind, Op, RequestOptions};
+use nixl_testkit::double::one;
 use nixl_ucx::UcxOptions;
 
 mod common;
@@ -27,10 +28,6 @@ fn options(liveness: Duration, tls: Option<&str>) -> UcxOptions {
 
 async fn agent(test: &str, name: &str, o: &UcxOptions) -> Option<Agent> {
     common::agent(test, name, o.clone()).await.map(|(a, _)| a)
-}
-
-fn one(d: nixl::Desc) -> DescList {
-    DescList::from_descs(MemKind::Dram, [d])
 }
 
 /// The torture's hang, made deterministic: the peer's worker is destroyed (its agent

@@ -3,10 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use nixl::{
-    Agent, AgentOptions, Backend, Capabilities, DescList, ErrorKind, MemKind, Registration,
-    RemoteRegionInfo,
-};
+use nixl::{Agent, AgentOptions, Backend, Capabilities, ErrorKind, Registration, RemoteRegionInfo};
 
 /// A backend to run the suite against.
 #[derive(Clone, Copy, Debug)]
@@ -68,8 +65,7 @@ impl BackendUnderTest {
     pub async fn pair(&self) -> (Agent, Agent) {
         let a = self.agent("initiator").await;
         let b = self.agent("target").await;
-        a.load_metadata(&b.metadata().unwrap()).unwrap();
-        b.load_metadata(&a.metadata().unwrap()).unwrap();
+        nixl_testkit::double::introduce(&a, &b);
         (a, b)
     }
 }
@@ -79,10 +75,7 @@ pub fn checksum(r: &Registration) -> u64 {
     checksum_bytes(&r.to_vec().unwrap())
 }
 
-/// A one-descriptor DRAM list.
-pub fn one(d: nixl::Desc) -> DescList {
-    DescList::from_descs(MemKind::Dram, [d])
-}
+pub use nixl_testkit::double::one;
 
 /// An agent with one default nixl-tcp backend (loopback), for tests that need a real
 /// backend but test something else (exchanges, telemetry).

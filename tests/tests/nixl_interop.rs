@@ -12,7 +12,7 @@ use std::process::Stdio;
 use std::sync::Once;
 use std::time::{Duration, Instant};
 
-use nixl::{Agent, AgentOptions, DescList, ErrorKind, MemKind, Registration};
+use nixl::{Agent, AgentOptions, ErrorKind, Registration};
 use nixl_conformance::support::{figure, skip, HANG};
 use nixl_ucx::{UcxBackend, UcxOptions};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
@@ -198,10 +198,6 @@ fn read(reg: &Registration, off: usize, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     reg.read_at(off, &mut v).unwrap();
     v
-}
-
-fn one(d: nixl::Desc) -> DescList {
-    DescList::from_descs(MemKind::Dram, [d])
 }
 
 /// Both agents, knowing each other, and our registered buffer.
@@ -430,6 +426,7 @@ async fn killed_nixl_agent_fails_our_transfers() {
     assert!(ours.shutdown().await.is_clean());
 }
 
+use nixl_testkit::double::one;
 use nixl_testkit::free_port;
 
 /// One WRITE each way with byte checks: proves both sides hold working metadata.
