@@ -42,7 +42,10 @@ impl Outcome {
     }
 }
 
-/// Where a split transfer's outcome meets its first lane (see the [module docs](self)).
+/// Where a split transfer's outcome meets its first lane: it sits on the first lane
+/// after that lane's stripe and holds back what follows until every stripe completed;
+/// then the transfer's notification goes first, or its outcome is reported. Whoever
+/// lets go last (the lane that stopped, or the last stripe) finishes the transfer.
 #[derive(Debug)]
 pub struct StripeGate {
     op: &'static str,
