@@ -286,6 +286,7 @@ async fn one_run(but: &BackendUnderTest, seed: u64, report: &mut TortureReport) 
                     [nixl::Desc::new(raddr + ro, len as u64, 0)],
                 );
                 let notif = rng.chance(30).then(|| Bytes::from_static(b"n"));
+                let notif_set = notif.is_some();
                 let alone = pending.is_empty() && quiet(&all_regs);
                 let Ok(t) = slots[i].agent.transfer(op, &ld, &peer, &rd, notif) else {
                     continue;
@@ -298,7 +299,14 @@ async fn one_run(but: &BackendUnderTest, seed: u64, report: &mut TortureReport) 
                     }
                     1 => pending.push(t),
                     _ => {
-                        match watchdog(seed, "transfer", t).await {
+                        // What the transfer was, for the message should it hang.
+                        let what = format!(
+                            "transfer ({op:?} t{i} -> t{j}, {len} bytes, notification {}, target {}, target known {})",
+                            notif_set,
+                            if slots[j].alive { "alive" } else { "gone" },
+                            slots[i].agent.peers().contains(&peer),
+                        );
+                        match watchdog(seed, &what, t).await {
                             Ok(()) => {
                                 report.succeeded += 1;
                                 // Verify a WRITE that nothing else could have touched.

@@ -46,7 +46,11 @@ fn use_driver(case: &str) -> bool {
     match nixl_testkit::fake_cuda::library() {
         Ok(lib) => {
             std::env::set_var(nixl::gpu::ENV_LIB, lib);
-            std::env::set_var("NIXL_FAKE_CUDA_LAUNCH_LOG", launch_log().unwrap());
+            // Named by the process id, which the system hands out again: a file left
+            // by an earlier process with this id would count its launches here.
+            let log = launch_log().unwrap();
+            let _ = std::fs::remove_file(&log);
+            std::env::set_var("NIXL_FAKE_CUDA_LAUNCH_LOG", log);
             true
         }
         Err(e) => {
