@@ -11,6 +11,7 @@ pub mod cases;
 /// A real etcd server for tests (from the shared test kit).
 #[cfg(feature = "etcd")]
 pub use nixl_testkit::etcd as etcd_server;
+pub mod secret;
 pub mod storage;
 pub mod support;
 pub mod torture;

@@ -105,77 +105,38 @@ mod gpu_stand_in {
 /// is refused and reaches no memory; with it, transfers work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agents_secret_authenticates_the_control_connection() {
-    secret_authenticates_the_control_connection(false).await;
+    nixl_conformance::secret::secret_authenticates_the_control_connection(
+        with_own_secret,
+        false,
+        refused,
+    )
+    .await;
 }
 
 /// The backend's own secret (its options' `secret`) wins over the agent's: a target
 /// whose agent has another secret still admits only peers with the backend's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_backends_own_secret_wins_over_the_agents() {
-    secret_authenticates_the_control_connection(true).await;
+    nixl_conformance::secret::secret_authenticates_the_control_connection(
+        with_own_secret,
+        true,
+        refused,
+    )
+    .await;
 }
 
-/// The target proves "deployment-secret": as its agent's secret, or, with
-/// `target_own`, as its backend's own while its agent has another.
-async fn secret_authenticates_the_control_connection(target_own: bool) {
-    use nixl::{Agent, SharedSecret};
-    use nixl_conformance::support::{bounded, one, remote};
-    let agent = |name: &'static str, secret: Option<&'static str>, own: Option<&'static str>| async move {
-        let options = VerbsOptions {
-            secret: own.map(|s| SharedSecret::new(s).unwrap()),
+/// A verbs backend (its test double) with its own secret, if any.
+fn with_own_secret(own: Option<nixl::SharedSecret>) -> Arc<dyn nixl::Backend> {
+    Arc::new(
+        VerbsBackend::with_test_double(VerbsOptions {
+            secret: own,
             ..VerbsOptions::default()
-        };
-        let b = Agent::builder(name)
-            .backend_arc(Arc::new(VerbsBackend::with_test_double(options).unwrap()));
-        match secret {
-            Some(s) => b.secret(SharedSecret::new(s).unwrap()),
-            None => b,
-        }
-        .build()
-        .await
-        .unwrap()
-    };
-    let t = if target_own {
-        agent("target", Some("the-agents-own"), Some("deployment-secret")).await
-    } else {
-        agent("target", Some("deployment-secret"), None).await
-    };
-    let mem = t.register(vec![0u8; 4096]).unwrap();
-    let md = t.metadata().unwrap();
-    for (name, secret) in [("none", None), ("wrong", Some("another-secret"))] {
-        let a = agent(name, secret, None).await;
-        let src = a.register(vec![7u8; 4096]).unwrap();
-        a.load_metadata(&md).unwrap();
-        let rd = remote(&a, "target", mem.id());
-        let e = bounded(
-            "write",
-            a.write(&one(src.whole()), "target", &one(rd.desc(0, 4096)), None),
-        )
-        .await
-        .unwrap_err();
-        assert!(
-            e.kind() == nixl::ErrorKind::NotAllowed || e.to_string().contains("shared secret"),
-            "{name}: {e}"
-        );
-        assert!(bounded("shutdown", a.shutdown()).await.is_clean());
-    }
-    assert_eq!(
-        mem.to_vec().unwrap(),
-        vec![0u8; 4096],
-        "nothing reached the memory"
-    );
-    let a = agent("insider", Some("deployment-secret"), None).await;
-    let src = a.register(vec![9u8; 4096]).unwrap();
-    a.load_metadata(&md).unwrap();
-    let rd = remote(&a, "target", mem.id());
-    bounded(
-        "write",
-        a.write(&one(src.whole()), "target", &one(rd.desc(0, 4096)), None),
+        })
+        .unwrap(),
     )
-    .await
-    .unwrap();
-    assert_eq!(mem.to_vec().unwrap(), vec![9u8; 4096]);
-    for x in [a, t] {
-        assert!(bounded("shutdown", x.shutdown()).await.is_clean());
-    }
+}
+
+/// A refusal of the secret, as nixl-verbs reports it.
+fn refused(e: &nixl::Error) -> bool {
+    e.kind() == nixl::ErrorKind::NotAllowed || e.to_string().contains("shared secret")
 }
