@@ -97,6 +97,50 @@ pub fn base_seed() -> u64 {
     })
 }
 
+/// With `NIXL_TORTURE_TRACE` set to a log filter (for example
+/// `nixl=debug,nixl_tcp=trace`), the last 20,000 log lines are kept and printed when
+/// the test panics (a watchdog fired), so a rare hang shows what the agents did last.
+pub fn keep_logs_for_a_failure() {
+    use std::collections::VecDeque;
+    use std::sync::{Mutex, OnceLock};
+    const KEEP: usize = 20_000;
+    static RING: OnceLock<Mutex<VecDeque<String>>> = OnceLock::new();
+    let Ok(filter) = std::env::var("NIXL_TORTURE_TRACE") else {
+        return;
+    };
+    struct Ring;
+    impl std::io::Write for Ring {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            let mut r = RING.get_or_init(Mutex::default).lock().unwrap();
+            if r.len() == KEEP {
+                r.pop_front();
+            }
+            r.push_back(String::from_utf8_lossy(b).into_owned());
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_ansi(false)
+        .with_thread_names(true)
+        .with_writer(|| Ring)
+        .try_init();
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if let Some(r) = RING.get() {
+            let r = r.lock().unwrap_or_else(|p| p.into_inner());
+            eprintln!("-- the last {} log lines --", r.len());
+            for l in r.iter() {
+                eprint!("{l}");
+            }
+        }
+        previous(info);
+    }));
+}
+
 /// Run `count` lifecycles with seeds `base..base+count` against `but`.
 pub async fn run_lifecycles(but: &BackendUnderTest, base: u64, count: u64) -> TortureReport {
     let mut report = TortureReport::default();

@@ -39,6 +39,7 @@ conformance_tests!(UCX);
 /// UCX workers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_torture_ucx() {
+    nixl_conformance::torture::keep_logs_for_a_failure();
     if UCX.capabilities("lifecycle_torture_ucx").is_none() {
         return;
     }
