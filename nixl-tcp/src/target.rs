@@ -41,17 +41,13 @@ pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: 
             let (inner, sink, secret) = (inner.clone(), sink.clone(), secret.clone());
             let me = me.clone();
             let deadline = tokio::time::Instant::now() + handshake_timeout;
-            async move {
-                let from = c.from;
-                tokio::select! {
-                    _ = c.close.cancelled() => {}
-                    r = serve(inner, c.stream, sink, (secret, me), c.ticket, deadline) => {
-                        if let Err(e) = r {
-                            tracing::debug!(%from, error = %e, "tcp: closed incoming connection");
-                        }
-                    }
+            let from = c.from;
+            nixl::control::until_closed(c.close, async move {
+                if let Err(e) = serve(inner, c.stream, sink, (secret, me), c.ticket, deadline).await
+                {
+                    tracing::debug!(%from, error = %e, "tcp: closed incoming connection");
                 }
-            }
+            })
         },
     );
 }

@@ -1058,7 +1058,8 @@ const CONTROL_SEND_BUFFER: usize = 16 * 1024;
 /// The control connection's name in the authentication ([`nixl::control`]).
 const CONTROL_PROTOCOL: &str = "nixl-uccl control";
 
-/// Target side: one inbound control connection.
+/// Target side: one inbound control connection. Its caller drops this future when
+/// the connection is closed (to admit a newer one, or as the agent stops).
 async fn serve_control(
     incoming: nixl::control::Incoming,
     ctx: BackendContext,
@@ -1072,7 +1073,7 @@ async fn serve_control(
         mut stream,
         from,
         mut ticket,
-        close: evict,
+        ..
     } = incoming;
     // A peer whose host dies, or that stops reading (a zero window), is cut within
     // the liveness bound by the kernel too, not only by the write deadline below.
@@ -1089,10 +1090,15 @@ async fn serve_control(
     // The agent's secret first, where set: nothing is answered or kept for a peer
     // that does not prove it.
     let peer = format!("UCCL control connection from {from}");
-    let auth = tokio::select! {
-        _ = evict.cancelled() => return,
-        r = nixl::control::authenticate_server(&mut stream, CONTROL_PROTOCOL, secret.as_ref(), &me, &peer, connect_timeout) => r,
-    };
+    let auth = nixl::control::authenticate_server(
+        &mut stream,
+        CONTROL_PROTOCOL,
+        secret.as_ref(),
+        &me,
+        &peer,
+        connect_timeout,
+    )
+    .await;
     let auth = match auth {
         Ok(nixl::control::Authenticated::Missing) => {
             tracing::info!(%from, "UCCL control: refused a connection that did not prove the shared secret");
@@ -1108,13 +1114,8 @@ async fn serve_control(
     // Small frames (pings) are read many at a time, not one system call each.
     let mut rd = tokio::io::BufReader::new(rd);
     // Before the hello, only a hello-sized frame is read.
-    let hello = tokio::select! {
-        _ = evict.cancelled() => {
-            tracing::debug!(%from, "UCCL control: closed in its handshake to admit a newer connection");
-            return;
-        }
-        r = tokio::time::timeout(liveness, wire::read_frame_max(&mut rd, control::MAX_HELLO)) => r,
-    };
+    let hello =
+        tokio::time::timeout(liveness, wire::read_frame_max(&mut rd, control::MAX_HELLO)).await;
     let Some(name) = hello
         .ok()
         .and_then(Result::ok)
@@ -1232,8 +1233,6 @@ async fn serve_control(
     let _end = done.clone().drop_guard();
     tokio::select! {
         _ = done.cancelled() => {}
-        // Closed to make room for a newcomer (idle past the admission's bound).
-        _ = evict.cancelled() => {}
         _ = reader => {}
     }
 }
@@ -1749,12 +1748,7 @@ impl UcclBackend {
                     confirmer.clone(),
                     stats.clone(),
                 );
-                async move {
-                    tokio::select! {
-                        _ = close.cancelled() => {}
-                        _ = serve => {}
-                    }
-                }
+                nixl::control::until_closed(close, serve)
             },
         );
 

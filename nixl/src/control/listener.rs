@@ -35,6 +35,17 @@ pub struct Incoming {
     pub close: CancellationToken,
 }
 
+/// Serve a connection until `serve` ends or `close` fires, and then drop it at once:
+/// for a connection task whose every step may simply stop (nothing it holds needs an
+/// orderly end). One that must clean up on the way out (nixl-verbs' queue pairs)
+/// watches [`Incoming::close`] itself instead.
+pub async fn until_closed(close: CancellationToken, serve: impl Future<Output = ()>) {
+    tokio::select! {
+        _ = close.cancelled() => {}
+        _ = serve => {}
+    }
+}
+
 /// Accept connections on `listener` until `cancel` fires, each admitted by
 /// `admission` and served by `serve` in a task of `tracker`'s. `backend` names the
 /// listener in logs.

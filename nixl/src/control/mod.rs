@@ -59,5 +59,5 @@ pub use admission::{Admission, AdmissionLimits, Ticket, Working};
 pub use auth::{authenticate_client, authenticate_server, Authenticated};
 pub use frame::{read_frame, write_frame};
 pub use handshake::{nonce, ClientAuth, Refusal, ServerAuth, AUTH_MAGIC, MAX_NAME, NONCE_LEN};
-pub use listener::{spawn_accept_loop, Incoming, ACCEPT_BACKOFF};
+pub use listener::{spawn_accept_loop, until_closed, Incoming, ACCEPT_BACKOFF};
 pub use socket::{set_user_timeout, tune};

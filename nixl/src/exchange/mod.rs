@@ -92,16 +92,11 @@ where
         move |c| {
             let from = c.from;
             let conn = serve(weak.clone(), c.stream, options.clone(), c.ticket);
-            async move {
-                tokio::select! {
-                    _ = c.close.cancelled() => {}
-                    r = conn => {
-                        if let Err(why) = r {
-                            tracing::info!(%from, %why, "{what}: closed connection");
-                        }
-                    }
+            crate::control::until_closed(c.close, async move {
+                if let Err(why) = conn.await {
+                    tracing::info!(%from, %why, "{what}: closed connection");
                 }
-            }
+            })
         },
     );
     Ok(bound)
