@@ -355,23 +355,21 @@ impl Sq {
                 return Ok(());
             };
             if let Some(g) = &job.gate {
-                if !g.is_open() {
-                    return Ok(());
-                }
-                let g = job.gate.take().expect("checked");
-                self.backlog.pop_front();
-                if let Some(Outcome {
+                // Nothing behind the gate goes before every share completed.
+                let Some(Outcome {
                     done,
                     result,
                     notif,
                 }) = g.take()
-                {
-                    match (result, notif) {
-                        (Ok(()), Some(n)) => {
-                            self.backlog.push_front(Job::notify(n, done));
-                        }
-                        (r, _) => fin.0.push((done, r)),
+                else {
+                    return Ok(());
+                };
+                self.backlog.pop_front();
+                match (result, notif) {
+                    (Ok(()), Some(n)) => {
+                        self.backlog.push_front(Job::notify(n, done));
                     }
+                    (r, _) => fin.0.push((done, r)),
                 }
                 continue;
             }

@@ -8,7 +8,6 @@
 //! go last (the lane that stopped, or the last stripe completing after it) finishes
 //! a transfer left in the gate, so it never ends as "dropped without completing".
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use bytes::Bytes;
@@ -50,7 +49,6 @@ impl Outcome {
 pub struct StripeGate {
     op: &'static str,
     peer: String,
-    open: AtomicBool,
     state: Mutex<State>,
     ready: Notify,
 }
@@ -68,7 +66,6 @@ impl StripeGate {
         Self {
             op,
             peer: peer.to_owned(),
-            open: AtomicBool::new(false),
             state: Mutex::new(State::default()),
             ready: Notify::new(),
         }
@@ -84,17 +81,12 @@ impl StripeGate {
             return outcome.finish_without_lane(e);
         }
         st.outcome = Some(outcome);
-        self.open.store(true, Ordering::Release);
         drop(st);
         self.ready.notify_one();
     }
 
-    /// Whether every stripe completed (for a lane that polls).
-    pub fn is_open(&self) -> bool {
-        self.open.load(Ordering::Acquire)
-    }
-
-    /// The outcome, once open; `None` before, and after it was taken.
+    /// The outcome, once every stripe completed; `None` before, and after it was
+    /// taken (a lane that polls takes it when it reaches the gate).
     pub fn take(&self) -> Option<Outcome> {
         self.state
             .lock()
@@ -179,10 +171,9 @@ mod tests {
     #[tokio::test]
     async fn the_lane_takes_the_outcome_once_every_stripe_completed() {
         let g = StripeGate::new("test transfer", "peer");
-        assert!(!g.is_open() && g.take().is_none());
+        assert!(g.take().is_none());
         let (o, _t) = outcome(Ok(()), Some("n"));
         g.open(o);
-        assert!(g.is_open());
         let o = g.wait().await;
         assert_eq!(o.notif.as_deref(), Some(&b"n"[..]));
         assert!(g.take().is_none(), "taken once");
