@@ -120,21 +120,19 @@ pub(crate) fn on_authenticated(auth: &Authenticated) -> std::result::Result<(), 
     }
 }
 
-/// The hello, decoded and bound to the name the connection proved (`peer` names the
-/// connection in errors).
+/// A decoded hello must name the agent the connection proved (`peer` names the
+/// connection in errors); a frame that is not a hello ends the connection before
+/// this ([`Hello::decode`]).
 ///
 /// # Errors
-/// `Err(Ok(e))`: not a hello ([`ErrorKind::Corrupt`]; the connection just ends);
-/// `Err(Err(refusal))`: a hello for another name than the one proven.
+/// [`Refusal::NotTheProvenName`] for a hello of another name.
 pub(crate) fn on_hello(
-    frame: &[u8],
+    hello: &Hello,
     auth: &Authenticated,
     peer: &str,
-) -> std::result::Result<Hello, std::result::Result<Error, Refusal>> {
-    let hello = Hello::decode(frame).map_err(Ok)?;
+) -> std::result::Result<(), Refusal> {
     auth.check_hello(&hello.agent, ACCEPT, peer)
-        .map_err(|e| Err(Refusal::NotTheProvenName(e)))?;
-    Ok(hello)
+        .map_err(Refusal::NotTheProvenName)
 }
 
 #[cfg(test)]
@@ -206,23 +204,17 @@ mod tests {
             },
             qps: vec![half(7)],
         };
-        let frame = hello.encode();
-        let got = on_hello(&frame, &Authenticated::As("alice".into()), "conn").unwrap();
-        assert_eq!(got, hello);
-        assert_eq!(
-            on_hello(&frame, &Authenticated::Open, "conn").unwrap(),
-            hello
-        );
-        match on_hello(&frame, &Authenticated::As("bob".into()), "conn") {
-            Err(Err(r @ Refusal::NotTheProvenName(_))) => {
+        assert!(on_hello(&hello, &Authenticated::As("alice".into()), "conn").is_ok());
+        assert!(on_hello(&hello, &Authenticated::Open, "conn").is_ok());
+        match on_hello(&hello, &Authenticated::As("bob".into()), "conn") {
+            Err(r @ Refusal::NotTheProvenName(_)) => {
                 assert_eq!(r.into_error("conn", None).kind(), ErrorKind::NotAllowed)
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(
-            on_hello(b"junk", &Authenticated::Open, "conn"),
-            Err(Ok(_))
-        ));
+        // A frame that is not a hello never gets this far.
+        assert_eq!(Hello::decode(&hello.encode()).unwrap(), hello);
+        assert!(Hello::decode(b"junk").is_err());
     }
 
     #[test]

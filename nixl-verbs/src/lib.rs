@@ -831,12 +831,11 @@ impl VerbsBackend {
         }
         .map_err(|_| Error::new(ErrorKind::TimedOut, OP, "no hello in time"))?
         .map_err(|e| io("hello", e))?;
-        let hello = match handshake::on_hello(&frame, &authenticated, &peer) {
-            Ok(h) => h,
-            Err(Ok(not_a_hello)) => return Err(not_a_hello),
+        let hello = Hello::decode(&frame)?;
+        if let Err(r) = handshake::on_hello(&hello, &authenticated, &peer) {
             // Connected as one agent, introduced as another.
-            Err(Err(r)) => return Err(refuse(&mut s, r, &peer, None).await),
-        };
+            return Err(refuse(&mut s, r, &peer, None).await);
+        }
         // Never closed to make room: the peer's traffic goes over its queue pairs,
         // so an idle control socket says nothing of whether it works (and its queue
         // pairs are bounded by the budget below).
