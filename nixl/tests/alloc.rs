@@ -7,7 +7,7 @@ use std::sync::Arc;
 use nixl::{
     Agent, AlignedBuf, Capabilities, ErrorKind, Memory, PreparedTransfer, Result, TransferPlan,
 };
-use nixl_testkit::double::{backend, refused, Double};
+use nixl_testkit::double::{refused, shared, Double};
 
 /// A backend that only registers, and counts its allocations when `offers` is set.
 #[derive(Debug, Default)]
@@ -54,8 +54,8 @@ async fn alloc_prefers_the_first_backend_that_offers_memory() {
         ..Fake::default()
     });
     let a = Agent::builder("a")
-        .backend(backend(plain.clone()))
-        .backend(backend(offers.clone()))
+        .backend(shared(plain.clone()))
+        .backend(shared(offers.clone()))
         .build()
         .await
         .unwrap();
@@ -73,7 +73,7 @@ async fn alloc_prefers_the_first_backend_that_offers_memory() {
 async fn alloc_falls_back_to_host_memory() {
     let plain = Arc::new(Fake::default());
     let a = Agent::builder("a")
-        .backend(backend(plain))
+        .backend(shared(plain))
         .build()
         .await
         .unwrap();
@@ -90,7 +90,7 @@ async fn alloc_falls_back_to_host_memory() {
 async fn alloc_beyond_this_machine_is_refused() {
     let plain = Arc::new(Fake::default());
     let a = Agent::builder("a")
-        .backend(backend(plain))
+        .backend(shared(plain))
         .build()
         .await
         .unwrap();

@@ -16,7 +16,7 @@ use nixl::{
     Agent, Bytes, Capabilities, Completer, DescList, ErrorKind, Indices, MemKind, NixlDialect, Op,
     PreparedTransfer, RegionRef, RequestOptions, Result, TransferPlan,
 };
-use nixl_testkit::double::{backend, Double};
+use nixl_testkit::double::{shared, Double};
 use proptest::prelude::*;
 
 const FULL: &[u8] = include_bytes!("data/nixl-1.5.1/full.bin");
@@ -151,7 +151,7 @@ impl NixlDialect for NixlSpeakerDouble {
 async fn speaker(name: &str) -> (Agent, std::sync::Arc<NixlSpeakerDouble>) {
     let b = std::sync::Arc::new(NixlSpeakerDouble::default());
     let a = Agent::builder(name)
-        .backend(backend(b.clone()))
+        .backend(shared(b.clone()))
         .build()
         .await
         .unwrap();

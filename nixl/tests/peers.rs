@@ -9,7 +9,7 @@ use nixl::{
     Agent, Bytes, Capabilities, Completer, ErrorKind, Op, PreparedTransfer, RegionRef,
     RequestOptions, Result, TransferPlan,
 };
-use nixl_testkit::double::{backend, one, refused, Double};
+use nixl_testkit::double::{one, refused, shared, Double};
 
 /// A test double of a transport that keeps a ledger of the connection info it was
 /// given per peer, refuses connection info it is told to, can hold `add_peer` until a
@@ -98,7 +98,7 @@ impl Double for Ledger {
 async fn agent(name: &str, backends: &[&Arc<Ledger>]) -> Agent {
     let mut b = Agent::builder(name);
     for l in backends {
-        b = b.backend(backend(Arc::clone(l)));
+        b = b.backend(shared(Arc::clone(l)));
     }
     b.build().await.unwrap()
 }

@@ -13,7 +13,7 @@ use nixl::{
     Agent, AlignedBuf, Desc, DescList, ErrorKind, Indices, MemKind, Memory, Op, Registration,
     RequestOptions, Strided,
 };
-use nixl_testkit::double::backend;
+use nixl_testkit::double::{backend, shared};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -27,7 +27,7 @@ async fn agent(name: &str) -> (Agent, Arc<Recorder>, Vec<Registration>) {
         ..Recorder::default()
     });
     let a = Agent::builder(name)
-        .backend(backend(rec.clone()))
+        .backend(shared(rec.clone()))
         .build()
         .await
         .unwrap();
@@ -309,7 +309,7 @@ fn same_agent_strided_copies_move_the_same_bytes() {
 async fn a_regular_list_stays_one_run_up_to_the_backend() {
     let rec = Arc::new(Recorder::default());
     let a = Agent::builder("a")
-        .backend(backend(rec.clone()))
+        .backend(shared(rec.clone()))
         .build()
         .await
         .unwrap();

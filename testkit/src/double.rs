@@ -4,7 +4,8 @@
 //! [`Double`] is the whole [`Backend`] trait with a null behaviour for every method:
 //! it registers anything (an empty blob), knows every peer, completes every post and
 //! notification at once and moves no data. A test's double implements [`Double`] and
-//! overrides only what the test observes; [`backend`] (or [`Doubled`]) makes it a
+//! overrides only what the test observes; [`backend`] (or [`shared`], for a double the
+//! test keeps a handle on) makes it a
 //! [`Backend`]. The product trait has no defaults: a real backend states every part of
 //! its lifecycle, a double only the part its test is about.
 
@@ -118,8 +119,8 @@ impl PreparedTransfer for Completes {
 }
 
 /// A [`Double`] as a [`Backend`]; derefs to the double.
-#[derive(Debug, Default)]
-pub struct Doubled<D>(pub D);
+#[derive(Debug)]
+pub struct Doubled<D>(Arc<D>);
 
 impl<D> std::ops::Deref for Doubled<D> {
     type Target = D;
@@ -130,56 +131,12 @@ impl<D> std::ops::Deref for Doubled<D> {
 
 /// `double` as a [`Backend`].
 pub fn backend<D: Double>(double: D) -> Doubled<D> {
-    Doubled(double)
+    Doubled(Arc::new(double))
 }
 
-#[async_trait]
-impl<D: Double> Double for Arc<D> {
-    fn name(&self) -> &str {
-        (**self).name()
-    }
-    fn capabilities(&self) -> Capabilities {
-        (**self).capabilities()
-    }
-    async fn start(&self, ctx: BackendContext) -> Result<()> {
-        (**self).start(ctx).await
-    }
-    fn connection_info(&self) -> Bytes {
-        (**self).connection_info()
-    }
-    fn register(&self, region: &RegionRef) -> Result<Bytes> {
-        (**self).register(region)
-    }
-    fn deregister(&self, region_id: u64) -> Result<()> {
-        (**self).deregister(region_id)
-    }
-    fn alloc(&self, len: usize) -> Option<Result<Memory>> {
-        (**self).alloc(len)
-    }
-    fn nixl(&self) -> Option<&dyn NixlDialect> {
-        (**self).nixl()
-    }
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
-        (**self).add_peer(peer, conn_info)
-    }
-    async fn connect(&self, peer: &str) -> Result<()> {
-        (**self).connect(peer).await
-    }
-    fn remove_peer(&self, peer: &str) -> Result<()> {
-        (**self).remove_peer(peer)
-    }
-    fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
-        (**self).prepare(plan)
-    }
-    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
-        (**self).notify(peer, msg, done)
-    }
-    async fn shutdown(&self, timeout: Duration) -> Result<()> {
-        (**self).shutdown(timeout).await
-    }
-    fn destroy(&self) -> Result<()> {
-        (**self).destroy()
-    }
+/// A double the test keeps a handle on, as a [`Backend`].
+pub fn shared<D: Double>(double: Arc<D>) -> Doubled<D> {
+    Doubled(double)
 }
 
 #[async_trait]
