@@ -285,8 +285,7 @@ pub async fn dropped_peers_never_hang(but: &BackendUnderTest) {
 /// The old connection is kept busy by back-pressure: the receiver reads nothing and
 /// queues one notification per peer, so the sender's further notifications wait.
 pub async fn moved_peer_closed(but: &BackendUnderTest) {
-    const CASE: &str = "moved_peer_closed";
-    need!(but, "moved_peer_closed", remote, notifications, dram);
+    let caps = need!(but, "moved_peer_closed", remote, notifications, dram);
     let build = |name: &'static str, backend: std::sync::Arc<dyn nixl::Backend>| async move {
         nixl::Agent::builder(name)
             .backend_arc(backend)
@@ -321,7 +320,7 @@ pub async fn moved_peer_closed(but: &BackendUnderTest) {
         .unwrap();
 
     // Post until some notifications stay pending (transports buffer a few).
-    let size = but.capabilities(CASE).unwrap().max_notification.min(4096);
+    let size = caps.max_notification.min(4096);
     let msg = Bytes::from(vec![b'n'; size]);
     let mut posted = Vec::new();
     while posted.len() < 4096 {
