@@ -86,6 +86,27 @@ pub(crate) fn fixed_port(name: &str, params: &[(String, String)]) -> Option<Stri
     }
 }
 
+/// Set `key` of a listening backend's [`nixl::control::ListenerOptions`], where it is
+/// one of theirs; `None` for the backend's own keys.
+#[cfg(any(feature = "tcp", feature = "verbs", feature = "uccl"))]
+fn listener_param(
+    backend: &str,
+    o: &mut nixl::control::ListenerOptions,
+    key: &str,
+    value: &str,
+) -> Option<Result<()>> {
+    o.set(key, value)
+        .map(|r| r.or_else(|why| fail(format!("{backend} backend parameter {why}"))))
+}
+
+/// A listening backend's keys: the listener's, then its own.
+#[cfg(any(feature = "tcp", feature = "verbs", feature = "uccl"))]
+fn listener_keys(own: &[&str]) -> String {
+    let mut keys = nixl::control::ListenerOptions::KEYS.to_vec();
+    keys.extend_from_slice(own);
+    keys.join(", ")
+}
+
 #[cfg(feature = "tcp")]
 mod tcp {
     use std::net::{IpAddr, SocketAddr};
@@ -94,14 +115,10 @@ mod tcp {
     use nixl::Backend;
     use nixl_tcp::{TcpBackend, TcpOptions};
 
-    use crate::cli::{parse_duration, parse_size};
+    use crate::cli::parse_size;
     use crate::error::{fail, Result};
 
     const KEYS: &[&str] = &[
-        "listen",
-        "advertise",
-        "connect_timeout",
-        "dead_peer_timeout",
         "max_notification",
         "same_host",
         "inline_copy_max",
@@ -113,12 +130,19 @@ mod tcp {
 
     pub(super) fn make(params: &[(String, String)], host: IpAddr) -> Result<Arc<dyn Backend>> {
         let mut o = TcpOptions {
-            listen: SocketAddr::new(host, 0),
+            listener: nixl::control::ListenerOptions {
+                listen: Some(SocketAddr::new(host, 0)),
+                ..nixl::control::ListenerOptions::default()
+            },
             ..TcpOptions::default()
         };
         for (i, (key, value)) in params.iter().enumerate() {
             if params[..i].iter().any(|(k, _)| k == key) {
                 return fail(format!("tcp backend parameter {key:?} given twice"));
+            }
+            if let Some(set) = super::listener_param("tcp", &mut o.listener, key, value) {
+                set?;
+                continue;
             }
             let bad = |what: &str| {
                 fail(format!(
@@ -126,22 +150,6 @@ mod tcp {
                 ))
             };
             match key.as_str() {
-                "listen" => match value.parse() {
-                    Ok(a) => o.listen = a,
-                    Err(_) => return bad("an IP:PORT address"),
-                },
-                "advertise" => match value.parse() {
-                    Ok(a) => o.advertise = Some(a),
-                    Err(_) => return bad("an IP:PORT address"),
-                },
-                "connect_timeout" => match parse_duration(value) {
-                    Ok(d) => o.connect_timeout = d,
-                    Err(_) => return bad("a duration such as 5s"),
-                },
-                "dead_peer_timeout" => match parse_duration(value) {
-                    Ok(d) => o.dead_peer_timeout = d,
-                    Err(_) => return bad("a duration such as 10s"),
-                },
                 "max_notification" => match parse_size(value).map(usize::try_from) {
                     Ok(Ok(n)) => o.max_notification = n,
                     _ => return bad("a size such as 1M"),
@@ -173,7 +181,7 @@ mod tcp {
                 _ => {
                     return fail(format!(
                         "unknown tcp backend parameter {key:?}; known: {}",
-                        KEYS.join(", ")
+                        super::listener_keys(KEYS)
                     ))
                 }
             }
@@ -327,28 +335,23 @@ mod ucx {
 #[cfg(feature = "uccl")]
 mod uccl {
     use std::sync::Arc;
-    use std::time::Duration;
 
     use nixl::Backend;
     use nixl_uccl::{UcclBackend, UcclOptions};
 
     use crate::error::{fail, Result};
 
-    const KEYS: &[&str] = &["lib", "control_ip", "liveness_ms", "window", "confirm"];
+    const KEYS: &[&str] = &["lib", "window", "confirm"];
 
     fn options(params: &[(String, String)]) -> Result<UcclOptions> {
         let mut o = UcclOptions::default();
         for (k, v) in params {
+            if let Some(set) = super::listener_param("uccl", &mut o.listener, k, v) {
+                set?;
+                continue;
+            }
             match k.as_str() {
                 "lib" => o.library = Some(v.into()),
-                "control_ip" => match v.parse() {
-                    Ok(ip) => o.control_ip = Some(ip),
-                    Err(_) => return fail(format!("uccl control_ip={v}: expected an IP address")),
-                },
-                "liveness_ms" => match v.parse::<u64>() {
-                    Ok(ms) if ms > 0 => o.liveness_timeout = Duration::from_millis(ms),
-                    _ => return fail(format!("uccl liveness_ms={v}: expected milliseconds > 0")),
-                },
                 "window" => match v.parse::<usize>() {
                     Ok(n) if n > 0 => o.window = n,
                     _ => return fail(format!("uccl window={v}: expected a count > 0")),
@@ -362,7 +365,7 @@ mod uccl {
                 _ => {
                     return fail(format!(
                         "unknown uccl backend parameter {k:?}; known: {}",
-                        KEYS.join(", ")
+                        super::listener_keys(KEYS)
                     ))
                 }
             }
@@ -422,15 +425,21 @@ mod verbs {
         "qps_per_peer",
         "send_queue_depth",
         "max_notification",
-        "control_listen",
     ];
 
     fn options(params: &[(String, String)], host: IpAddr) -> Result<VerbsOptions> {
         let mut o = VerbsOptions {
-            control_listen: SocketAddr::new(host, 0),
+            listener: nixl::control::ListenerOptions {
+                listen: Some(SocketAddr::new(host, 0)),
+                ..nixl::control::ListenerOptions::default()
+            },
             ..VerbsOptions::default()
         };
         for (k, v) in params {
+            if let Some(set) = super::listener_param("verbs", &mut o.listener, k, v) {
+                set?;
+                continue;
+            }
             let bad = |what: &str| {
                 fail(format!(
                     "verbs backend parameter {k}={v:?}: expected {what}"
@@ -463,14 +472,10 @@ mod verbs {
                     Ok(Ok(n)) => o.max_notification = n,
                     _ => return bad("a size such as 4K"),
                 },
-                "control_listen" => match v.parse() {
-                    Ok(a) => o.control_listen = a,
-                    Err(_) => return bad("an IP:PORT address"),
-                },
                 _ => {
                     return fail(format!(
                         "unknown verbs backend parameter {k:?}; known: {}",
-                        KEYS.join(", ")
+                        super::listener_keys(KEYS)
                     ))
                 }
             }

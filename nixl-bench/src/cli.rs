@@ -950,27 +950,8 @@ pub(crate) fn parse_size(s: &str) -> std::result::Result<u64, String> {
         .ok_or_else(|| format!("{s:?} is too large"))
 }
 
-/// A duration: `500ms`, `30s`, `2m`, or plain seconds (`30`, `0.5`).
-pub(crate) fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
-    let t = s.trim();
-    let (num, unit) = match t.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
-        Some(i) => t.split_at(i),
-        None => (t, "s"),
-    };
-    let scale = match unit.trim() {
-        "ms" => 1e-3,
-        "s" => 1.0,
-        "m" | "min" => 60.0,
-        "h" => 3600.0,
-        other => return Err(format!("{s:?}: unknown unit {other:?}; use ms, s, m or h")),
-    };
-    match num.parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 && v * scale < 1e9 => {
-            Ok(Duration::from_secs_f64(v * scale))
-        }
-        _ => Err(format!("{s:?} is not a positive duration")),
-    }
-}
+// A duration: `500ms`, `30s`, `2m`, or plain seconds (`30`, `0.5`).
+pub(crate) use nixl::control::parse_duration;
 
 /// `true`/`false`/`1`/`0` (gflags-style `--check_consistency=1` works too).
 fn parse_bool(s: &str) -> std::result::Result<bool, String> {

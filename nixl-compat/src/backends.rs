@@ -46,17 +46,55 @@ pub fn nixl_name(ours: &str) -> String {
     }
 }
 
+/// The listener's keys ([`nixl::control::ListenerOptions::KEYS`]) with their
+/// defaults, which nixl-tcp, nixl-verbs and nixl-uccl take alike (`listen` and
+/// `advertise` are the backend's choice by default).
+const LISTENER_PARAMS: [(&str, &str); 7] = [
+    ("listen", ""),
+    ("advertise", ""),
+    ("connect_timeout", "10s"),
+    ("handshake_timeout", "10s"),
+    ("dead_peer_timeout", "10s"),
+    ("max_incoming_handshakes", "256"),
+    ("max_incoming_connections", "4096"),
+];
+
+/// Set `key` of a listening backend's listener options, where it is one; `None`
+/// for the backend's own keys.
+#[cfg_attr(
+    not(any(feature = "tcp", feature = "verbs", feature = "uccl")),
+    allow(dead_code)
+)]
+fn listener_param(
+    backend: &str,
+    o: &mut nixl::control::ListenerOptions,
+    key: &str,
+    value: &str,
+) -> Option<nixl::Result<()>> {
+    o.set(key, value).map(|r| {
+        r.map_err(|why| {
+            nixl::Error::new(
+                ErrorKind::InvalidArgument,
+                "create backend",
+                format!("{backend} backend parameter {why}"),
+            )
+        })
+    })
+}
+
 /// Parameter keys each backend takes (NIXL's `get_plugin_params`), with their
 /// defaults as strings ("" where the default is computed).
 pub fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
     match ours(nixl_name) {
-        Some("tcp") => vec![
-            ("listen", "127.0.0.1:0"),
-            ("advertise", ""),
-            ("max_notification", "1048576"),
-            ("connections", ""),
-            ("same_host", "auto"),
-        ],
+        Some("tcp") => [
+            LISTENER_PARAMS.as_slice(),
+            &[
+                ("max_notification", "1048576"),
+                ("connections", ""),
+                ("same_host", "auto"),
+            ],
+        ]
+        .concat(),
         Some("ucx") => vec![
             ("lib", ""),
             ("tls", ""),
@@ -69,8 +107,12 @@ pub fn params(nixl_name: &str) -> Vec<(&'static str, &'static str)> {
             ("num_threads", "0"),
             ("num_workers", "1"),
         ],
-        Some("verbs") => vec![("lib", ""), ("device", ""), ("control_listen", "0.0.0.0:0")],
-        Some("uccl") => vec![("lib", ""), ("num_cpus", "0")],
+        Some("verbs") => [LISTENER_PARAMS.as_slice(), &[("lib", ""), ("device", "")]].concat(),
+        Some("uccl") => [
+            LISTENER_PARAMS.as_slice(),
+            &[("lib", ""), ("num_cpus", "0")],
+        ]
+        .concat(),
         // NIXL's queue choices (use_uring; use_aio and use_posix_aio take the thread
         // pool, the engine for where io_uring is not wanted), and our own.
         Some("posix") => vec![
@@ -201,11 +243,11 @@ pub fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<dyn Bac
         Some("tcp") => {
             let mut o = nixl_tcp::TcpOptions::default();
             for (k, v) in params {
+                if let Some(set) = listener_param("TCP", &mut o.listener, k, v) {
+                    set?;
+                    continue;
+                }
                 match k.as_str() {
-                    "listen" => o.listen = v.parse().map_err(|_| bad("TCP", k, v, "IP:PORT"))?,
-                    "advertise" => {
-                        o.advertise = Some(v.parse().map_err(|_| bad("TCP", k, v, "IP:PORT"))?)
-                    }
                     "max_notification" => o.max_notification = size("TCP", k, v)?,
                     "connections" => {
                         o.connections = v
@@ -287,12 +329,13 @@ pub fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<dyn Bac
         Some("verbs") => {
             let mut o = nixl_verbs::VerbsOptions::default();
             for (k, v) in params {
+                if let Some(set) = listener_param("VERBS", &mut o.listener, k, v) {
+                    set?;
+                    continue;
+                }
                 match k.as_str() {
                     "lib" => o.library = Some(v.clone()),
                     "device" => o.device = Some(v.clone()),
-                    "control_listen" => {
-                        o.control_listen = v.parse().map_err(|_| bad("VERBS", k, v, "IP:PORT"))?
-                    }
                     _ => unknown("VERBS", k),
                 }
             }
@@ -302,6 +345,10 @@ pub fn make(name: &str, params: &[(String, String)]) -> nixl::Result<Arc<dyn Bac
         Some("uccl") => {
             let mut o = nixl_uccl::UcclOptions::default();
             for (k, v) in params {
+                if let Some(set) = listener_param("UCCL", &mut o.listener, k, v) {
+                    set?;
+                    continue;
+                }
                 match k.as_str() {
                     "lib" => o.library = Some(v.into()),
                     // NIXL's UCCL: CPUs for its engine; nixl-uccl's engine sizes
@@ -401,6 +448,26 @@ mod tests {
         // An empty value where the default is not computed is still checked.
         let bad = [("max_notification".to_owned(), String::new())];
         assert!(make("TCP", &bad).is_err());
+    }
+
+    #[test]
+    fn listener_defaults_listed_are_the_defaults() {
+        let mut o = nixl::control::ListenerOptions::default();
+        let keys: Vec<&str> = LISTENER_PARAMS.iter().map(|(k, _)| *k).collect();
+        assert_eq!(keys, nixl::control::ListenerOptions::KEYS);
+        for (k, v) in LISTENER_PARAMS.iter().filter(|(_, v)| !v.is_empty()) {
+            assert!(matches!(o.set(k, v), Some(Ok(()))), "{k}={v}");
+        }
+        let d = nixl::control::ListenerOptions::default();
+        assert_eq!(format!("{o:?}"), format!("{d:?}"));
+        let e = listener_param("TCP", &mut o, "listen", "nowhere")
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        assert!(
+            e.to_string().contains("TCP backend parameter listen="),
+            "{e}"
+        );
     }
 
     #[test]

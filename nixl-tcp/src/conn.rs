@@ -216,7 +216,9 @@ pub(crate) struct Conn {
     /// How data moves to this peer, once connected.
     path: Arc<OnceLock<String>>,
     require: bool,
-    /// [`TcpOptions::dead_peer_timeout`], for messages.
+    /// The listener options'
+    /// [`dead_peer_timeout`](nixl::control::ListenerOptions::dead_peer_timeout), for
+    /// messages.
     dead_peer: Duration,
 }
 
@@ -310,7 +312,7 @@ impl Conn {
             same_host: Arc::default(),
             path: Arc::default(),
             require: options.same_host == SameHost::Require,
-            dead_peer: options.dead_peer_timeout,
+            dead_peer: options.listener.dead_peer_timeout,
         });
         let task = Task {
             held: Held::default(),
@@ -649,9 +651,9 @@ impl Task {
     async fn run(self, mut rx: mpsc::UnboundedReceiver<Item>, state: watch::Sender<State>) {
         let connected = tokio::select! {
             _ = self.cancel.cancelled() => Err(Error::new(ErrorKind::Canceled, "tcp connect", "canceled")),
-            r = tokio::time::timeout(self.options.connect_timeout, self.establish()) => match r {
+            r = tokio::time::timeout(self.options.listener.connect_timeout, self.establish()) => match r {
                 Ok(r) => r,
-                Err(_) => Err(Error::new(ErrorKind::TimedOut, "tcp connect", format!("peer {:?} at {} did not answer within {:?}", self.peer, self.addr, self.options.connect_timeout))),
+                Err(_) => Err(Error::new(ErrorKind::TimedOut, "tcp connect", format!("peer {:?} at {} did not answer within {:?}", self.peer, self.addr, self.options.listener.connect_timeout))),
             },
         };
         let stream = match connected {
@@ -675,7 +677,7 @@ impl Task {
         self.tracker.spawn(reader(
             rd,
             Timeouts {
-                dead_peer: self.options.dead_peer_timeout,
+                dead_peer: self.options.listener.dead_peer_timeout,
                 pause: self.options.pause_timeout,
             },
             self.peer.clone(),
@@ -727,7 +729,7 @@ impl Task {
         let mut s = TcpStream::connect(self.addr)
             .await
             .map_err(|e| io("connect", e))?;
-        nixl::control::tune(&s, self.options.dead_peer_timeout);
+        nixl::control::tune(&s, self.options.listener.dead_peer_timeout);
         let want = match &self.lane {
             Lane::First(Ok(())) => Want::Yes,
             Lane::First(Err(why)) => Want::No(why.clone()),
@@ -842,7 +844,12 @@ impl Task {
         let mut own = Some(BufWriter::with_capacity(IO_BUF, wr));
         let mut scratch = Vec::new();
         let failed = |e: std::io::Error| {
-            socket_error(&self.peer, "sending", self.options.dead_peer_timeout, e)
+            socket_error(
+                &self.peer,
+                "sending",
+                self.options.listener.dead_peer_timeout,
+                e,
+            )
         };
         loop {
             if let (Some(w), true) = (own.as_mut(), rx.is_empty()) {
@@ -1077,7 +1084,9 @@ async fn reader(
 /// The connection's timeouts, as the reader applies them.
 #[derive(Clone, Copy, Debug)]
 struct Timeouts {
-    /// [`TcpOptions::dead_peer_timeout`]: the socket's `TCP_USER_TIMEOUT`.
+    /// The listener options'
+    /// [`dead_peer_timeout`](nixl::control::ListenerOptions::dead_peer_timeout): the
+    /// socket's `TCP_USER_TIMEOUT`.
     dead_peer: Duration,
     /// [`TcpOptions::pause_timeout`]: how long the target may hold back unanswering.
     pause: Duration,
@@ -1090,7 +1099,7 @@ fn socket_error(peer: &str, doing: &str, dead: Duration, e: std::io::Error) -> E
     let why = match e.kind() {
         std::io::ErrorKind::UnexpectedEof => format!("{doing}: the peer closed the connection"),
         std::io::ErrorKind::TimedOut => format!(
-            "{doing} failed: the peer read nothing of what was sent (or did not acknowledge it) for {dead:?} (TcpOptions::dead_peer_timeout); the connection is closed"
+            "{doing} failed: the peer read nothing of what was sent (or did not acknowledge it) for {dead:?} (TcpOptions::listener.dead_peer_timeout); the connection is closed"
         ),
         _ => format!("{doing} failed"),
     };

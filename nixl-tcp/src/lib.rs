@@ -51,7 +51,8 @@
 //!   transfer before posting the second where the order matters.
 //! - A peer that dies or disconnects fails every in-flight transfer to it with
 //!   [`ErrorKind::RemoteDisconnected`]; TCP keepalive and `TCP_USER_TIMEOUT` bound how
-//!   long a silent network failure can take to notice ([`TcpOptions::dead_peer_timeout`]).
+//!   long a silent network failure can take to notice (the listener options'
+//!   [`dead_peer_timeout`](nixl::control::ListenerOptions::dead_peer_timeout)).
 //!
 //! ## Wire security
 //! Keys stop stale or mistaken requests and peers that never saw the metadata; they
@@ -70,11 +71,10 @@
 //! WRITE or a notification to whoever listens there now.
 //!
 //! The listener bounds what peers that are not (yet) trusted can take: a handshake
-//! must end within [`TcpOptions::handshake_timeout`]; at most
-//! [`TcpOptions::max_incoming_handshakes`] connections wait in theirs (a newcomer
-//! closes the oldest) and [`TcpOptions::max_incoming_connections`] are served past
-//! it; a peer that stops reading is cut after [`TcpOptions::dead_peer_timeout`]
-//! without progress (`TCP_USER_TIMEOUT`); buffers grow only as bytes arrive; and one
+//! must end within the handshake timeout, at most so many connections wait in theirs
+//! (a newcomer closes the oldest) and so many are served past it
+//! ([`TcpOptions::listener`]: [`ListenerOptions`](nixl::control::ListenerOptions)); a
+//! peer that stops reading is cut after the dead-peer timeout without progress (`TCP_USER_TIMEOUT`); buffers grow only as bytes arrive; and one
 //! request moves at most [`TcpOptions::max_request_bytes`]. A target that stops
 //! reading a peer on purpose (its agent's queue of that peer's notifications is
 //! full) tells the peer first, and the peer lifts its user timeout until the target
@@ -261,20 +261,10 @@ impl TcpBackend {
     /// Listen and start accepting: the state [`Backend::start`] keeps.
     async fn listen(&self, ctx: BackendContext) -> Result<Started> {
         const OP: &str = "start tcp backend";
-        let listener = tokio::net::TcpListener::bind(self.inner.options.listen)
-            .await
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::Backend,
-                    OP,
-                    format!("cannot listen on {}", self.inner.options.listen),
-                )
-                .with_source(e)
-            })?;
-        let bound = listener.local_addr().map_err(|e| {
-            Error::new(ErrorKind::Backend, OP, "listener has no address").with_source(e)
-        })?;
-        let addr = self.inner.options.advertise.unwrap_or(bound);
+        let bound = (self.inner.options.listener)
+            .bind(nixl::control::LOOPBACK_ANY_PORT, OP)
+            .await?;
+        let addr = bound.advertised;
         let cancel = ctx.cancel.child_token();
         let secret = self.inner.options.secret.clone().or(ctx.secret.clone());
         let started = Started {
@@ -283,8 +273,8 @@ impl TcpBackend {
             addr,
             cancel,
         };
-        target::spawn_listener(self.inner.clone(), listener, &started);
-        tracing::debug!(%bound, advertised = %addr, "tcp backend listening");
+        target::spawn_listener(self.inner.clone(), bound.listener, &started);
+        tracing::debug!(bound = %bound.bound, advertised = %addr, "tcp backend listening");
         Ok(started)
     }
 

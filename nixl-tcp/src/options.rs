@@ -3,6 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use nixl::control::ListenerOptions;
 use nixl::BackendContext;
 use tokio_util::sync::CancellationToken;
 
@@ -11,23 +12,19 @@ use crate::same_host::SameHost;
 /// Options for [`TcpBackend`](crate::TcpBackend).
 #[derive(Clone, Debug)]
 pub struct TcpOptions {
-    /// Address to listen on for peers (default `127.0.0.1:0`: loopback, any port). Use
-    /// a routable address for peers on other hosts.
-    pub listen: SocketAddr,
-    /// Address to publish in metadata, when peers must use another one than the bound
-    /// address (NAT, `0.0.0.0` listeners). Default: the bound address.
-    pub advertise: Option<SocketAddr>,
-    /// Limit for connecting and for the connection handshake.
-    pub connect_timeout: Duration,
-    /// Bound on noticing a peer that went silent (host crash, cut link): TCP keepalive
-    /// probes and `TCP_USER_TIMEOUT` are set from it. A peer process that dies is
-    /// noticed at once (its kernel closes the connection).
-    /// It also bounds a target that stops reading without saying so: data it leaves
-    /// unread (a zero window) for this long closes the connection (`TCP_USER_TIMEOUT`
-    /// counts zero-window probes, Linux 5.11 and later), and the transfers on it fail
-    /// with `RemoteDisconnected` (naming this timeout where the connection's reader
-    /// or writer saw the kernel's `ETIMEDOUT`; the other sees only the closed socket).
-    pub dead_peer_timeout: Duration,
+    /// The listener and connections ([`ListenerOptions`], as every backend's):
+    /// where to listen and what to publish, the connect and handshake bounds, the
+    /// admission limits, and the bound on noticing a silent peer. Here
+    /// [`ListenerOptions::dead_peer_timeout`] sets TCP keepalive probes and
+    /// `TCP_USER_TIMEOUT`, and also bounds a target that stops reading without
+    /// saying so: data it leaves unread (a zero window) for this long closes the
+    /// connection (`TCP_USER_TIMEOUT` counts zero-window probes, Linux 5.11 and
+    /// later), and the transfers on it fail with `RemoteDisconnected` (naming this
+    /// timeout where the connection's reader or writer saw the kernel's `ETIMEDOUT`;
+    /// the other sees only the closed socket). One more incoming connection past
+    /// [`ListenerOptions::max_incoming_connections`] is closed when its handshake
+    /// ends, unless a connection idle for a minute gives it its place.
+    pub listener: ListenerOptions,
     /// Longest a target may hold back reading a connection without answering any
     /// request (default 60 s). A target pauses a connection (it says so: PAUSE)
     /// while its application leaves notifications unread, and `TCP_USER_TIMEOUT` is
@@ -41,21 +38,6 @@ pub struct TcpOptions {
     pub pause_timeout: Duration,
     /// Longest notification accepted.
     pub max_notification: usize,
-    /// An incoming connection that has not finished its handshake (hello, shared
-    /// secret, same-host request) within this long is closed (default 10 s).
-    pub handshake_timeout: Duration,
-    /// Most incoming connections in their handshake at once (default 256). When
-    /// another arrives, the oldest of them is closed to admit it, so idle or slow
-    /// sockets never lock a legitimate peer out.
-    pub max_incoming_handshakes: usize,
-    /// Most incoming connections past their handshake at once (default 4096), half
-    /// of them from one address (an IPv6 /64); one more is closed when its handshake
-    /// ends, unless a connection idle for a minute (not one at work, nor one that
-    /// proved the shared secret) gives it its place. Both this and
-    /// `max_incoming_handshakes` are clamped to a quarter and an eighth of the
-    /// process's open-files limit (`nixl::control::Admission`). With a shared secret
-    /// only peers that know it get this far.
-    pub max_incoming_connections: usize,
     /// Most bytes one READ or WRITE request may move at this target, over all its
     /// runs (default 64 GiB). Larger requests are refused (`InvalidArgument` at the
     /// initiator); a stride-0 run would otherwise let a tiny request stream up to
@@ -108,15 +90,9 @@ pub struct TcpOptions {
 impl Default for TcpOptions {
     fn default() -> Self {
         Self {
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            advertise: None,
-            connect_timeout: Duration::from_secs(5),
-            dead_peer_timeout: Duration::from_secs(10),
+            listener: ListenerOptions::default(),
             pause_timeout: Duration::from_secs(60),
             max_notification: 1 << 20,
-            handshake_timeout: Duration::from_secs(10),
-            max_incoming_handshakes: 256,
-            max_incoming_connections: 4096,
             max_request_bytes: crate::protocol::target::DEFAULT_MAX_REQUEST,
             secret: None,
             same_host: SameHost::Auto,

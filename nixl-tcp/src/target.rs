@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use nixl::control::{Admission, Incoming, Ticket};
+use nixl::control::{Incoming, Ticket};
 use nixl::NotificationSink;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
@@ -22,15 +22,14 @@ use crate::state::Inner;
 use crate::wire::{self, Offer, ResponseHeader, SegEntry};
 
 /// Accept connections until cancelled, each served by a task of its own within the
-/// limits of [`Admission`] and [`TcpOptions::handshake_timeout`](crate::TcpOptions).
+/// limits of [`Admission`] and the listener options' handshake timeout.
 pub(crate) fn spawn_listener(inner: Arc<Inner>, listener: TcpListener, started: &Started) {
     let cancel = started.cancel.clone();
     let sink = started.ctx.notifications.clone();
     let secret = started.secret.clone();
     let me: Arc<str> = started.ctx.agent_name.as_str().into();
-    let o = &inner.options;
-    let admission = Admission::new(o.max_incoming_handshakes, o.max_incoming_connections);
-    let handshake_timeout = o.handshake_timeout;
+    let admission = inner.options.listener.admission();
+    let handshake_timeout = inner.options.listener.handshake_timeout;
     nixl::control::spawn_accept_loop(
         "tcp",
         listener,
@@ -93,7 +92,7 @@ async fn serve(
     mut ticket: Ticket,
     deadline: tokio::time::Instant,
 ) -> std::io::Result<()> {
-    nixl::control::tune(&stream, inner.options.dead_peer_timeout);
+    nixl::control::tune(&stream, inner.options.listener.dead_peer_timeout);
     // Both ends, for deciding whether the peer may see a same-host offer.
     let ends = stream
         .local_addr()
@@ -191,7 +190,7 @@ async fn serve(
         let handshaking = m.handshaking();
         if !handshaking && !ticket.establish_with(authenticated) {
             return Err(proto(
-                "too many incoming connections (TcpOptions::max_incoming_connections)",
+                "too many incoming connections (TcpOptions::listener.max_incoming_connections)",
             ));
         }
         let Some(buf) = m.need() else {

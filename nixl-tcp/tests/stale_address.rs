@@ -13,7 +13,10 @@ use nixl_tcp::{SameHost, TcpBackend, TcpOptions};
 
 async fn agent(name: &str, listen: SocketAddr, same_host: SameHost) -> (Agent, SocketAddr) {
     let b = TcpBackend::with_options(TcpOptions {
-        listen,
+        listener: nixl::control::ListenerOptions {
+            listen: Some(listen),
+            ..nixl::control::ListenerOptions::default()
+        },
         same_host,
         ..TcpOptions::default()
     });
@@ -135,7 +138,10 @@ async fn a_reused_address_with_a_secret_is_not_the_peer() {
     drop(b);
     let c = Agent::builder("c")
         .backend(TcpBackend::with_options(TcpOptions {
-            listen: addr,
+            listener: nixl::control::ListenerOptions {
+                listen: Some(addr),
+                ..nixl::control::ListenerOptions::default()
+            },
             same_host: SameHost::Off,
             secret: Some(nixl::SharedSecret::new("s3cret-s3cret-s3cret").unwrap()),
             ..TcpOptions::default()

@@ -33,7 +33,7 @@
 //!   - An initiator calls UCCL's (blocking, uncancellable) connect only after the
 //!     target said, on the control connection, that its engine accepts (it has
 //!     registered memory); the call runs on an agent-owned thread and is waited on
-//!     for at most [`UcclOptions::connect_timeout`].
+//!     for at most [`ListenerOptions::connect_timeout`].
 //! - **Data path.** A registration is `uccl_engine_reg` plus `uccl_engine_prepare_fifo`;
 //!   the 64-byte `FifoItem` (address, length, remote key) is the registration's public
 //!   blob. A transfer is one `uccl_engine_write`/`uccl_engine_read` per piece (segments
@@ -44,7 +44,7 @@
 //!   `uccl_engine_xfer_status` while something is, backing off to short sleeps.
 //! - **Failures.** UCCL's status says only "done or not". A peer's liveness comes from
 //!   the control connection: it is pinged, and a connection that closes, errs or stays
-//!   silent for [`UcclOptions::liveness_timeout`] marks the peer dead, which fails its
+//!   silent for [`ListenerOptions::dead_peer_timeout`] marks the peer dead, which fails its
 //!   in-flight transfers with [`ErrorKind::RemoteDisconnected`] within that bound
 //!   (plus one poll interval). A transfer not done after [`UcclOptions::stall_timeout`]
 //!   fails with [`ErrorKind::TimedOut`]. UCCL cannot cancel an operation it accepted:
@@ -78,7 +78,7 @@
 //!   `Pong` owed however many pings arrive unread, at most 1024 confirmations
 //!   accepted and unwritten (past that the connection is not read until one is
 //!   written: the peer's own sends stall); each answer must be written within
-//!   [`UcclOptions::liveness_timeout`], and the socket's `TCP_USER_TIMEOUT` is the
+//!   [`ListenerOptions::dead_peer_timeout`], and the socket's `TCP_USER_TIMEOUT` is the
 //!   same bound, so a peer that never reads is cut ([`UcclBackend::control_stats`]
 //!   counts both).
 //! - **Serialization.** UCCL keeps its registration table in one unguarded
@@ -157,13 +157,14 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use nixl::control::ListenerOptions;
 use nixl::native::{LibraryReport, LibrarySource};
 use nixl::{
     Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, Op,
     PreparedTransfer, RegionRef, RegionSlice, Result, Target, TransferPlan,
 };
 use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -185,30 +186,26 @@ pub const MAX_SEGMENTS: usize = 1 << 24;
 pub struct UcclOptions {
     /// `libuccl_p2p.so` to load; else `NIXL_UCCL_LIB`, else the soname.
     pub library: Option<PathBuf>,
-    /// Address the control listener binds and announces; default: the address UCCL's
+    /// The control listener and connections ([`ListenerOptions`], as every
+    /// backend's). By default the listener binds, and publishes, the address UCCL's
     /// engine announces (so peers that reach the engine reach the control listener).
-    pub control_ip: Option<IpAddr>,
-    /// Bound on connecting to a peer (control handshake, then the engine's connect).
-    pub connect_timeout: Duration,
-    /// Incoming control connections that may wait in their handshake (default 256);
-    /// one more closes the oldest of them, so idle sockets never lock a peer out.
-    pub max_incoming_handshakes: usize,
-    /// Incoming control connections served at once past the handshake (default
-    /// 1024, half of them from one address, clamped to a quarter of the process's
-    /// open-files limit); one more is closed, unless a connection whose peer went
-    /// quiet for a minute (not one that proved the shared secret) gives its place.
-    pub max_incoming_connections: usize,
-    /// A peer silent this long on the control connection is dead (pinged at a third
-    /// of it). Also a target's bound on writing one answer, and the socket's
-    /// `TCP_USER_TIMEOUT`: an initiator that does not read for this long is cut (an
-    /// initiator waits up to [`UcclOptions::hold_timeout`] for a live target).
-    pub liveness_timeout: Duration,
+    /// [`ListenerOptions::connect_timeout`] bounds the control handshake and then the
+    /// engine's connect together. [`ListenerOptions::dead_peer_timeout`] is the
+    /// liveness bound: a peer silent this long on the control connection is dead
+    /// (pinged at a third of it); it is also a target's bound on writing one answer,
+    /// and the socket's `TCP_USER_TIMEOUT`, so an initiator that does not read for
+    /// this long is cut (an initiator waits up to [`UcclOptions::hold_timeout`] for a
+    /// live target). One more incoming connection past
+    /// [`ListenerOptions::max_incoming_connections`] is closed, unless a connection
+    /// whose peer went quiet for a minute (not one that proved the shared secret)
+    /// gives its place.
+    pub listener: ListenerOptions,
     /// Longest a target may keep this agent's control connection unread while it
     /// shows it is alive (it answers pings): a target whose application does not
     /// read notifications holds its initiators back this way (see
     /// [`nixl::NotificationLimits`]), and so does a hostile one that never reads.
     /// Past it, a frame still not written cuts the link (default 60 s; the
-    /// silence bound is [`UcclOptions::liveness_timeout`]).
+    /// silence bound is [`ListenerOptions::dead_peer_timeout`]).
     pub hold_timeout: Duration,
     /// A transfer not done after this long fails with [`ErrorKind::TimedOut`].
     pub stall_timeout: Duration,
@@ -240,11 +237,7 @@ impl Default for UcclOptions {
     fn default() -> Self {
         Self {
             library: None,
-            control_ip: None,
-            connect_timeout: Duration::from_secs(10),
-            max_incoming_handshakes: 256,
-            max_incoming_connections: 1024,
-            liveness_timeout: Duration::from_secs(5),
+            listener: ListenerOptions::default(),
             hold_timeout: Duration::from_secs(60),
             stall_timeout: Duration::from_secs(60),
             max_piece: 1 << 30,
@@ -536,7 +529,7 @@ pub struct ControlStats {
     /// read until one is written). A peer that never reads cannot raise it further.
     pub most_answers_owed: usize,
     /// Inbound control connections cut because an answer could not be written
-    /// within [`UcclOptions::liveness_timeout`], or stayed unacknowledged that long
+    /// within [`ListenerOptions::dead_peer_timeout`], or stayed unacknowledged that long
     /// (the socket's `TCP_USER_TIMEOUT`): the peer was not reading.
     pub cut_not_reading: u64,
 }
@@ -649,18 +642,21 @@ impl Inner {
             return Ok(l);
         }
         let st = self.started()?;
-        let link = tokio::time::timeout(self.options.connect_timeout, self.dial(st, peer, &info))
-            .await
-            .map_err(|_| {
-                Error::new(
-                    ErrorKind::TimedOut,
-                    OP,
-                    format!(
-                        "connecting to {peer:?} took longer than {:?}",
-                        self.options.connect_timeout
-                    ),
-                )
-            })??;
+        let link = tokio::time::timeout(
+            self.options.listener.connect_timeout,
+            self.dial(st, peer, &info),
+        )
+        .await
+        .map_err(|_| {
+            Error::new(
+                ErrorKind::TimedOut,
+                OP,
+                format!(
+                    "connecting to {peer:?} took longer than {:?}",
+                    self.options.listener.connect_timeout
+                ),
+            )
+        })??;
         let mut peers = self.peers.lock().unwrap();
         match peers.get_mut(peer) {
             Some(s) if s.info == info => {
@@ -721,7 +717,7 @@ impl Inner {
             return Ok(link);
         }
         let st = self.started()?;
-        let t = self.options.connect_timeout;
+        let t = self.options.listener.connect_timeout;
         let timed_out = || {
             Error::new(
                 ErrorKind::TimedOut,
@@ -809,7 +805,9 @@ impl Inner {
         // one shows by its silence (the reader's liveness bound).
         nixl::control::tune(
             &stream,
-            self.options.hold_timeout.max(self.options.liveness_timeout),
+            self.options
+                .hold_timeout
+                .max(self.options.listener.dead_peer_timeout),
         );
         let who = format!("{peer:?} at {}", info.control);
         nixl::control::authenticate_client(
@@ -819,7 +817,7 @@ impl Inner {
             &st.ctx.agent_name,
             peer,
             &who,
-            self.options.connect_timeout,
+            self.options.listener.connect_timeout,
         )
         .await?;
         stream
@@ -841,15 +839,17 @@ impl Inner {
         st.ctx.spawn(control_reader(
             rd,
             state.clone(),
-            self.options.liveness_timeout,
+            self.options.listener.dead_peer_timeout,
             peer.to_owned(),
         ));
         st.ctx.spawn(control_writer(
             wr,
             state.clone(),
             out_rx,
-            self.options.liveness_timeout,
-            self.options.hold_timeout.max(self.options.liveness_timeout),
+            self.options.listener.dead_peer_timeout,
+            self.options
+                .hold_timeout
+                .max(self.options.listener.dead_peer_timeout),
         ));
         Ok(Arc::new(Link {
             peer: peer.to_owned(),
@@ -1064,8 +1064,7 @@ async fn serve_control(
     incoming: nixl::control::Incoming,
     ctx: BackendContext,
     mut registered: watch::Receiver<bool>,
-    liveness: Duration,
-    connect_timeout: Duration,
+    listener: ListenerOptions,
     confirmer: Confirmer,
     stats: Arc<reply::Stats>,
 ) {
@@ -1075,6 +1074,7 @@ async fn serve_control(
         mut ticket,
         ..
     } = incoming;
+    let liveness = listener.dead_peer_timeout;
     // A peer whose host dies, or that stops reading (a zero window), is cut within
     // the liveness bound by the kernel too, not only by the write deadline below.
     nixl::control::tune(&stream, liveness);
@@ -1096,7 +1096,7 @@ async fn serve_control(
         secret.as_ref(),
         &me,
         &peer,
-        connect_timeout,
+        listener.handshake_timeout,
     )
     .await;
     let auth = match auth {
@@ -1114,8 +1114,11 @@ async fn serve_control(
     // Small frames (pings) are read many at a time, not one system call each.
     let mut rd = tokio::io::BufReader::new(rd);
     // Before the hello, only a hello-sized frame is read.
-    let hello =
-        tokio::time::timeout(liveness, wire::read_frame_max(&mut rd, control::MAX_HELLO)).await;
+    let hello = tokio::time::timeout(
+        listener.handshake_timeout,
+        wire::read_frame_max(&mut rd, control::MAX_HELLO),
+    )
+    .await;
     let Some(name) = hello
         .ok()
         .and_then(Result::ok)
@@ -1130,7 +1133,7 @@ async fn serve_control(
         return;
     }
     if !ticket.establish_with(matches!(auth, nixl::control::Authenticated::As(_))) {
-        tracing::info!(%from, "UCCL control: too many peers connected (UcclOptions::max_incoming_connections)");
+        tracing::info!(%from, "UCCL control: too many peers connected (UcclOptions::listener.max_incoming_connections)");
         return;
     }
     if write_within(&mut wr, &Frame::HelloAck(me).encode(), liveness)
@@ -1168,7 +1171,7 @@ async fn serve_control(
     };
     // The initiator pings only once connected, which may take up to its connect
     // timeout after the hello; allow for that.
-    let silence = liveness + connect_timeout;
+    let silence = liveness + listener.connect_timeout;
     let reader = async move {
         loop {
             // Each frame counts against the task's budget: a flood of small frames
@@ -1658,25 +1661,15 @@ impl UcclBackend {
             .split_once('?')
             .and_then(|(a, _)| a.rsplit_once(':'))
             .map(|(ip, _)| ip.trim_start_matches('[').trim_end_matches(']').to_owned());
-        let ip = match (inner.options.control_ip, engine_ip.as_deref().map(str::parse::<IpAddr>)) {
-            (Some(ip), _) => ip,
-            (None, Some(Ok(ip))) => ip,
+        let at = match (inner.options.listener.listen, engine_ip.as_deref().map(str::parse::<IpAddr>)) {
+            (Some(at), _) => at,
+            (None, Some(Ok(ip))) => SocketAddr::new(ip, 0),
             _ => {
-                return err(ErrorKind::Backend, OP, format!("cannot tell the engine's address from {engine_meta:?}; set UcclOptions::control_ip"))
+                return err(ErrorKind::Backend, OP, format!("cannot tell the engine's address from {engine_meta:?}; set UcclOptions::listener.listen"))
             }
         };
-        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
-            .await
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::Backend,
-                    OP,
-                    format!("control listener on {ip}: {e}"),
-                )
-            })?;
-        let control = listener
-            .local_addr()
-            .map_err(|e| Error::new(ErrorKind::Backend, OP, e.to_string()))?;
+        let bound = inner.options.listener.bind(at, OP).await?;
+        let (listener, control) = (bound.listener, bound.advertised);
         let info = ConnInfo {
             control: control.to_string(),
             engine: engine_meta.clone(),
@@ -1719,17 +1712,11 @@ impl UcclBackend {
         let started_confirmer = confirmer.clone();
 
         // The control listener.
-        let (liveness, connect_timeout) = (
-            inner.options.liveness_timeout,
-            inner.options.connect_timeout,
-        );
+        let listener_options = inner.options.listener.clone();
         let registered = inner.registered.subscribe();
         let stats = inner.control.clone();
         let spawn_ctx = ctx.clone();
-        let admission = nixl::control::Admission::new(
-            inner.options.max_incoming_handshakes,
-            inner.options.max_incoming_connections,
-        );
+        let admission = inner.options.listener.admission();
         nixl::control::spawn_accept_loop(
             "uccl",
             listener,
@@ -1743,8 +1730,7 @@ impl UcclBackend {
                     c,
                     spawn_ctx.clone(),
                     registered.clone(),
-                    liveness,
-                    connect_timeout,
+                    listener_options.clone(),
                     confirmer.clone(),
                     stats.clone(),
                 );

@@ -34,12 +34,15 @@ async fn agent(name: &str) -> (Agent, UcclBackend) {
 }
 
 async fn legit_agent(name: &str) -> (Agent, UcclBackend) {
-    agent_with(name, UcclOptions::default().liveness_timeout).await
+    agent_with(name, UcclOptions::default().listener.dead_peer_timeout).await
 }
 
 async fn agent_with(name: &str, liveness: Duration) -> (Agent, UcclBackend) {
     let o = UcclOptions {
-        liveness_timeout: liveness,
+        listener: nixl::control::ListenerOptions {
+            dead_peer_timeout: liveness,
+            ..nixl::control::ListenerOptions::default()
+        },
         hold_timeout: liveness,
         ..Default::default()
     };

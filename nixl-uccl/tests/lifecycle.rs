@@ -16,10 +16,9 @@ use nixl_uccl::{UcclBackend, UcclOptions, MAX_NOTIFICATION};
 const HANG: Duration = Duration::from_secs(30);
 
 fn options() -> UcclOptions {
-    UcclOptions {
-        liveness_timeout: Duration::from_secs(1),
-        ..Default::default()
-    }
+    let mut o = UcclOptions::default();
+    o.listener.dead_peer_timeout = Duration::from_secs(1);
+    o
 }
 
 async fn agent_with(name: &str, o: UcclOptions) -> (Agent, UcclBackend) {

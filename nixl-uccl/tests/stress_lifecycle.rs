@@ -43,7 +43,10 @@ async fn agent(name: String) -> (Agent, UcclBackend) {
     let b = UcclBackend::with_api(
         TestDouble::api(),
         UcclOptions {
-            liveness_timeout: Duration::from_millis(500),
+            listener: nixl::control::ListenerOptions {
+                dead_peer_timeout: Duration::from_millis(500),
+                ..nixl::control::ListenerOptions::default()
+            },
             stall_timeout: Duration::from_secs(5),
             ..Default::default()
         },

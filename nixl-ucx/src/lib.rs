@@ -56,7 +56,7 @@
 //!   emulated over active messages) would wait forever. So while transfers to a peer
 //!   make no progress, the driver probes the peer (a PING its progress loop answers,
 //!   on the connection, then on a separate endpoint); a peer that does not answer
-//!   fails its transfers within [`UcxOptions::liveness_timeout`] (5 s by default).
+//!   fails its transfers within [`UcxOptions::dead_peer_timeout`] (5 s by default).
 //! - **Hostile senders.** Anyone who reaches the worker can send active messages.
 //!   Notifications over [`UcxOptions::max_notification`] are dropped before they are
 //!   copied; rendezvous offers (`UCP_AM_SEND_FLAG_RNDV`; this backend and NIXL send
@@ -212,7 +212,7 @@ pub use library::{
 pub const ENV_PROGRESS: &str = "NIXL_UCX_PROGRESS";
 /// Environment variable giving the default [`UcxOptions::spin`] in microseconds.
 pub const ENV_SPIN_US: &str = "NIXL_UCX_SPIN_US";
-/// Environment variable giving the default [`UcxOptions::liveness_timeout`] in
+/// Environment variable giving the default [`UcxOptions::dead_peer_timeout`] in
 /// milliseconds (`0` disables probing).
 pub const ENV_LIVENESS_MS: &str = "NIXL_UCX_LIVENESS_MS";
 
@@ -270,7 +270,7 @@ pub struct UcxOptions {
     /// peer (a dead process, a broken link, a connection the peer closed on its side;
     /// noticed within about two intervals). `None` keeps UCX's default (20 s in 1.13).
     /// It cannot see a peer worker destroyed in a live process; see
-    /// [`UcxOptions::liveness_timeout`].
+    /// [`UcxOptions::dead_peer_timeout`].
     pub keepalive_interval: Option<Duration>,
     /// Bound on how long transfers and notifications wait on a peer that is gone
     /// without UCX noticing (an agent dropped or shut down in a process that lives on,
@@ -288,7 +288,7 @@ pub struct UcxOptions {
     /// `None` disables probing (then such a peer leaves its transfers pending until it
     /// is forgotten or the agent shuts down). Default: `NIXL_UCX_LIVENESS_MS` (`0`
     /// disables), else 5 s.
-    pub liveness_timeout: Option<Duration>,
+    pub dead_peer_timeout: Option<Duration>,
     /// Progress driver.
     pub progress: ProgressMode,
     /// How long the driver keeps polling (instead of sleeping on the event fd) while
@@ -309,7 +309,7 @@ pub struct UcxOptions {
     /// the default, as NIXL's `ucx_error_handling_mode=peer`): a failed peer fails
     /// its transfers at once. `false` (NIXL's `none`) lets UCX choose transports that
     /// cannot report peer failure; a dead peer is then found by the liveness probes
-    /// ([`UcxOptions::liveness_timeout`]) instead.
+    /// ([`UcxOptions::dead_peer_timeout`]) instead.
     pub peer_error_handling: bool,
     /// When set, every message of this backend's own protocol (notifications, HELLO,
     /// BYE, liveness probes, credit requests and their answers, DROPPED reports) carries an HMAC-SHA256 under this
@@ -330,7 +330,7 @@ impl Default for UcxOptions {
             strict: None,
             ucx_config: Vec::new(),
             keepalive_interval: Some(Duration::from_secs(5)),
-            liveness_timeout: match std::env::var(ENV_LIVENESS_MS)
+            dead_peer_timeout: match std::env::var(ENV_LIVENESS_MS)
                 .ok()
                 .and_then(|v| v.parse::<u64>().ok())
             {
@@ -604,7 +604,7 @@ impl UcxBackend {
                 .to_owned()
         });
         let (tx, rx) = mpsc::channel();
-        let liveness = options.liveness_timeout.map(Liveness::within);
+        let liveness = options.dead_peer_timeout.map(Liveness::within);
         let mut core = Core::new(ucx, rx, options.max_notification, liveness)
             .map_err(|e| Error::new(ErrorKind::Backend, OP, "UCX setup failed").with_source(e))?;
         core.ucx_version = report.version_string();

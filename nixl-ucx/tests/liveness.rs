@@ -1,5 +1,5 @@
 //! Liveness probing: a peer gone without UCX noticing fails its transfers within
-//! [`UcxOptions::liveness_timeout`], and a live peer busy with a long transfer is not
+//! [`UcxOptions::dead_peer_timeout`], and a live peer busy with a long transfer is not
 //! failed by it.
 //!
 //! Needs libucp at run time; without it each test prints a SKIP line. With Debian's
@@ -17,7 +17,7 @@ mod common;
 
 fn options(liveness: Duration, tls: Option<&str>) -> UcxOptions {
     let mut o = UcxOptions {
-        liveness_timeout: Some(liveness),
+        dead_peer_timeout: Some(liveness),
         ..UcxOptions::default()
     };
     if let Some(t) = tls {

@@ -86,7 +86,7 @@ impl Refusal {
             Self::NoSecret => "this agent requires its shared secret (AgentBuilder::secret); the connection did not prove it".into(),
             Self::NotTheProvenName(e) => e.to_string(),
             Self::TooManyPeers => {
-                "too many peers connected (VerbsOptions::max_incoming_connections)".into()
+                "too many peers connected (VerbsOptions::listener.max_incoming_connections)".into()
             }
             Self::Budget(why) => why.clone(),
         }

@@ -52,9 +52,9 @@
 //!   challenge-response, [`nixl::control`]), and its hello must carry that name; one
 //!   that does not is refused and closed. Without a secret (NIXL's behaviour), the
 //!   hello's name is the peer's own claim.
-//! - **Connection limits.** At most [`VerbsOptions::max_incoming_handshakes`]
+//! - **Connection limits.** At most [`ListenerOptions::max_incoming_handshakes`]
 //!   connections wait in their handshake (a newer one closes the oldest) and
-//!   [`VerbsOptions::max_incoming_connections`] are served past it.
+//!   [`ListenerOptions::max_incoming_connections`] are served past it.
 //! - **Queue-pair budget.** Every incoming queue pair reserves room in the agent's one
 //!   completion queue, and a full queue would refuse every queue pair, incoming and
 //!   outgoing. So peers' queue pairs together use at most the queue less
@@ -118,7 +118,7 @@
 //! A completion with an error (a peer that stopped answering: retries exhausted
 //! within [`plan::Reliability::give_up_after`], about 0.5 s by default; a key the
 //! peer's NIC refused), or the control connection ending (the peer process exited:
-//! at once; a silent host: within [`VerbsOptions::dead_peer_timeout`] through TCP
+//! at once; a silent host: within [`ListenerOptions::dead_peer_timeout`] through TCP
 //! keepalive), fails every transfer in flight to that peer: with
 //! [`ErrorKind::RemoteDisconnected`] when the peer is gone, [`ErrorKind::NotAllowed`]
 //! when its NIC refused a key. The queue pair is destroyed **before** any of those
@@ -162,13 +162,14 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use nixl::control::ListenerOptions;
 use nixl::native::LibraryReport;
 use nixl::{
     Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
     PreparedTransfer, RegionRef, Result, TargetRegion, TransferPlan,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::Completion;
@@ -226,24 +227,15 @@ pub struct VerbsOptions {
     pub qps_per_peer: usize,
     /// Longest notification (the size of each receive buffer).
     pub max_notification: usize,
-    /// Address of the control listener (default `127.0.0.1:0`; use an address peers
-    /// on other hosts reach).
-    pub control_listen: SocketAddr,
-    /// Control address to publish when peers must use another one.
-    pub advertise: Option<SocketAddr>,
-    /// Limit for connecting and for the handshake.
-    pub connect_timeout: Duration,
-    /// Incoming control connections that may wait in their handshake (default 256);
-    /// one more closes the oldest of them, so idle sockets never lock a peer out.
-    pub max_incoming_handshakes: usize,
-    /// Incoming control connections (peers, each with its queue pairs) served at
-    /// once past the handshake (default 1024, half of them from one address, clamped
-    /// to a quarter of the process's open-files limit); one more is refused. They
-    /// are never closed to make room (their traffic goes over queue pairs).
-    pub max_incoming_connections: usize,
-    /// Bound on noticing a silent peer host through the control connection (TCP
-    /// keepalive and `TCP_USER_TIMEOUT`).
-    pub dead_peer_timeout: Duration,
+    /// The control listener and connections ([`ListenerOptions`], as every
+    /// backend's): where to listen (default `127.0.0.1:0`; use an address peers on
+    /// other hosts reach) and what to publish, the connect and handshake bounds, the
+    /// admission limits, and the bound on noticing a silent peer host (TCP keepalive
+    /// and `TCP_USER_TIMEOUT` on the control connection). Incoming control
+    /// connections past [`ListenerOptions::max_incoming_connections`] are refused;
+    /// those served are never closed to make room (their traffic goes over queue
+    /// pairs).
+    pub listener: ListenerOptions,
     /// Retry settings of the queue pairs.
     pub reliability: Reliability,
     /// How long the completion loop keeps polling after a batch before it sleeps on
@@ -270,12 +262,7 @@ impl Default for VerbsOptions {
             max_qps_per_source: 2 * wire::MAX_QPS,
             qps_per_peer: 1,
             max_notification: 4096,
-            control_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            advertise: None,
-            connect_timeout: Duration::from_secs(5),
-            max_incoming_handshakes: 256,
-            max_incoming_connections: 1024,
-            dead_peer_timeout: Duration::from_secs(10),
+            listener: ListenerOptions::default(),
             reliability: Reliability::default(),
             spin: Duration::from_micros(20),
             secret: None,
@@ -499,27 +486,19 @@ impl VerbsBackend {
         let ctx = ctx.with_own_secret(self.inner.options.secret.as_ref());
         let dev = self.dev(OP)?;
         let o = &self.inner.options;
-        let listener = TcpListener::bind(o.control_listen).await.map_err(|e| {
-            Error::new(
-                ErrorKind::Backend,
-                OP,
-                format!("cannot listen on {}", o.control_listen),
-            )
-            .with_source(e)
-        })?;
-        let bound = listener.local_addr().map_err(|e| {
-            Error::new(ErrorKind::Backend, OP, "listener has no address").with_source(e)
-        })?;
-        let control = o.advertise.unwrap_or(bound);
+        let bound = o
+            .listener
+            .bind(nixl::control::LOOPBACK_ANY_PORT, OP)
+            .await?;
+        let control = bound.advertised;
         let cancel = ctx.cancel.child_token();
         // The accept loop.
         let (me, c) = (self.clone(), cancel.clone());
         let secret = ctx.secret.clone();
-        let admission =
-            nixl::control::Admission::new(o.max_incoming_handshakes, o.max_incoming_connections);
+        let admission = o.listener.admission();
         nixl::control::spawn_accept_loop(
             "verbs",
-            listener,
+            bound.listener,
             admission,
             &ctx.tracker,
             c,
@@ -603,10 +582,10 @@ impl VerbsBackend {
         let o = &self.inner.options;
         let connected = tokio::select! {
             _ = link.cancel.cancelled() => Err(Error::new(ErrorKind::Canceled, "verbs connect", "canceled")),
-            r = tokio::time::timeout(o.connect_timeout, self.connect_link(&link, &info)) => r.unwrap_or_else(|_| Err(Error::new(
+            r = tokio::time::timeout(o.listener.connect_timeout, self.connect_link(&link, &info)) => r.unwrap_or_else(|_| Err(Error::new(
                 ErrorKind::TimedOut,
                 "verbs connect",
-                format!("peer {:?} at {} did not complete the handshake within {:?}", link.peer, info.control, o.connect_timeout),
+                format!("peer {:?} at {} did not complete the handshake within {:?}", link.peer, info.control, o.listener.connect_timeout),
             ))),
         };
         let (mut stream, lanes, max_notif) = match connected {
@@ -712,7 +691,7 @@ impl VerbsBackend {
         let mut s = TcpStream::connect(info.control)
             .await
             .map_err(|e| io("connect", e))?;
-        nixl::control::tune(&s, o.dead_peer_timeout);
+        nixl::control::tune(&s, o.listener.dead_peer_timeout);
         let ctx = &self.started(OP)?.ctx;
         let (secret, me) = (ctx.secret.clone(), ctx.agent_name.clone());
         let who = format!("peer {:?} at {}", link.peer, info.control);
@@ -723,7 +702,7 @@ impl VerbsBackend {
             &me,
             &link.peer,
             &who,
-            o.connect_timeout,
+            o.listener.connect_timeout,
         )
         .await?;
         let caps = dev.caps(o);
@@ -804,7 +783,7 @@ impl VerbsBackend {
     ) -> Result<()> {
         const OP: &str = "verbs accept";
         let o = &self.inner.options;
-        nixl::control::tune(&s, o.dead_peer_timeout);
+        nixl::control::tune(&s, o.listener.dead_peer_timeout);
         let io = |what: &str, e: std::io::Error| {
             Error::new(ErrorKind::RemoteDisconnected, OP, what.to_owned()).with_source(e)
         };
@@ -812,14 +791,14 @@ impl VerbsBackend {
             Error::new(
                 ErrorKind::NotAllowed,
                 OP,
-                "closed in its handshake: to admit a newer connection (VerbsOptions::max_incoming_handshakes), or the agent stops",
+                "closed in its handshake: to admit a newer connection (VerbsOptions::listener.max_incoming_handshakes), or the agent stops",
             )
         };
         let peer = format!("control connection from {from}");
         let me = self.started(OP)?.ctx.agent_name.clone();
         let authenticated = tokio::select! {
             _ = close.cancelled() => return Err(evicted()),
-            r = nixl::control::authenticate_server(&mut s, CONTROL_PROTOCOL, secret.as_ref(), &me, &peer, o.connect_timeout) => r?,
+            r = nixl::control::authenticate_server(&mut s, CONTROL_PROTOCOL, secret.as_ref(), &me, &peer, o.listener.handshake_timeout) => r?,
         };
         // Nothing is made for a peer refused here, before or after its hello.
         if let Err(r) = handshake::on_authenticated(&authenticated) {
@@ -827,7 +806,7 @@ impl VerbsBackend {
         }
         let frame = tokio::select! {
             _ = close.cancelled() => return Err(evicted()),
-            r = tokio::time::timeout(o.connect_timeout, read_frame(&mut s)) => r,
+            r = tokio::time::timeout(o.listener.handshake_timeout, read_frame(&mut s)) => r,
         }
         .map_err(|_| Error::new(ErrorKind::TimedOut, OP, "no hello in time"))?
         .map_err(|e| io("hello", e))?;

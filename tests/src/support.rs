@@ -195,7 +195,7 @@ pub fn tcp_options_from_env() -> nixl_tcp::TcpOptions {
         .ok()
         .and_then(|v| v.parse().ok())
     {
-        o.listen = a;
+        o.listener.listen = Some(a);
     }
     let ms = |name: &str| {
         std::env::var(name)
@@ -204,13 +204,13 @@ pub fn tcp_options_from_env() -> nixl_tcp::TcpOptions {
             .map(Duration::from_millis)
     };
     if let Some(d) = ms("NIXL_TCP_DEAD_PEER_MS") {
-        o.dead_peer_timeout = d;
+        o.listener.dead_peer_timeout = d;
     }
     if let Some(d) = ms("NIXL_TCP_CONNECT_MS") {
-        o.connect_timeout = d;
+        o.listener.connect_timeout = d;
     }
     if let Some(d) = ms("NIXL_TCP_HANDSHAKE_MS") {
-        o.handshake_timeout = d;
+        o.listener.handshake_timeout = d;
     }
     let number = |name: &str| {
         std::env::var(name).ok().map(|v| {

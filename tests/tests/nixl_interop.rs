@@ -179,7 +179,7 @@ async fn rust_agent(name: &str, ucp: &Path) -> Agent {
     let backend = UcxBackend::with_options(UcxOptions {
         library: Some(ucp.to_owned()),
         max_notification: 8 << 20,
-        liveness_timeout: Some(Duration::from_secs(5)),
+        dead_peer_timeout: Some(Duration::from_secs(5)),
         ..UcxOptions::default()
     })
     .expect("nixl-ucx binds the wheel's libucp");

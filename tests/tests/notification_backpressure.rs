@@ -175,7 +175,10 @@ async fn uccl_flood_is_held_back_and_loses_nothing() {
             nixl_uccl::UcclBackend::with_api(
                 nixl_uccl::test_double::TestDouble::api(),
                 nixl_uccl::UcclOptions {
-                    liveness_timeout: liveness,
+                    listener: nixl::control::ListenerOptions {
+                        dead_peer_timeout: liveness,
+                        ..nixl::control::ListenerOptions::default()
+                    },
                     ..nixl_uccl::UcclOptions::default()
                 },
             )

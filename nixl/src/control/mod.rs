@@ -1,11 +1,11 @@
-//! What every backend's control connection shares: one accept loop
-//! ([`spawn_accept_loop`]), admission (connection caps that keep legitimate peers
-//! served, [`Admission`]), socket settings ([`tune`]),
-//! length-prefixed frames ([`write_frame`], [`read_frame`]) and authentication with
-//! the agent's shared secret. nixl-tcp, nixl-verbs and nixl-uccl use it; nixl-tcp
-//! runs the authentication machines ([`ClientAuth`], [`ServerAuth`]) inside its own
-//! connection state machines, the others through [`authenticate_client`] and
-//! [`authenticate_server`].
+//! What every backend's control connection shares: one set of listener options
+//! ([`ListenerOptions`]), one accept loop ([`spawn_accept_loop`]), admission
+//! (connection caps that keep legitimate peers served, [`Admission`]), socket settings
+//! ([`tune`]), length-prefixed frames ([`write_frame`], [`read_frame`]) and
+//! authentication with the agent's shared secret. nixl-tcp, nixl-verbs and nixl-uccl
+//! use it; nixl-tcp runs the authentication machines ([`ClientAuth`], [`ServerAuth`])
+//! inside its own connection state machines, the others through [`authenticate_client`]
+//! and [`authenticate_server`].
 //!
 //! Authentication uses the agent's shared secret
 //! ([`AgentBuilder::secret`](crate::AgentBuilder::secret), handed to backends as
@@ -53,6 +53,7 @@ mod auth;
 mod frame;
 mod handshake;
 mod listener;
+mod options;
 mod socket;
 
 pub use admission::{Admission, AdmissionLimits, Ticket, Working};
@@ -60,4 +61,5 @@ pub use auth::{authenticate_client, authenticate_server, Authenticated};
 pub use frame::{read_frame, write_frame};
 pub use handshake::{nonce, ClientAuth, Refusal, ServerAuth, AUTH_MAGIC, MAX_NAME, NONCE_LEN};
 pub use listener::{spawn_accept_loop, until_closed, Incoming, ACCEPT_BACKOFF};
+pub use options::{parse_duration, BoundListener, ListenerOptions, LOOPBACK_ANY_PORT};
 pub use socket::{set_user_timeout, tune};

@@ -240,7 +240,7 @@ async fn nixl_tcp_serves_a_peer_past_idle_sockets_and_a_slowloris() {
     // The target did not keep the idle sockets: all but the newest of those in
     // their handshake were closed to admit newer connections (counted while it
     // runs: the notification `done` ends it).
-    let max = TcpOptions::default().max_incoming_handshakes;
+    let max = TcpOptions::default().listener.max_incoming_handshakes;
     let shut = closed(&mut idle).await;
     assert!(
         idle.len() == IDLE && shut >= IDLE - max,
@@ -339,7 +339,10 @@ async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nixl_tcp_closes_a_handshake_that_does_not_end_in_time() {
     let (b, addr) = tcp_target(TcpOptions {
-        handshake_timeout: Duration::from_millis(300),
+        listener: nixl::control::ListenerOptions {
+            handshake_timeout: Duration::from_millis(300),
+            ..nixl::control::ListenerOptions::default()
+        },
         ..TcpOptions::default()
     })
     .await;
@@ -434,7 +437,10 @@ async fn nixl_tcp_refuses_a_stride_zero_read_over_the_byte_cap() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nixl_tcp_cuts_a_reader_that_stops_reading() {
     let (b, addr) = tcp_target(TcpOptions {
-        dead_peer_timeout: Duration::from_secs(1),
+        listener: nixl::control::ListenerOptions {
+            dead_peer_timeout: Duration::from_secs(1),
+            ..nixl::control::ListenerOptions::default()
+        },
         ..TcpOptions::default()
     })
     .await;
@@ -509,7 +515,7 @@ async fn verbs_serves_a_peer_past_idle_sockets_and_a_slowloris() {
     .await
     .unwrap();
     assert_eq!(dst.to_vec().unwrap(), src.to_vec().unwrap());
-    let max = VerbsOptions::default().max_incoming_handshakes;
+    let max = VerbsOptions::default().listener.max_incoming_handshakes;
     let shut = closed(&mut idle).await;
     assert!(
         shut >= IDLE - max,

@@ -166,7 +166,10 @@ async fn a_receiver_that_reads_late_does_not_get_its_peer_cut() {
     const MANY: usize = 40;
     let dead = Duration::from_secs(1);
     let o = || nixl_tcp::TcpOptions {
-        dead_peer_timeout: dead,
+        listener: nixl::control::ListenerOptions {
+            dead_peer_timeout: dead,
+            ..nixl::control::ListenerOptions::default()
+        },
         ..tcp_options_from_env()
     };
     let limits = NotificationLimits {

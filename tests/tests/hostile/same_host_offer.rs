@@ -144,7 +144,10 @@ async fn a_client_on_another_host_gets_no_same_host_offer() {
         Err(e) => return skip(CASE, &format!("cannot make a network namespace: {e}")),
     };
     let b = TcpBackend::with_options(TcpOptions {
-        listen: format!("{}:0", other.here).parse().unwrap(),
+        listener: nixl::control::ListenerOptions {
+            listen: Some(format!("{}:0", other.here).parse().unwrap()),
+            ..nixl::control::ListenerOptions::default()
+        },
         same_host: SameHost::Auto,
         ..TcpOptions::default()
     });

@@ -84,7 +84,10 @@ async fn stalling_target(listener: TcpListener, stall: Stall) {
 async fn target_metadata(addr: SocketAddr, len: usize) -> (Agent, nixl::Registration) {
     let a = Agent::builder("target")
         .backend(TcpBackend::with_options(TcpOptions {
-            advertise: Some(addr),
+            listener: nixl::control::ListenerOptions {
+                advertise: Some(addr),
+                ..nixl::control::ListenerOptions::default()
+            },
             same_host: SameHost::Off,
             ..TcpOptions::default()
         }))
@@ -98,10 +101,13 @@ async fn target_metadata(addr: SocketAddr, len: usize) -> (Agent, nixl::Registra
 async fn initiator() -> Agent {
     Agent::builder("initiator")
         .backend(TcpBackend::with_options(TcpOptions {
+            listener: nixl::control::ListenerOptions {
+                dead_peer_timeout: DEAD,
+                ..nixl::control::ListenerOptions::default()
+            },
             same_host: SameHost::Off,
             connections: 1,
             pause_timeout: PAUSE,
-            dead_peer_timeout: DEAD,
             ..TcpOptions::default()
         }))
         .options(AgentOptions {
