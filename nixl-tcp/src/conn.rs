@@ -700,7 +700,15 @@ impl Task {
     fn finish(&self, rx: &mut mpsc::UnboundedReceiver<Item>, e: Error) {
         fail(&self.table, &self.dead, e);
         self.cancel.cancel();
-        rx.close();
+        // Closed under the lock every sender holds while it sends: a send counts its
+        // message before it writes it, and `try_recv` sees a counted message not yet
+        // written as none, so a send racing an unlocked close could land after the
+        // drain below and wait, unfailed, until the connection is dropped. Under the
+        // lock, a send is either whole before the close (and drained) or refused.
+        {
+            let _senders = self.idle.lock().unwrap();
+            rx.close();
+        }
         // Queued work fails with the first reason the connection died for.
         while let Ok(item) = rx.try_recv() {
             match item {

@@ -1007,9 +1007,12 @@ async fn control_writer(
             },
         }
     }
-    // Fail what is still queued.
+    // Fail what is still queued. `recv` after `close` returns `None` only once every
+    // message a sender counted is taken; `try_recv` would miss one whose send raced
+    // the close (counted, not yet written), leaving its notification waiting until the
+    // link is dropped.
     rx.close();
-    while let Ok(o) = rx.try_recv() {
+    while let Some(o) = rx.recv().await {
         if let Out::Notif(_, done) = o {
             done.complete(Err(Error::new(
                 ErrorKind::RemoteDisconnected,
