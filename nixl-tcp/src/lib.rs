@@ -315,40 +315,35 @@ impl TcpBackend {
         Some(tx)
     }
 
-    /// The live connection to `peer`, made if needed.
-    fn conn(&self, peer: &str, op: &'static str) -> Result<Arc<Conn>> {
-        let started = self.started(op)?;
-        let mut peers = self.inner.peers.lock().unwrap();
-        let Some(entry) = peers.get_mut(peer) else {
-            return Err(Error::new(
-                ErrorKind::UnknownPeer,
-                op,
-                format!("tcp: no connection info for peer {peer:?}"),
-            ));
-        };
-        if let Some(c) = &entry.conn {
-            if !c.is_dead() {
-                return Ok(c.clone());
-            }
-        }
-        let same_host = self.same_host_for(entry);
-        let c = Conn::open(
-            peer.to_owned(),
-            &entry.info,
-            Lane::First(same_host),
-            &self.inner.options,
-            started,
-        );
-        entry.conn = Some(c.clone());
-        Ok(c)
+    /// The entry of `peer`, to resolve once and keep.
+    fn entry(&self, peer: &str, op: &'static str) -> Result<Arc<PeerEntry>> {
+        self.inner
+            .peers
+            .lock()
+            .unwrap()
+            .get(peer)
+            .cloned()
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::UnknownPeer,
+                    op,
+                    format!("tcp: no connection info for peer {peer:?}"),
+                )
+            })
     }
 
-    /// Whether connections to `peer` ask for the same-host path, or why not.
-    fn same_host_wanted(&self, peer: &str) -> std::result::Result<(), String> {
-        match self.inner.peers.lock().unwrap().get(peer) {
-            Some(entry) => self.same_host_for(entry),
-            None => Err("the peer is unknown".to_owned()),
-        }
+    /// The live first connection to `entry`'s peer, made if needed.
+    fn conn(&self, entry: &PeerEntry, op: &'static str) -> Result<Arc<Conn>> {
+        let started = self.started(op)?;
+        entry.first(op, || {
+            Conn::open(
+                entry.name.clone(),
+                &entry.info,
+                Lane::First(self.same_host_for(entry)),
+                &self.inner.options,
+                started,
+            )
+        })
     }
 
     fn same_host_for(&self, entry: &PeerEntry) -> std::result::Result<(), String> {
@@ -365,37 +360,19 @@ impl TcpBackend {
         }
     }
 
-    /// Connections 1 to `n - 1` to `peer` (the first is [`TcpBackend::conn`]'s),
-    /// opened or reopened as needed.
-    fn extra_conns(&self, peer: &str, n: usize, op: &'static str) -> Result<Vec<Arc<Conn>>> {
+    /// Connections 1 to `n - 1` to `entry`'s peer (the first is
+    /// [`TcpBackend::conn`]'s), opened or reopened as needed.
+    fn extra_conns(&self, entry: &PeerEntry, n: usize, op: &'static str) -> Result<Vec<Arc<Conn>>> {
         let started = self.started(op)?;
-        let mut peers = self.inner.peers.lock().unwrap();
-        let Some(entry) = peers.get_mut(peer) else {
-            return Err(Error::new(
-                ErrorKind::UnknownPeer,
-                op,
-                format!("tcp: no connection info for peer {peer:?}"),
-            ));
-        };
-        let info = entry.info.clone();
-        let open = || {
+        entry.extra(op, n, || {
             Conn::open(
-                peer.to_owned(),
-                &info,
+                entry.name.clone(),
+                &entry.info,
                 Lane::Extra,
                 &self.inner.options,
                 started,
             )
-        };
-        for c in &mut entry.extra {
-            if c.is_dead() {
-                *c = open();
-            }
-        }
-        while entry.extra.len() + 1 < n {
-            entry.extra.push(open());
-        }
-        Ok(entry.extra.clone())
+        })
     }
 }
 
@@ -494,8 +471,8 @@ impl Backend for TcpBackend {
     }
 
     fn data_path(&self, peer: &str) -> Option<String> {
-        let peers = self.inner.peers.lock().unwrap();
-        peers.get(peer)?.conn.as_ref()?.path()
+        let entry = self.inner.peers.lock().unwrap().get(peer).cloned();
+        entry?.path()
     }
 
     fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
@@ -516,12 +493,7 @@ impl Backend for TcpBackend {
                 return Ok(());
             }
         }
-        let entry = PeerEntry {
-            info,
-            conn: None,
-            extra: Vec::new(),
-        };
-        if let Some(old) = peers.insert(peer.to_owned(), entry) {
+        if let Some(old) = peers.insert(peer.to_owned(), PeerEntry::new(peer, info)) {
             old.close(
                 ErrorKind::RemoteDisconnected,
                 "the peer moved to another address or listener",
@@ -531,7 +503,9 @@ impl Backend for TcpBackend {
     }
 
     async fn connect(&self, peer: &str) -> Result<()> {
-        self.conn(peer, "tcp connect")?.ready().await
+        const OP: &str = "tcp connect";
+        let entry = self.entry(peer, OP)?;
+        self.conn(&entry, OP)?.ready().await
     }
 
     fn remove_peer(&self, peer: &str) -> Result<()> {
@@ -552,6 +526,8 @@ impl Backend for TcpBackend {
                 "the tcp backend serves transfers between agents only",
             ));
         };
+        // Resolved once: posting uses this peer's entry, never the table.
+        let peer = self.entry(&peer, OP)?;
         let segs = &plan.segments;
         // Same-host slot, key and start address of each target registration, decoded
         // once; the wire table is written from them, and the plan itself is kept (runs
@@ -594,7 +570,7 @@ impl Backend for TcpBackend {
                 segs,
                 table_len: table.len(),
                 granted: all_granted.then_some(targets),
-                same_host: self.same_host_wanted(&peer).is_ok(),
+                same_host: self.same_host_for(&peer).is_ok(),
             },
             &self.inner.options,
         );
@@ -611,7 +587,8 @@ impl Backend for TcpBackend {
 
     fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
         // The agent refused anything longer than `max_notification` already.
-        match self.conn(peer, "tcp notify") {
+        const OP: &str = "tcp notify";
+        match self.entry(peer, OP).and_then(|e| self.conn(&e, OP)) {
             Ok(c) => c.submit(Job::notify(msg, done)),
             Err(e) => done.complete(Err(e)),
         }
@@ -657,7 +634,7 @@ fn decode_blob(blob: &[u8]) -> Option<(u64, Option<u32>)> {
 #[derive(Debug)]
 struct RemotePrepared {
     backend: TcpBackend,
-    peer: String,
+    peer: Arc<PeerEntry>,
     op: Op,
     table: Bytes,
     local: Arc<Segments>,
@@ -697,7 +674,7 @@ impl RemotePrepared {
             Ok(extra) => extra,
             Err(e) => return done.complete(Err(e)),
         };
-        let gate = Arc::new(nixl::kit::StripeGate::new("tcp transfer", &self.peer));
+        let gate = Arc::new(nixl::kit::StripeGate::new("tcp transfer", &self.peer.name));
         let slot = gate.clone();
         let parts = done.split_then(stripes.len(), move |done, result| {
             slot.open(nixl::kit::Outcome {
