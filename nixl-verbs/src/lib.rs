@@ -290,9 +290,50 @@ enum Role {
     Inbound(Arc<Inbound>),
 }
 
+/// A known peer: its connection info and its link, once made. A prepared transfer
+/// holds its peer's entry, so posting takes only that peer's lock, never the table's.
 struct PeerEntry {
+    name: String,
     info: ConnInfo,
+    slot: Mutex<LinkSlot>,
+}
+
+#[derive(Default)]
+struct LinkSlot {
     link: Option<Arc<Link>>,
+    /// Why the entry was closed (the peer forgotten or moved): no link is made any
+    /// more, and uses fail with it.
+    closed: Option<String>,
+}
+
+impl std::fmt::Debug for PeerEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerEntry")
+            .field("name", &self.name)
+            .field("control", &self.info.control)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PeerEntry {
+    fn new(name: &str, info: ConnInfo) -> Arc<Self> {
+        Arc::new(Self {
+            name: name.to_owned(),
+            info,
+            slot: Mutex::new(LinkSlot::default()),
+        })
+    }
+
+    fn refuse_closed(&self, slot: &LinkSlot, op: &'static str) -> Result<()> {
+        match &slot.closed {
+            Some(why) => Err(Error::new(
+                ErrorKind::RemoteDisconnected,
+                op,
+                format!("peer {:?}: {why}", self.name),
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 struct Inner {
@@ -304,7 +345,7 @@ struct Inner {
     dev: Mutex<Option<Arc<Device>>>,
     started: Attachment<Started>,
     regions: Mutex<HashMap<u64, (Arc<MemoryRegion>, RegionRef)>>,
-    peers: Mutex<HashMap<String, PeerEntry>>,
+    peers: Mutex<HashMap<String, Arc<PeerEntry>>>,
     qps: Mutex<HashMap<u32, Role>>,
     inbound: Mutex<Vec<Arc<Inbound>>>,
     completion_loop: Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -323,7 +364,7 @@ impl Drop for Inner {
             .get_mut()
             .unwrap()
             .drain()
-            .filter_map(|(_, p)| p.link)
+            .filter_map(|(_, p)| p.slot.lock().unwrap().link.take())
             .collect();
         for l in links {
             l.fail(Error::new(
@@ -529,46 +570,55 @@ impl VerbsBackend {
         })
     }
 
-    /// The live link to `peer`, connecting if needed.
-    fn link(&self, peer: &str, op: &'static str) -> Result<Arc<Link>> {
+    /// The entry of `peer`, to resolve once and keep.
+    fn entry(&self, peer: &str, op: &'static str) -> Result<Arc<PeerEntry>> {
+        self.inner
+            .peers
+            .lock()
+            .unwrap()
+            .get(peer)
+            .cloned()
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::UnknownPeer,
+                    op,
+                    format!("verbs: no connection info for peer {peer:?}"),
+                )
+            })
+    }
+
+    /// The live link to `entry`'s peer, connecting if needed.
+    fn link(&self, entry: &PeerEntry, op: &'static str) -> Result<Arc<Link>> {
         let started = self.started(op)?;
-        let mut peers = self.inner.peers.lock().unwrap();
-        let Some(entry) = peers.get_mut(peer) else {
-            return Err(Error::new(
-                ErrorKind::UnknownPeer,
-                op,
-                format!("verbs: no connection info for peer {peer:?}"),
-            ));
-        };
-        if let Some(l) = entry.link.take() {
+        let mut slot = entry.slot.lock().unwrap();
+        entry.refuse_closed(&slot, op)?;
+        if let Some(l) = slot.link.take() {
             if !l.is_dead() {
-                entry.link = Some(l.clone());
+                slot.link = Some(l.clone());
                 return Ok(l);
             }
             // A queue pair of it failed (a post the device refused): the rest of it
             // goes too, and the next transfer connects anew.
-            drop(peers);
+            drop(slot);
             self.close_link(&l, "a queue pair of the connection failed");
-            peers = self.inner.peers.lock().unwrap();
+            slot = entry.slot.lock().unwrap();
+            entry.refuse_closed(&slot, op)?;
+            // Another post may have connected anew meanwhile.
+            if let Some(l) = slot.link.as_ref().filter(|l| !l.is_dead()) {
+                return Ok(l.clone());
+            }
         }
         if let Some(e) = self.inner.broken.lock().unwrap().as_ref() {
             return Err(e.cloned());
         }
-        let Some(entry) = peers.get_mut(peer) else {
-            return Err(Error::new(
-                ErrorKind::UnknownPeer,
-                op,
-                format!("verbs: no connection info for peer {peer:?}"),
-            ));
-        };
         let link = Arc::new(Link {
             id: link::next_link_id(),
-            peer: peer.to_owned(),
+            peer: entry.name.clone(),
             state: Mutex::new(LinkState::Connecting(Vec::new())),
             settled: tokio::sync::Notify::new(),
             cancel: started.cancel.child_token(),
         });
-        entry.link = Some(link.clone());
+        slot.link = Some(link.clone());
         let (me, info, l) = (self.clone(), entry.info, link.clone());
         started
             .ctx
@@ -982,7 +1032,7 @@ impl Inner {
                         .lock()
                         .unwrap()
                         .get(&l.peer)
-                        .and_then(|p| p.link.clone())
+                        .and_then(|p| p.slot.lock().unwrap().link.clone())
                         .filter(|k| k.id == l.link_id);
                     if let Some(link) = link {
                         let e = Error::new(
@@ -1199,9 +1249,8 @@ impl Backend for VerbsBackend {
     }
 
     fn data_path(&self, peer: &str) -> Option<String> {
-        let peers = self.inner.peers.lock().unwrap();
-        let link = peers.get(peer)?.link.clone()?;
-        drop(peers);
+        let entry = self.inner.peers.lock().unwrap().get(peer).cloned()?;
+        let link = entry.slot.lock().unwrap().link.clone()?;
         let st = link.state.lock().unwrap();
         let LinkState::Up(lanes, _) = &*st else {
             return None;
@@ -1221,23 +1270,23 @@ impl Backend for VerbsBackend {
                 return Ok(());
             }
         }
-        if let Some(PeerEntry { link: Some(l), .. }) =
-            peers.insert(peer.to_owned(), PeerEntry { info, link: None })
-        {
+        if let Some(old) = peers.insert(peer.to_owned(), PeerEntry::new(peer, info)) {
             drop(peers);
-            self.close_link(&l, "the peer moved to another address");
+            self.close_entry(&old, "the peer moved to another address");
         }
         Ok(())
     }
 
     async fn connect(&self, peer: &str) -> Result<()> {
-        self.link(peer, "verbs connect")?.ready().await
+        const OP: &str = "verbs connect";
+        let entry = self.entry(peer, OP)?;
+        self.link(&entry, OP)?.ready().await
     }
 
     fn remove_peer(&self, peer: &str) -> Result<()> {
         let entry = self.inner.peers.lock().unwrap().remove(peer);
-        if let Some(PeerEntry { link: Some(l), .. }) = entry {
-            self.close_link(&l, "the peer was forgotten");
+        if let Some(old) = entry {
+            self.close_entry(&old, "the peer was forgotten");
         }
         Ok(())
     }
@@ -1251,6 +1300,8 @@ impl Backend for VerbsBackend {
                 "the verbs backend serves transfers between agents only",
             ));
         };
+        // Resolved once: posting uses this peer's entry, never the table.
+        let peer = self.entry(&peer, OP)?;
         let dev = self.dev(OP)?;
         let segs = &plan.segments;
         let lkeys = {
@@ -1294,13 +1345,7 @@ impl Backend for VerbsBackend {
                 rkey,
             })
         });
-        let peer_max_msg = self
-            .inner
-            .peers
-            .lock()
-            .unwrap()
-            .get(&peer)
-            .map_or(u32::MAX, |p| p.info.endpoint.max_msg_sz);
+        let peer_max_msg = peer.info.endpoint.max_msg_sz;
         let max_sge = dev.caps(&self.inner.options).max_send_sge;
         let limits = WrLimits {
             max_msg: u64::from(dev.port.max_msg_sz.min(peer_max_msg).max(1)),
@@ -1320,7 +1365,8 @@ impl Backend for VerbsBackend {
     }
 
     fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
-        match self.link(peer, "verbs notify") {
+        const OP: &str = "verbs notify";
+        match self.entry(peer, OP).and_then(|e| self.link(&e, OP)) {
             Ok(l) => l.post(Pending::Notify(msg, done)),
             Err(e) => done.complete(Err(e)),
         }
@@ -1370,6 +1416,18 @@ impl VerbsBackend {
         self.inner.close_everything(kind, why);
     }
 
+    /// Close `entry` for good: its link fails, and so does every later use.
+    fn close_entry(&self, entry: &PeerEntry, why: &str) {
+        let link = {
+            let mut slot = entry.slot.lock().unwrap();
+            slot.closed.get_or_insert_with(|| why.to_owned());
+            slot.link.take()
+        };
+        if let Some(l) = link {
+            self.close_link(&l, why);
+        }
+    }
+
     fn close_link(&self, l: &Link, why: &str) {
         let e = Error::new(
             ErrorKind::RemoteDisconnected,
@@ -1388,8 +1446,8 @@ impl Inner {
             .peers
             .lock()
             .unwrap()
-            .values_mut()
-            .filter_map(|p| p.link.take())
+            .values()
+            .filter_map(|p| p.slot.lock().unwrap().link.take())
             .collect();
         for l in links {
             let e = Error::new(kind, "verbs transfer", format!("peer {:?}: {why}", l.peer));
@@ -1432,7 +1490,7 @@ impl Inner {
 #[derive(Debug)]
 struct Prepared {
     backend: VerbsBackend,
-    peer: String,
+    peer: Arc<PeerEntry>,
     plan: Arc<WrPlan>,
 }
 
