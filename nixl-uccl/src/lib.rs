@@ -338,12 +338,64 @@ impl Drop for Link {
     }
 }
 
+/// A known peer: its connection info, its link once made, and its notification
+/// order. A prepared transfer holds its peer's entry, so posting takes only that
+/// peer's lock, never the table's.
 #[derive(Debug)]
-struct PeerSlot {
+struct PeerEntry {
+    name: String,
     info: ConnInfo,
-    gate: Arc<tokio::sync::Mutex<()>>,
-    link: Option<Arc<Link>>,
+    /// One connect at a time.
+    gate: tokio::sync::Mutex<()>,
     seq: Arc<Sequencer>,
+    slot: Mutex<LinkSlot>,
+}
+
+#[derive(Debug, Default)]
+struct LinkSlot {
+    link: Option<Arc<Link>>,
+    /// Why the entry was closed (the peer removed or moved, the agent stopping): no
+    /// link is made any more, and uses fail with it.
+    closed: Option<String>,
+}
+
+impl PeerEntry {
+    fn new(name: &str, info: ConnInfo) -> Arc<Self> {
+        Arc::new(Self {
+            name: name.to_owned(),
+            info,
+            gate: tokio::sync::Mutex::default(),
+            seq: Arc::default(),
+            slot: Mutex::default(),
+        })
+    }
+
+    /// The link, if it is live; refused once the entry is closed.
+    fn live_link(&self, op: &'static str) -> Result<Option<Arc<Link>>> {
+        let slot = self.slot.lock().unwrap();
+        if let Some(why) = &slot.closed {
+            return err(ErrorKind::RemoteDisconnected, op, why.clone());
+        }
+        Ok(slot
+            .link
+            .as_ref()
+            .filter(|l| !l.state.dead.is_cancelled())
+            .cloned())
+    }
+
+    /// Close for good: the link's transfers and queued notifications fail now (not
+    /// at the stall bound) and its control tasks end; the engine connection closes
+    /// when the last operation UCCL accepted lets go.
+    fn close(&self, why: String) {
+        let link = {
+            let mut slot = self.slot.lock().unwrap();
+            slot.closed.get_or_insert_with(|| why.clone());
+            slot.link.take()
+        };
+        if let Some(l) = link {
+            l.state.kill(why);
+        }
+    }
 }
 
 /// Puts a peer's notifications on the wire in posting order, whatever order their
@@ -511,7 +563,7 @@ struct Inner {
     started: Attachment<Started>,
     /// Registered regions: id to (memory region, the region kept alive).
     regs: Regs,
-    peers: Mutex<HashMap<String, PeerSlot>>,
+    peers: Mutex<HashMap<String, Arc<PeerEntry>>>,
     gate: Arc<AcceptGate>,
     registered: watch::Sender<bool>,
     /// What the control listener has held for its peers.
@@ -618,33 +670,36 @@ impl Inner {
         self.registered.send_replace(true);
     }
 
-    /// A live link to `peer`, connecting first if needed.
-    async fn link(self: &Arc<Self>, peer: &str) -> Result<Arc<Link>> {
-        const OP: &str = "uccl connect";
-        let (info, gate) = {
-            let peers = self.peers.lock().unwrap();
-            let Some(s) = peers.get(peer) else {
-                return err(
+    /// The entry of `peer`, to resolve once and keep.
+    fn entry(&self, peer: &str, op: &'static str) -> Result<Arc<PeerEntry>> {
+        self.peers
+            .lock()
+            .unwrap()
+            .get(peer)
+            .cloned()
+            .ok_or_else(|| {
+                Error::new(
                     ErrorKind::UnknownPeer,
-                    OP,
+                    op,
                     format!("no metadata loaded for {peer:?}"),
-                );
-            };
-            if let Some(l) = &s.link {
-                if !l.state.dead.is_cancelled() {
-                    return Ok(l.clone());
-                }
-            }
-            (s.info.clone(), s.gate.clone())
-        };
-        let _g = gate.lock().await;
-        if let Some(l) = self.live_link(peer) {
+                )
+            })
+    }
+
+    /// A live link to `e`'s peer, connecting first if needed.
+    async fn link(self: &Arc<Self>, e: &PeerEntry) -> Result<Arc<Link>> {
+        const OP: &str = "uccl connect";
+        if let Some(l) = e.live_link(OP)? {
+            return Ok(l);
+        }
+        let _g = e.gate.lock().await;
+        if let Some(l) = e.live_link(OP)? {
             return Ok(l);
         }
         let st = self.started()?;
         let link = tokio::time::timeout(
             self.options.listener.connect_timeout,
-            self.dial(st, peer, &info),
+            self.dial(st, &e.name, &e.info),
         )
         .await
         .map_err(|_| {
@@ -652,67 +707,34 @@ impl Inner {
                 ErrorKind::TimedOut,
                 OP,
                 format!(
-                    "connecting to {peer:?} took longer than {:?}",
-                    self.options.listener.connect_timeout
+                    "connecting to {:?} took longer than {:?}",
+                    e.name, self.options.listener.connect_timeout
                 ),
             )
         })??;
-        let mut peers = self.peers.lock().unwrap();
-        match peers.get_mut(peer) {
-            Some(s) if s.info == info => {
-                s.link = Some(link.clone());
-                Ok(link)
-            }
-            _ => err(
+        let mut slot = e.slot.lock().unwrap();
+        if let Some(why) = &slot.closed {
+            // Dropping the new link closes it.
+            return err(
                 ErrorKind::UnknownPeer,
                 OP,
-                format!("{peer:?} was removed while connecting"),
-            ),
+                format!("{why} while connecting"),
+            );
         }
+        slot.link = Some(link.clone());
+        Ok(link)
     }
 
-    /// The next place in `peer`'s notification order.
-    fn ticket(&self, peer: &str) -> Result<Ticket> {
-        let peers = self.peers.lock().unwrap();
-        match peers.get(peer) {
-            Some(s) => Ok(s.seq.ticket()),
-            None => err(
-                ErrorKind::UnknownPeer,
-                "uccl notify",
-                format!("no metadata loaded for {peer:?}"),
-            ),
-        }
-    }
-
-    fn live_link(&self, peer: &str) -> Option<Arc<Link>> {
-        let peers = self.peers.lock().unwrap();
-        peers
-            .get(peer)?
-            .link
-            .as_ref()
-            .filter(|l| !l.state.dead.is_cancelled())
-            .cloned()
-    }
-
-    /// A live link to `peer` with its engine connection, connecting both if needed.
-    async fn data_link(self: &Arc<Self>, peer: &str) -> Result<Arc<Link>> {
+    /// A live link to `e`'s peer with its engine connection, connecting both if
+    /// needed.
+    async fn data_link(self: &Arc<Self>, e: &PeerEntry) -> Result<Arc<Link>> {
         const OP: &str = "uccl connect";
-        let link = self.link(peer).await?;
+        let link = self.link(e).await?;
         if link.conn.get().is_some() {
             return Ok(link);
         }
-        let (info, gate) = {
-            let peers = self.peers.lock().unwrap();
-            let s = peers.get(peer).ok_or_else(|| {
-                Error::new(
-                    ErrorKind::UnknownPeer,
-                    OP,
-                    format!("{peer:?} was removed while connecting"),
-                )
-            })?;
-            (s.info.clone(), s.gate.clone())
-        };
-        let _g = gate.lock().await;
+        let (peer, info) = (e.name.as_str(), &e.info);
+        let _g = e.gate.lock().await;
         if link.conn.get().is_some() {
             return Ok(link);
         }
@@ -731,7 +753,7 @@ impl Inner {
         let pending = link.pending.lock().unwrap().take();
         let mut rx = match pending {
             Some(rx) => rx,
-            None => tokio::time::timeout_at(deadline, self.engine_connect(st, &link, peer, &info))
+            None => tokio::time::timeout_at(deadline, self.engine_connect(st, &link, peer, info))
                 .await
                 .map_err(|_| timed_out())??,
         };
@@ -861,7 +883,7 @@ impl Inner {
 
     fn post_job(
         self: &Arc<Self>,
-        peer: String,
+        peer: Arc<PeerEntry>,
         op: Op,
         (pieces, locals): (Arc<[Piece]>, Arc<[RegionSlice]>),
         notif: Option<Bytes>,
@@ -878,14 +900,12 @@ impl Inner {
                 self.options.stall_timeout,
             )
         });
-        let notif = match notif
-            .map(|m| self.ticket(&peer).map(|t| (m, t)))
-            .transpose()
-        {
-            Ok(n) => n,
+        let notif = notif.map(|m| (m, peer.seq.ticket()));
+        let live = match peer.live_link("uccl post") {
+            Ok(l) => l,
             Err(e) => return done.complete(Err(e)),
         };
-        if let Some(link) = self.live_link(&peer).filter(|l| l.conn.get().is_some()) {
+        if let Some(link) = live.filter(|l| l.conn.get().is_some()) {
             st.progress
                 .push(Job::new(op, (pieces, locals), confirm, link, notif, done));
             return;
@@ -1611,7 +1631,7 @@ fn decode_blob(blob: &[u8]) -> Option<(FifoItem, u64)> {
 #[derive(Debug)]
 struct Prepared {
     inner: Arc<Inner>,
-    peer: String,
+    peer: Arc<PeerEntry>,
     op: Op,
     pieces: Arc<[Piece]>,
     locals: Arc<[RegionSlice]>,
@@ -1849,7 +1869,9 @@ impl Backend for UcclBackend {
     }
 
     fn data_path(&self, peer: &str) -> Option<String> {
-        let connected = self.inner.live_link(peer).is_some();
+        let connected = (self.inner.entry(peer, "uccl data path").ok())
+            .and_then(|e| e.live_link("uccl data path").ok().flatten())
+            .is_some();
         Some(format!(
             "UCCL p2p engine ({}), one-sided write/read per piece{}; notifications on nixl-uccl's control connection",
             self.inner.api.describe(),
@@ -1869,45 +1891,28 @@ impl Backend for UcclBackend {
             )
         })?;
         let mut peers = self.inner.peers.lock().unwrap();
-        let moved = match peers.get_mut(peer) {
-            Some(s) if s.info == info => None,
-            Some(s) => {
-                s.info = info;
-                s.link.take()
-            }
-            None => {
-                peers.insert(
-                    peer.to_owned(),
-                    PeerSlot {
-                        info,
-                        gate: Arc::default(),
-                        link: None,
-                        seq: Arc::default(),
-                    },
-                );
-                None
-            }
-        };
+        if peers.get(peer).is_some_and(|e| e.info == info) {
+            return Ok(());
+        }
+        let moved = peers.insert(peer.to_owned(), PeerEntry::new(peer, info));
         drop(peers);
-        if let Some(l) = moved {
-            // As remove_peer: the old link's transfers and queued notifications fail
-            // now (not at the stall bound) and its control tasks end; the engine
-            // connection closes when the last operation UCCL accepted lets go.
-            l.state.kill(format!("{peer:?} moved to another address"));
+        if let Some(old) = moved {
+            old.close(format!("{peer:?} moved to another address"));
         }
         Ok(())
     }
 
     async fn connect(&self, peer: &str) -> Result<()> {
-        self.inner.link(peer).await.map(|_| ())
+        let e = self.inner.entry(peer, "uccl connect")?;
+        self.inner.link(&e).await.map(|_| ())
     }
 
     fn remove_peer(&self, peer: &str) -> Result<()> {
-        let slot = self.inner.peers.lock().unwrap().remove(peer);
-        if let Some(PeerSlot { link: Some(l), .. }) = slot {
+        let entry = self.inner.peers.lock().unwrap().remove(peer);
+        if let Some(e) = entry {
             // In-flight transfers fail at their next poll; the engine connection closes
             // when the last of them lets go.
-            l.state.kill(format!("{peer:?} was removed"));
+            e.close(format!("{peer:?} was removed"));
         }
         Ok(())
     }
@@ -1921,6 +1926,8 @@ impl Backend for UcclBackend {
                 "nixl-uccl moves data between agents only",
             );
         };
+        // Resolved once: posting uses this peer's entry, never the table.
+        let peer = self.inner.entry(&peer, OP)?;
         // One UCCL call per piece: runs are expanded here, so bound what they expand
         // to before allocating for it.
         if plan.segments.len() > MAX_SEGMENTS {
@@ -1997,15 +2004,18 @@ impl Backend for UcclBackend {
             Ok(s) => s,
             Err(e) => return done.complete(Err(e)),
         };
-        let t = match self.inner.ticket(peer) {
-            Ok(t) => t,
-            Err(e) => return done.complete(Err(e)),
-        };
-        if let Some(l) = self.inner.live_link(peer) {
+        const OP: &str = "uccl notify";
+        let (entry, live) =
+            match (self.inner.entry(peer, OP)).and_then(|e| e.live_link(OP).map(|l| (e, l))) {
+                Ok(found) => found,
+                Err(e) => return done.complete(Err(e)),
+            };
+        let t = entry.seq.ticket();
+        if let Some(l) = live {
             return t.send(msg, done, l.state.clone());
         }
         let inner = self.inner.clone();
-        let peer = peer.to_owned();
+        let peer = entry;
         st.ctx.spawn(async move {
             match inner.link(&peer).await {
                 Ok(l) => t.send(msg, done, l.state.clone()),
@@ -2017,20 +2027,18 @@ impl Backend for UcclBackend {
     async fn shutdown(&self, _timeout: Duration) -> Result<()> {
         // Threads (accept loop, progress, connects) were stopped and joined by the
         // agent before this. Close connections: outbound links, then inbound ones.
-        let slots: Vec<PeerSlot> = self
+        let entries: Vec<Arc<PeerEntry>> = self
             .inner
             .peers
             .lock()
             .unwrap()
             .drain()
-            .map(|(_, s)| s)
+            .map(|(_, e)| e)
             .collect();
-        for s in &slots {
-            if let Some(l) = &s.link {
-                l.state.kill("the agent is shutting down".into());
-            }
+        for e in &entries {
+            e.close("the agent is shutting down".into());
         }
-        drop(slots);
+        drop(entries);
         if let Ok(owner) = self.inner.started().and_then(Started::owner) {
             owner.close_inbound();
         }
