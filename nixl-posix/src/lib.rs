@@ -78,7 +78,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
-    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
+    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op, PeerLink,
     PreparedTransfer, RegionRef, Result, Segments, TransferPlan,
 };
 
@@ -422,21 +422,9 @@ impl Backend for PosixBackend {
         self.engine().map(str::to_owned)
     }
 
-    fn add_peer(&self, _peer: &str, _conn_info: &[u8]) -> Result<()> {
+    fn link(&self, peer: &str, _conn_info: &[u8]) -> Result<Arc<dyn PeerLink>> {
         // Files are local: peers are never reached through this backend.
-        Ok(())
-    }
-
-    async fn connect(&self, peer: &str) -> Result<()> {
-        Err(Error::new(
-            ErrorKind::NotSupported,
-            "connect",
-            format!("the posix backend moves data between this agent's memory and files; it does not reach peers ({peer:?})"),
-        ))
-    }
-
-    fn remove_peer(&self, _peer: &str) -> Result<()> {
-        Ok(())
+        Ok(Arc::new(NoPeers(peer.to_owned())))
     }
 
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
@@ -445,7 +433,10 @@ impl Backend for PosixBackend {
             return Err(Error::new(
                 ErrorKind::NotSupported,
                 "prepare storage transfer",
-                format!("files are reached only by their own agent, not from {peer:?}"),
+                format!(
+                    "files are reached only by their own agent, not from {:?}",
+                    peer.name
+                ),
             ));
         }
         let io_plan = Arc::new(Plan::new(plan.op, &plan.segments, self.options.inline_max)?);
@@ -455,14 +446,6 @@ impl Backend for PosixBackend {
             io: started.engine.clone(),
             _segments: plan.segments,
         }))
-    }
-
-    fn notify(&self, peer: &str, _msg: Bytes, done: Completer) {
-        done.complete(Err(Error::new(
-            ErrorKind::NotSupported,
-            "notify",
-            format!("the posix backend has no peers to notify ({peer:?})"),
-        )));
     }
 
     async fn shutdown(&self, _timeout: Duration) -> Result<()> {
@@ -497,5 +480,37 @@ impl PreparedTransfer for Prepared {
         }
         self.io
             .post(Batch::new(self.plan.clone(), self.durability, done));
+    }
+}
+
+/// The posix backend's link to a peer it never reaches: files are local.
+#[derive(Debug)]
+struct NoPeers(String);
+
+#[async_trait]
+impl PeerLink for NoPeers {
+    async fn connect(&self) -> Result<()> {
+        Err(Error::new(
+            ErrorKind::NotSupported,
+            "connect",
+            format!(
+                "the posix backend moves data between this agent's memory and files; it does not reach peers ({:?})",
+                self.0
+            ),
+        ))
+    }
+
+    fn notify(&self, _msg: Bytes, done: Completer) {
+        done.complete(Err(Error::new(
+            ErrorKind::NotSupported,
+            "notify",
+            format!("the posix backend has no peers to notify ({:?})", self.0),
+        )));
+    }
+
+    fn close(&self, _why: &str) {}
+
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
     }
 }

@@ -183,7 +183,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
-    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
+    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op, PeerLink,
     PreparedTransfer, RegionRef, Result, Segments, TargetRegion, TransferPlan,
 };
 
@@ -240,7 +240,7 @@ impl TcpBackend {
                 grants: same_host::Grants::default(),
                 regions: RwLock::new(HashMap::new()),
                 keys: Mutex::new(HashMap::new()),
-                peers: Mutex::new(HashMap::new()),
+                peers: nixl::kit::LinkSet::default(),
                 boot,
                 listener: loop {
                     let id = random_u64();
@@ -313,23 +313,6 @@ impl TcpBackend {
             .ok()?;
         *g = Some(tx.clone());
         Some(tx)
-    }
-
-    /// The entry of `peer`, to resolve once and keep.
-    fn entry(&self, peer: &str, op: &'static str) -> Result<Arc<PeerEntry>> {
-        self.inner
-            .peers
-            .lock()
-            .unwrap()
-            .get(peer)
-            .cloned()
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::UnknownPeer,
-                    op,
-                    format!("tcp: no connection info for peer {peer:?}"),
-                )
-            })
     }
 
     /// The live first connection to `entry`'s peer, made if needed.
@@ -471,49 +454,27 @@ impl Backend for TcpBackend {
     }
 
     fn data_path(&self, peer: &str) -> Option<String> {
-        let entry = self.inner.peers.lock().unwrap().get(peer).cloned();
-        entry?.path()
+        let links = self.inner.peers.alive();
+        links.iter().rev().find(|e| e.name == peer)?.path()
     }
 
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+    fn link(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn PeerLink>> {
         let info = std::str::from_utf8(conn_info)
             .ok()
             .and_then(wire::decode_conn_info)
             .ok_or_else(|| {
                 Error::new(
                     ErrorKind::Corrupt,
-                    "tcp add peer",
+                    "tcp link",
                     format!("peer {peer:?}: connection info is not an address"),
                 )
             })?;
-        let mut peers = self.inner.peers.lock().unwrap();
-        if let Some(old) = peers.get(peer) {
-            if old.info == info {
-                // Same peer, same listener: keep the connections.
-                return Ok(());
-            }
-        }
-        if let Some(old) = peers.insert(peer.to_owned(), PeerEntry::new(peer, info)) {
-            old.close(
-                ErrorKind::RemoteDisconnected,
-                "the peer moved to another address or listener",
-            );
-        }
-        Ok(())
-    }
-
-    async fn connect(&self, peer: &str) -> Result<()> {
-        const OP: &str = "tcp connect";
-        let entry = self.entry(peer, OP)?;
-        self.conn(&entry, OP)?.ready().await
-    }
-
-    fn remove_peer(&self, peer: &str) -> Result<()> {
-        let entry = self.inner.peers.lock().unwrap().remove(peer);
-        if let Some(e) = entry {
-            e.close(ErrorKind::RemoteDisconnected, "the peer was forgotten");
-        }
-        Ok(())
+        let entry = PeerEntry::new(peer, info);
+        self.inner.peers.add(&entry);
+        Ok(Arc::new(TcpLink {
+            backend: self.clone(),
+            entry,
+        }))
     }
 
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
@@ -526,8 +487,8 @@ impl Backend for TcpBackend {
                 "the tcp backend serves transfers between agents only",
             ));
         };
-        // Resolved once: posting uses this peer's entry, never the table.
-        let peer = self.entry(&peer, OP)?;
+        // Posting uses the link's entry, never a table.
+        let peer = nixl::kit::link_of::<TcpLink>(&peer.link, OP)?.entry.clone();
         let segs = &plan.segments;
         // Same-host slot, key and start address of each target registration, decoded
         // once; the wire table is written from them, and the plan itself is kept (runs
@@ -585,15 +546,6 @@ impl Backend for TcpBackend {
         }))
     }
 
-    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
-        // The agent refused anything longer than `max_notification` already.
-        const OP: &str = "tcp notify";
-        match self.entry(peer, OP).and_then(|e| self.conn(&e, OP)) {
-            Ok(c) => c.submit(Job::notify(msg, done)),
-            Err(e) => done.complete(Err(e)),
-        }
-    }
-
     async fn shutdown(&self, timeout: Duration) -> Result<()> {
         // Same-host peers stop touching our memory first: waits for copies running in
         // live peers, for half the bound at most, leaving the rest for the rest.
@@ -602,8 +554,7 @@ impl Backend for TcpBackend {
         if let Some(s) = self.inner.started.try_get() {
             s.cancel.cancel();
         }
-        let peers = std::mem::take(&mut *self.inner.peers.lock().unwrap());
-        for (_, p) in peers {
+        for p in self.inner.peers.take() {
             p.close(ErrorKind::ShutDown, "the agent is shutting down");
         }
         self.inner.regions.write().unwrap().clear();
@@ -626,6 +577,37 @@ fn decode_blob(blob: &[u8]) -> Option<(u64, Option<u32>)> {
         8 => Some((key, None)),
         12 => Some((key, Some(u32::from_le_bytes(blob[8..].try_into().ok()?)))),
         _ => None,
+    }
+}
+
+/// nixl-tcp's link to a peer: the peer's entry (connection info and connections),
+/// with the backend that opens its connections.
+#[derive(Debug)]
+struct TcpLink {
+    backend: TcpBackend,
+    entry: Arc<PeerEntry>,
+}
+
+#[async_trait]
+impl PeerLink for TcpLink {
+    async fn connect(&self) -> Result<()> {
+        self.backend.conn(&self.entry, "tcp connect")?.ready().await
+    }
+
+    fn notify(&self, msg: Bytes, done: Completer) {
+        // The agent refused anything longer than `max_notification` already.
+        match self.backend.conn(&self.entry, "tcp notify") {
+            Ok(c) => c.submit(Job::notify(msg, done)),
+            Err(e) => done.complete(Err(e)),
+        }
+    }
+
+    fn close(&self, why: &str) {
+        self.entry.close(ErrorKind::RemoteDisconnected, why);
+    }
+
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
     }
 }
 

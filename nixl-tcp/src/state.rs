@@ -27,7 +27,8 @@ pub(crate) struct Inner {
     pub(crate) regions: RwLock<HashMap<u64, RegionRef>>,
     /// Region id -> (key, same-host grant slot).
     pub(crate) keys: Mutex<HashMap<u64, (u64, Option<u32>)>>,
-    pub(crate) peers: Mutex<HashMap<String, Arc<PeerEntry>>>,
+    /// The entries of the links this backend made and the agent still holds.
+    pub(crate) peers: nixl::kit::LinkSet<PeerEntry>,
     /// This kernel's boot id, when the same-host path is on.
     pub(crate) boot: Option<String>,
     /// This backend's listener id (random, in its connection info): hellos for

@@ -149,7 +149,6 @@ pub mod test_double;
 mod verify;
 mod wire;
 
-use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
@@ -161,7 +160,7 @@ use nixl::control::ListenerOptions;
 use nixl::native::{LibraryReport, LibrarySource};
 use nixl::{
     Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind, Op,
-    PreparedTransfer, RegionRef, RegionSlice, Result, Target, TransferPlan,
+    PeerLink, PreparedTransfer, RegionRef, RegionSlice, Result, Target, TransferPlan,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -563,7 +562,8 @@ struct Inner {
     started: Attachment<Started>,
     /// Registered regions: id to (memory region, the region kept alive).
     regs: Regs,
-    peers: Mutex<HashMap<String, Arc<PeerEntry>>>,
+    /// The entries of the links this backend made and the agent still holds.
+    peers: nixl::kit::LinkSet<PeerEntry>,
     gate: Arc<AcceptGate>,
     registered: watch::Sender<bool>,
     /// What the control listener has held for its peers.
@@ -630,7 +630,7 @@ impl UcclBackend {
                 report,
                 started: Attachment::new("uccl"),
                 regs: Regs::default(),
-                peers: Mutex::new(HashMap::new()),
+                peers: nixl::kit::LinkSet::default(),
                 gate: Arc::default(),
                 registered: watch::channel(false).0,
                 control: Arc::default(),
@@ -668,22 +668,6 @@ impl Inner {
         *self.gate.registered.lock().unwrap() = true;
         self.gate.cv.notify_all();
         self.registered.send_replace(true);
-    }
-
-    /// The entry of `peer`, to resolve once and keep.
-    fn entry(&self, peer: &str, op: &'static str) -> Result<Arc<PeerEntry>> {
-        self.peers
-            .lock()
-            .unwrap()
-            .get(peer)
-            .cloned()
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::UnknownPeer,
-                    op,
-                    format!("no metadata loaded for {peer:?}"),
-                )
-            })
     }
 
     /// A live link to `e`'s peer, connecting first if needed.
@@ -1627,6 +1611,54 @@ fn decode_blob(blob: &[u8]) -> Option<(FifoItem, u64)> {
     ))
 }
 
+/// nixl-uccl's link to a peer: the peer's entry (connection info, control link,
+/// notification order), with the backend that connects it.
+#[derive(Debug)]
+struct UcclLink {
+    inner: Arc<Inner>,
+    entry: Arc<PeerEntry>,
+}
+
+#[async_trait]
+impl PeerLink for UcclLink {
+    async fn connect(&self) -> Result<()> {
+        self.inner.link(&self.entry).await.map(|_| ())
+    }
+
+    fn notify(&self, msg: Bytes, done: Completer) {
+        const OP: &str = "uccl notify";
+        let st = match self.inner.started() {
+            Ok(s) => s,
+            Err(e) => return done.complete(Err(e)),
+        };
+        let live = match self.entry.live_link(OP) {
+            Ok(l) => l,
+            Err(e) => return done.complete(Err(e)),
+        };
+        let t = self.entry.seq.ticket();
+        if let Some(l) = live {
+            return t.send(msg, done, l.state.clone());
+        }
+        let (inner, peer) = (self.inner.clone(), self.entry.clone());
+        st.ctx.spawn(async move {
+            match inner.link(&peer).await {
+                Ok(l) => t.send(msg, done, l.state.clone()),
+                Err(e) => done.complete(Err(e)),
+            }
+        });
+    }
+
+    fn close(&self, why: &str) {
+        // In-flight transfers fail at their next poll; the engine connection closes
+        // when the last of them lets go.
+        self.entry.close(format!("{:?}: {why}", self.entry.name));
+    }
+
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
+    }
+}
+
 /// A prepared transfer.
 #[derive(Debug)]
 struct Prepared {
@@ -1869,7 +1901,8 @@ impl Backend for UcclBackend {
     }
 
     fn data_path(&self, peer: &str) -> Option<String> {
-        let connected = (self.inner.entry(peer, "uccl data path").ok())
+        let entries = self.inner.peers.alive();
+        let connected = (entries.iter().rev().find(|e| e.name == peer))
             .and_then(|e| e.live_link("uccl data path").ok().flatten())
             .is_some();
         Some(format!(
@@ -1879,42 +1912,23 @@ impl Backend for UcclBackend {
         ))
     }
 
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+    fn link(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn PeerLink>> {
         let info = ConnInfo::decode(conn_info).ok_or_else(|| {
             Error::new(
                 ErrorKind::Corrupt,
-                "uccl add peer",
+                "uccl link",
                 format!(
                     "{peer:?}: connection info is not nixl-uccl's (version {})",
                     wire::INFO_VERSION
                 ),
             )
         })?;
-        let mut peers = self.inner.peers.lock().unwrap();
-        if peers.get(peer).is_some_and(|e| e.info == info) {
-            return Ok(());
-        }
-        let moved = peers.insert(peer.to_owned(), PeerEntry::new(peer, info));
-        drop(peers);
-        if let Some(old) = moved {
-            old.close(format!("{peer:?} moved to another address"));
-        }
-        Ok(())
-    }
-
-    async fn connect(&self, peer: &str) -> Result<()> {
-        let e = self.inner.entry(peer, "uccl connect")?;
-        self.inner.link(&e).await.map(|_| ())
-    }
-
-    fn remove_peer(&self, peer: &str) -> Result<()> {
-        let entry = self.inner.peers.lock().unwrap().remove(peer);
-        if let Some(e) = entry {
-            // In-flight transfers fail at their next poll; the engine connection closes
-            // when the last of them lets go.
-            e.close(format!("{peer:?} was removed"));
-        }
-        Ok(())
+        let entry = PeerEntry::new(peer, info);
+        self.inner.peers.add(&entry);
+        Ok(Arc::new(UcclLink {
+            inner: self.inner.clone(),
+            entry,
+        }))
     }
 
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
@@ -1926,8 +1940,10 @@ impl Backend for UcclBackend {
                 "nixl-uccl moves data between agents only",
             );
         };
-        // Resolved once: posting uses this peer's entry, never the table.
-        let peer = self.inner.entry(&peer, OP)?;
+        // Posting uses the link's entry, never a table.
+        let peer = nixl::kit::link_of::<UcclLink>(&peer.link, OP)?
+            .entry
+            .clone();
         // One UCCL call per piece: runs are expanded here, so bound what they expand
         // to before allocating for it.
         if plan.segments.len() > MAX_SEGMENTS {
@@ -1999,42 +2015,10 @@ impl Backend for UcclBackend {
         }))
     }
 
-    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
-        let st = match self.inner.started() {
-            Ok(s) => s,
-            Err(e) => return done.complete(Err(e)),
-        };
-        const OP: &str = "uccl notify";
-        let (entry, live) =
-            match (self.inner.entry(peer, OP)).and_then(|e| e.live_link(OP).map(|l| (e, l))) {
-                Ok(found) => found,
-                Err(e) => return done.complete(Err(e)),
-            };
-        let t = entry.seq.ticket();
-        if let Some(l) = live {
-            return t.send(msg, done, l.state.clone());
-        }
-        let inner = self.inner.clone();
-        let peer = entry;
-        st.ctx.spawn(async move {
-            match inner.link(&peer).await {
-                Ok(l) => t.send(msg, done, l.state.clone()),
-                Err(e) => done.complete(Err(e)),
-            }
-        });
-    }
-
     async fn shutdown(&self, _timeout: Duration) -> Result<()> {
         // Threads (accept loop, progress, connects) were stopped and joined by the
         // agent before this. Close connections: outbound links, then inbound ones.
-        let entries: Vec<Arc<PeerEntry>> = self
-            .inner
-            .peers
-            .lock()
-            .unwrap()
-            .drain()
-            .map(|(_, e)| e)
-            .collect();
+        let entries = self.inner.peers.take();
         for e in &entries {
             e.close("the agent is shutting down".into());
         }
@@ -2074,9 +2058,7 @@ impl Drop for Inner {
         // Order when the agent was dropped without shutdown: peers (connections)
         // first, then the engine owner (regions, then the engine) once its last
         // holder lets go.
-        if let Ok(p) = self.peers.get_mut() {
-            p.clear();
-        }
+        drop(self.peers.take());
         if let Some(s) = self.started.try_get() {
             s.engine.lock().unwrap().take();
         }

@@ -4,7 +4,7 @@
 //! Posting a transfer only enqueues a [`Cmd`] and wakes the driver; the driver (a tokio
 //! task waiting on the worker's event fd, or a dedicated thread) drains the queue,
 //! issues UCX operations, progresses the worker and completes requests. Setup calls
-//! that must answer synchronously (`register`, `add_peer`, `prepare`) take the same
+//! that must answer synchronously (`register`, `link`, `prepare`) take the same
 //! mutex briefly, so UCX is never entered by two threads at once.
 //!
 //! # Dead peers
@@ -711,6 +711,11 @@ pub(crate) struct Core {
     pub(crate) ucx: Ucx<Work>,
     rx: mpsc::Receiver<Cmd>,
     pub(crate) peers: HashMap<Arc<str>, PeerConn>,
+    /// Connections a newer link of the same peer replaced in `peers`, kept until the
+    /// agent closes their link (the newer link is in place) or the newer one (its
+    /// load was refused: this one comes back). Making a link never disturbs the
+    /// peer's previous one.
+    previous: HashMap<Arc<str>, PeerConn>,
     /// Flights of connections that were replaced or forgotten.
     orphans: Vec<(InFlight, String)>,
     events: Arc<Mutex<Vec<AmEvent>>>,
@@ -1098,6 +1103,7 @@ impl Core {
             ucx,
             rx,
             peers: HashMap::new(),
+            previous: HashMap::new(),
             orphans: Vec::new(),
             events,
             reorder: Reorder::new(reorder::Limits::DEFAULT),
@@ -1129,15 +1135,16 @@ impl Core {
         self.me = me;
     }
 
-    /// Learn a peer's worker address; keeps a healthy connection to the same address.
-    /// `nixl`: the peer is a NIXL agent (see [`PeerConn::nixl`]).
-    pub(crate) fn add_peer(&mut self, peer: &str, address: &[u8], nixl: bool) {
-        if let Some(p) = self.peers.get(peer) {
-            if p.address == address && p.failed.is_none() && p.ep.is_ok() && p.nixl == nixl {
-                return;
+    /// A new connection to a peer's worker address, for a new link; returns the
+    /// connection's epoch, which names it. The peer's current connection is put
+    /// aside (see [`Core::previous`]), not closed. `nixl`: the peer is a NIXL agent
+    /// (see [`PeerConn::nixl`]).
+    pub(crate) fn add_peer(&mut self, peer: &str, address: &[u8], nixl: bool) -> u64 {
+        if let Some(current) = self.peers.remove(peer) {
+            if let Some(older) = self.previous.insert(Arc::from(peer), current) {
+                self.close_conn(peer, older, "the peer's connection was replaced twice");
             }
         }
-        self.remove_peer(peer, "the peer's connection info changed");
         let mut peer_failure = self.peer_error_handling;
         // Checked (and padded) before UCX parses it; the backend refused a malformed
         // one already, so this only repeats the check.
@@ -1176,10 +1183,11 @@ impl Core {
         }),
         };
         tracing::debug!(peer, ok = ep.is_ok(), peer_failure, "ucx endpoint created");
+        let epoch = random_u64();
         self.peers.insert(
             Arc::from(peer),
             PeerConn {
-                epoch: random_u64(),
+                epoch,
                 address: address.to_vec(),
                 ep,
                 peer_failure,
@@ -1202,29 +1210,55 @@ impl Core {
                 held: VecDeque::new(),
             },
         );
+        epoch
     }
 
-    /// Forget a peer: close its endpoint; its in-flight work fails.
+    /// Close the connection of the link named by `epoch`: its endpoints close and
+    /// its in-flight work fails. Closing the current connection brings back the one
+    /// it put aside, if any (a refused load); closing a put-aside one leaves the
+    /// current one as it is (the newer link is in place).
+    pub(crate) fn close_link(&mut self, peer: &str, epoch: u64, why: &str) {
+        if self.peers.get(peer).is_some_and(|p| p.epoch == epoch) {
+            let p = self.peers.remove(peer).expect("checked above");
+            self.close_conn(peer, p, why);
+            if let Some(prev) = self.previous.remove(peer) {
+                self.peers.insert(Arc::from(peer), prev);
+            }
+        } else if self.previous.get(peer).is_some_and(|p| p.epoch == epoch) {
+            let p = self.previous.remove(peer).expect("checked above");
+            self.close_conn(peer, p, why);
+        }
+    }
+
+    /// Forget a peer: close its connections; their in-flight work fails.
     pub(crate) fn remove_peer(&mut self, peer: &str, why: &str) {
-        if let Some(mut p) = self.peers.remove(peer) {
-            if let Ok(ep) = p.ep {
-                self.ucx.ep_close(ep);
-            }
-            if let Some(ep) = p.probe_ep.take() {
-                self.ucx.ep_close(ep);
-            }
-            for f in p.queue.drain(..) {
-                self.orphans.push((f, format!("peer {peer:?}: {why}")));
-            }
-            // As the queued transfers: their connection is gone (tcp, verbs and uccl
-            // fail them the same way).
-            for (_, done) in p.held.drain(..) {
-                done.complete(Err(Error::new(
-                    ErrorKind::RemoteDisconnected,
-                    "ucx notify",
-                    format!("peer {peer:?}: {why}"),
-                )));
-            }
+        for p in [self.peers.remove(peer), self.previous.remove(peer)]
+            .into_iter()
+            .flatten()
+        {
+            self.close_conn(peer, p, why);
+        }
+    }
+
+    /// Close one connection: its endpoints close, its in-flight work fails.
+    fn close_conn(&mut self, peer: &str, mut p: PeerConn, why: &str) {
+        if let Ok(ep) = p.ep {
+            self.ucx.ep_close(ep);
+        }
+        if let Some(ep) = p.probe_ep.take() {
+            self.ucx.ep_close(ep);
+        }
+        for f in p.queue.drain(..) {
+            self.orphans.push((f, format!("peer {peer:?}: {why}")));
+        }
+        // As the queued transfers: their connection is gone (tcp, verbs and uccl
+        // fail them the same way).
+        for (_, done) in p.held.drain(..) {
+            done.complete(Err(Error::new(
+                ErrorKind::RemoteDisconnected,
+                "ucx notify",
+                format!("peer {peer:?}: {why}"),
+            )));
         }
     }
 
@@ -2140,7 +2174,8 @@ pub(crate) fn teardown(shared: &Shared) {
         // fails when the rest of the core goes.
         core.handle_events();
         core.reap();
-        let peers: Vec<Arc<str>> = core.peers.keys().cloned().collect();
+        let mut peers: Vec<Arc<str>> = core.peers.keys().cloned().collect();
+        peers.extend(core.previous.keys().cloned());
         for p in peers {
             core.remove_peer(&p, "the ucx backend is shutting down");
         }

@@ -14,8 +14,8 @@
 //! - **Data path.** One UCP context (RMA, active messages, wakeup) and one worker.
 //!   Each registration is mapped with `ucp_mem_map`; its packed remote key travels in
 //!   the registration's metadata blob and is unpacked once per (peer, region). The
-//!   connection info is the worker address; endpoints are made on `add_peer`. WRITE and
-//!   READ are one `ucp_put_nbx`/`ucp_get_nbx` per segment, then an endpoint flush; the
+//!   connection info is the worker address; endpoints are made when the agent asks
+//!   for a link. WRITE and READ are one `ucp_put_nbx`/`ucp_get_nbx` per segment, then an endpoint flush; the
 //!   transfer completes when the flush does. A notification is an active message sent
 //!   after that flush, so the target sees the data first; it names the sender and
 //!   carries a sequence number so the target delivers notifications in posting order.
@@ -197,7 +197,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
     Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, MemKind,
-    NixlDialect, Op, PreparedTransfer, RegionRef, Result, TargetRegion, TransferPlan,
+    NixlDialect, Op, PeerLink, PreparedTransfer, RegionRef, Result, TargetRegion, TransferPlan,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -711,6 +711,23 @@ impl UcxBackend {
         Ok(())
     }
 
+    /// A link to `peer` at worker address `address` (checked): a new connection in the
+    /// driver, named by its epoch.
+    fn new_link(
+        &self,
+        op: &'static str,
+        peer: &str,
+        address: &[u8],
+        nixl: bool,
+    ) -> Result<Arc<dyn PeerLink>> {
+        let epoch = self.with_core(op, |core| Ok(core.add_peer(peer, address, nixl)))?;
+        Ok(Arc::new(UcxLink {
+            backend: self.clone(),
+            peer: Arc::from(peer),
+            epoch,
+        }))
+    }
+
     fn with_core<T>(&self, op: &'static str, f: impl FnOnce(&mut Core) -> Result<T>) -> Result<T> {
         let mut g = self.inner.shared.core.lock().unwrap();
         match g.as_mut() {
@@ -878,48 +895,20 @@ impl Backend for UcxBackend {
         Ok(())
     }
 
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+    fn link(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn PeerLink>> {
         // Checked before UCX parses it (see the `packed` module).
         packed::check_address(conn_info).map_err(|e| {
             Error::new(
                 ErrorKind::Corrupt,
-                "ucx add peer",
+                "ucx link",
                 format!("peer {peer:?}: malformed worker address: {e}"),
             )
         })?;
-        self.with_core("ucx add peer", |core| {
-            core.add_peer(peer, conn_info, false);
-            Ok(())
-        })
+        self.new_link("ucx link", peer, conn_info, false)
     }
 
     fn nixl(&self) -> Option<&dyn NixlDialect> {
         Some(self)
-    }
-
-    async fn connect(&self, peer: &str) -> Result<()> {
-        const OP: &str = "ucx connect";
-        self.started(OP)?;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.inner.shared.submit(Cmd::Connect {
-            peer: peer.to_owned(),
-            tx,
-        });
-        rx.await.unwrap_or_else(|_| {
-            Err(Error::new(
-                ErrorKind::ShutDown,
-                OP,
-                "the ucx backend stopped",
-            ))
-        })
-    }
-
-    fn remove_peer(&self, peer: &str) -> Result<()> {
-        // After shutdown every connection is closed already.
-        if let Some(core) = self.inner.shared.core.lock().unwrap().as_mut() {
-            core.remove_peer(peer, "the peer was forgotten");
-        }
-        Ok(())
     }
 
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
@@ -933,10 +922,10 @@ impl Backend for UcxBackend {
                 "the ucx backend serves transfers between agents only (the agent copies between its own DRAM regions)",
             ));
         };
-        let peer: Arc<str> = Arc::from(peer);
+        let link = nixl::kit::link_of::<UcxLink>(&peer.link, OP)?;
+        let (peer, epoch) = (link.peer.clone(), link.epoch);
         let plan_segs = &plan.segments;
         let mut segs = Vec::with_capacity(plan_segs.runs().len());
-        let mut epoch = 0;
         self.with_core(OP, |core| {
             // Each target registration's blob is decoded and its key unpacked once.
             let mut keys = Vec::with_capacity(plan_segs.targets().len());
@@ -962,7 +951,13 @@ impl Backend for UcxBackend {
                     ));
                 };
                 let (ep_epoch, rkey) = core.rkey(&peer, *region, blob, b.rkey)?;
-                epoch = ep_epoch;
+                if ep_epoch != epoch {
+                    return Err(Error::new(
+                        ErrorKind::StaleGeneration,
+                        OP,
+                        format!("the link to {peer:?} was replaced; load its metadata again"),
+                    ));
+                }
                 keys.push((*region, *addr, b, rkey));
             }
             for s in plan_segs.runs() {
@@ -1011,17 +1006,6 @@ impl Backend for UcxBackend {
                 segs,
             }),
         }))
-    }
-
-    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
-        if let Err(e) = self.started("ucx notify") {
-            return done.complete(Err(e));
-        }
-        self.inner.shared.submit(Cmd::Notify {
-            peer: peer.to_owned(),
-            msg,
-            done,
-        });
     }
 
     async fn shutdown(&self, timeout: Duration) -> Result<()> {
@@ -1089,21 +1073,70 @@ impl NixlDialect for UcxBackend {
         Ok(wire::encode_blob(addr, len, blob))
     }
 
-    fn add_peer(&self, peer: &str, conn_info: &[u8], nixl_rs: bool) -> Result<()> {
+    fn link(&self, peer: &str, conn_info: &[u8], nixl_rs: bool) -> Result<Arc<dyn PeerLink>> {
         self.nixl_allowed(&format!("NIXL agent {peer:?}"))?;
         packed::check_address(conn_info).map_err(|e| {
             Error::new(
                 ErrorKind::Corrupt,
-                "ucx add NIXL peer",
+                "ucx link NIXL peer",
                 format!("NIXL agent {peer:?}: malformed worker address: {e}"),
             )
         })?;
         // An agent of this crate in NIXL's format speaks our protocol (ordered
         // notifications with back-pressure, liveness); a NIXL agent, NIXL's.
-        self.with_core("ucx add NIXL peer", |core| {
-            core.add_peer(peer, conn_info, !nixl_rs);
-            Ok(())
+        self.new_link("ucx link NIXL peer", peer, conn_info, !nixl_rs)
+    }
+}
+
+/// nixl-ucx's link to a peer: the driver's connection of this epoch. Transfers are
+/// prepared against it (their commands carry the epoch); notifications and connects
+/// go to the peer's current connection.
+#[derive(Debug)]
+struct UcxLink {
+    backend: UcxBackend,
+    peer: Arc<str>,
+    epoch: u64,
+}
+
+#[async_trait]
+impl PeerLink for UcxLink {
+    async fn connect(&self) -> Result<()> {
+        const OP: &str = "ucx connect";
+        self.backend.started(OP)?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.backend.inner.shared.submit(Cmd::Connect {
+            peer: self.peer.to_string(),
+            tx,
+        });
+        rx.await.unwrap_or_else(|_| {
+            Err(Error::new(
+                ErrorKind::ShutDown,
+                OP,
+                "the ucx backend stopped",
+            ))
         })
+    }
+
+    fn notify(&self, msg: Bytes, done: Completer) {
+        if let Err(e) = self.backend.started("ucx notify") {
+            return done.complete(Err(e));
+        }
+        self.backend.inner.shared.submit(Cmd::Notify {
+            peer: self.peer.to_string(),
+            msg,
+            done,
+        });
+    }
+
+    fn close(&self, why: &str) {
+        // After shutdown every connection is closed already.
+        if let Some(core) = self.backend.inner.shared.core.lock().unwrap().as_mut() {
+            core.close_link(&self.peer, self.epoch, why);
+        }
+    }
+
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
     }
 }
 

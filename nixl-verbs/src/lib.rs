@@ -165,7 +165,7 @@ use bytes::Bytes;
 use nixl::control::ListenerOptions;
 use nixl::native::LibraryReport;
 use nixl::{
-    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op,
+    Attachment, Backend, BackendContext, Capabilities, Completer, Error, ErrorKind, Op, PeerLink,
     PreparedTransfer, RegionRef, Result, TargetRegion, TransferPlan,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -345,7 +345,8 @@ struct Inner {
     dev: Mutex<Option<Arc<Device>>>,
     started: Attachment<Started>,
     regions: Mutex<HashMap<u64, (Arc<MemoryRegion>, RegionRef)>>,
-    peers: Mutex<HashMap<String, Arc<PeerEntry>>>,
+    /// The entries of the links this backend made and the agent still holds.
+    peers: nixl::kit::LinkSet<PeerEntry>,
     qps: Mutex<HashMap<u32, Role>>,
     inbound: Mutex<Vec<Arc<Inbound>>>,
     completion_loop: Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -359,12 +360,8 @@ impl Drop for Inner {
     /// as at shutdown, so peers see the connection end (retries exhausted), never a
     /// refused key, and no device touches memory that is gone.
     fn drop(&mut self) {
-        let links: Vec<Arc<Link>> = self
-            .peers
-            .get_mut()
-            .unwrap()
-            .drain()
-            .filter_map(|(_, p)| p.slot.lock().unwrap().link.take())
+        let links: Vec<Arc<Link>> = (self.peers.take().iter())
+            .filter_map(|p| p.slot.lock().unwrap().link.take())
             .collect();
         for l in links {
             l.fail(Error::new(
@@ -473,7 +470,7 @@ impl VerbsBackend {
                 dev: Mutex::new(Some(Arc::new(dev))),
                 started: Attachment::new("verbs"),
                 regions: Mutex::new(HashMap::new()),
-                peers: Mutex::new(HashMap::new()),
+                peers: nixl::kit::LinkSet::default(),
                 qps: Mutex::new(HashMap::new()),
                 inbound: Mutex::new(Vec::new()),
                 completion_loop: Mutex::new(None),
@@ -568,23 +565,6 @@ impl VerbsBackend {
             control,
             cancel,
         })
-    }
-
-    /// The entry of `peer`, to resolve once and keep.
-    fn entry(&self, peer: &str, op: &'static str) -> Result<Arc<PeerEntry>> {
-        self.inner
-            .peers
-            .lock()
-            .unwrap()
-            .get(peer)
-            .cloned()
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::UnknownPeer,
-                    op,
-                    format!("verbs: no connection info for peer {peer:?}"),
-                )
-            })
     }
 
     /// The live link to `entry`'s peer, connecting if needed.
@@ -1027,13 +1007,9 @@ impl Inner {
                     self.forget_lane(&l);
                     // The link's other lanes and its control connection go too (if
                     // the peer's link is still the one this lane belongs to).
-                    let link = self
-                        .peers
-                        .lock()
-                        .unwrap()
-                        .get(&l.peer)
-                        .and_then(|p| p.slot.lock().unwrap().link.clone())
-                        .filter(|k| k.id == l.link_id);
+                    let link = (self.peers.alive().iter())
+                        .filter_map(|p| p.slot.lock().unwrap().link.clone())
+                        .find(|k| k.id == l.link_id);
                     if let Some(link) = link {
                         let e = Error::new(
                             ErrorKind::RemoteDisconnected,
@@ -1249,7 +1225,8 @@ impl Backend for VerbsBackend {
     }
 
     fn data_path(&self, peer: &str) -> Option<String> {
-        let entry = self.inner.peers.lock().unwrap().get(peer).cloned()?;
+        let entries = self.inner.peers.alive();
+        let entry = entries.iter().rev().find(|e| e.name == peer)?;
         let link = entry.slot.lock().unwrap().link.clone()?;
         let st = link.state.lock().unwrap();
         let LinkState::Up(lanes, _) = &*st else {
@@ -1262,33 +1239,13 @@ impl Backend for VerbsBackend {
         ))
     }
 
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
-        let info = ConnInfo::decode(conn_info)?;
-        let mut peers = self.inner.peers.lock().unwrap();
-        if let Some(old) = peers.get(peer) {
-            if old.info == info {
-                return Ok(());
-            }
-        }
-        if let Some(old) = peers.insert(peer.to_owned(), PeerEntry::new(peer, info)) {
-            drop(peers);
-            self.close_entry(&old, "the peer moved to another address");
-        }
-        Ok(())
-    }
-
-    async fn connect(&self, peer: &str) -> Result<()> {
-        const OP: &str = "verbs connect";
-        let entry = self.entry(peer, OP)?;
-        self.link(&entry, OP)?.ready().await
-    }
-
-    fn remove_peer(&self, peer: &str) -> Result<()> {
-        let entry = self.inner.peers.lock().unwrap().remove(peer);
-        if let Some(old) = entry {
-            self.close_entry(&old, "the peer was forgotten");
-        }
-        Ok(())
+    fn link(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn PeerLink>> {
+        let entry = PeerEntry::new(peer, ConnInfo::decode(conn_info)?);
+        self.inner.peers.add(&entry);
+        Ok(Arc::new(VerbsLink {
+            backend: self.clone(),
+            entry,
+        }))
     }
 
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
@@ -1300,8 +1257,10 @@ impl Backend for VerbsBackend {
                 "the verbs backend serves transfers between agents only",
             ));
         };
-        // Resolved once: posting uses this peer's entry, never the table.
-        let peer = self.entry(&peer, OP)?;
+        // Posting uses the link's entry, never a table.
+        let peer = nixl::kit::link_of::<VerbsLink>(&peer.link, OP)?
+            .entry
+            .clone();
         let dev = self.dev(OP)?;
         let segs = &plan.segments;
         let lkeys = {
@@ -1362,14 +1321,6 @@ impl Backend for VerbsBackend {
             peer,
             plan: Arc::new(wrs),
         }))
-    }
-
-    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
-        const OP: &str = "verbs notify";
-        match self.entry(peer, OP).and_then(|e| self.link(&e, OP)) {
-            Ok(l) => l.post(Pending::Notify(msg, done)),
-            Err(e) => done.complete(Err(e)),
-        }
     }
 
     async fn shutdown(&self, timeout: Duration) -> Result<()> {
@@ -1442,11 +1393,7 @@ impl Inner {
     /// Fail every link (peers keep their connection info) and destroy every inbound
     /// queue pair.
     fn close_everything(&self, kind: ErrorKind, why: &str) {
-        let links: Vec<Arc<Link>> = self
-            .peers
-            .lock()
-            .unwrap()
-            .values()
+        let links: Vec<Arc<Link>> = (self.peers.alive().iter())
             .filter_map(|p| p.slot.lock().unwrap().link.take())
             .collect();
         for l in links {
@@ -1483,6 +1430,39 @@ impl Inner {
         if matches!(qps.get(&i.qp_num), Some(Role::Inbound(x)) if Arc::ptr_eq(x, i)) {
             qps.remove(&i.qp_num);
         }
+    }
+}
+
+/// nixl-verbs' link to a peer: the peer's entry (connection info and RC link), with
+/// the backend that connects it.
+#[derive(Debug)]
+struct VerbsLink {
+    backend: VerbsBackend,
+    entry: Arc<PeerEntry>,
+}
+
+#[async_trait]
+impl PeerLink for VerbsLink {
+    async fn connect(&self) -> Result<()> {
+        self.backend
+            .link(&self.entry, "verbs connect")?
+            .ready()
+            .await
+    }
+
+    fn notify(&self, msg: Bytes, done: Completer) {
+        match self.backend.link(&self.entry, "verbs notify") {
+            Ok(l) => l.post(Pending::Notify(msg, done)),
+            Err(e) => done.complete(Err(e)),
+        }
+    }
+
+    fn close(&self, why: &str) {
+        self.backend.close_entry(&self.entry, why);
+    }
+
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
     }
 }
 

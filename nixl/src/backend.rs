@@ -16,6 +16,7 @@ use crate::memory::{MemKind, Memory};
 use crate::notification::{Notification, PeerQueues, Queued, Short};
 #[cfg(doc)]
 use crate::notification::{NotificationLimits, NotificationStats};
+use crate::peer_link::{LinkedPeer, PeerLink};
 use crate::region::{RegionRef, RegionSlice};
 use crate::thread::ThreadSpawner;
 
@@ -771,8 +772,8 @@ fn split_runs(runs: &[SegmentRun], bytes: u64, parts: usize, align: u64) -> Vec<
 pub struct TransferPlan {
     /// READ or WRITE.
     pub op: Op,
-    /// The peer, or `None` for a local transfer.
-    pub peer: Option<String>,
+    /// The peer and the backend's link to it, or `None` for a local transfer.
+    pub peer: Option<LinkedPeer>,
     /// Segments, already merged where contiguous, as runs.
     pub segments: Segments,
 }
@@ -792,7 +793,7 @@ pub trait PreparedTransfer: Send + Sync + fmt::Debug {
 /// that speaks NIXL's dialect of its transport (nixl-ucx speaks NIXL's UCX backend).
 ///
 /// The agent translates metadata; the backend translates blobs and speaks to the
-/// peers the agent introduces through [`NixlDialect::add_peer`] in NIXL's way
+/// peers the agent links to through [`NixlDialect::link`] in NIXL's way
 /// (NIXL's notification messages, none of its own protocol).
 pub trait NixlDialect: Send + Sync + fmt::Debug {
     /// NIXL's name for the backend type this backend speaks (`"UCX"`).
@@ -812,12 +813,12 @@ pub trait NixlDialect: Send + Sync + fmt::Debug {
     /// [`ErrorKind::Corrupt`] when NIXL's blob cannot be one of this backend type's.
     fn import_blob(&self, addr: u64, len: u64, blob: &[u8]) -> Result<Bytes>;
 
-    /// Learn (or update) a NIXL-format peer's connection info, as
-    /// [`Backend::add_peer`] does for agents of this crate: from now on, speak NIXL's
-    /// dialect to `peer`, or, when `nixl_rs` (its metadata carries the
-    /// [`BACKEND_NIXL_RS`](crate::interop::BACKEND_NIXL_RS) entry: it is an agent of
-    /// this crate exchanging NIXL's format), this backend's own protocol.
-    fn add_peer(&self, peer: &str, conn_info: &[u8], nixl_rs: bool) -> Result<()>;
+    /// A link to a NIXL-format peer at `conn_info`, as [`Backend::link`] makes for
+    /// agents of this crate: speaking NIXL's dialect to `peer`, or, when `nixl_rs`
+    /// (its metadata carries the [`BACKEND_NIXL_RS`](crate::interop::BACKEND_NIXL_RS)
+    /// entry: it is an agent of this crate exchanging NIXL's format), this backend's
+    /// own protocol.
+    fn link(&self, peer: &str, conn_info: &[u8], nixl_rs: bool) -> Result<Arc<dyn PeerLink>>;
 }
 
 /// A backend: one transport.
@@ -907,24 +908,20 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         None
     }
 
-    /// Learn (or update) a peer's connection info. Connecting may be lazy.
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()>;
-
-    /// Connect to a known peer now, rather than at the first transfer.
-    async fn connect(&self, peer: &str) -> Result<()>;
-
-    /// Forget a peer: close its connections; its in-flight transfers fail.
+    /// A link to `peer` at `conn_info` (see [`PeerLink`]); connecting may be lazy.
+    /// The agent keeps it while the peer's connection info for this backend stays the
+    /// same, and closes it when the peer is forgotten, restarts or moves; it never
+    /// asks twice for the same info. Making a link must not disturb the peer's
+    /// previous one, which the agent closes once the new one is in place.
     ///
     /// # Errors
-    /// When closing failed (the agent forgets the peer all the same and reports it).
-    fn remove_peer(&self, peer: &str) -> Result<()>;
+    /// When `conn_info` is not this backend's ([`ErrorKind::Corrupt`]), or the peer
+    /// may not be reached (nothing changes then).
+    fn link(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn PeerLink>>;
 
     /// Resolve a checked transfer once, for posting many times. Same-agent transfers
     /// between DRAM regions never get here (the agent copies those itself).
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>>;
-
-    /// Send a standalone notification; report through `done`.
-    fn notify(&self, peer: &str, msg: Bytes, done: Completer);
 
     /// Stop: stop listeners and accept loops, fail in-flight work, close connections
     /// (step 5 of the [teardown order](Backend#teardown-order)). Registrations stay

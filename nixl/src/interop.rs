@@ -57,7 +57,7 @@ pub const BACKEND_UCX: &str = "UCX";
 /// notifications with back-pressure, liveness probes). NIXL skips connection
 /// entries of backend types it has not instantiated, so NIXL agents load the
 /// metadata as before; a nixl-rs agent that finds it speaks nixl-rs' protocol to
-/// the peer ([`NixlDialect::add_peer`](crate::NixlDialect::add_peer)).
+/// the peer ([`NixlDialect::link`](crate::NixlDialect::link)).
 pub const BACKEND_NIXL_RS: &str = "NIXL_RS";
 /// The marker entry's connection info: the version of that protocol.
 pub const NIXL_RS_MARKER: &[u8] = b"1";

@@ -59,6 +59,7 @@ mod memory;
 pub mod metadata;
 pub mod native;
 mod notification;
+mod peer_link;
 mod region;
 mod secret;
 mod system;
@@ -84,6 +85,7 @@ pub use notification::{
     Notification, NotificationLimits, NotificationPeaks, NotificationStats, Notifications,
     QueuedNotifications,
 };
+pub use peer_link::{LinkedPeer, PeerLink};
 pub use region::{InFlightHold, RegionRef, RegionSlice, Registration, RemoteRegionInfo};
 pub use system::{host_memory, open_files_limit};
 pub use telemetry::{TelemetryOptions, TransferTelemetry};

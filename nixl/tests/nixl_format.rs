@@ -9,14 +9,14 @@
 //! `get_partial_agent_metadata` of the 8192-byte buffer without and with connection
 //! info.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use nixl::interop::{self, NixlConn, NixlDesc, NixlMetadata, NixlSection};
 use nixl::{
     Agent, Bytes, Capabilities, Completer, DescList, ErrorKind, Indices, MemKind, NixlDialect, Op,
-    PreparedTransfer, RegionRef, RequestOptions, Result, TransferPlan,
+    PeerLink, PreparedTransfer, RegionRef, RequestOptions, Result, TransferPlan,
 };
-use nixl_testkit::double::{shared, Double};
+use nixl_testkit::double::{shared, Double, NullLink};
 use proptest::prelude::*;
 
 const FULL: &[u8] = include_bytes!("data/nixl-1.5.1/full.bin");
@@ -116,12 +116,12 @@ impl Double for NixlSpeakerDouble {
     fn nixl(&self) -> Option<&dyn NixlDialect> {
         Some(self)
     }
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+    fn link(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn PeerLink>> {
         self.added
             .lock()
             .unwrap()
             .push((peer.into(), conn_info.into(), false));
-        Ok(())
+        Ok(Arc::new(NullLink))
     }
     fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         Ok(Box::new(Nothing))
@@ -138,13 +138,13 @@ impl NixlDialect for NixlSpeakerDouble {
     fn import_blob(&self, _addr: u64, _len: u64, blob: &[u8]) -> Result<Bytes> {
         Ok(Bytes::from([b"K".as_slice(), blob].concat()))
     }
-    fn add_peer(&self, peer: &str, conn_info: &[u8], nixl_rs: bool) -> Result<()> {
+    fn link(&self, peer: &str, conn_info: &[u8], nixl_rs: bool) -> Result<Arc<dyn PeerLink>> {
         self.added
             .lock()
             .unwrap()
             .push((peer.into(), conn_info.into(), true));
         self.nixl_rs.lock().unwrap().push(nixl_rs);
-        Ok(())
+        Ok(Arc::new(NullLink))
     }
 }
 

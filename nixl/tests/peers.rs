@@ -1,26 +1,52 @@
 //! Loading peers' metadata: what the agent and its backends believe after a backend
 //! refuses, and that a load does not stop transfers to other peers.
 
-use std::collections::HashMap;
+use std::any::Any;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
+use async_trait::async_trait;
 use nixl::{
-    Agent, Bytes, Capabilities, Completer, ErrorKind, Op, PreparedTransfer, RegionRef,
+    Agent, Bytes, Capabilities, Completer, ErrorKind, Op, PeerLink, PreparedTransfer, RegionRef,
     RequestOptions, Result, TransferPlan,
 };
 use nixl_testkit::double::{one, refused, shared, Double};
 
-/// A test double of a transport that keeps a ledger of the connection info it was
-/// given per peer, refuses connection info it is told to, can hold `add_peer` until a
-/// barrier opens, and completes every transfer at once without moving data.
+/// A test double of a transport that keeps a ledger of the links it made (peer and
+/// connection info, open or closed), refuses connection info it is told to, can
+/// hold `link` until a barrier opens, and completes every transfer at once without
+/// moving data, failing it when its link was closed.
 #[derive(Debug)]
 struct Ledger {
     name: &'static str,
     info: Mutex<Vec<u8>>,
-    peers: Mutex<HashMap<String, Vec<u8>>>,
+    links: Mutex<Vec<Arc<LedgerLink>>>,
     refuse: Mutex<Option<Vec<u8>>>,
     hold: Mutex<Option<(String, Arc<Barrier>)>>,
+}
+
+#[derive(Debug)]
+struct LedgerLink {
+    peer: String,
+    info: Vec<u8>,
+    closed: AtomicBool,
+}
+
+#[async_trait]
+impl PeerLink for LedgerLink {
+    async fn connect(&self) -> Result<()> {
+        Ok(())
+    }
+    fn notify(&self, _msg: Bytes, done: Completer) {
+        done.complete(Ok(()));
+    }
+    fn close(&self, _why: &str) {
+        self.closed.store(true, Ordering::SeqCst);
+    }
+    fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
+    }
 }
 
 impl Ledger {
@@ -28,23 +54,38 @@ impl Ledger {
         Arc::new(Self {
             name,
             info: Mutex::new(info.to_vec()),
-            peers: Mutex::new(HashMap::new()),
+            links: Mutex::new(Vec::new()),
             refuse: Mutex::new(None),
             hold: Mutex::new(None),
         })
     }
 
+    /// The connection info of `peer`'s open link; panics if it has more than one.
     fn knows(&self, peer: &str) -> Option<Vec<u8>> {
-        self.peers.lock().unwrap().get(peer).cloned()
+        let links = self.links.lock().unwrap();
+        let open: Vec<_> = (links.iter())
+            .filter(|l| l.peer == peer && !l.closed.load(Ordering::SeqCst))
+            .collect();
+        assert!(open.len() <= 1, "{peer:?} has {} open links", open.len());
+        open.first().map(|l| l.info.clone())
     }
 }
 
+/// Posts fail once the link they were prepared on is closed.
 #[derive(Debug)]
-struct Done;
+struct Done(Arc<LedgerLink>);
 
 impl PreparedTransfer for Done {
     fn post(&self, _notif: Option<Bytes>, done: Completer) {
-        done.complete(Ok(()));
+        done.complete(if self.0.closed.load(Ordering::SeqCst) {
+            Err(nixl::Error::new(
+                ErrorKind::RemoteDisconnected,
+                "post",
+                "the link is closed (test double)",
+            ))
+        } else {
+            Ok(())
+        });
     }
 }
 
@@ -65,7 +106,7 @@ impl Double for Ledger {
     fn register(&self, _region: &RegionRef) -> Result<Bytes> {
         Ok(Bytes::from_static(b"key"))
     }
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+    fn link(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn PeerLink>> {
         let held = self.hold.lock().unwrap().clone();
         if let Some((p, barrier)) = held {
             if p == peer {
@@ -76,22 +117,21 @@ impl Double for Ledger {
         if self.refuse.lock().unwrap().as_deref() == Some(conn_info) {
             return Err(nixl::Error::new(
                 ErrorKind::Backend,
-                "add peer",
+                "link",
                 "this connection info is refused (test double)",
             ));
         }
-        self.peers
-            .lock()
-            .unwrap()
-            .insert(peer.to_owned(), conn_info.to_vec());
-        Ok(())
+        let link = Arc::new(LedgerLink {
+            peer: peer.to_owned(),
+            info: conn_info.to_vec(),
+            closed: AtomicBool::new(false),
+        });
+        self.links.lock().unwrap().push(link.clone());
+        Ok(link)
     }
-    fn remove_peer(&self, peer: &str) -> Result<()> {
-        self.peers.lock().unwrap().remove(peer);
-        Ok(())
-    }
-    fn prepare(&self, _plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
-        Ok(Box::new(Done))
+    fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
+        let peer = plan.peer.expect("a transfer to a peer");
+        Ok(Box::new(Done(nixl::kit::link_of(&peer.link, "prepare")?)))
     }
 }
 
@@ -148,11 +188,21 @@ async fn a_refused_load_leaves_the_old_peer_whole_in_the_agent_and_its_backends(
     // The agent still knows the old "b", and the request made for it still posts.
     assert_eq!(a.remote_regions("b").unwrap(), regions);
     req.post(None).unwrap().await.unwrap();
-    // The backend told before the refusal has the old connection info back.
+    // The link the first backend made before the refusal is closed; the old ones
+    // stay open.
     assert_eq!(first.knows("b").as_deref(), Some(&b"b1"[..]));
     assert_eq!(second.knows("b").as_deref(), Some(&b"b2"[..]));
 
+    // A restart that loads: the new instance gets new links, the old ones close,
+    // and the request made for the old instance is refused.
+    *second.refuse.lock().unwrap() = None;
+    a.load_metadata(&b2.metadata().unwrap()).unwrap();
+    assert_eq!(first.knows("b").as_deref(), Some(&b"b1-new"[..]));
+    assert_eq!(second.knows("b").as_deref(), Some(&b"bad"[..]));
+    refused(req.post(None), ErrorKind::StaleGeneration, "");
+
     // A peer never seen before, refused: no backend keeps it.
+    *second.refuse.lock().unwrap() = Some(b"bad".to_vec());
     let c_first = Ledger::new("first", b"c1");
     let c_second = Ledger::new("second", b"bad");
     let c = agent("c", &[&c_first, &c_second]).await;
@@ -189,7 +239,7 @@ async fn a_load_in_progress_does_not_stop_posts_to_other_peers() {
     };
     let b2 = barrier.clone();
     let posted = tokio::task::spawn_blocking(move || {
-        b2.wait(); // the load is inside add_peer
+        b2.wait(); // the load is inside link
         let ok = req.post(None).is_ok();
         b2.wait(); // let the load finish
         ok

@@ -2,8 +2,8 @@
 //! tests start with.
 //!
 //! [`Double`] is the whole [`Backend`] trait with a null behaviour for every method:
-//! it registers anything (an empty blob), knows every peer, completes every post and
-//! notification at once and moves no data. A test's double implements [`Double`] and
+//! it registers anything (an empty blob), links to every peer ([`NullLink`]),
+//! completes every post and notification at once and moves no data. A test's double implements [`Double`] and
 //! overrides only what the test observes; [`backend`] (or [`shared`], for a double the
 //! test keeps a handle on) makes it a
 //! [`Backend`]. The product trait has no defaults: a real backend states every part of
@@ -17,7 +17,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use nixl::{
     Agent, Backend, BackendContext, Capabilities, Completer, DescList, ErrorKind, MemKind, Memory,
-    NixlDialect, PreparedTransfer, RegionRef, Result, TransferPlan,
+    NixlDialect, PeerLink, PreparedTransfer, RegionRef, Result, TransferPlan,
 };
 
 /// A backend test double: every method has the null behaviour described in the
@@ -66,30 +66,15 @@ pub trait Double: Send + Sync + fmt::Debug + 'static {
     fn nixl(&self) -> Option<&dyn NixlDialect> {
         None
     }
-    /// Default: accepts any info.
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
+    /// Default: accepts any info, with a [`NullLink`].
+    fn link(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn PeerLink>> {
         let _ = (peer, conn_info);
-        Ok(())
-    }
-    /// Default: connected at once.
-    async fn connect(&self, peer: &str) -> Result<()> {
-        let _ = peer;
-        Ok(())
-    }
-    /// Default: nothing to close.
-    fn remove_peer(&self, peer: &str) -> Result<()> {
-        let _ = peer;
-        Ok(())
+        Ok(Arc::new(NullLink))
     }
     /// Default: a transfer whose every post completes at once, moving nothing.
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         let _ = plan;
         Ok(Box::new(Completes))
-    }
-    /// Default: completes at once, delivering nothing.
-    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
-        let _ = (peer, msg);
-        done.complete(Ok(()));
     }
     /// Default: nothing to stop.
     async fn shutdown(&self, timeout: Duration) -> Result<()> {
@@ -107,6 +92,25 @@ pub trait Double: Send + Sync + fmt::Debug + 'static {
 pub struct Null;
 
 impl Double for Null {}
+
+/// A link that is connected at once, completes every notification at once
+/// (delivering nothing) and has nothing to close.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NullLink;
+
+#[async_trait]
+impl PeerLink for NullLink {
+    async fn connect(&self) -> Result<()> {
+        Ok(())
+    }
+    fn notify(&self, _msg: Bytes, done: Completer) {
+        done.complete(Ok(()));
+    }
+    fn close(&self, _why: &str) {}
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
+    }
+}
 
 /// A prepared transfer whose every post completes at once.
 #[derive(Debug)]
@@ -171,20 +175,11 @@ impl<D: Double> Backend for Doubled<D> {
     fn nixl(&self) -> Option<&dyn NixlDialect> {
         self.0.nixl()
     }
-    fn add_peer(&self, peer: &str, conn_info: &[u8]) -> Result<()> {
-        self.0.add_peer(peer, conn_info)
-    }
-    async fn connect(&self, peer: &str) -> Result<()> {
-        self.0.connect(peer).await
-    }
-    fn remove_peer(&self, peer: &str) -> Result<()> {
-        self.0.remove_peer(peer)
+    fn link(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn PeerLink>> {
+        self.0.link(peer, conn_info)
     }
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         self.0.prepare(plan)
-    }
-    fn notify(&self, peer: &str, msg: Bytes, done: Completer) {
-        self.0.notify(peer, msg, done)
     }
     async fn shutdown(&self, timeout: Duration) -> Result<()> {
         self.0.shutdown(timeout).await

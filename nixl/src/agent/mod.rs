@@ -12,6 +12,7 @@
 
 mod builder;
 mod choice;
+mod links;
 mod local;
 mod peers;
 mod registry;
@@ -106,6 +107,8 @@ struct Peer {
     slot: Arc<PeerSlot>,
     /// (backend name, connection info if known).
     backends: Vec<(String, Option<Bytes>)>,
+    /// The backends' links to it, by backend index.
+    links: links::PeerLinks,
     regions: RangeIndex<Arc<RemoteRegion>>,
     by_id: HashMap<u64, Arc<RemoteRegion>>,
 }
@@ -342,9 +345,11 @@ impl Agent {
         const OP: &str = "send notification";
         self.shared.check_running(OP)?;
         let p = self.peer(peer, OP)?;
-        let Some(i) = (0..self.shared.backends.len()).find(|&i| {
-            self.shared.caps[i].notifications && p.offers(self.shared.backends[i].name())
-        }) else {
+        let Some((i, link)) = p
+            .links
+            .iter()
+            .find(|&(i, _)| self.shared.caps[i].notifications)
+        else {
             return err(
                 ErrorKind::NotSupported,
                 OP,
@@ -360,7 +365,7 @@ impl Agent {
         )?;
         self.shared.notification_sent();
         let state = CompletionState::standalone();
-        self.shared.backends[i].notify(peer, msg, Completer::new(state.clone()));
+        link.notify(msg, Completer::new(state.clone()));
         Ok(Transfer::new(state, None))
     }
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use super::links;
 use super::{Agent, Peer};
-use crate::backend::Backend;
 use crate::descriptor::RangeIndex;
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::interop::{self, NixlMetadata};
@@ -53,7 +53,7 @@ impl Default for PeerLimits {
 
 /// Which format a peer's metadata came in, and so which protocol its backends get.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Dialect {
+pub(super) enum Dialect {
     /// This crate's format.
     Ours,
     /// NIXL's format; `nixl_rs` when it carries the nixl-rs marker
@@ -572,16 +572,18 @@ impl Agent {
             }
         };
         self.check_peer_limits(&md.name, old.is_none(), verified, by_id.len(), charged)?;
-        if load == (Load::Replace { restarted: true }) {
-            // A peer restarted under the same name: drop connections to the old instance.
-            for b in &self.shared.backends {
-                if let Err(e) = b.remove_peer(&md.name) {
-                    tracing::warn!(peer = %md.name, backend = b.name(), error = %e, "closing connections to the peer's previous instance failed");
-                }
-            }
-        }
+        // A restarted peer gets new links (the old instance's connections close once
+        // it is replaced); otherwise a backend whose connection info is the same keeps
+        // its link.
         let restarted = load == (Load::Replace { restarted: true });
-        self.tell_backends(&md, dialect, old.as_deref(), restarted)?;
+        let links = links::make(
+            &self.shared.backends,
+            &md.name,
+            &backends,
+            dialect,
+            old.as_deref().map(|p| &p.links),
+            restarted,
+        )?;
         let (generation, slot) = match (&base, &old) {
             (Some(b), _) => (b.generation, b.slot.clone()),
             (None, old) => {
@@ -593,26 +595,33 @@ impl Agent {
                 )
             }
         };
+        let new = Arc::new(Peer {
+            nixl,
+            verified,
+            charged,
+            instance: md.instance,
+            generation,
+            slot: slot.clone(),
+            backends,
+            links,
+            regions,
+            by_id,
+        });
         let n = {
             let mut peers = self.shared.peers.write().unwrap();
-            peers.insert(
-                md.name.clone(),
-                Arc::new(Peer {
-                    nixl,
-                    verified,
-                    charged,
-                    instance: md.instance,
-                    generation,
-                    slot: slot.clone(),
-                    backends,
-                    regions,
-                    by_id,
-                }),
-            );
+            peers.insert(md.name.clone(), new.clone());
             // Posts see the new generation once it is in place.
             slot.set(generation);
             peers.len()
         };
+        if let Some(old) = &old {
+            let why = if restarted {
+                "the peer restarted"
+            } else {
+                "the peer's connection info changed"
+            };
+            old.links.retire(&new.links, why);
+        }
         if let Some(m) = &self.shared.metrics {
             m.peers.set(n as f64);
         }
@@ -674,62 +683,14 @@ impl Agent {
         }
     }
 
-    /// Give each backend the peer's new connection info. On the first refusal, the
-    /// backends already told (every backend, when a restart made them drop the old
-    /// instance) get the old connection info back, or forget the peer if it had none
-    /// for them, and the refusal is returned.
-    fn tell_backends(
-        &self,
-        md: &AgentMetadata,
-        dialect: Dialect,
-        old: Option<&Peer>,
-        restarted: bool,
-    ) -> Result<()> {
-        let add = |b: &Arc<dyn Backend>, info: &[u8]| match (dialect, b.nixl()) {
-            (Dialect::Nixl { nixl_rs }, Some(d)) => d.add_peer(&md.name, info, nixl_rs),
-            _ => b.add_peer(&md.name, info),
-        };
-        let mut told: Vec<&Arc<dyn Backend>> = Vec::new();
-        for bm in md.backends.iter().filter(|b| b.conn_info.is_some()) {
-            let Some(b) = self.shared.backends.iter().find(|b| b.name() == bm.name) else {
-                continue;
-            };
-            let info = bm.conn_info.as_deref().unwrap_or_default();
-            if let Err(e) = add(b, info) {
-                if restarted {
-                    told = self.shared.backends.iter().collect();
-                }
-                for b in told {
-                    let before = old.and_then(|p| {
-                        p.backends
-                            .iter()
-                            .find(|(n, _)| n == b.name())
-                            .and_then(|(_, c)| c.clone())
-                    });
-                    let undone = match before {
-                        Some(info) => add(b, &info),
-                        None => b.remove_peer(&md.name),
-                    };
-                    if let Err(u) = undone {
-                        tracing::warn!(peer = %md.name, backend = b.name(), error = %u, "restoring the peer's previous connection info failed");
-                    }
-                }
-                return Err(e);
-            }
-            told.push(b);
-        }
-        Ok(())
-    }
-
     /// Forget a peer: its connections close, its in-flight transfers fail, and requests
     /// prepared for it are refused.
     ///
     /// # Errors
-    /// [`ErrorKind::UnknownPeer`] if it is not known; the first backend's error when
-    /// closing its connections failed (the peer is forgotten all the same).
+    /// [`ErrorKind::UnknownPeer`] if it is not known.
     pub fn forget_peer(&self, peer: &str) -> Result<()> {
         let _loading = self.shared.loading.lock().unwrap();
-        {
+        let gone = {
             let mut peers = self.shared.peers.write().unwrap();
             let Some(p) = peers.remove(peer) else {
                 return err(
@@ -742,15 +703,10 @@ impl Agent {
             if let Some(m) = &self.shared.metrics {
                 m.peers.set(peers.len() as f64);
             }
-        }
-        let mut first = None;
-        for b in &self.shared.backends {
-            if let Err(e) = b.remove_peer(peer) {
-                tracing::warn!(%peer, backend = b.name(), error = %e, "closing the peer's connections failed");
-                first.get_or_insert(e);
-            }
-        }
-        first.map_or(Ok(()), Err)
+            p
+        };
+        gone.links.close("the peer was forgotten");
+        Ok(())
     }
 
     /// Whether `peer` was loaded from NIXL-format metadata: a NIXL agent, which this
@@ -812,10 +768,8 @@ impl Agent {
     /// [`ErrorKind::UnknownPeer`]; the first backend's connection error.
     pub async fn connect(&self, peer: &str) -> Result<()> {
         let p = self.peer(peer, "connect")?;
-        for b in &self.shared.backends {
-            if p.offers(b.name()) {
-                b.connect(peer).await?;
-            }
+        for (_, link) in p.links.iter() {
+            link.connect().await?;
         }
         Ok(())
     }

@@ -16,6 +16,7 @@ use crate::completion::Op;
 use crate::descriptor::{DescList, RangeIndex, Ranged};
 use crate::error::{err, Error, ErrorKind, Result};
 use crate::memory::MemKind;
+use crate::peer_link::LinkedPeer;
 use crate::region::{RegionInner, RemoteRegion};
 use crate::telemetry::{RequestTelemetry, TransferInfo};
 use crate::transfer::{RequestOwner, Transfer, XferRequest};
@@ -542,9 +543,22 @@ impl Agent {
         let b = &self.shared.backends[backend];
         let segments = build_segments(merged, &sides, b.name());
         let shape = shape(&segments);
+        let linked = match (&peer, &peer_name) {
+            (Some(p), Some(name)) => Some(LinkedPeer {
+                name: name.clone(),
+                link: p.links.get(backend).cloned().ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::NotSupported,
+                        "choose backend",
+                        format!("peer {name:?} has no {} link", b.name()),
+                    )
+                })?,
+            }),
+            _ => None,
+        };
         let prepared = b.prepare(TransferPlan {
             op,
-            peer: peer_name.clone(),
+            peer: linked,
             segments,
         })?;
         Ok(request(

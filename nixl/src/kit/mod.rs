@@ -6,6 +6,10 @@
 //!   secret, cancellation, task tracker, [`NotificationSink`], OS threads),
 //!   [`TransferPlan`] and its [`Segments`], [`PreparedTransfer`], [`Completer`],
 //!   [`Attachment`] (the started state, set once).
+//! - Peers: the agent owns each peer's [`PeerLink`] (made by [`Backend::link`],
+//!   closed when the peer goes or moves) and hands it to every transfer it prepares
+//!   ([`LinkedPeer`]); [`link_of`] takes the backend's own type back, and a
+//!   [`LinkSet`] keeps the live ones to close when the backend stops.
 //! - The control connection ([`control`]): one accept loop with admission
 //!   ([`control::spawn_accept_loop`]), the shared-secret handshake
 //!   ([`control::authenticate_server`], [`control::authenticate_client`],
@@ -28,6 +32,7 @@ pub use crate::backend::{
 };
 pub use crate::completion::{Completer, Op};
 pub use crate::control;
+pub use crate::peer_link::{link_of, LinkSet, LinkedPeer, PeerLink};
 pub use crate::region::{InFlightHold, RegionRef, RegionSlice};
 pub use crate::thread::{ThreadSpawner, ThreadWake};
 pub use stripe::{Outcome, StripeGate};
