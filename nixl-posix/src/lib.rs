@@ -508,6 +508,10 @@ impl PeerLink for NoPeers {
         )));
     }
 
+    fn failed(&self) -> bool {
+        false
+    }
+
     fn close(&self, _why: &str) {}
 
     fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {

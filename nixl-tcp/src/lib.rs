@@ -602,6 +602,11 @@ impl PeerLink for TcpLink {
         }
     }
 
+    fn failed(&self) -> bool {
+        // A dead connection is opened again at the next use.
+        false
+    }
+
     fn close(&self, why: &str) {
         self.entry.close(ErrorKind::RemoteDisconnected, why);
     }

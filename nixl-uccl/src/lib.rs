@@ -1648,6 +1648,11 @@ impl PeerLink for UcclLink {
         });
     }
 
+    fn failed(&self) -> bool {
+        // A dead control link is dialled again at the next use.
+        false
+    }
+
     fn close(&self, why: &str) {
         // In-flight transfers fail at their next poll; the engine connection closes
         // when the last of them lets go.

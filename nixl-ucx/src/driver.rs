@@ -1230,6 +1230,16 @@ impl Core {
         }
     }
 
+    /// Whether the connection of the link named by `epoch` failed for good (or is
+    /// gone).
+    pub(crate) fn link_failed(&self, peer: &str, epoch: u64) -> bool {
+        [self.peers.get(peer), self.previous.get(peer)]
+            .into_iter()
+            .flatten()
+            .find(|p| p.epoch == epoch)
+            .is_none_or(|p| p.failed.is_some() || p.ep.is_err())
+    }
+
     /// Forget a peer: close its connections; their in-flight work fails.
     pub(crate) fn remove_peer(&mut self, peer: &str, why: &str) {
         for p in [self.peers.remove(peer), self.previous.remove(peer)]

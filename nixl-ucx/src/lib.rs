@@ -1128,6 +1128,15 @@ impl PeerLink for UcxLink {
         });
     }
 
+    fn failed(&self) -> bool {
+        // A failed connection stays failed (its peer is gone, or did not answer the
+        // liveness probe): a load of the peer's metadata makes a new one.
+        match self.backend.inner.shared.core.lock().unwrap().as_ref() {
+            Some(core) => core.link_failed(&self.peer, self.epoch),
+            None => true,
+        }
+    }
+
     fn close(&self, why: &str) {
         // After shutdown every connection is closed already.
         if let Some(core) = self.backend.inner.shared.core.lock().unwrap().as_mut() {

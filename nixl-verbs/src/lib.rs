@@ -1457,6 +1457,11 @@ impl PeerLink for VerbsLink {
         }
     }
 
+    fn failed(&self) -> bool {
+        // A link whose queue pair failed connects anew at the next use.
+        false
+    }
+
     fn close(&self, why: &str) {
         self.backend.close_entry(&self.entry, why);
     }

@@ -34,6 +34,12 @@ pub trait PeerLink: Send + Sync + fmt::Debug + 'static {
     /// Send a standalone notification; report through `done`.
     fn notify(&self, msg: Bytes, done: Completer);
 
+    /// Whether the link failed for good: it cannot carry transfers any more and does
+    /// not recover by itself (a backend whose connections reconnect at the next use
+    /// never says so). The agent then makes a new link at the next load of the
+    /// peer's metadata, even with the same connection info.
+    fn failed(&self) -> bool;
+
     /// Close the link: its connections close, its in-flight transfers and queued
     /// notifications fail ([`ErrorKind::RemoteDisconnected`], naming `why`), and so
     /// does every later use. The agent calls it once the link is no longer the peer's
@@ -128,6 +134,9 @@ mod tests {
         fn notify(&self, _msg: Bytes, done: Completer) {
             done.complete(Ok(()));
         }
+        fn failed(&self) -> bool {
+            false
+        }
         fn close(&self, _why: &str) {}
         fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
             self
@@ -144,6 +153,9 @@ mod tests {
         }
         fn notify(&self, _msg: Bytes, done: Completer) {
             done.complete(Ok(()));
+        }
+        fn failed(&self) -> bool {
+            false
         }
         fn close(&self, _why: &str) {}
         fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {

@@ -31,6 +31,8 @@ struct LedgerLink {
     peer: String,
     info: Vec<u8>,
     closed: AtomicBool,
+    /// What the link says when asked whether it failed for good.
+    failed: AtomicBool,
 }
 
 #[async_trait]
@@ -40,6 +42,9 @@ impl PeerLink for LedgerLink {
     }
     fn notify(&self, _msg: Bytes, done: Completer) {
         done.complete(Ok(()));
+    }
+    fn failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
     }
     fn close(&self, _why: &str) {
         self.closed.store(true, Ordering::SeqCst);
@@ -125,6 +130,7 @@ impl Double for Ledger {
             peer: peer.to_owned(),
             info: conn_info.to_vec(),
             closed: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
         });
         self.links.lock().unwrap().push(link.clone());
         Ok(link)
@@ -251,6 +257,44 @@ async fn a_load_in_progress_does_not_stop_posts_to_other_peers() {
     assert!(posted, "the post failed while another peer loaded");
     assert_eq!(loader.join().unwrap().unwrap(), "slow");
     for x in [a, b, slow] {
+        let _ = x.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn a_link_is_kept_while_its_info_stays_and_made_again_once_it_failed() {
+    let first = Ledger::new("first", b"a1");
+    let a = agent("a", &[&first]).await;
+    let b = agent("b", &[&Ledger::new("first", b"b1")]).await;
+    let md = b.metadata().unwrap();
+    a.load_metadata(&md).unwrap();
+    a.load_metadata(&md).unwrap();
+    assert_eq!(
+        first.links.lock().unwrap().len(),
+        1,
+        "the same info keeps its link"
+    );
+
+    // A link that failed for good is replaced at the next load, and closed.
+    first.links.lock().unwrap()[0]
+        .failed
+        .store(true, Ordering::SeqCst);
+    a.load_metadata(&md).unwrap();
+    {
+        let links = first.links.lock().unwrap();
+        assert_eq!(links.len(), 2);
+        assert!(
+            links[0].closed.load(Ordering::SeqCst),
+            "the failed link is closed"
+        );
+        assert!(!links[1].closed.load(Ordering::SeqCst));
+    }
+    assert_eq!(first.knows("b").as_deref(), Some(&b"b1"[..]));
+
+    // Forgetting the peer closes its link.
+    a.forget_peer("b").unwrap();
+    assert_eq!(first.knows("b"), None);
+    for x in [a, b] {
         let _ = x.shutdown().await;
     }
 }

@@ -106,6 +106,9 @@ impl PeerLink for NullLink {
     fn notify(&self, _msg: Bytes, done: Completer) {
         done.complete(Ok(()));
     }
+    fn failed(&self) -> bool {
+        false
+    }
     fn close(&self, _why: &str) {}
     fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
         self

@@ -55,8 +55,8 @@ impl PeerLinks {
 }
 
 /// The links for `peer` with connection infos `infos` (backend name, info if any):
-/// `old`'s link where the backend's info and the dialect are the same and the peer
-/// did not restart, a new one otherwise.
+/// `old`'s link where the backend's info and the dialect are the same, the peer did
+/// not restart and the link did not fail for good; a new one otherwise.
 ///
 /// # Errors
 /// The first backend's refusal; the links made before it are closed, and `old`'s
@@ -82,7 +82,8 @@ pub(super) fn make(
         };
         let kept = old
             .and_then(|o| o.0.get(i)?.as_ref())
-            .filter(|e| !restarted && e.info == info && e.dialect == dialect);
+            .filter(|e| !restarted && e.info == info && e.dialect == dialect)
+            .filter(|e| !e.link.failed());
         if let Some(e) = kept {
             links.push(Some(e.clone()));
             continue;
