@@ -272,8 +272,13 @@ impl Probe {
     }
 
     /// The post call returned.
+    ///
+    /// The span closes once both the post returned and the transfer finished,
+    /// whichever comes last; both steps run under its lock, so a transfer that
+    /// finishes on another thread before the post call returns keeps `post_us`.
     pub(crate) fn posted(&self) {
         let took = self.started.elapsed();
+        let mut span = self.span.lock().unwrap();
         self.post_ns.store(
             took.as_nanos().min(u64::MAX as u128 - 1) as u64,
             Ordering::Release,
@@ -281,9 +286,12 @@ impl Probe {
         if let Some(m) = &self.t.metrics {
             m.post.record(took.as_secs_f64());
         }
-        if let Some(s) = self.span.lock().unwrap().as_ref() {
+        if let Some(s) = span.as_ref() {
             s.record("post_us", took.as_micros() as u64);
         }
+        let closed = self.done.get().is_some().then(|| span.take());
+        drop(span);
+        drop(closed);
     }
 
     /// The transfer finished with `result` (possibly inside the post call).
@@ -293,6 +301,8 @@ impl Probe {
             Ok(()) => Status::Done,
             Err(e) => Status::Failed(e.kind()),
         };
+        // Under the span's lock, as `posted`.
+        let mut span = self.span.lock().unwrap();
         if self.done.set((took, status)).is_err() {
             return;
         }
@@ -306,13 +316,17 @@ impl Probe {
                 Err(e) => m.failed(e.kind()),
             }
         }
-        if let Some(s) = self.span.lock().unwrap().take() {
+        if let Some(s) = span.as_ref() {
             s.record("duration_us", took.as_micros() as u64);
             match result {
                 Ok(()) => s.record("outcome", "ok"),
                 Err(e) => s.record("outcome", tracing::field::display(e.kind())),
             };
         }
+        let posted = self.post_ns.load(Ordering::Acquire) != u64::MAX;
+        let closed = posted.then(|| span.take());
+        drop(span);
+        drop(closed);
     }
 
     /// The record so far (`None` unless records are on).

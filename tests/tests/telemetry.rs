@@ -452,3 +452,71 @@ async fn transfer_records_and_spans() {
     );
     assert_eq!(closed[1].get("outcome"), Some(&e.kind().to_string()));
 }
+
+/// A transfer that finishes on another thread before its post call returns keeps
+/// every field of its span: the span closes once both happened.
+#[tokio::test]
+async fn a_span_finished_before_its_post_returned_keeps_post_us() {
+    use nixl_testkit::double::{self, Double};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    /// Completes each post on another thread, and returns only once it has.
+    #[derive(Debug)]
+    struct Elsewhere;
+    impl nixl::PreparedTransfer for Elsewhere {
+        fn post(&self, _notif: Option<nixl::Bytes>, done: nixl::Completer) {
+            std::thread::spawn(move || done.complete(Ok(())))
+                .join()
+                .unwrap();
+        }
+    }
+    #[derive(Debug)]
+    struct Finisher;
+    impl Double for Finisher {
+        fn prepare(
+            &self,
+            _plan: nixl::TransferPlan,
+        ) -> nixl::Result<Box<dyn nixl::PreparedTransfer>> {
+            Ok(Box::new(Elsewhere))
+        }
+    }
+
+    let spans = Spans::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let build = |name: &'static str| async move {
+        Agent::builder(name)
+            .backend(double::backend(Finisher))
+            .telemetry(TelemetryOptions {
+                transfers: true,
+                ..TelemetryOptions::default()
+            })
+            .build()
+            .await
+            .unwrap()
+    };
+    let (a, b) = (build("early-a").await, build("early-b").await);
+    let src = a.register(vec![1u8; 64]).unwrap();
+    let dst = b.register(vec![0u8; 64]).unwrap();
+    double::introduce(&a, &b);
+    let far = remote(&a, "early-b", dst.id());
+    let t = a
+        .transfer(
+            Op::Write,
+            &one(src.whole()),
+            "early-b",
+            &one(far.desc(0, 64)),
+            None,
+        )
+        .unwrap();
+    bounded("transfer", t).await.unwrap();
+    let closed = spans.0.lock().unwrap().clone();
+    assert_eq!(closed.len(), 1, "{closed:?}");
+    let s = &closed[0];
+    assert!(
+        s.contains_key("post_us") && s.contains_key("duration_us") && s.get("outcome").is_some(),
+        "{s:?}"
+    );
+    let _ = a.shutdown().await;
+    let _ = b.shutdown().await;
+}
