@@ -12,8 +12,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use nixl::Agent;
-use nixl_conformance::support::{figure, skip};
 use nixl_tcp::{SameHost, TcpBackend, TcpOptions};
+use nixl_testkit::{figure, skip};
 
 const CASE: &str = "nixl-tcp same-host offer to a client on another host";
 /// The offer after its one-byte flag: pid, descriptor, address, nonce.
@@ -141,7 +141,7 @@ fn ask_for_the_offer(addr: SocketAddr) -> Told {
 async fn a_client_on_another_host_gets_no_same_host_offer() {
     let other = match OtherHost::create() {
         Ok(h) => h,
-        Err(e) => return skip(CASE, &format!("cannot make a network namespace: {e}")),
+        Err(e) => return skip(CASE, format!("cannot make a network namespace: {e}")),
     };
     let b = TcpBackend::with_options(TcpOptions {
         listener: nixl::control::ListenerOptions {

@@ -2,7 +2,7 @@
 //! speaks the wire itself) takes the handshake and the start of a request, then
 //! says PAUSE and never reads again, keeps saying PAUSE and RESUME without reading,
 //! or stops reading without a word. Each stalled transfer fails within its bound
-//! (`TcpOptions::pause_timeout`, `TcpOptions::dead_peer_timeout`) with an error
+//! (`TcpOptions::pause_timeout`, the listener's `dead_peer_timeout`) with an error
 //! naming the stall, instead of waiting forever; the initiator then shuts down clean.
 
 use std::net::SocketAddr;
@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use nixl::{Agent, AgentOptions, ErrorKind};
-use nixl_conformance::support::{bounded, figure, one, remote};
 use nixl_tcp::{SameHost, TcpBackend, TcpOptions};
+use nixl_testkit::double::one;
+use nixl_testkit::{bounded, figure, remote};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 

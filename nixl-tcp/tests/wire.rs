@@ -9,8 +9,9 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use nixl::metadata::AgentMetadata;
 use nixl::{Agent, ErrorKind, Registration, SharedSecret};
-use nixl_conformance::support::{bounded, checksum, figure, one, pattern, remote};
 use nixl_tcp::{TcpBackend, TcpOptions};
+use nixl_testkit::double::one;
+use nixl_testkit::{bounded, checksum, figure, pattern, remote};
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -199,7 +200,7 @@ fn with_secret(s: Option<&str>) -> TcpOptions {
     }
 }
 
-#[path = "tcp_wire/connections.rs"]
+#[path = "wire/connections.rs"]
 mod connections;
-#[path = "tcp_wire/requests.rs"]
+#[path = "wire/requests.rs"]
 mod requests;

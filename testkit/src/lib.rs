@@ -147,6 +147,30 @@ pub fn in_own_process(test: &str) -> bool {
     true
 }
 
+/// Generous bound that catches hangs (never a performance assertion).
+pub const HANG: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Await `f` within [`HANG`]; panics naming `what` when it hangs.
+pub async fn bounded<F: std::future::Future>(what: &str, f: F) -> F::Output {
+    tokio::time::timeout(HANG, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what} hung for {HANG:?}"))
+}
+
+/// FNV-1a checksum of a registration's bytes.
+pub fn checksum(r: &nixl::Registration) -> u64 {
+    checksum_bytes(&r.to_vec().expect("the registration's bytes"))
+}
+
+/// The region with id `id` that `peer` advertised to `a`.
+pub fn remote(a: &nixl::Agent, peer: &str, id: u64) -> nixl::RemoteRegionInfo {
+    a.remote_regions(peer)
+        .expect("the peer is loaded")
+        .into_iter()
+        .find(|r| r.id == id)
+        .expect("peer advertised the region")
+}
+
 /// `len` deterministic pattern bytes of stream `seed` (xorshift).
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use nixl::{Agent, AgentOptions, Backend, Capabilities, ErrorKind, Registration, RemoteRegionInfo};
+use nixl::{Agent, AgentOptions, Backend, Capabilities, ErrorKind};
 
 /// A backend to run the suite against.
 #[derive(Clone, Copy, Debug)]
@@ -18,10 +18,7 @@ pub struct BackendUnderTest {
     pub skip_case: fn(&str) -> Option<String>,
 }
 
-/// Generous bound that catches hangs (never a performance assertion).
-pub const HANG: Duration = Duration::from_secs(30);
-
-pub use nixl_testkit::{checksum_bytes, figure, pattern};
+pub use nixl_testkit::{bounded, checksum, checksum_bytes, figure, pattern, remote, HANG};
 
 /// Record a visible skip (see [`nixl_testkit::skip`]).
 pub fn skip(case: &str, why: &str) {
@@ -70,11 +67,6 @@ impl BackendUnderTest {
     }
 }
 
-/// FNV-1a checksum of a registration's bytes.
-pub fn checksum(r: &Registration) -> u64 {
-    checksum_bytes(&r.to_vec().unwrap())
-}
-
 pub use nixl_testkit::double::one;
 
 /// An agent with one default nixl-tcp backend (loopback), for tests that need a real
@@ -85,15 +77,6 @@ pub async fn tcp_agent(name: &str) -> Agent {
         .build()
         .await
         .unwrap()
-}
-
-/// The peer's region with id `id`.
-pub fn remote(a: &Agent, peer: &str, id: u64) -> RemoteRegionInfo {
-    a.remote_regions(peer)
-        .unwrap()
-        .into_iter()
-        .find(|r| r.id == id)
-        .expect("peer advertised the region")
 }
 
 /// Threads in this process (Linux).
@@ -144,13 +127,6 @@ fn process_threads() -> usize {
                 .and_then(|l| l[8..].trim().parse().ok())
         })
         .unwrap_or(0)
-}
-
-/// Await with the hang bound.
-pub async fn bounded<F: std::future::Future>(what: &str, f: F) -> F::Output {
-    tokio::time::timeout(HANG, f)
-        .await
-        .unwrap_or_else(|_| panic!("{what} hung for {HANG:?}"))
 }
 
 /// Lower-case hex.

@@ -1,7 +1,9 @@
 //! The hostile-peer suite: peers that break the rules on purpose (idle or slow
 //! sockets, oversized or endless requests, notification floods, an initiator killed
-//! inside a same-host copy, targets that stall their initiators) against real agents, one module per area, each proving
-//! its limit holds and legitimate peers are still served.
+//! inside a same-host copy) against real agents, one module per area, each proving
+//! its limit holds and legitimate peers are still served. nixl-tcp's own hostile
+//! tests that need no child process (stalling targets, the same-host offer across
+//! hosts, the raw wire) are in its crate.
 
 #[path = "hostile/admission.rs"]
 mod hostile_admission;
@@ -13,7 +15,3 @@ mod hostile_listeners;
 mod hostile_notifications;
 #[path = "hostile/same_host.rs"]
 mod hostile_same_host;
-#[path = "hostile/same_host_offer.rs"]
-mod hostile_same_host_offer;
-#[path = "hostile/stalls.rs"]
-mod hostile_stalls;
