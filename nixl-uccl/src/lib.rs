@@ -163,7 +163,6 @@ use nixl::{
     PeerLink, PreparedTransfer, RegionRef, RegionSlice, Result, Target, TransferPlan,
 };
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
@@ -806,24 +805,22 @@ impl Inner {
                 format!("control connection to {peer:?} ({}): {e}", info.control),
             )
         };
-        let mut stream = TcpStream::connect(&info.control).await.map_err(gone)?;
+        let ends = nixl::control::Ends {
+            protocol: CONTROL_PROTOCOL,
+            secret: st.ctx.secret.as_ref(),
+            me: &st.ctx.agent_name,
+        };
         // A live target may hold this connection back up to the hold bound; a dead
         // one shows by its silence (the reader's liveness bound).
-        nixl::control::tune(
-            &stream,
-            self.options
-                .hold_timeout
-                .max(self.options.listener.dead_peer_timeout),
-        );
-        let who = format!("{peer:?} at {}", info.control);
-        nixl::control::authenticate_client(
-            &mut stream,
-            CONTROL_PROTOCOL,
-            st.ctx.secret.as_ref(),
-            &st.ctx.agent_name,
+        let o = &self.options;
+        let dead = o.hold_timeout.max(o.listener.dead_peer_timeout);
+        let mut stream = nixl::control::dial(
+            OP,
+            ends,
             peer,
-            &who,
-            self.options.listener.connect_timeout,
+            &info.control,
+            dead,
+            o.listener.connect_timeout,
         )
         .await?;
         stream
@@ -1082,9 +1079,6 @@ async fn serve_control(
         ..
     } = incoming;
     let liveness = listener.dead_peer_timeout;
-    // A peer whose host dies, or that stops reading (a zero window), is cut within
-    // the liveness bound by the kernel too, not only by the write deadline below.
-    nixl::control::tune(&stream, liveness);
     // Only small answers go this way (hello, Ready, Pong, Verified): a small send
     // buffer bounds the kernel memory a peer that never reads can pin, and fills
     // after kilobytes of answers, not megabytes, so the write deadline cuts it soon.
@@ -1097,12 +1091,18 @@ async fn serve_control(
     // The agent's secret first, where set: nothing is answered or kept for a peer
     // that does not prove it.
     let peer = format!("UCCL control connection from {from}");
-    let auth = nixl::control::authenticate_server(
+    let ends = nixl::control::Ends {
+        protocol: CONTROL_PROTOCOL,
+        secret: secret.as_ref(),
+        me: &me,
+    };
+    // A peer whose host dies, or that stops reading (a zero window), is cut within
+    // the liveness bound by the kernel too, not only by the write deadline below.
+    let auth = nixl::control::answer(
         &mut stream,
-        CONTROL_PROTOCOL,
-        secret.as_ref(),
-        &me,
-        &peer,
+        ends,
+        from,
+        liveness,
         listener.handshake_timeout,
     )
     .await;

@@ -718,23 +718,14 @@ impl VerbsBackend {
             )
             .with_source(e)
         };
-        let mut s = TcpStream::connect(info.control)
-            .await
-            .map_err(|e| io("connect", e))?;
-        nixl::control::tune(&s, o.listener.dead_peer_timeout);
         let ctx = &self.started(OP)?.ctx;
-        let (secret, me) = (ctx.secret.clone(), ctx.agent_name.clone());
-        let who = format!("peer {:?} at {}", link.peer, info.control);
-        nixl::control::authenticate_client(
-            &mut s,
-            CONTROL_PROTOCOL,
-            secret.as_ref(),
-            &me,
-            &link.peer,
-            &who,
-            o.listener.connect_timeout,
-        )
-        .await?;
+        let ends = nixl::control::Ends {
+            protocol: CONTROL_PROTOCOL,
+            secret: ctx.secret.as_ref(),
+            me: &ctx.agent_name,
+        };
+        let (dead, t) = (o.listener.dead_peer_timeout, o.listener.connect_timeout);
+        let mut s = nixl::control::dial(OP, ends, &link.peer, info.control, dead, t).await?;
         let caps = dev.caps(o);
         let mut qps = Vec::new();
         let mut halves = Vec::new();
@@ -813,7 +804,6 @@ impl VerbsBackend {
     ) -> Result<()> {
         const OP: &str = "verbs accept";
         let o = &self.inner.options;
-        nixl::control::tune(&s, o.listener.dead_peer_timeout);
         let io = |what: &str, e: std::io::Error| {
             Error::new(ErrorKind::RemoteDisconnected, OP, what.to_owned()).with_source(e)
         };
@@ -826,9 +816,15 @@ impl VerbsBackend {
         };
         let peer = format!("control connection from {from}");
         let me = self.started(OP)?.ctx.agent_name.clone();
+        let ends = nixl::control::Ends {
+            protocol: CONTROL_PROTOCOL,
+            secret: secret.as_ref(),
+            me: &me,
+        };
+        let (dead, t) = (o.listener.dead_peer_timeout, o.listener.handshake_timeout);
         let authenticated = tokio::select! {
             _ = close.cancelled() => return Err(evicted()),
-            r = nixl::control::authenticate_server(&mut s, CONTROL_PROTOCOL, secret.as_ref(), &me, &peer, o.listener.handshake_timeout) => r?,
+            r = nixl::control::answer(&mut s, ends, from, dead, t) => r?,
         };
         // Nothing is made for a peer refused here, before or after its hello.
         if let Err(r) = handshake::on_authenticated(&authenticated) {

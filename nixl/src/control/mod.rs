@@ -54,6 +54,7 @@ mod frame;
 mod handshake;
 mod listener;
 mod options;
+mod preamble;
 mod socket;
 
 pub use admission::{Admission, AdmissionLimits, Ticket, Working};
@@ -62,4 +63,5 @@ pub use frame::{read_frame, write_frame};
 pub use handshake::{nonce, ClientAuth, Refusal, ServerAuth, AUTH_MAGIC, MAX_NAME, NONCE_LEN};
 pub use listener::{spawn_accept_loop, until_closed, Incoming, ACCEPT_BACKOFF};
 pub use options::{parse_duration, BoundListener, ListenerOptions, LOOPBACK_ANY_PORT};
+pub use preamble::{answer, dial, Ends};
 pub use socket::{set_user_timeout, tune};
