@@ -14,6 +14,8 @@ pub use nixl_testkit::etcd as etcd_server;
 pub mod secret;
 pub mod storage;
 pub mod support;
+#[cfg(feature = "tcp")]
+pub mod tcp;
 pub mod torture;
 
 pub use support::BackendUnderTest;

@@ -472,7 +472,11 @@ pub async fn storage_closed_fd_and_misuse(but: &BackendUnderTest) {
     // Files are never published to peers.
     let md = agent.metadata().unwrap();
     drop(fb);
-    let other = crate::support::tcp_agent("peer").await;
+    let other = nixl_testkit::double::agent(
+        "peer",
+        nixl_testkit::double::backend(nixl_testkit::double::Null),
+    )
+    .await;
     other.load_metadata(&md).unwrap();
     let published = other.remote_regions("storage").unwrap();
     assert_eq!(
