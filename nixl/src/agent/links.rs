@@ -8,10 +8,19 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::peers::Dialect;
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::peer_link::PeerLink;
+
+/// Which format a peer's metadata came in, and so which protocol its backends get.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Dialect {
+    /// This crate's format.
+    Ours,
+    /// NIXL's format; `nixl_rs` when it carries the nixl-rs marker
+    /// ([`BACKEND_NIXL_RS`](crate::interop::BACKEND_NIXL_RS)).
+    Nixl { nixl_rs: bool },
+}
 
 /// One backend's link to a peer, with what it was made for.
 #[derive(Clone, Debug)]

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::links;
+use super::links::{self, Dialect};
 use super::{Agent, Peer};
 use crate::descriptor::RangeIndex;
 use crate::error::{err, Error, ErrorKind, Result};
@@ -49,16 +49,6 @@ impl Default for PeerLimits {
             unverified_regions: 262_144,
         }
     }
-}
-
-/// Which format a peer's metadata came in, and so which protocol its backends get.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Dialect {
-    /// This crate's format.
-    Ours,
-    /// NIXL's format; `nixl_rs` when it carries the nixl-rs marker
-    /// ([`interop::BACKEND_NIXL_RS`]).
-    Nixl { nixl_rs: bool },
 }
 
 /// What loading a peer's metadata does to what is known of it.
