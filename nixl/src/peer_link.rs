@@ -123,31 +123,14 @@ impl<L> LinkSet<L> {
 mod tests {
     use super::*;
 
+    /// Two link types, told apart by `N`.
     #[derive(Debug)]
-    struct Mine;
+    struct Link<const N: u8>;
+    type Mine = Link<0>;
+    type Theirs = Link<1>;
 
     #[async_trait]
-    impl PeerLink for Mine {
-        async fn connect(&self) -> Result<()> {
-            Ok(())
-        }
-        fn notify(&self, _msg: Bytes, done: Completer) {
-            done.complete(Ok(()));
-        }
-        fn failed(&self) -> bool {
-            false
-        }
-        fn close(&self, _why: &str) {}
-        fn as_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
-            self
-        }
-    }
-
-    #[derive(Debug)]
-    struct Theirs;
-
-    #[async_trait]
-    impl PeerLink for Theirs {
+    impl<const N: u8> PeerLink for Link<N> {
         async fn connect(&self) -> Result<()> {
             Ok(())
         }
@@ -165,8 +148,8 @@ mod tests {
 
     #[test]
     fn a_backend_takes_back_only_its_own_links() {
-        let mine: Arc<dyn PeerLink> = Arc::new(Mine);
-        let theirs: Arc<dyn PeerLink> = Arc::new(Theirs);
+        let mine: Arc<dyn PeerLink> = Arc::new(Mine {});
+        let theirs: Arc<dyn PeerLink> = Arc::new(Theirs {});
         assert!(link_of::<Mine>(&mine, "test").is_ok());
         let e = link_of::<Mine>(&theirs, "test").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Backend);
@@ -176,7 +159,7 @@ mod tests {
     #[test]
     fn a_link_set_holds_only_live_links() {
         let set = LinkSet::default();
-        let (a, b) = (Arc::new(Mine), Arc::new(Mine));
+        let (a, b) = (Arc::new(Mine {}), Arc::new(Mine {}));
         set.add(&a);
         set.add(&b);
         drop(a);
