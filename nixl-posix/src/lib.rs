@@ -366,6 +366,22 @@ impl Backend for PosixBackend {
         }
     }
 
+    fn unsupported_reason(&self, kind: nixl::MemKind) -> Option<String> {
+        matches!(kind, nixl::MemKind::Vram { .. }).then(|| {
+            "the posix backend moves files to and from host memory (GPU memory goes through a GPU storage backend)".to_owned()
+        })
+    }
+
+    fn alloc(&self, _len: usize) -> Option<Result<nixl::Memory>> {
+        // The kernel reads into and writes from any host memory alike.
+        None
+    }
+
+    fn nixl(&self) -> Option<&dyn nixl::NixlDialect> {
+        // Files never reach peers: no protocol to speak.
+        None
+    }
+
     async fn start(&self, ctx: BackendContext) -> Result<()> {
         const OP: &str = "start posix backend";
         let threads = self.options.threads.max(1);

@@ -445,6 +445,16 @@ impl Backend for TcpBackend {
         }
     }
 
+    fn unsupported_reason(&self, _kind: nixl::MemKind) -> Option<String> {
+        // Host and GPU memory both register; files are the storage backends'.
+        None
+    }
+
+    fn nixl(&self) -> Option<&dyn nixl::NixlDialect> {
+        // NIXL has no TCP backend of this protocol.
+        None
+    }
+
     fn alloc(&self, len: usize) -> Option<Result<nixl::Memory>> {
         // Shared memory pays off only where the same-host path can use it.
         self.inner

@@ -1829,6 +1829,22 @@ impl Backend for UcclBackend {
         }
     }
 
+    fn unsupported_reason(&self, _kind: MemKind) -> Option<String> {
+        // Host and GPU memory both register (the engine's errors say why not).
+        None
+    }
+
+    fn alloc(&self, _len: usize) -> Option<Result<nixl::Memory>> {
+        // UCCL reaches ordinary registered memory as fast as any.
+        None
+    }
+
+    fn nixl(&self) -> Option<&dyn nixl::NixlDialect> {
+        // NIXL's UCCL plugin speaks UCCL's own connection setup, not this crate's
+        // control protocol.
+        None
+    }
+
     async fn start(&self, ctx: BackendContext) -> Result<()> {
         const OP: &str = "start uccl";
         let inner = &self.inner;

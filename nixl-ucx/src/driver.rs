@@ -1230,6 +1230,19 @@ impl Core {
         }
     }
 
+    /// The state of `peer`'s connection, for [`nixl::Backend::data_path`]: empty
+    /// while it works, else what is wrong with it.
+    pub(crate) fn connection_state(&self, peer: &str) -> String {
+        match self.peers.get(peer) {
+            None => " (not linked)".to_owned(),
+            Some(p) => match (&p.failed, &p.ep) {
+                (Some(why), _) => format!(" (connection failed: {why})"),
+                (None, Err(e)) => format!(" (unreachable: {e})"),
+                (None, Ok(_)) => String::new(),
+            },
+        }
+    }
+
     /// Whether the connection of the link named by `epoch` failed for good (or is
     /// gone).
     pub(crate) fn link_failed(&self, peer: &str, epoch: u64) -> bool {

@@ -873,6 +873,26 @@ impl Backend for UcxBackend {
         })
     }
 
+    fn data_path(&self, peer: &str) -> Option<String> {
+        let version = self
+            .inner
+            .report
+            .version
+            .as_deref()
+            .unwrap_or("(version unknown)");
+        let tls = (self.inner.options.ucx_config.iter().rev())
+            .find(|(k, _)| k == "TLS")
+            .map(|(_, v)| v.clone())
+            .or_else(|| std::env::var("UCX_TLS").ok())
+            .unwrap_or_else(|| "all".to_owned());
+        let state = self
+            .with_core("ucx data path", |core| Ok(core.connection_state(peer)))
+            .ok()?;
+        Some(format!(
+            "UCX {version} RMA (one put or get per segment, then a flush), transports UCX_TLS={tls}{state}"
+        ))
+    }
+
     fn alloc(&self, len: usize) -> Option<Result<nixl::Memory>> {
         Some(Self::alloc(self, len))
     }

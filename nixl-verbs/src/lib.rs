@@ -1129,6 +1129,21 @@ impl Backend for VerbsBackend {
         }
     }
 
+    fn unsupported_reason(&self, _kind: nixl::MemKind) -> Option<String> {
+        // Host and GPU memory both register (GPU memory's own errors say why not).
+        None
+    }
+
+    fn alloc(&self, _len: usize) -> Option<Result<nixl::Memory>> {
+        // A NIC reaches ordinary registered memory as fast as any.
+        None
+    }
+
+    fn nixl(&self) -> Option<&dyn nixl::NixlDialect> {
+        // NIXL has no raw-verbs backend to speak to.
+        None
+    }
+
     async fn start(&self, ctx: BackendContext) -> Result<()> {
         const OP: &str = "start verbs backend";
         self.inner

@@ -856,11 +856,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// Why this backend does not take `kind` memory, when its capabilities say it
     /// does not and it knows why (a library built without GPU support): the agent
-    /// adds it to the error of a registration no backend takes. Default: `None`.
-    fn unsupported_reason(&self, kind: MemKind) -> Option<String> {
-        let _ = kind;
-        None
-    }
+    /// adds it to the error of a registration no backend takes. `None`: no reason
+    /// to give.
+    fn unsupported_reason(&self, kind: MemKind) -> Option<String>;
 
     /// Called once when attached to an agent: start listeners and progress tasks here,
     /// through the context's tracker.
@@ -888,25 +886,17 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// Allocate host memory this backend reaches faster than ordinary memory (for
     /// example shared memory a peer on the same host maps directly), for
-    /// [`Agent::alloc`](crate::Agent::alloc). `None` (the default): no such memory.
-    fn alloc(&self, len: usize) -> Option<Result<Memory>> {
-        let _ = len;
-        None
-    }
+    /// [`Agent::alloc`](crate::Agent::alloc). `None`: no such memory.
+    fn alloc(&self, len: usize) -> Option<Result<Memory>>;
 
     /// How this backend moves data to `peer` right now, in one line (the transport, a
     /// same-host shortcut, and why a faster path is off), for logs and benchmark
-    /// headers. `None` (the default): nothing to say, or not connected yet.
-    fn data_path(&self, peer: &str) -> Option<String> {
-        let _ = peer;
-        None
-    }
+    /// headers. `None`: nothing to say, or not connected yet.
+    fn data_path(&self, peer: &str) -> Option<String>;
 
-    /// This backend's side of NIXL's protocol, if it speaks one; `None` (the
-    /// default): it cannot work with NIXL agents.
-    fn nixl(&self) -> Option<&dyn NixlDialect> {
-        None
-    }
+    /// This backend's side of NIXL's protocol, if it speaks one; `None`: it cannot
+    /// work with NIXL agents.
+    fn nixl(&self) -> Option<&dyn NixlDialect>;
 
     /// A link to `peer` at `conn_info` (see [`PeerLink`]); connecting may be lazy.
     /// The agent keeps it while the peer's connection info for this backend stays the
