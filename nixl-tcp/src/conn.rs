@@ -323,7 +323,10 @@ impl Conn {
             same_host: conn.same_host.clone(),
             path: conn.path.clone(),
             options: TcpOptions {
-                secret: started.secret.clone(),
+                listener: nixl::control::ListenerOptions {
+                    secret: started.secret.clone(),
+                    ..options.listener.clone()
+                },
                 ..options.clone()
             },
             agent: started.ctx.agent_name.clone(),
@@ -743,7 +746,7 @@ impl Task {
             Lane::First(Err(why)) => Want::No(why.clone()),
             Lane::Extra => Want::Extra,
         };
-        let secret = self.options.secret.clone();
+        let secret = self.options.listener.secret.clone();
         let nonce = match secret {
             Some(_) => nixl::control::nonce(),
             None => [0; nixl::control::NONCE_LEN],

@@ -57,8 +57,10 @@
 //! ## Wire security
 //! Keys stop stale or mistaken requests and peers that never saw the metadata; they
 //! are not encryption: anyone who can read the traffic or the metadata can reuse them.
-//! With [`TcpOptions::secret`], every connection is authenticated first (the core's
-//! exchange, [`nixl::control`]: both sides prove the secret and their agent names),
+//! With a secret (the listener options'
+//! [`secret`](nixl::control::ListenerOptions::secret), or the agent's), every
+//! connection is authenticated first (the core's exchange, [`nixl::control`]: both
+//! sides prove the secret and their agent names),
 //! so only agents that know the secret can reach registered memory at all, and a
 //! connection's hello, and so its notifications, carry the name it proved. Traffic
 //! is still not encrypted nor MAC'd after the handshake: run it on a trusted network.
@@ -74,7 +76,8 @@
 //! must end within the handshake timeout, at most so many connections wait in theirs
 //! (a newcomer closes the oldest) and so many are served past it
 //! ([`TcpOptions::listener`]: [`ListenerOptions`](nixl::control::ListenerOptions)); a
-//! peer that stops reading is cut after the dead-peer timeout without progress (`TCP_USER_TIMEOUT`); buffers grow only as bytes arrive; and one
+//! peer that stops reading is cut after the dead-peer timeout without progress
+//! (`TCP_USER_TIMEOUT`); buffers grow only as bytes arrive; and one
 //! request moves at most [`TcpOptions::max_request_bytes`]. A target that stops
 //! reading a peer on purpose (its agent's queue of that peer's notifications is
 //! full) tells the peer first, and the peer lifts its user timeout until the target
@@ -111,7 +114,7 @@
 //! those are missing), and, with a secret, the peer authenticated first; any other
 //! peer is told "no offer" and learns none of it. The path is used only after the
 //! initiator mapped the target's grant table through `/proc/<pid>/fd` and found in it the nonce the target
-//! sent over the (authenticated, with [`TcpOptions::secret`]) TCP connection: same
+//! sent over the TCP connection (authenticated where there is a secret): same
 //! host, same process, access allowed. Cross-memory attach is used only after reading
 //! that nonce with `process_vm_readv` worked. Where any step fails the connection uses
 //! TCP and logs why once; [`nixl::Backend::data_path`] says which path a peer got.
@@ -266,7 +269,7 @@ impl TcpBackend {
             .await?;
         let addr = bound.advertised;
         let cancel = ctx.cancel.child_token();
-        let secret = self.inner.options.secret.clone().or(ctx.secret.clone());
+        let secret = (self.inner.options.listener.secret.clone()).or(ctx.secret.clone());
         let started = Started {
             ctx,
             secret,

@@ -14,7 +14,10 @@ use crate::same_host::SameHost;
 pub struct TcpOptions {
     /// The listener and connections ([`ListenerOptions`], as every backend's):
     /// where to listen and what to publish, the connect and handshake bounds, the
-    /// admission limits, and the bound on noticing a silent peer. Here
+    /// admission limits, the bound on noticing a silent peer, and the shared secret.
+    /// With a secret, both ends of every connection (data connections included)
+    /// prove it and their agent names before any request is read: a client without
+    /// it reaches no registered memory, whatever keys it has. Here
     /// [`ListenerOptions::dead_peer_timeout`] sets TCP keepalive probes and
     /// `TCP_USER_TIMEOUT`, and also bounds a target that stops reading without
     /// saying so: data it leaves unread (a zero window) for this long closes the
@@ -43,13 +46,6 @@ pub struct TcpOptions {
     /// initiator); a stride-0 run would otherwise let a tiny request stream up to
     /// 2^64 bytes.
     pub max_request_bytes: u64,
-    /// When set, both ends of every connection prove they know this secret and their
-    /// agent names (HMAC-SHA256 challenge-response, [`nixl::control`]) before any
-    /// request is read: a client without it reaches no registered memory, whatever
-    /// keys it has, and a client's hello must name the agent it proved. Set the same
-    /// secret on every agent of a deployment. `None`: the agent's
-    /// ([`nixl::AgentBuilder::secret`]), if it has one.
-    pub secret: Option<nixl::SharedSecret>,
     /// The same-host path (default [`SameHost::Auto`]).
     pub same_host: SameHost,
     /// Same-host transfers up to this many bytes are copied on the thread that posts
@@ -94,7 +90,6 @@ impl Default for TcpOptions {
             pause_timeout: Duration::from_secs(60),
             max_notification: 1 << 20,
             max_request_bytes: crate::protocol::target::DEFAULT_MAX_REQUEST,
-            secret: None,
             same_host: SameHost::Auto,
             inline_copy_max: 4 << 20,
             connections: default_connections(),
@@ -149,7 +144,7 @@ impl TcpOptions {
 #[derive(Debug)]
 pub(crate) struct Started {
     pub(crate) ctx: BackendContext,
-    /// [`TcpOptions::secret`], or else the agent's.
+    /// The listener options' secret, or else the agent's.
     pub(crate) secret: Option<nixl::SharedSecret>,
     pub(crate) addr: SocketAddr,
     pub(crate) cancel: CancellationToken,

@@ -140,10 +140,10 @@ async fn a_reused_address_with_a_secret_is_not_the_peer() {
         .backend(TcpBackend::with_options(TcpOptions {
             listener: nixl::control::ListenerOptions {
                 listen: Some(addr),
+                secret: Some(nixl::SharedSecret::new("s3cret-s3cret-s3cret").unwrap()),
                 ..nixl::control::ListenerOptions::default()
             },
             same_host: SameHost::Off,
-            secret: Some(nixl::SharedSecret::new("s3cret-s3cret-s3cret").unwrap()),
             ..TcpOptions::default()
         }))
         .build()

@@ -195,7 +195,10 @@ fn sums(rs: &[&Registration]) -> Vec<u64> {
 
 fn with_secret(s: Option<&str>) -> TcpOptions {
     TcpOptions {
-        secret: s.map(|s| SharedSecret::new(s).unwrap()),
+        listener: nixl::control::ListenerOptions {
+            secret: s.map(|s| SharedSecret::new(s).unwrap()),
+            ..nixl::control::ListenerOptions::default()
+        },
         ..Default::default()
     }
 }

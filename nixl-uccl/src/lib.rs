@@ -70,7 +70,8 @@
 //!   sends PONGs while it waits so the initiator does not count it dead.
 //! - **The control connection** is authenticated with the agent's shared secret
 //!   where one is set ([`nixl::AgentBuilder::secret`], or this backend's own,
-//!   [`UcclOptions::secret`], through [`nixl::control`]),
+//!   the listener options' [`secret`](nixl::control::ListenerOptions::secret),
+//!   through [`nixl::control`]),
 //!   and its hello must name the agent proven, so notifications carry a proven name;
 //!   without a secret the name in the hello is taken as given (NIXL-compatible).
 //!   UCCL's own engine channel is never authenticated: run UCCL on a trusted fabric.
@@ -225,10 +226,6 @@ pub struct UcclOptions {
     /// side (GPU memory is copied to the host for it) and one round trip per
     /// transfer. Turn it off only where the fabric is known not to lose operations.
     pub confirm: bool,
-    /// When set, the control connection is authenticated with this secret instead
-    /// of the agent's ([`nixl::AgentBuilder::secret`]); the same secret on every
-    /// agent of a deployment. `None` (the default): the agent's, if it has one.
-    pub secret: Option<nixl::SharedSecret>,
 }
 
 impl Default for UcclOptions {
@@ -243,7 +240,6 @@ impl Default for UcclOptions {
             max_outstanding: 256,
             device: 0,
             confirm: true,
-            secret: None,
         }
     }
 }
@@ -1692,7 +1688,7 @@ impl UcclBackend {
     /// Create the engine and start its threads and control listener: the state
     /// [`Backend::start`] keeps.
     async fn start_engine(&self, ctx: BackendContext) -> Result<Started> {
-        let ctx = ctx.with_own_secret(self.inner.options.secret.as_ref());
+        let ctx = ctx.with_own_secret(self.inner.options.listener.secret.as_ref());
         const OP: &str = "start uccl";
         let inner = &self.inner;
         // Creating an engine initialises the NIC and GPU and may take a while: on an

@@ -47,7 +47,8 @@
 //! ## Admission
 //! Nothing is made for an incoming control connection until it is admitted:
 //! - **Authentication.** Where the agent has a secret ([`nixl::AgentBuilder::secret`],
-//!   or this backend's own, [`VerbsOptions::secret`]),
+//!   or this backend's own, the listener options'
+//!   [`secret`](nixl::control::ListenerOptions::secret)),
 //!   the connection first proves it and the agent name it speaks for (the core's
 //!   challenge-response, [`nixl::control`]), and its hello must carry that name; one
 //!   that does not is refused and closed. Without a secret (NIXL's behaviour), the
@@ -241,10 +242,6 @@ pub struct VerbsOptions {
     /// How long the completion loop keeps polling after a batch before it sleeps on
     /// the completion channel (lower latency under load; zero: never spin).
     pub spin: Duration,
-    /// When set, the control connection is authenticated with this secret instead
-    /// of the agent's ([`nixl::AgentBuilder::secret`]); the same secret on every
-    /// agent of a deployment. `None` (the default): the agent's, if it has one.
-    pub secret: Option<nixl::SharedSecret>,
 }
 
 impl Default for VerbsOptions {
@@ -265,7 +262,6 @@ impl Default for VerbsOptions {
             listener: ListenerOptions::default(),
             reliability: Reliability::default(),
             spin: Duration::from_micros(20),
-            secret: None,
         }
     }
 }
@@ -521,7 +517,7 @@ impl VerbsBackend {
     /// Start listening and the completion loop: the state [`Backend::start`] keeps.
     async fn start_attached(&self, ctx: BackendContext) -> Result<Started> {
         const OP: &str = "start verbs backend";
-        let ctx = ctx.with_own_secret(self.inner.options.secret.as_ref());
+        let ctx = ctx.with_own_secret(self.inner.options.listener.secret.as_ref());
         let dev = self.dev(OP)?;
         let o = &self.inner.options;
         let bound = o

@@ -96,7 +96,10 @@ fn with_own_secret(own: Option<nixl::SharedSecret>) -> Arc<dyn nixl::Backend> {
     Arc::new(nixl_uccl::UcclBackend::with_api(
         nixl_uccl::test_double::TestDouble::api(),
         nixl_uccl::UcclOptions {
-            secret: own,
+            listener: nixl::control::ListenerOptions {
+                secret: own,
+                ..nixl::control::ListenerOptions::default()
+            },
             ..nixl_uccl::UcclOptions::default()
         },
     ))

@@ -129,7 +129,10 @@ async fn the_backends_own_secret_wins_over_the_agents() {
 fn with_own_secret(own: Option<nixl::SharedSecret>) -> Arc<dyn nixl::Backend> {
     Arc::new(
         VerbsBackend::with_test_double(VerbsOptions {
-            secret: own,
+            listener: nixl::control::ListenerOptions {
+                secret: own,
+                ..nixl::control::ListenerOptions::default()
+            },
             ..VerbsOptions::default()
         })
         .unwrap(),

@@ -46,6 +46,15 @@ pub struct ListenerOptions {
     /// that proved the shared secret, never gives its place. Both bounds are clamped
     /// to a quarter and an eighth of the process's open-files limit.
     pub max_incoming_connections: usize,
+    /// When set, both ends of every connection prove they know this secret and their
+    /// agent names (the challenge-response of [`super`]) before anything else is
+    /// read, instead of the agent's ([`AgentBuilder::secret`]): a peer without it
+    /// gets nothing made for it, and a peer's hello must name the agent it proved.
+    /// The same secret on every agent of a deployment. `None` (the default): the
+    /// agent's, if it has one.
+    ///
+    /// [`AgentBuilder::secret`]: crate::AgentBuilder::secret
+    pub secret: Option<crate::secret::SharedSecret>,
 }
 
 impl Default for ListenerOptions {
@@ -58,6 +67,7 @@ impl Default for ListenerOptions {
             dead_peer_timeout: Duration::from_secs(10),
             max_incoming_handshakes: 256,
             max_incoming_connections: 4096,
+            secret: None,
         }
     }
 }
