@@ -370,15 +370,9 @@ impl Backend for TcpBackend {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            local: false,
-            remote: true,
-            notifications: true,
-            dram: true,
-            vram: true,
-            file: false,
             target_checks: true,
             max_segments: wire::MAX_ENTRIES as usize,
-            max_notification: self.inner.options.max_notification,
+            ..Capabilities::between_agents(self.inner.options.max_notification)
         }
     }
 

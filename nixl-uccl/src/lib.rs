@@ -1812,17 +1812,7 @@ impl Backend for UcclBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            local: false,
-            remote: true,
-            notifications: true,
-            dram: true,
-            vram: true,
-            file: false,
-            target_checks: false,
-            max_segments: usize::MAX,
-            max_notification: MAX_NOTIFICATION,
-        }
+        Capabilities::between_agents(MAX_NOTIFICATION)
     }
 
     fn unsupported_reason(&self, _kind: MemKind) -> Option<String> {

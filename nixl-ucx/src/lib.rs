@@ -749,15 +749,8 @@ impl Backend for UcxBackend {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            local: false,
-            remote: true,
-            notifications: true,
-            dram: true,
             vram: self.inner.cuda,
-            file: false,
-            target_checks: false,
-            max_segments: usize::MAX,
-            max_notification: self.inner.options.max_notification,
+            ..Capabilities::between_agents(self.inner.options.max_notification)
         }
     }
 

@@ -1110,18 +1110,11 @@ impl Backend for VerbsBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
+        // The peer's NIC checks keys and bounds, but a refusal fails the whole queue
+        // pair; requests are checked by the initiator only (no target checks).
         Capabilities {
-            local: false,
-            remote: true,
-            notifications: true,
-            dram: true,
-            vram: true,
-            file: false,
-            // The peer's NIC checks keys and bounds, but a refusal fails the whole
-            // queue pair; requests are checked by the initiator only.
-            target_checks: false,
             max_segments: 1 << 24,
-            max_notification: self.inner.options.max_notification,
+            ..Capabilities::between_agents(self.inner.options.max_notification)
         }
     }
 

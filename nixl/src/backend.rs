@@ -78,6 +78,23 @@ impl Default for Capabilities {
 }
 
 impl Capabilities {
+    /// A transport between agents: host and GPU memory, with notifications of at
+    /// most `max_notification` bytes, no limit on segment runs, no checks at the
+    /// target (one-sided). Backends start from this and say where they differ.
+    pub const fn between_agents(max_notification: usize) -> Self {
+        Self {
+            local: false,
+            remote: true,
+            notifications: true,
+            dram: true,
+            vram: true,
+            file: false,
+            target_checks: false,
+            max_segments: usize::MAX,
+            max_notification,
+        }
+    }
+
     /// Whether memory of `kind` is supported.
     pub fn supports(&self, kind: MemKind) -> bool {
         match kind {
