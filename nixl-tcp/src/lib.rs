@@ -461,8 +461,13 @@ impl Backend for TcpBackend {
     }
 
     fn data_path(&self, peer: &str) -> Option<String> {
+        // The newest open link to it (one a request still holds may be closed).
         let links = self.inner.peers.alive();
-        links.iter().rev().find(|e| e.name == peer)?.path()
+        links
+            .iter()
+            .rev()
+            .filter(|e| e.name == peer)
+            .find_map(|e| e.path())
     }
 
     fn link(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn PeerLink>> {

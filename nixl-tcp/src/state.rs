@@ -130,9 +130,13 @@ impl PeerEntry {
         Ok(lanes.extra.clone())
     }
 
-    /// How data moves on the first connection, once it is up.
+    /// How data moves on the first connection, once it is up; `None` once closed.
     pub(crate) fn path(&self) -> Option<String> {
-        self.lanes.lock().unwrap().first.as_ref()?.path()
+        let lanes = self.lanes.lock().unwrap();
+        if lanes.closed.is_some() {
+            return None;
+        }
+        lanes.first.as_ref()?.path()
     }
 }
 

@@ -695,7 +695,7 @@ impl Inner {
         if let Some(why) = &slot.closed {
             // Dropping the new link closes it.
             return err(
-                ErrorKind::UnknownPeer,
+                ErrorKind::RemoteDisconnected,
                 OP,
                 format!("{why} while connecting"),
             );
@@ -1092,6 +1092,8 @@ async fn serve_control(
         secret: secret.as_ref(),
         me: &me,
     };
+    // One bound for the whole handshake: authentication and hello.
+    let deadline = tokio::time::Instant::now() + listener.handshake_timeout;
     // A peer whose host dies, or that stops reading (a zero window), is cut within
     // the liveness bound by the kernel too, not only by the write deadline below.
     let auth = nixl::control::answer(
@@ -1117,11 +1119,8 @@ async fn serve_control(
     // Small frames (pings) are read many at a time, not one system call each.
     let mut rd = tokio::io::BufReader::new(rd);
     // Before the hello, only a hello-sized frame is read.
-    let hello = tokio::time::timeout(
-        listener.handshake_timeout,
-        wire::read_frame_max(&mut rd, control::MAX_HELLO),
-    )
-    .await;
+    let hello =
+        tokio::time::timeout_at(deadline, wire::read_frame_max(&mut rd, control::MAX_HELLO)).await;
     let Some(name) = hello
         .ok()
         .and_then(Result::ok)
@@ -1908,9 +1907,11 @@ impl Backend for UcclBackend {
     }
 
     fn data_path(&self, peer: &str) -> Option<String> {
+        // The newest open link to it (one a request still holds may be closed).
         let entries = self.inner.peers.alive();
-        let connected = (entries.iter().rev().find(|e| e.name == peer))
-            .and_then(|e| e.live_link("uccl data path").ok().flatten())
+        let connected = (entries.iter().rev().filter(|e| e.name == peer))
+            .find_map(|e| e.live_link("uccl data path").ok())
+            .flatten()
             .is_some();
         Some(format!(
             "UCCL p2p engine ({}), one-sided write/read per piece{}; notifications on nixl-uccl's control connection",
@@ -2062,10 +2063,9 @@ impl Backend for UcclBackend {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // Order when the agent was dropped without shutdown: peers (connections)
-        // first, then the engine owner (regions, then the engine) once its last
-        // holder lets go.
-        drop(self.peers.take());
+        // When the agent was dropped without shutdown: the peers' links went before
+        // this (they hold this backend); the engine owner (regions, then the engine)
+        // goes once its last holder lets go.
         if let Some(s) = self.started.try_get() {
             s.engine.lock().unwrap().take();
         }

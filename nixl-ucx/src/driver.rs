@@ -74,11 +74,15 @@ pub(crate) enum Cmd {
     },
     Notify {
         peer: String,
+        /// The link's connection.
+        epoch: u64,
         msg: Bytes,
         done: Completer,
     },
     Connect {
         peer: String,
+        /// The link's connection.
+        epoch: u64,
         tx: oneshot::Sender<Result<()>>,
     },
 }
@@ -711,11 +715,12 @@ pub(crate) struct Core {
     pub(crate) ucx: Ucx<Work>,
     rx: mpsc::Receiver<Cmd>,
     pub(crate) peers: HashMap<Arc<str>, PeerConn>,
-    /// Connections a newer link of the same peer replaced in `peers`, kept until the
-    /// agent closes their link (the newer link is in place) or the newer one (its
-    /// load was refused: this one comes back). Making a link never disturbs the
-    /// peer's previous one.
-    previous: HashMap<Arc<str>, PeerConn>,
+    /// A peer's connection made for a newer link while its current one lives. The
+    /// newer link takes over (`peers`, the current one closed) when it is first
+    /// used or when the current link is closed (the agent put the newer one in
+    /// place); it is dropped when it is closed first (its load was refused). So
+    /// making a link never disturbs the peer's current one.
+    next: HashMap<Arc<str>, PeerConn>,
     /// Flights of connections that were replaced or forgotten.
     orphans: Vec<(InFlight, String)>,
     events: Arc<Mutex<Vec<AmEvent>>>,
@@ -913,6 +918,16 @@ fn say_hello(ucx: &mut Ucx<Work>, me: &Identity, peer: &str, p: &mut PeerConn, n
     );
 }
 
+/// The error for work on a link whose connection was closed (the peer forgotten,
+/// moved or restarted) or replaced by a newer link's.
+fn closed_link(peer: &str, op: &'static str) -> Error {
+    Error::new(
+        ErrorKind::RemoteDisconnected,
+        op,
+        format!("peer {peer:?}: the link was closed or replaced by a newer one"),
+    )
+}
+
 /// Talking to NIXL agents (`what`: which, or what for) while this agent has a
 /// shared secret.
 pub(crate) fn nixl_refused(what: &str) -> Error {
@@ -1103,7 +1118,7 @@ impl Core {
             ucx,
             rx,
             peers: HashMap::new(),
-            previous: HashMap::new(),
+            next: HashMap::new(),
             orphans: Vec::new(),
             events,
             reorder: Reorder::new(reorder::Limits::DEFAULT),
@@ -1136,15 +1151,10 @@ impl Core {
     }
 
     /// A new connection to a peer's worker address, for a new link; returns the
-    /// connection's epoch, which names it. The peer's current connection is put
-    /// aside (see [`Core::previous`]), not closed. `nixl`: the peer is a NIXL agent
+    /// connection's epoch, which names it. Where the peer has a current connection,
+    /// the new one waits (see [`Core::next`]). `nixl`: the peer is a NIXL agent
     /// (see [`PeerConn::nixl`]).
     pub(crate) fn add_peer(&mut self, peer: &str, address: &[u8], nixl: bool) -> u64 {
-        if let Some(current) = self.peers.remove(peer) {
-            if let Some(older) = self.previous.insert(Arc::from(peer), current) {
-                self.close_conn(peer, older, "the peer's connection was replaced twice");
-            }
-        }
         let mut peer_failure = self.peer_error_handling;
         // Checked (and padded) before UCX parses it; the backend refused a malformed
         // one already, so this only repeats the check.
@@ -1184,48 +1194,71 @@ impl Core {
         };
         tracing::debug!(peer, ok = ep.is_ok(), peer_failure, "ucx endpoint created");
         let epoch = random_u64();
-        self.peers.insert(
-            Arc::from(peer),
-            PeerConn {
-                epoch,
-                address: address.to_vec(),
-                ep,
-                peer_failure,
-                nixl,
-                failed: None,
-                hello_sent: false,
-                heard_hello: self.inbound.remove(peer).is_some_and(|a| a == address),
-                next_seq: 0,
-                rkeys: HashMap::new(),
-                queue: VecDeque::new(),
-                last_progress: Instant::now(),
-                probe_ep: None,
-                probe: None,
-                next_probe: 0,
-                dropped: 0,
-                credit: Credit::Awaiting { since: None },
-                sent_bytes: 0,
-                asked: None,
-                ask_every: ASK_MIN,
-                held: VecDeque::new(),
-            },
-        );
+        let heard_hello = !self.peers.contains_key(peer)
+            && self.inbound.remove(peer).is_some_and(|a| a == address);
+        let conn = PeerConn {
+            epoch,
+            address: address.to_vec(),
+            ep,
+            peer_failure,
+            nixl,
+            failed: None,
+            hello_sent: false,
+            heard_hello,
+            next_seq: 0,
+            rkeys: HashMap::new(),
+            queue: VecDeque::new(),
+            last_progress: Instant::now(),
+            probe_ep: None,
+            probe: None,
+            next_probe: 0,
+            dropped: 0,
+            credit: Credit::Awaiting { since: None },
+            sent_bytes: 0,
+            asked: None,
+            ask_every: ASK_MIN,
+            held: VecDeque::new(),
+        };
+        if self.peers.contains_key(peer) {
+            if let Some(older) = self.next.insert(Arc::from(peer), conn) {
+                self.close_conn(peer, older, "a newer link to the peer was made");
+            }
+        } else {
+            self.peers.insert(Arc::from(peer), conn);
+        }
         epoch
     }
 
+    /// Make the connection of the link named by `epoch` the peer's current one, if
+    /// it is not already: a waiting one takes over (the current one closes).
+    /// `false` when no connection of the peer has that epoch (the link was closed).
+    fn resolve(&mut self, peer: &str, epoch: u64) -> bool {
+        if self.peers.get(peer).is_some_and(|p| p.epoch == epoch) {
+            return true;
+        }
+        if self.next.get(peer).is_none_or(|p| p.epoch != epoch) {
+            return false;
+        }
+        let newer = self.next.remove(peer).expect("checked above");
+        if let Some(old) = self.peers.insert(Arc::from(peer), newer) {
+            self.close_conn(peer, old, "the peer's connection was replaced");
+        }
+        true
+    }
+
     /// Close the connection of the link named by `epoch`: its endpoints close and
-    /// its in-flight work fails. Closing the current connection brings back the one
-    /// it put aside, if any (a refused load); closing a put-aside one leaves the
-    /// current one as it is (the newer link is in place).
+    /// its in-flight work fails. Closing the current connection lets a waiting one
+    /// take over (the agent put the newer link in place); closing a waiting one
+    /// leaves the current one as it is (its load was refused).
     pub(crate) fn close_link(&mut self, peer: &str, epoch: u64, why: &str) {
         if self.peers.get(peer).is_some_and(|p| p.epoch == epoch) {
             let p = self.peers.remove(peer).expect("checked above");
             self.close_conn(peer, p, why);
-            if let Some(prev) = self.previous.remove(peer) {
-                self.peers.insert(Arc::from(peer), prev);
+            if let Some(newer) = self.next.remove(peer) {
+                self.peers.insert(Arc::from(peer), newer);
             }
-        } else if self.previous.get(peer).is_some_and(|p| p.epoch == epoch) {
-            let p = self.previous.remove(peer).expect("checked above");
+        } else if self.next.get(peer).is_some_and(|p| p.epoch == epoch) {
+            let p = self.next.remove(peer).expect("checked above");
             self.close_conn(peer, p, why);
         }
     }
@@ -1246,7 +1279,7 @@ impl Core {
     /// Whether the connection of the link named by `epoch` failed for good (or is
     /// gone).
     pub(crate) fn link_failed(&self, peer: &str, epoch: u64) -> bool {
-        [self.peers.get(peer), self.previous.get(peer)]
+        [self.peers.get(peer), self.next.get(peer)]
             .into_iter()
             .flatten()
             .find(|p| p.epoch == epoch)
@@ -1255,7 +1288,7 @@ impl Core {
 
     /// Forget a peer: close its connections; their in-flight work fails.
     pub(crate) fn remove_peer(&mut self, peer: &str, why: &str) {
-        for p in [self.peers.remove(peer), self.previous.remove(peer)]
+        for p in [self.peers.remove(peer), self.next.remove(peer)]
             .into_iter()
             .flatten()
         {
@@ -1285,15 +1318,20 @@ impl Core {
         }
     }
 
-    /// Resolve a remote key for `region` of `peer`, unpacking it once per connection.
+    /// Resolve a remote key for `region` of `peer` on the connection of the link
+    /// named by `epoch` (made current if it waited), unpacking it once per connection.
     pub(crate) fn rkey(
         &mut self,
         peer: &str,
+        epoch: u64,
         region: u64,
         blob: &Bytes,
         packed: &[u8],
-    ) -> Result<(u64, RkeyId)> {
+    ) -> Result<RkeyId> {
         const OP: &str = "ucx prepare";
+        if !self.resolve(peer, epoch) {
+            return Err(closed_link(peer, OP));
+        }
         let Some(p) = self.peers.get_mut(peer) else {
             return Err(Error::new(
                 ErrorKind::UnknownPeer,
@@ -1316,7 +1354,7 @@ impl Core {
         };
         if let Some((b, k)) = p.rkeys.get(&region) {
             if b == blob {
-                return Ok((p.epoch, *k));
+                return Ok(*k);
             }
         }
         // Checked (and padded) before UCX parses it.
@@ -1336,7 +1374,7 @@ impl Core {
             .with_source(e)
         })?;
         p.rkeys.insert(region, (blob.clone(), k));
-        Ok((p.epoch, k))
+        Ok(k)
     }
 
     fn ensure_hello(&mut self, peer: &str) {
@@ -1349,6 +1387,9 @@ impl Core {
         match cmd {
             Cmd::Transfer { xfer, notif, done } => {
                 let now = self.now;
+                if !self.resolve(&xfer.peer, xfer.epoch) {
+                    return done.complete(Err(closed_link(&xfer.peer, "ucx transfer")));
+                }
                 let Some(p) = self.peers.get_mut(&*xfer.peer) else {
                     return done.complete(Err(Error::new(
                         ErrorKind::UnknownPeer,
@@ -1356,16 +1397,6 @@ impl Core {
                         format!("peer {:?} was forgotten", xfer.peer),
                     )));
                 };
-                if p.epoch != xfer.epoch {
-                    return done.complete(Err(Error::new(
-                        ErrorKind::StaleGeneration,
-                        "ucx transfer",
-                        format!(
-                            "the connection to {:?} was replaced since this request was prepared; prepare it again",
-                            xfer.peer
-                        ),
-                    )));
-                }
                 if let Some(why) = &p.failed {
                     return done.complete(Err(disconnected(&xfer.peer, why)));
                 }
@@ -1387,7 +1418,15 @@ impl Core {
                 let flight = self.ucx.rma(ep, xfer.write, &xfer.segs, Work::Done(done));
                 p.push(InFlight { flight, notif }, now);
             }
-            Cmd::Notify { peer, msg, done } => {
+            Cmd::Notify {
+                peer,
+                epoch,
+                msg,
+                done,
+            } => {
+                if !self.resolve(&peer, epoch) {
+                    return done.complete(Err(closed_link(&peer, "ucx notify")));
+                }
                 if msg.len() > self.max_notification {
                     return done.complete(Err(Error::new(
                         ErrorKind::InvalidArgument,
@@ -1431,36 +1470,47 @@ impl Core {
                     }
                 }
             }
-            Cmd::Connect { peer, tx } => match self.peers.get(peer.as_str()) {
-                None => {
-                    let _ = tx.send(Err(Error::new(
-                        ErrorKind::UnknownPeer,
-                        "ucx connect",
-                        format!("ucx: no connection info for peer {peer:?}"),
-                    )));
+            Cmd::Connect { peer, epoch, tx } => {
+                if !self.resolve(&peer, epoch) {
+                    let _ = tx.send(Err(closed_link(&peer, "ucx connect")));
+                    return;
                 }
-                Some(p) if p.failed.is_some() || p.ep.is_err() => {
-                    let why = p
-                        .failed
-                        .clone()
-                        .unwrap_or_else(|| p.ep.as_ref().err().cloned().unwrap_or_default());
-                    let _ = tx.send(Err(disconnected(&peer, &why)));
+                self.connect(peer, tx);
+            }
+        }
+    }
+
+    /// Flush `peer`'s current connection for a connect: `tx` learns when it is up.
+    fn connect(&mut self, peer: String, tx: oneshot::Sender<Result<()>>) {
+        match self.peers.get(peer.as_str()) {
+            None => {
+                let _ = tx.send(Err(Error::new(
+                    ErrorKind::UnknownPeer,
+                    "ucx connect",
+                    format!("ucx: no connection info for peer {peer:?}"),
+                )));
+            }
+            Some(p) if p.failed.is_some() || p.ep.is_err() => {
+                let why = p
+                    .failed
+                    .clone()
+                    .unwrap_or_else(|| p.ep.as_ref().err().cloned().unwrap_or_default());
+                let _ = tx.send(Err(disconnected(&peer, &why)));
+            }
+            Some(p) => {
+                let ep = p.ep.clone().expect("checked above");
+                self.ensure_hello(&peer);
+                let flight = self.ucx.flush(ep, Work::Connect(tx));
+                if let Some(p) = self.peers.get_mut(peer.as_str()) {
+                    p.push(
+                        InFlight {
+                            flight,
+                            notif: None,
+                        },
+                        self.now,
+                    );
                 }
-                Some(p) => {
-                    let ep = p.ep.clone().expect("checked above");
-                    self.ensure_hello(&peer);
-                    let flight = self.ucx.flush(ep, Work::Connect(tx));
-                    if let Some(p) = self.peers.get_mut(peer.as_str()) {
-                        p.push(
-                            InFlight {
-                                flight,
-                                notif: None,
-                            },
-                            self.now,
-                        );
-                    }
-                }
-            },
+            }
         }
     }
 
@@ -2198,7 +2248,7 @@ pub(crate) fn teardown(shared: &Shared) {
         core.handle_events();
         core.reap();
         let mut peers: Vec<Arc<str>> = core.peers.keys().cloned().collect();
-        peers.extend(core.previous.keys().cloned());
+        peers.extend(core.next.keys().cloned());
         for p in peers {
             core.remove_peer(&p, "the ucx backend is shutting down");
         }

@@ -963,14 +963,7 @@ impl Backend for UcxBackend {
                         format!("peer {peer:?} region {region}: malformed ucx blob"),
                     ));
                 };
-                let (ep_epoch, rkey) = core.rkey(&peer, *region, blob, b.rkey)?;
-                if ep_epoch != epoch {
-                    return Err(Error::new(
-                        ErrorKind::StaleGeneration,
-                        OP,
-                        format!("the link to {peer:?} was replaced; load its metadata again"),
-                    ));
-                }
+                let rkey = core.rkey(&peer, epoch, *region, blob, b.rkey)?;
                 keys.push((*region, *addr, b, rkey));
             }
             for s in plan_segs.runs() {
@@ -1119,6 +1112,7 @@ impl PeerLink for UcxLink {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.backend.inner.shared.submit(Cmd::Connect {
             peer: self.peer.to_string(),
+            epoch: self.epoch,
             tx,
         });
         rx.await.unwrap_or_else(|_| {
@@ -1136,6 +1130,7 @@ impl PeerLink for UcxLink {
         }
         self.backend.inner.shared.submit(Cmd::Notify {
             peer: self.peer.to_string(),
+            epoch: self.epoch,
             msg,
             done,
         });

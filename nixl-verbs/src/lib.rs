@@ -355,17 +355,11 @@ impl Drop for Inner {
     /// An agent dropped without shutdown: queue pairs go before the memory regions,
     /// as at shutdown, so peers see the connection end (retries exhausted), never a
     /// refused key, and no device touches memory that is gone.
+    ///
+    /// The links went before this (the agent and prepared transfers hold them, and
+    /// they hold this backend), and with them their pending work; their queue pairs
+    /// are still in `qps`, destroyed here.
     fn drop(&mut self) {
-        let links: Vec<Arc<Link>> = (self.peers.take().iter())
-            .filter_map(|p| p.slot.lock().unwrap().link.take())
-            .collect();
-        for l in links {
-            l.fail(Error::new(
-                ErrorKind::Canceled,
-                "verbs transfer",
-                "the agent was dropped",
-            ));
-        }
         for i in self.inbound.get_mut().unwrap().drain(..) {
             i.close();
         }
@@ -564,7 +558,7 @@ impl VerbsBackend {
     }
 
     /// The live link to `entry`'s peer, connecting if needed.
-    fn link(&self, entry: &PeerEntry, op: &'static str) -> Result<Arc<Link>> {
+    fn rc_link(&self, entry: &PeerEntry, op: &'static str) -> Result<Arc<Link>> {
         let started = self.started(op)?;
         let mut slot = entry.slot.lock().unwrap();
         entry.refuse_closed(&slot, op)?;
@@ -817,7 +811,9 @@ impl VerbsBackend {
             secret: secret.as_ref(),
             me: &me,
         };
+        // One bound for the whole handshake: authentication and hello.
         let (dead, t) = (o.listener.dead_peer_timeout, o.listener.handshake_timeout);
+        let deadline = tokio::time::Instant::now() + t;
         let authenticated = tokio::select! {
             _ = close.cancelled() => return Err(evicted()),
             r = nixl::control::answer(&mut s, ends, from, dead, t) => r?,
@@ -828,7 +824,7 @@ impl VerbsBackend {
         }
         let frame = tokio::select! {
             _ = close.cancelled() => return Err(evicted()),
-            r = tokio::time::timeout(o.listener.handshake_timeout, read_frame(&mut s)) => r,
+            r = tokio::time::timeout_at(deadline, read_frame(&mut s)) => r,
         }
         .map_err(|_| Error::new(ErrorKind::TimedOut, OP, "no hello in time"))?
         .map_err(|e| io("hello", e))?;
@@ -1225,9 +1221,12 @@ impl Backend for VerbsBackend {
     }
 
     fn data_path(&self, peer: &str) -> Option<String> {
+        // The newest open link to it (one a request still holds may be closed).
         let entries = self.inner.peers.alive();
-        let entry = entries.iter().rev().find(|e| e.name == peer)?;
-        let link = entry.slot.lock().unwrap().link.clone()?;
+        let link = (entries.iter().rev().filter(|e| e.name == peer)).find_map(|e| {
+            let slot = e.slot.lock().unwrap();
+            slot.closed.is_none().then(|| slot.link.clone()).flatten()
+        })?;
         let st = link.state.lock().unwrap();
         let LinkState::Up(lanes, _) = &*st else {
             return None;
@@ -1445,13 +1444,13 @@ struct VerbsLink {
 impl PeerLink for VerbsLink {
     async fn connect(&self) -> Result<()> {
         self.backend
-            .link(&self.entry, "verbs connect")?
+            .rc_link(&self.entry, "verbs connect")?
             .ready()
             .await
     }
 
     fn notify(&self, msg: Bytes, done: Completer) {
-        match self.backend.link(&self.entry, "verbs notify") {
+        match self.backend.rc_link(&self.entry, "verbs notify") {
             Ok(l) => l.post(Pending::Notify(msg, done)),
             Err(e) => done.complete(Err(e)),
         }
@@ -1481,7 +1480,7 @@ struct Prepared {
 
 impl PreparedTransfer for Prepared {
     fn post(&self, notif: Option<Bytes>, done: Completer) {
-        match self.backend.link(&self.peer, "verbs post") {
+        match self.backend.rc_link(&self.peer, "verbs post") {
             Ok(l) => l.post(Pending::Transfer {
                 plan: self.plan.clone(),
                 notif,

@@ -917,8 +917,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// A link to `peer` at `conn_info` (see [`PeerLink`]); connecting may be lazy.
     /// The agent keeps it while the peer's connection info for this backend stays the
-    /// same, and closes it when the peer is forgotten, restarts or moves; it never
-    /// asks twice for the same info. Making a link must not disturb the peer's
+    /// same, and closes it when the peer is forgotten, restarts or moves; it asks
+    /// again for the same info only after a restart, a change of dialect, or a link
+    /// that failed for good ([`PeerLink::failed`]). Making a link must not disturb the peer's
     /// previous one, which the agent closes once the new one is in place.
     ///
     /// # Errors

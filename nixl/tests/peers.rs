@@ -265,7 +265,9 @@ async fn a_load_in_progress_does_not_stop_posts_to_other_peers() {
 async fn a_link_is_kept_while_its_info_stays_and_made_again_once_it_failed() {
     let first = Ledger::new("first", b"a1");
     let a = agent("a", &[&first]).await;
-    let b = agent("b", &[&Ledger::new("first", b"b1")]).await;
+    let b_first = Ledger::new("first", b"b1");
+    let b = agent("b", &[&b_first]).await;
+    let dst = b.register(vec![0u8; 64]).unwrap();
     let md = b.metadata().unwrap();
     a.load_metadata(&md).unwrap();
     a.load_metadata(&md).unwrap();
@@ -290,6 +292,22 @@ async fn a_link_is_kept_while_its_info_stays_and_made_again_once_it_failed() {
         assert!(!links[1].closed.load(Ordering::SeqCst));
     }
     assert_eq!(first.knows("b").as_deref(), Some(&b"b1"[..]));
+
+    // The peer moves (partial metadata of the same instance with new connection
+    // info): a new link, the old one closed, and a request prepared on the old one
+    // is refused as stale rather than posted on a closed link.
+    let src = a.register(vec![1u8; 64]).unwrap();
+    let req = request(&a, "b", &src);
+    req.post(None).unwrap().await.unwrap();
+    *b_first.info.lock().unwrap() = b"b1-moved".to_vec();
+    a.load_metadata(
+        &b.partial_metadata(std::slice::from_ref(&dst), true)
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(first.knows("b").as_deref(), Some(&b"b1-moved"[..]));
+    refused(req.post(None), ErrorKind::StaleGeneration, "");
+    request(&a, "b", &src).post(None).unwrap().await.unwrap();
 
     // Forgetting the peer closes its link.
     a.forget_peer("b").unwrap();

@@ -52,6 +52,13 @@ impl PeerLinks {
         }
     }
 
+    /// Whether `self` replaces a link of `old` (the backend had one, and it is not
+    /// kept).
+    pub(super) fn replaces(&self, old: &Self) -> bool {
+        old.iter()
+            .any(|(_, o)| !self.iter().any(|(_, n)| Arc::ptr_eq(n, o)))
+    }
+
     /// Close the links of `self` that `new` does not keep (the peer restarted or
     /// moved; `new` is in place).
     pub(super) fn retire(&self, new: &Self, why: &str) {

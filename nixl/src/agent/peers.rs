@@ -574,9 +574,12 @@ impl Agent {
             old.as_deref().map(|p| &p.links),
             restarted,
         )?;
+        // Requests prepared on a link this load replaces would post on a closed link:
+        // a new generation refuses them instead (prepare them again).
+        let relinked = old.as_ref().is_some_and(|o| links.replaces(&o.links));
         let (generation, slot) = match (&base, &old) {
-            (Some(b), _) => (b.generation, b.slot.clone()),
-            (None, old) => {
+            (Some(b), _) if !relinked => (b.generation, b.slot.clone()),
+            (_, old) => {
                 let g = self.shared.next_generation.fetch_add(1, Ordering::Relaxed);
                 (
                     g,
@@ -608,7 +611,7 @@ impl Agent {
             let why = if restarted {
                 "the peer restarted"
             } else {
-                "the peer's connection info changed"
+                "the peer's link was replaced (new connection info, or the link failed)"
             };
             old.links.retire(&new.links, why);
         }

@@ -4,8 +4,9 @@
 //! ([`tune`]), length-prefixed frames ([`write_frame`], [`read_frame`]) and
 //! authentication with the agent's shared secret. nixl-tcp, nixl-verbs and nixl-uccl
 //! use it; nixl-tcp runs the authentication machines ([`ClientAuth`], [`ServerAuth`])
-//! inside its own connection state machines, the others through [`authenticate_client`]
-//! and [`authenticate_server`].
+//! inside its own connection state machines, the others through [`dial`] and
+//! [`answer`] (connect or accept, socket settings, then [`authenticate_client`] or
+//! [`authenticate_server`]).
 //!
 //! Authentication uses the agent's shared secret
 //! ([`AgentBuilder::secret`](crate::AgentBuilder::secret), handed to backends as
