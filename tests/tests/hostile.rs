@@ -3,7 +3,7 @@
 //! inside a same-host copy) against real agents, one module per area, each proving
 //! its limit holds and legitimate peers are still served. nixl-tcp's own hostile
 //! tests that need no child process (stalling targets, the same-host offer across
-//! hosts, the raw wire) are in its crate.
+//! hosts, the raw wire, notification floods) are in its crate.
 
 #[path = "hostile/admission.rs"]
 mod hostile_admission;
@@ -11,7 +11,5 @@ mod hostile_admission;
 mod hostile_identity;
 #[path = "hostile/listeners.rs"]
 mod hostile_listeners;
-#[path = "hostile/notifications.rs"]
-mod hostile_notifications;
 #[path = "hostile/same_host.rs"]
 mod hostile_same_host;

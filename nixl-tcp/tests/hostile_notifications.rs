@@ -10,7 +10,8 @@
 use std::time::Duration;
 
 use nixl::{Agent, AgentOptions, Bytes, NotificationLimits};
-use nixl_conformance::support::{bounded, checksum, figure, one, remote, tcp_options_from_env};
+use nixl_testkit::double::one;
+use nixl_testkit::{bounded, checksum, figure, remote};
 
 const MIB: usize = 1 << 20;
 /// The receiver's per-peer bound: four of the flooder's notifications.
@@ -19,7 +20,7 @@ const BOUND: usize = 4 * MIB;
 const FLOOD: usize = 16;
 
 async fn agent(name: &str, limits: NotificationLimits) -> Agent {
-    agent_with(name, limits, tcp_options_from_env()).await
+    agent_with(name, limits, nixl_tcp::TcpOptions::default()).await
 }
 
 async fn agent_with(name: &str, limits: NotificationLimits, o: nixl_tcp::TcpOptions) -> Agent {
@@ -170,7 +171,7 @@ async fn a_receiver_that_reads_late_does_not_get_its_peer_cut() {
             dead_peer_timeout: dead,
             ..nixl::control::ListenerOptions::default()
         },
-        ..tcp_options_from_env()
+        ..nixl_tcp::TcpOptions::default()
     };
     let limits = NotificationLimits {
         messages: 4096,
