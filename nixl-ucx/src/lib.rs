@@ -406,18 +406,20 @@ pub fn teardown_abort_risk(options: &UcxOptions) -> Result<Option<String>> {
     Ok(abort_risk(&report, options))
 }
 
+/// The transports UCX may use: the last `TLS` of `config` (applied over the
+/// environment), else `UCX_TLS`; `None` when neither says (UCX's `all`).
+fn tls_setting(config: &[(String, String)]) -> Option<String> {
+    (config.iter().rev())
+        .find(|(k, _)| k == "TLS")
+        .map(|(_, v)| v.clone())
+        .or_else(|| std::env::var("UCX_TLS").ok())
+}
+
 fn abort_risk(report: &UcxLibraryReport, options: &UcxOptions) -> Option<String> {
     let v = report.version.as_deref().unwrap_or("");
     let mut parts = v.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
     let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    let tls = options
-        .ucx_config
-        .iter()
-        .rev()
-        .find(|(k, _)| k == "TLS")
-        .map(|(_, v)| v.clone())
-        .or_else(|| std::env::var("UCX_TLS").ok())
-        .unwrap_or_else(|| "all".to_owned());
+    let tls = tls_setting(&options.ucx_config).unwrap_or_else(|| "all".to_owned());
     let allows_tcp = match tls.strip_prefix('^') {
         // An exclusion list: tcp stays unless excluded.
         Some(excluded) => !excluded.split(',').any(|t| t.trim() == "tcp"),
@@ -542,13 +544,7 @@ impl UcxBackend {
         if std::env::var_os(ENV_UCX_CUDA_IPC_GET).is_none()
             && !init.config.iter().any(|(k, _)| k == CUDA_IPC_GET)
         {
-            let tls = init
-                .config
-                .iter()
-                .rev()
-                .find(|(k, _)| k == "TLS")
-                .map(|(_, v)| v.clone())
-                .or_else(|| std::env::var("UCX_TLS").ok());
+            let tls = tls_setting(&init.config);
             match cuda_ipc {
                 Some(true) if tls.as_deref().is_none_or(tls_may_include_cuda_ipc) => {
                     init.optional.push((CUDA_IPC_GET.into(), "y".into()));
@@ -873,11 +869,7 @@ impl Backend for UcxBackend {
             .version
             .as_deref()
             .unwrap_or("(version unknown)");
-        let tls = (self.inner.options.ucx_config.iter().rev())
-            .find(|(k, _)| k == "TLS")
-            .map(|(_, v)| v.clone())
-            .or_else(|| std::env::var("UCX_TLS").ok())
-            .unwrap_or_else(|| "all".to_owned());
+        let tls = tls_setting(&self.inner.options.ucx_config).unwrap_or_else(|| "all".to_owned());
         let state = self
             .with_core("ucx data path", |core| Ok(core.connection_state(peer)))
             .ok()?;
