@@ -1229,21 +1229,18 @@ impl Core {
         epoch
     }
 
-    /// Make the connection of the link named by `epoch` the peer's current one, if
-    /// it is not already: a waiting one takes over (the current one closes).
-    /// `false` when no connection of the peer has that epoch (the link was closed).
-    fn resolve(&mut self, peer: &str, epoch: u64) -> bool {
-        if self.peers.get(peer).is_some_and(|p| p.epoch == epoch) {
-            return true;
-        }
-        if self.next.get(peer).is_none_or(|p| p.epoch != epoch) {
-            return false;
+    /// Where the link named by `epoch` waits (see [`Core::next`]), its connection
+    /// takes over now (the current one closes): the link is in use. Callers then
+    /// find the peer's current connection and check that it is the link's (another
+    /// epoch, or none: the link was closed). Costs nothing while no link waits.
+    fn take_over(&mut self, peer: &str, epoch: u64) {
+        if self.next.is_empty() || self.next.get(peer).is_none_or(|p| p.epoch != epoch) {
+            return;
         }
         let newer = self.next.remove(peer).expect("checked above");
         if let Some(old) = self.peers.insert(Arc::from(peer), newer) {
             self.close_conn(peer, old, "the peer's connection was replaced");
         }
-        true
     }
 
     /// Close the connection of the link named by `epoch`: its endpoints close and
@@ -1329,15 +1326,9 @@ impl Core {
         packed: &[u8],
     ) -> Result<RkeyId> {
         const OP: &str = "ucx prepare";
-        if !self.resolve(peer, epoch) {
+        self.take_over(peer, epoch);
+        let Some(p) = self.peers.get_mut(peer).filter(|p| p.epoch == epoch) else {
             return Err(closed_link(peer, OP));
-        }
-        let Some(p) = self.peers.get_mut(peer) else {
-            return Err(Error::new(
-                ErrorKind::UnknownPeer,
-                OP,
-                format!("ucx: no connection info for peer {peer:?}"),
-            ));
         };
         if let Some(why) = &p.failed {
             return Err(disconnected(peer, why));
@@ -1387,15 +1378,10 @@ impl Core {
         match cmd {
             Cmd::Transfer { xfer, notif, done } => {
                 let now = self.now;
-                if !self.resolve(&xfer.peer, xfer.epoch) {
+                self.take_over(&xfer.peer, xfer.epoch);
+                let Some(p) = (self.peers.get_mut(&*xfer.peer)).filter(|p| p.epoch == xfer.epoch)
+                else {
                     return done.complete(Err(closed_link(&xfer.peer, "ucx transfer")));
-                }
-                let Some(p) = self.peers.get_mut(&*xfer.peer) else {
-                    return done.complete(Err(Error::new(
-                        ErrorKind::UnknownPeer,
-                        "ucx transfer",
-                        format!("peer {:?} was forgotten", xfer.peer),
-                    )));
                 };
                 if let Some(why) = &p.failed {
                     return done.complete(Err(disconnected(&xfer.peer, why)));
@@ -1424,8 +1410,10 @@ impl Core {
                 msg,
                 done,
             } => {
-                if !self.resolve(&peer, epoch) {
-                    return done.complete(Err(closed_link(&peer, "ucx notify")));
+                self.take_over(&peer, epoch);
+                match self.peers.get(peer.as_str()) {
+                    Some(p) if p.epoch == epoch => {}
+                    _ => return done.complete(Err(closed_link(&peer, "ucx notify"))),
                 }
                 if msg.len() > self.max_notification {
                     return done.complete(Err(Error::new(
@@ -1439,11 +1427,7 @@ impl Core {
                     )));
                 }
                 match self.peers.get(peer.as_str()) {
-                    None => done.complete(Err(Error::new(
-                        ErrorKind::UnknownPeer,
-                        "ucx notify",
-                        format!("ucx: no connection info for peer {peer:?}"),
-                    ))),
+                    None => done.complete(Err(closed_link(&peer, "ucx notify"))),
                     Some(p) if p.failed.is_some() || p.ep.is_err() => {
                         let why = p.failed.clone().unwrap_or_else(|| "unreachable".into());
                         done.complete(Err(disconnected(&peer, &why)))
@@ -1471,24 +1455,21 @@ impl Core {
                 }
             }
             Cmd::Connect { peer, epoch, tx } => {
-                if !self.resolve(&peer, epoch) {
-                    let _ = tx.send(Err(closed_link(&peer, "ucx connect")));
-                    return;
-                }
-                self.connect(peer, tx);
+                self.take_over(&peer, epoch);
+                self.connect(peer, epoch, tx);
             }
         }
     }
 
-    /// Flush `peer`'s current connection for a connect: `tx` learns when it is up.
-    fn connect(&mut self, peer: String, tx: oneshot::Sender<Result<()>>) {
+    /// Flush `peer`'s connection of the link named by `epoch` for a connect: `tx`
+    /// learns when it is up.
+    fn connect(&mut self, peer: String, epoch: u64, tx: oneshot::Sender<Result<()>>) {
         match self.peers.get(peer.as_str()) {
+            Some(p) if p.epoch != epoch => {
+                let _ = tx.send(Err(closed_link(&peer, "ucx connect")));
+            }
             None => {
-                let _ = tx.send(Err(Error::new(
-                    ErrorKind::UnknownPeer,
-                    "ucx connect",
-                    format!("ucx: no connection info for peer {peer:?}"),
-                )));
+                let _ = tx.send(Err(closed_link(&peer, "ucx connect")));
             }
             Some(p) if p.failed.is_some() || p.ep.is_err() => {
                 let why = p
