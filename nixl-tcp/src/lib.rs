@@ -462,12 +462,7 @@ impl Backend for TcpBackend {
 
     fn data_path(&self, peer: &str) -> Option<String> {
         // The newest open link to it (one a request still holds may be closed).
-        let links = self.inner.peers.alive();
-        links
-            .iter()
-            .rev()
-            .filter(|e| e.name == peer)
-            .find_map(|e| e.path())
+        (self.inner.peers).newest(|e| (e.name == peer).then(|| e.path()).flatten())
     }
 
     fn link(&self, peer: &str, conn_info: &[u8]) -> Result<Arc<dyn PeerLink>> {

@@ -1908,9 +1908,12 @@ impl Backend for UcclBackend {
 
     fn data_path(&self, peer: &str) -> Option<String> {
         // The newest open link to it (one a request still holds may be closed).
-        let entries = self.inner.peers.alive();
-        let connected = (entries.iter().rev().filter(|e| e.name == peer))
-            .find_map(|e| e.live_link("uccl data path").ok())
+        let connected = (self.inner.peers)
+            .newest(|e| {
+                (e.name == peer)
+                    .then(|| e.live_link("uccl data path").ok())
+                    .flatten()
+            })
             .flatten()
             .is_some();
         Some(format!(

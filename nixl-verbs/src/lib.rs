@@ -1222,10 +1222,11 @@ impl Backend for VerbsBackend {
 
     fn data_path(&self, peer: &str) -> Option<String> {
         // The newest open link to it (one a request still holds may be closed).
-        let entries = self.inner.peers.alive();
-        let link = (entries.iter().rev().filter(|e| e.name == peer)).find_map(|e| {
+        let link = self.inner.peers.newest(|e| {
             let slot = e.slot.lock().unwrap();
-            slot.closed.is_none().then(|| slot.link.clone()).flatten()
+            (e.name == peer && slot.closed.is_none())
+                .then(|| slot.link.clone())
+                .flatten()
         })?;
         let st = link.state.lock().unwrap();
         let LinkState::Up(lanes, _) = &*st else {

@@ -108,6 +108,14 @@ impl<L> LinkSet<L> {
             .collect()
     }
 
+    /// The first `Some` that `f` gives for the live links, newest first (a
+    /// backend's description of a peer's current link, for instance). `f` runs
+    /// under the set's lock: it must not add to the set.
+    pub fn newest<T>(&self, mut f: impl FnMut(&L) -> Option<T>) -> Option<T> {
+        let links = self.links.lock().unwrap();
+        links.iter().rev().find_map(|l| f(&*l.upgrade()?))
+    }
+
     /// The links still alive.
     pub fn alive(&self) -> Vec<Arc<L>> {
         self.links
@@ -164,6 +172,11 @@ mod tests {
         set.add(&b);
         drop(a);
         assert_eq!(set.alive().len(), 1);
+        let c = Arc::new(Mine {});
+        set.add(&c);
+        let newest = set.newest(|l| Some(l as *const Mine)).unwrap();
+        assert_eq!(newest, Arc::as_ptr(&c));
+        drop(c);
         let taken = set.take();
         assert!(taken.len() == 1 && Arc::ptr_eq(&taken[0], &b));
         assert!(set.alive().is_empty());
