@@ -8,12 +8,11 @@
 //! UCX_SYSV_ERROR_HANDLING=y` (scripts/test does).
 
 use std::sync::{Arc, Barrier, Mutex};
-use std::time::Duration;
 
-use nixl::{Agent, AgentOptions, Bytes, ErrorKind, Op, PeerLink, RequestOptions, Result};
+use nixl::{Agent, Bytes, ErrorKind, Op, PeerLink, RequestOptions, Result};
 use nixl_testkit::double::{self, one, Double, NullLink};
 use nixl_testkit::{bounded, remote};
-use nixl_ucx::{UcxBackend, UcxOptions};
+use nixl_ucx::UcxOptions;
 
 mod common;
 
@@ -56,21 +55,10 @@ async fn agent(
     refuser: &'static str,
     hold: &Arc<Mutex<Option<Arc<Barrier>>>>,
 ) -> Option<Agent> {
-    let ucx = match UcxBackend::with_options(UcxOptions::default()) {
-        Ok(b) => b,
-        Err(e) if e.kind() == ErrorKind::UnavailableLibrary => {
-            common::skip(test, e);
-            return None;
-        }
-        Err(e) => panic!("ucx backend: {e}"),
-    };
-    let a = Agent::builder(name)
-        .backend(ucx)
+    let ucx = common::backend(test, UcxOptions::default())?;
+    // nixl-ucx first: its link is made before the refuser's.
+    let a = (common::builder(name, &ucx))
         .backend(double::backend(Refuser(refuser, hold.clone())))
-        .options(AgentOptions {
-            drain_timeout: Duration::from_secs(5),
-            shutdown_timeout: Duration::from_secs(5),
-        })
         .build()
         .await
         .unwrap();
