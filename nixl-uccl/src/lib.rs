@@ -341,7 +341,8 @@ struct PeerEntry {
     info: ConnInfo,
     /// One connect at a time.
     gate: tokio::sync::Mutex<()>,
-    seq: Arc<Sequencer>,
+    /// Notifications go in posting order, whatever order their transfers finish in.
+    seq: Arc<nixl::kit::Sequencer<Ready>>,
     slot: Mutex<LinkSlot>,
 }
 
@@ -359,7 +360,7 @@ impl PeerEntry {
             name: name.to_owned(),
             info,
             gate: tokio::sync::Mutex::default(),
-            seq: Arc::default(),
+            seq: nixl::kit::Sequencer::new(release),
             slot: Mutex::default(),
         })
     }
@@ -392,69 +393,15 @@ impl PeerEntry {
     }
 }
 
-/// Puts a peer's notifications on the wire in posting order, whatever order their
-/// transfers finish in: each gets a ticket when posted, and a ticket is sent only
-/// after every earlier one was sent or dropped (its transfer failed).
-#[derive(Debug, Default)]
-struct Sequencer {
-    s: Mutex<SeqState>,
-}
+/// A notification ready to go: the message, what completes once it is queued, and
+/// the control link it goes on.
+type Ready = (Bytes, Completer, Arc<LinkState>);
 
-#[derive(Debug, Default)]
-struct SeqState {
-    next_post: u64,
-    next_send: u64,
-    ready: std::collections::BTreeMap<u64, Option<(Bytes, Completer, Arc<LinkState>)>>,
-}
+/// A notification's place in its peer's posting order.
+type Ticket = nixl::kit::Ticket<Ready>;
 
-impl Sequencer {
-    fn ticket(self: &Arc<Self>) -> Ticket {
-        let mut s = self.s.lock().unwrap();
-        let seq = s.next_post;
-        s.next_post += 1;
-        Ticket {
-            seq,
-            seqr: Some(self.clone()),
-        }
-    }
-
-    fn resolve(&self, seq: u64, v: Option<(Bytes, Completer, Arc<LinkState>)>) {
-        let mut s = self.s.lock().unwrap();
-        s.ready.insert(seq, v);
-        loop {
-            let next = s.next_send;
-            let Some(v) = s.ready.remove(&next) else {
-                break;
-            };
-            s.next_send += 1;
-            if let Some((msg, done, st)) = v {
-                send_notif(&st, msg, done);
-            }
-        }
-    }
-}
-
-/// A notification's place in its peer's order; dropping it unsent gives the place up.
-#[derive(Debug)]
-struct Ticket {
-    seq: u64,
-    seqr: Option<Arc<Sequencer>>,
-}
-
-impl Ticket {
-    fn send(mut self, msg: Bytes, done: Completer, st: Arc<LinkState>) {
-        if let Some(s) = self.seqr.take() {
-            s.resolve(self.seq, Some((msg, done, st)));
-        }
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        if let Some(s) = self.seqr.take() {
-            s.resolve(self.seq, None);
-        }
-    }
+fn release((msg, done, st): Ready) {
+    send_notif(&st, msg, done);
 }
 
 fn send_notif(st: &LinkState, msg: Bytes, done: Completer) {
@@ -1586,7 +1533,7 @@ fn complete(j: Job, r: Result<()>) {
 /// completes; a failed one gives its notification's place up (the ticket drops).
 fn settle(notif: Option<(Bytes, Ticket)>, done: Completer, state: &Arc<LinkState>, r: Result<()>) {
     match (r, notif) {
-        (Ok(()), Some((msg, t))) => t.send(msg, done, state.clone()),
+        (Ok(()), Some((msg, t))) => t.release((msg, done, state.clone())),
         (r, _) => done.complete(r),
     }
 }
@@ -1632,12 +1579,12 @@ impl PeerLink for UcclLink {
         };
         let t = self.entry.seq.ticket();
         if let Some(l) = live {
-            return t.send(msg, done, l.state.clone());
+            return t.release((msg, done, l.state.clone()));
         }
         let (inner, peer) = (self.inner.clone(), self.entry.clone());
         st.ctx.spawn(async move {
             match inner.link(&peer).await {
-                Ok(l) => t.send(msg, done, l.state.clone()),
+                Ok(l) => t.release((msg, done, l.state.clone())),
                 Err(e) => done.complete(Err(e)),
             }
         });

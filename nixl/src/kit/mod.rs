@@ -18,12 +18,14 @@
 //!   task (the connection is not read meanwhile), or
 //!   [`NotificationSink::try_deliver`] and [`NotificationSink::on_room`] where a
 //!   backend cannot wait.
-//! - Transfers split over several lanes of one peer: [`StripeGate`].
+//! - Notifications in posting order where transfers finish out of order:
+//!   [`Sequencer`]; transfers split over several lanes of one peer: [`StripeGate`].
 //! - NIXL's protocol, for a backend that speaks NIXL's dialect of its transport:
 //!   [`NixlDialect`].
 //!
 //! The README's "Writing a native backend" walks through a backend built on these.
 
+mod sequencer;
 mod stripe;
 
 pub use crate::backend::{
@@ -35,4 +37,5 @@ pub use crate::control;
 pub use crate::peer_link::{link_of, LinkSet, LinkedPeer, PeerLink};
 pub use crate::region::{InFlightHold, RegionRef, RegionSlice};
 pub use crate::thread::{ThreadSpawner, ThreadWake};
+pub use sequencer::{Sequencer, Ticket};
 pub use stripe::{Outcome, StripeGate};
