@@ -1238,9 +1238,20 @@ impl Core {
             return;
         }
         let newer = self.next.remove(peer).expect("checked above");
-        if let Some(old) = self.peers.insert(Arc::from(peer), newer) {
+        if let Some(old) = self.promote(peer, newer) {
             self.close_conn(peer, old, "the peer's connection was replaced");
         }
+    }
+
+    /// Make a waiting connection the peer's current one, returning the one it
+    /// replaces. A HELLO the peer sent from the new connection's address while it
+    /// waited was remembered (it did not match the current address): it counts now.
+    fn promote(&mut self, peer: &str, mut newer: PeerConn) -> Option<PeerConn> {
+        if self.inbound.get(peer).is_some_and(|a| *a == newer.address) {
+            self.inbound.remove(peer);
+            newer.heard_hello = true;
+        }
+        self.peers.insert(Arc::from(peer), newer)
     }
 
     /// Close the connection of the link named by `epoch`: its endpoints close and
@@ -1252,7 +1263,7 @@ impl Core {
             let p = self.peers.remove(peer).expect("checked above");
             self.close_conn(peer, p, why);
             if let Some(newer) = self.next.remove(peer) {
-                self.peers.insert(Arc::from(peer), newer);
+                self.promote(peer, newer);
             }
         } else if self.next.get(peer).is_some_and(|p| p.epoch == epoch) {
             let p = self.next.remove(peer).expect("checked above");

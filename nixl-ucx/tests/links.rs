@@ -143,3 +143,52 @@ async fn a_refused_load_leaves_the_current_connection_and_an_accepted_one_moves(
         let _ = x.shutdown().await;
     }
 }
+
+/// A peer that restarts and speaks first (its HELLO reaches this agent while the
+/// old instance's connection is still the current one) hears this agent's BYE at
+/// shutdown, though this agent never sent to the new instance: the HELLO counts
+/// once the new instance's connection takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_peer_that_spoke_first_hears_goodbye() {
+    const TEST: &str = "a_restarted_peer_that_spoke_first_hears_goodbye";
+    let Some((us, _)) = common::agent(TEST, "us", UcxOptions::default()).await else {
+        return;
+    };
+    let (p1, _) = common::agent(TEST, "p", UcxOptions::default())
+        .await
+        .unwrap();
+    us.load_metadata(&p1.metadata().unwrap()).unwrap();
+    let _ = p1.shutdown().await;
+
+    let (p2, _) = common::agent(TEST, "p", UcxOptions::default())
+        .await
+        .unwrap();
+    p2.load_metadata(&us.metadata().unwrap()).unwrap();
+    let mut notes = us.notifications().unwrap();
+    bounded(
+        "the new instance's notification",
+        p2.notify("us", "hi").unwrap(),
+    )
+    .await
+    .unwrap();
+    let n = bounded("its delivery", notes.recv()).await.unwrap();
+    assert_eq!((n.peer.as_str(), &n.msg[..]), ("p", &b"hi"[..]));
+    us.load_metadata(&p2.metadata().unwrap()).unwrap();
+    let report = us.shutdown().await;
+    assert!(report.is_clean(), "{report:?}");
+
+    // The BYE reaches p2's driver after `shutdown` returned; until it is read a
+    // notification may still be sent (into a worker that is gone).
+    let e = bounded("p2 hears goodbye", async {
+        loop {
+            match p2.notify("us", "after").unwrap().await {
+                Ok(()) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
+                Err(e) => break e,
+            }
+        }
+    })
+    .await;
+    assert_eq!(e.kind(), ErrorKind::RemoteDisconnected, "{e}");
+    assert!(e.to_string().contains("shut down"), "told why: {e}");
+    let _ = p2.shutdown().await;
+}
