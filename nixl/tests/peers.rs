@@ -94,6 +94,7 @@ impl PreparedTransfer for Done {
     }
 }
 
+#[async_trait]
 impl Double for Ledger {
     fn name(&self) -> &str {
         self.name
@@ -138,6 +139,13 @@ impl Double for Ledger {
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         let peer = plan.peer.expect("a transfer to a peer");
         Ok(Box::new(Done(nixl::kit::link_of(&peer.link, "prepare")?)))
+    }
+    /// Closes every link it made, as a backend's `LinkSet` does.
+    async fn shutdown(&self, _timeout: Duration) -> Result<()> {
+        for l in self.links.lock().unwrap().iter() {
+            l.close("the backend stopped");
+        }
+        Ok(())
     }
 }
 
@@ -315,4 +323,46 @@ async fn a_link_is_kept_while_its_info_stays_and_made_again_once_it_failed() {
     for x in [a, b] {
         let _ = x.shutdown().await;
     }
+}
+
+/// A load racing the agent's shutdown either finishes before the backends stop (so
+/// the links it made are among those they close) or is refused: no link outlives
+/// the agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_racing_shutdown_leaves_no_link_open() {
+    let first = Ledger::new("first", b"a1");
+    let a = agent("a", &[&first]).await;
+    let b = agent("b", &[&Ledger::new("first", b"b1")]).await;
+    let barrier = Arc::new(Barrier::new(2));
+    *first.hold.lock().unwrap() = Some(("b".to_owned(), barrier.clone()));
+    let md = b.metadata().unwrap();
+    let loader = {
+        let a = a.clone();
+        std::thread::spawn(move || a.load_metadata(&md))
+    };
+    tokio::task::block_in_place(|| barrier.wait()); // the load is inside link
+    let mut stop = tokio::spawn({
+        let a = a.clone();
+        async move { a.shutdown().await }
+    });
+    // Time for a shutdown that does not wait for the load to close the backends'
+    // links before the load makes its own (the bug this catches); one that waits is
+    // still waiting when this ends.
+    let early = tokio::time::timeout(Duration::from_millis(300), &mut stop).await;
+    tokio::task::block_in_place(|| barrier.wait());
+    let report = match early {
+        Ok(r) => r.unwrap(),
+        Err(_) => tokio::time::timeout(Duration::from_secs(20), stop)
+            .await
+            .expect("shutdown finished once the load did")
+            .unwrap(),
+    };
+    assert!(report.is_clean(), "{report:?}");
+    match loader.join().unwrap() {
+        Ok(name) => assert_eq!(name, "b"),
+        Err(e) => assert_eq!(e.kind(), ErrorKind::ShutDown, "{e}"),
+    }
+    assert_eq!(first.knows("b"), None, "a link outlived the agent");
+    refused(a.connect("b").await, ErrorKind::ShutDown, "");
+    let _ = b.shutdown().await;
 }

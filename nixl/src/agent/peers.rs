@@ -386,6 +386,9 @@ impl Agent {
             t => t,
         };
         let _loading = self.shared.loading.lock().unwrap();
+        // Shutdown waits for a load already holding the lock (so the links it makes
+        // are among those the backends close); one that got the lock later stops here.
+        self.shared.check_running(OP)?;
         let old = self.shared.peers.read().unwrap().get(&md.name).cloned();
         let has_conn = md.backends.iter().any(|b| b.conn_info.is_some());
         if trust == Trust::NixlListener {
@@ -758,8 +761,10 @@ impl Agent {
     /// the first transfer.
     ///
     /// # Errors
-    /// [`ErrorKind::UnknownPeer`]; the first backend's connection error.
+    /// [`ErrorKind::UnknownPeer`]; [`ErrorKind::ShutDown`] once the agent is shutting
+    /// down; the first backend's connection error.
     pub async fn connect(&self, peer: &str) -> Result<()> {
+        self.shared.check_running("connect")?;
         let p = self.peer(peer, "connect")?;
         for (_, link) in p.links.iter() {
             link.connect().await?;

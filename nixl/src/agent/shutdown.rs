@@ -94,6 +94,10 @@ impl Agent {
             let _ = done.wait_for(|&d| d).await;
             return report;
         }
+        // 1. New work is refused from here on. A metadata load already past its check
+        // finishes first (loads are short and never wait on this task), so the
+        // backends stop with every link it made; later ones see the stop.
+        drop(s.loading.lock().unwrap_or_else(|p| p.into_inner()));
         // 2. Drain.
         let drain = async {
             loop {
