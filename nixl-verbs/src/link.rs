@@ -597,11 +597,16 @@ impl Link {
     }
 
     /// Fail the link: every lane, everything waiting; the control connection closes.
+    /// A link fails once: the first reason stands (closing a link cancels its
+    /// connect, which must not turn "closed" into "canceled").
     pub(crate) fn fail(&self, e: Error) -> Vec<Arc<Lane>> {
-        let old = std::mem::replace(
-            &mut *self.state.lock().unwrap(),
-            LinkState::Dead(e.cloned()),
-        );
+        let old = {
+            let mut st = self.state.lock().unwrap();
+            if matches!(*st, LinkState::Dead(_)) {
+                return Vec::new();
+            }
+            std::mem::replace(&mut *st, LinkState::Dead(e.cloned()))
+        };
         self.cancel.cancel();
         self.settled.notify_waiters();
         match old {

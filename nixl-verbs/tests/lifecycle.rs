@@ -1,10 +1,12 @@
 //! nixl-verbs' own lifecycle rules, on the verbs **test double** (no NIC): the
 //! completion queue is never promised to more queue pairs than it holds (an overflow
-//! is fatal to a real device), and options are checked before anything opens.
+//! is fatal to a real device), options are checked before anything opens, and a
+//! link closed while it connects says it was closed.
 
 use std::time::Duration;
 
-use nixl::{Agent, AgentOptions, DescList, ErrorKind, MemKind};
+use nixl::{Agent, AgentOptions, Backend, DescList, ErrorKind, MemKind};
+use nixl_verbs::wire::ConnInfo;
 use nixl_verbs::{VerbsBackend, VerbsOptions};
 
 async fn agent(name: &str, o: VerbsOptions) -> Agent {
@@ -93,4 +95,46 @@ fn bad_options_are_refused_before_anything_opens() {
         assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
         assert!(e.to_string().contains(needle), "{e}");
     }
+}
+
+/// A link the agent closes (the peer moved or was forgotten) while it still
+/// connects fails its connect with `RemoteDisconnected` and the agent's reason, as
+/// everything else waiting on it does, not with the cancellation closing causes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_closed_while_it_connects_says_it_was_closed() {
+    const HANG: Duration = Duration::from_secs(30);
+    let vb = VerbsBackend::with_test_double(VerbsOptions::default()).unwrap();
+    let a = Agent::builder("a")
+        .backend(vb.clone())
+        .build()
+        .await
+        .unwrap();
+    // A peer whose control listener accepts and never answers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut info = ConnInfo::decode(&vb.connection_info()).unwrap();
+    info.control = silent.local_addr().unwrap();
+    let quiet = tokio::spawn(async move {
+        let (s, _) = silent.accept().await.unwrap();
+        tokio::time::sleep(HANG).await;
+        drop(s);
+    });
+    let link = vb.link("p", &info.encode()).unwrap();
+    let mut connect = Box::pin(link.connect());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut connect)
+            .await
+            .is_err(),
+        "the silent peer let the connect finish"
+    );
+    link.close("the peer moved");
+    // The connect's own task sees its cancellation meanwhile.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let e = tokio::time::timeout(HANG, connect)
+        .await
+        .expect("the connect ended when the link closed")
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::RemoteDisconnected, "{e}");
+    assert!(e.to_string().contains("the peer moved"), "{e}");
+    quiet.abort();
+    let _ = a.shutdown().await;
 }
