@@ -344,6 +344,8 @@ struct PeerEntry {
     /// Notifications go in posting order, whatever order their transfers finish in.
     seq: Arc<nixl::kit::Sequencer<Ready>>,
     slot: Mutex<LinkSlot>,
+    /// Cancelled when the entry is closed: a connect in progress stops then.
+    closing: CancellationToken,
 }
 
 #[derive(Debug, Default)]
@@ -362,7 +364,24 @@ impl PeerEntry {
             gate: tokio::sync::Mutex::default(),
             seq: nixl::kit::Sequencer::new(release),
             slot: Mutex::default(),
+            closing: CancellationToken::new(),
         })
+    }
+
+    /// `f`, unless the entry is closed first: then it fails with why it was closed
+    /// (dropping `f` ends what it started).
+    async fn unless_closed<T>(
+        &self,
+        op: &'static str,
+        f: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        tokio::select! {
+            r = f => r,
+            () = self.closing.cancelled() => {
+                let why = self.slot.lock().unwrap().closed.clone().unwrap_or_default();
+                err(ErrorKind::RemoteDisconnected, op, format!("{why} while connecting"))
+            }
+        }
     }
 
     /// The link, if it is live; refused once the entry is closed.
@@ -387,6 +406,7 @@ impl PeerEntry {
             slot.closed.get_or_insert_with(|| why.clone());
             slot.link.take()
         };
+        self.closing.cancel();
         if let Some(l) = link {
             l.state.kill(why);
         }
@@ -623,21 +643,24 @@ impl Inner {
             return Ok(l);
         }
         let st = self.started()?;
-        let link = tokio::time::timeout(
-            self.options.listener.connect_timeout,
-            self.dial(st, &e.name, &e.info),
-        )
-        .await
-        .map_err(|_| {
-            Error::new(
-                ErrorKind::TimedOut,
-                OP,
-                format!(
-                    "connecting to {:?} took longer than {:?}",
-                    e.name, self.options.listener.connect_timeout
-                ),
+        let dial = async {
+            tokio::time::timeout(
+                self.options.listener.connect_timeout,
+                self.dial(st, &e.name, &e.info),
             )
-        })??;
+            .await
+            .map_err(|_| {
+                Error::new(
+                    ErrorKind::TimedOut,
+                    OP,
+                    format!(
+                        "connecting to {:?} took longer than {:?}",
+                        e.name, self.options.listener.connect_timeout
+                    ),
+                )
+            })?
+        };
+        let link = e.unless_closed(OP, dial).await?;
         let mut slot = e.slot.lock().unwrap();
         if let Some(why) = &slot.closed {
             // Dropping the new link closes it.
@@ -679,11 +702,21 @@ impl Inner {
         let pending = link.pending.lock().unwrap().take();
         let mut rx = match pending {
             Some(rx) => rx,
-            None => tokio::time::timeout_at(deadline, self.engine_connect(st, &link, peer, info))
-                .await
-                .map_err(|_| timed_out())??,
+            None => {
+                let connect = async {
+                    tokio::time::timeout_at(deadline, self.engine_connect(st, &link, peer, info))
+                        .await
+                        .map_err(|_| timed_out())?
+                };
+                e.unless_closed(OP, connect).await?
+            }
         };
-        let conn = match tokio::time::timeout_at(deadline, &mut rx).await {
+        // Closed meanwhile: the link is dead, so the connection UCCL makes is closed
+        // by the thread that makes it (its answer goes nowhere).
+        let waited = e.unless_closed(OP, async {
+            Ok(tokio::time::timeout_at(deadline, &mut rx).await)
+        });
+        let conn = match waited.await? {
             Ok(r) => r.map_err(|_| {
                 Error::new(ErrorKind::ShutDown, OP, "the agent stopped during connect")
             })??,

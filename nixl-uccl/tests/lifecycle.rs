@@ -510,3 +510,86 @@ async fn nothing_touches_memory_after_deregister_returned() {
     let _ = b.shutdown().await;
     no_misuse();
 }
+
+/// `info` with its control listener moved to `control` (connection info version 3:
+/// the version byte, then the control and engine addresses, each after its length
+/// as a little-endian u16).
+fn with_control(info: &[u8], control: &str) -> Vec<u8> {
+    assert_eq!(info[0], 3, "connection info version");
+    let n = u16::from_le_bytes([info[1], info[2]]) as usize;
+    let engine = &info[3 + n..];
+    let mut out = vec![3];
+    out.extend_from_slice(&(control.len() as u16).to_le_bytes());
+    out.extend_from_slice(control.as_bytes());
+    out.extend_from_slice(engine);
+    out
+}
+
+/// A link the agent closes (the peer moved or was forgotten) while it still
+/// connects fails its connect at once with `RemoteDisconnected` and the agent's
+/// reason (so do the notifications queued behind it), not at the connect timeout
+/// (set beyond the hang bound here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_closed_while_it_connects_fails_its_connect_at_once() {
+    let mut o = options();
+    o.listener.connect_timeout = 4 * HANG;
+    let (a, b) = agent_with("a", o).await;
+    // A peer whose control listener accepts and never answers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let info = with_control(
+        &b.connection_info(),
+        &silent.local_addr().unwrap().to_string(),
+    );
+    let quiet = tokio::spawn(async move {
+        let (s, _) = silent.accept().await.unwrap();
+        tokio::time::sleep(HANG).await;
+        drop(s);
+    });
+    let link = b.link("p", &info).unwrap();
+    let mut connect = Box::pin(link.connect());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut connect)
+            .await
+            .is_err(),
+        "the silent peer let the connect finish"
+    );
+    link.close("the peer moved");
+    let e = bounded("the connect", connect).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::RemoteDisconnected, "{e}");
+    assert!(e.to_string().contains("the peer moved"), "{e}");
+    quiet.abort();
+    let _ = a.shutdown().await;
+}
+
+/// The same while the link's engine connection is being made (UCCL's connect
+/// blocked inside the engine): the transfer waiting on it fails at once when the
+/// peer is forgotten, and the connection UCCL makes later is closed unused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_closed_while_its_engine_connects_fails_its_transfer_at_once() {
+    let mut o = options();
+    o.listener.connect_timeout = 4 * HANG;
+    let (a, _) = agent_with("a-closing", o).await;
+    let (b, bb) = agent("b-closing").await;
+    let src = a.register(vec![1u8; 4096]).unwrap();
+    let dst = b.register(vec![0u8; 4096]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let meta = bb.engine_metadata().unwrap();
+    test_double::hold_accepts(&meta, true);
+    let t = a
+        .transfer(
+            Op::Write,
+            &one(src.whole()),
+            "b-closing",
+            &one(remote(&a, "b-closing", &dst)),
+            None,
+        )
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.forget_peer("b-closing").unwrap();
+    let e = bounded("the transfer", t).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::RemoteDisconnected, "{e}");
+    test_double::hold_accepts(&meta, false);
+    let _ = b.shutdown().await;
+    let _ = a.shutdown().await;
+    no_misuse();
+}
