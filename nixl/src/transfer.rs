@@ -127,7 +127,7 @@ impl PeerSlot {
     }
 
     /// Whether a request prepared against `generation` may still be posted.
-    fn check(&self, peer: &str, generation: u64, op: &'static str) -> Result<()> {
+    pub(crate) fn check(&self, peer: &str, generation: u64, op: &'static str) -> Result<()> {
         match self.current.load(Ordering::Acquire) {
             0 => err(
                 ErrorKind::UnknownPeer,

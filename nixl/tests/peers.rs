@@ -24,6 +24,8 @@ struct Ledger {
     links: Mutex<Vec<Arc<LedgerLink>>>,
     refuse: Mutex<Option<Vec<u8>>>,
     hold: Mutex<Option<(String, Arc<Barrier>)>>,
+    /// Holds the next `prepare` until the barrier opens twice.
+    hold_prepare: Mutex<Option<Arc<Barrier>>>,
 }
 
 #[derive(Debug)]
@@ -62,6 +64,7 @@ impl Ledger {
             links: Mutex::new(Vec::new()),
             refuse: Mutex::new(None),
             hold: Mutex::new(None),
+            hold_prepare: Mutex::new(None),
         })
     }
 
@@ -138,7 +141,20 @@ impl Double for Ledger {
     }
     fn prepare(&self, plan: TransferPlan) -> Result<Box<dyn PreparedTransfer>> {
         let peer = plan.peer.expect("a transfer to a peer");
-        Ok(Box::new(Done(nixl::kit::link_of(&peer.link, "prepare")?)))
+        let held = self.hold_prepare.lock().unwrap().take();
+        if let Some(barrier) = held {
+            barrier.wait(); // the test reloads the peer meanwhile
+            barrier.wait();
+        }
+        let link: Arc<LedgerLink> = nixl::kit::link_of(&peer.link, "prepare")?;
+        if link.closed.load(Ordering::SeqCst) {
+            return Err(nixl::Error::new(
+                ErrorKind::RemoteDisconnected,
+                "prepare",
+                "the link is closed (test double)",
+            ));
+        }
+        Ok(Box::new(Done(link)))
     }
     /// Closes every link it made, as a backend's `LinkSet` does.
     async fn shutdown(&self, _timeout: Duration) -> Result<()> {
@@ -365,4 +381,43 @@ async fn a_load_racing_shutdown_leaves_no_link_open() {
     assert_eq!(first.knows("b"), None, "a link outlived the agent");
     refused(a.connect("b").await, ErrorKind::ShutDown, "");
     let _ = b.shutdown().await;
+}
+
+/// A prepare that meets a link a reload closed meanwhile is refused as stale, so
+/// `create_request` prepares again on the new link rather than failing with the
+/// closed link's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_on_a_link_a_reload_closed_is_made_again() {
+    let first = Ledger::new("first", b"a1");
+    let a = agent("a", &[&first]).await;
+    let src = a.register(vec![1u8; 64]).unwrap();
+    let b_first = Ledger::new("first", b"b1");
+    let b = agent("b", &[&b_first]).await;
+    let _dst = b.register(vec![0u8; 64]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    let rd = a.remote_regions("b").unwrap()[0].clone();
+
+    // "b" moves (the same instance with new connection info) while a request to it
+    // is being prepared.
+    let barrier = Arc::new(Barrier::new(2));
+    *first.hold_prepare.lock().unwrap() = Some(barrier.clone());
+    let maker = {
+        let (a, local, remote) = (a.clone(), one(src.desc(0, 64)), one(rd.desc(0, 64)));
+        std::thread::spawn(move || {
+            a.create_request(Op::Write, &local, "b", &remote, &RequestOptions::default())
+        })
+    };
+    tokio::task::block_in_place(|| barrier.wait()); // the prepare is in progress
+    *b_first.info.lock().unwrap() = b"b1-moved".to_vec();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    tokio::task::block_in_place(|| barrier.wait());
+    let req = maker
+        .join()
+        .unwrap()
+        .expect("prepared again on the new link");
+    req.post(None).unwrap().await.unwrap();
+    assert_eq!(first.knows("b").as_deref(), Some(&b"b1-moved"[..]));
+    for x in [a, b] {
+        let _ = x.shutdown().await;
+    }
 }

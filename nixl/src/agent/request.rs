@@ -556,11 +556,22 @@ impl Agent {
             }),
             _ => None,
         };
-        let prepared = b.prepare(TransferPlan {
-            op,
-            peer: linked,
-            segments,
-        })?;
+        let prepared = b
+            .prepare(TransferPlan {
+                op,
+                peer: linked,
+                segments,
+            })
+            .map_err(|e| match (&generation, &peer_name) {
+                // The peer was reloaded or forgotten while this prepared, so the link
+                // it used may be closed: say that (callers prepare again), with the
+                // backend's error as the source.
+                (Some((slot, g)), Some(name)) => match slot.check(name, *g, OP) {
+                    Err(moved) => moved.with_source(e),
+                    Ok(()) => e,
+                },
+                _ => e,
+            })?;
         Ok(request(
             b.name().to_owned(),
             prepared,
