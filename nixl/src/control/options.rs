@@ -126,11 +126,51 @@ impl ListenerOptions {
         Self::KEYS.contains(&key).then(|| set(self))
     }
 
-    /// Bind the listener: at [`ListenerOptions::listen`], else at `default`.
+    /// Refuse options no listener or connection can work with: a bound under
+    /// [`MIN_DURATION`] (zero disables the kernel's `TCP_USER_TIMEOUT` rather than
+    /// tightening it, and fails every handshake or connect at once), a limit of zero
+    /// (every peer refused), or an advertised address peers cannot reach (an
+    /// unspecified IP such as `0.0.0.0`, or port 0).
     ///
     /// # Errors
-    /// [`ErrorKind::Backend`] naming the address that could not be bound.
+    /// [`ErrorKind::InvalidArgument`] naming the option.
+    pub fn check(&self, op: &'static str) -> Result<()> {
+        let bad = |what: String| Err(Error::new(ErrorKind::InvalidArgument, op, what));
+        for (name, d) in [
+            ("connect_timeout", self.connect_timeout),
+            ("handshake_timeout", self.handshake_timeout),
+            ("dead_peer_timeout", self.dead_peer_timeout),
+        ] {
+            if d < MIN_DURATION {
+                return bad(format!("listener {name} {d:?} is under {MIN_DURATION:?}"));
+            }
+        }
+        for (name, n) in [
+            ("max_incoming_handshakes", self.max_incoming_handshakes),
+            ("max_incoming_connections", self.max_incoming_connections),
+        ] {
+            if n == 0 {
+                return bad(format!("listener {name} is 0: every peer would be refused"));
+            }
+        }
+        match self.advertise {
+            Some(a) if a.ip().is_unspecified() || a.port() == 0 => bad(format!(
+                "listener advertise {a} is not an address peers can reach (a specific IP and port)"
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Bind the listener: at [`ListenerOptions::listen`], else at `default`, after
+    /// [`ListenerOptions::check`]. A listener on an unspecified address (`0.0.0.0`)
+    /// with no [`ListenerOptions::advertise`] publishes that address, which only
+    /// peers on this host reach: that is logged as a warning.
+    ///
+    /// # Errors
+    /// As [`ListenerOptions::check`]; [`ErrorKind::Backend`] naming the address that
+    /// could not be bound.
     pub async fn bind(&self, default: SocketAddr, op: &'static str) -> Result<BoundListener> {
+        self.check(op)?;
         let at = self.listen.unwrap_or(default);
         let listener = TcpListener::bind(at).await.map_err(|e| {
             Error::new(ErrorKind::Backend, op, format!("cannot listen on {at}")).with_source(e)
@@ -138,10 +178,14 @@ impl ListenerOptions {
         let bound = listener.local_addr().map_err(|e| {
             Error::new(ErrorKind::Backend, op, "listener has no address").with_source(e)
         })?;
+        let advertised = self.advertise.unwrap_or(bound);
+        if advertised.ip().is_unspecified() {
+            tracing::warn!(%bound, "{op}: listening on an unspecified address with no advertise address; peers on other hosts cannot reach {advertised} (set the listener's advertise)");
+        }
         Ok(BoundListener {
             listener,
             bound,
-            advertised: self.advertise.unwrap_or(bound),
+            advertised,
         })
     }
 
@@ -155,13 +199,20 @@ impl ListenerOptions {
 pub const LOOPBACK_ANY_PORT: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
 
-/// A positive duration written as a number and a unit: `500ms`, `5s`, `1.5m`, `1h`
-/// (a bare number is seconds).
+/// The shortest bound a listener option takes (a millisecond: the kernel's
+/// `TCP_USER_TIMEOUT` counts in them).
+pub const MIN_DURATION: Duration = Duration::from_millis(1);
+
+/// A duration of at least [`MIN_DURATION`] written as a number and a unit: `500ms`,
+/// `5s`, `1.5m`, `1h` (a bare number is seconds).
 ///
 /// # Errors
 /// What is wrong with `s`.
 pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
     let t = s.trim();
+    if t.starts_with('-') {
+        return Err(format!("{s:?} is not a positive duration"));
+    }
     let (num, unit) = match t.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
         Some(i) => t.split_at(i),
         None => (t, "s"),
@@ -175,7 +226,11 @@ pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
     };
     match num.parse::<f64>() {
         Ok(v) if v.is_finite() && v > 0.0 && v * scale < 1e9 => {
-            Ok(Duration::from_secs_f64(v * scale))
+            let d = Duration::from_secs_f64(v * scale);
+            if d < MIN_DURATION {
+                return Err(format!("{s:?} is under {MIN_DURATION:?}"));
+            }
+            Ok(d)
         }
         _ => Err(format!("{s:?} is not a positive duration")),
     }
@@ -216,6 +271,11 @@ mod tests {
         assert!(refused("connect_timeout", "5 parsecs").contains("unknown unit"));
         assert!(refused("dead_peer_timeout", "0s").contains("not a positive"));
         assert!(refused("max_incoming_handshakes", "0").contains("at least 1"));
+        // Rounded to zero, or under the kernel's millisecond: refused, not disabled.
+        assert!(refused("dead_peer_timeout", "0.0000000001").contains("under 1ms"));
+        assert!(refused("dead_peer_timeout", "0.5ms").contains("under 1ms"));
+        assert!(refused("connect_timeout", "-5s").contains("not a positive"));
+        assert_eq!(parse_duration("1ms"), Ok(MIN_DURATION));
     }
 
     #[tokio::test]
@@ -246,5 +306,66 @@ mod tests {
         let e = taken.bind(LOOPBACK_ANY_PORT, "test").await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Backend);
         assert!(e.to_string().contains(&b.bound.to_string()), "{e}");
+    }
+
+    #[tokio::test]
+    async fn options_no_listener_can_work_with_are_refused_before_binding() {
+        let d = ListenerOptions::default;
+        for (o, says) in [
+            (
+                ListenerOptions {
+                    dead_peer_timeout: Duration::from_micros(500),
+                    ..d()
+                },
+                "dead_peer_timeout",
+            ),
+            (
+                ListenerOptions {
+                    handshake_timeout: Duration::ZERO,
+                    ..d()
+                },
+                "handshake_timeout",
+            ),
+            (
+                ListenerOptions {
+                    connect_timeout: Duration::ZERO,
+                    ..d()
+                },
+                "connect_timeout",
+            ),
+            (
+                ListenerOptions {
+                    max_incoming_connections: 0,
+                    ..d()
+                },
+                "max_incoming_connections",
+            ),
+            (
+                ListenerOptions {
+                    max_incoming_handshakes: 0,
+                    ..d()
+                },
+                "max_incoming_handshakes",
+            ),
+            (
+                ListenerOptions {
+                    advertise: Some("0.0.0.0:7000".parse().unwrap()),
+                    ..d()
+                },
+                "0.0.0.0:7000",
+            ),
+            (
+                ListenerOptions {
+                    advertise: Some("10.0.0.1:0".parse().unwrap()),
+                    ..d()
+                },
+                "10.0.0.1:0",
+            ),
+        ] {
+            let e = o.bind(LOOPBACK_ANY_PORT, "test").await.unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+            assert!(e.to_string().contains(says), "{says}: {e}");
+        }
+        assert!(d().check("test").is_ok());
     }
 }
