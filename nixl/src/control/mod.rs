@@ -63,6 +63,8 @@ pub use auth::{authenticate_client, authenticate_server, Authenticated};
 pub use frame::{read_frame, write_frame};
 pub use handshake::{nonce, ClientAuth, Refusal, ServerAuth, AUTH_MAGIC, MAX_NAME, NONCE_LEN};
 pub use listener::{spawn_accept_loop, until_closed, Incoming, ACCEPT_BACKOFF};
-pub use options::{parse_duration, BoundListener, ListenerOptions, LOOPBACK_ANY_PORT};
+pub use options::{
+    parse_duration, BoundListener, ListenerOptions, LOOPBACK_ANY_PORT, MIN_DURATION,
+};
 pub use preamble::{answer, dial, Ends};
 pub use socket::{set_user_timeout, tune};
