@@ -470,6 +470,8 @@ struct Job {
 #[derive(Debug, Default)]
 struct Queue {
     new: Vec<Job>,
+    /// The progress thread stopped: nothing reads `new` any more.
+    closed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -479,8 +481,20 @@ struct Progress {
 }
 
 impl Progress {
+    /// Hand a job to the progress thread; once it stopped, the job fails here (a
+    /// post that passed the agent's running check just before shutdown).
     fn push(&self, j: Job) {
-        self.q.lock().unwrap().new.push(j);
+        let mut q = self.q.lock().unwrap();
+        if q.closed {
+            drop(q);
+            return j.done.complete(Err(Error::new(
+                ErrorKind::ShutDown,
+                "uccl transfer",
+                "the agent stopped",
+            )));
+        }
+        q.new.push(j);
+        drop(q);
         self.cv.notify_one();
     }
 }
@@ -821,7 +835,10 @@ impl Inner {
             self.options.listener.dead_peer_timeout,
             peer.to_owned(),
         ));
-        st.ctx.spawn(control_writer(
+        // Not `ctx.spawn`: cancelling the agent must not drop the writer before it
+        // fails what is queued with the link's reason (it ends on `state.dead`, a
+        // child of the agent's token).
+        st.ctx.tracker.spawn(control_writer(
             wr,
             state.clone(),
             out_rx,
@@ -1310,6 +1327,8 @@ fn progress_loop(
             }
             active.append(&mut q.new);
             if stop.is_cancelled() {
+                // Under the queue's lock: a push after this fails by itself.
+                q.closed = true;
                 break;
             }
         }
