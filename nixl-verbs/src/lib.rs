@@ -861,7 +861,7 @@ impl VerbsBackend {
                 return Err(e.cloned());
             }
         }
-        let (inbound, reply) = match made {
+        let (mut inbound, mut reply) = match made {
             Ok((inb, halves)) => (
                 inb,
                 Reply::Accepted {
@@ -876,12 +876,19 @@ impl VerbsBackend {
             let mut list = self.inner.inbound.lock().unwrap();
             // Checked under the list's lock: a shutdown or drop that already emptied
             // the list (its token is cancelled first) would miss these queue pairs,
-            // and deregister memory they reach.
+            // and deregister memory they reach; so would a completion loop that
+            // failed for good (it sets `broken` before it empties the list).
             if close.is_cancelled() {
                 for i in &inbound {
                     i.close();
                 }
                 return Err(Error::new(ErrorKind::Canceled, OP, "the agent is stopping"));
+            }
+            if let Some(e) = self.inner.broken.lock().unwrap().as_ref() {
+                for i in inbound.drain(..) {
+                    i.close();
+                }
+                reply = Reply::Refused(e.to_string());
             }
             for i in &inbound {
                 qps.insert(i.qp_num, Role::Inbound(i.clone()));
@@ -915,6 +922,11 @@ impl VerbsBackend {
     }
 
     fn accept_qps(&self, hello: &Hello) -> Result<(Vec<Arc<Inbound>>, Vec<QpHalf>)> {
+        // Nothing polls the completion queue any more: a peer's sends would land
+        // unread and its lane would stall once the buffers are used.
+        if let Some(e) = self.inner.broken.lock().unwrap().as_ref() {
+            return Err(e.cloned());
+        }
         let dev = self.dev("verbs accept")?;
         let o = &self.inner.options;
         let caps = dev.caps(o);

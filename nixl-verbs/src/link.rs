@@ -592,8 +592,17 @@ impl Link {
         }
     }
 
+    /// Whether the link failed, or any of its lanes did (a post the device refused
+    /// destroys that lane's queue pair): the next use connects anew.
     pub(crate) fn is_dead(&self) -> bool {
-        matches!(&*self.state.lock().unwrap(), LinkState::Dead(_)) || self.cancel.is_cancelled()
+        if self.cancel.is_cancelled() {
+            return true;
+        }
+        match &*self.state.lock().unwrap() {
+            LinkState::Dead(_) => true,
+            LinkState::Up(lanes, _) => lanes.iter().any(|l| l.is_dead()),
+            LinkState::Connecting(_) => false,
+        }
     }
 
     /// Fail the link: every lane, everything waiting; the control connection closes.

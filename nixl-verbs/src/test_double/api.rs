@@ -274,6 +274,18 @@ impl VerbsApi for TestDouble {
             let Some(c) = w.cqs.get_mut(&cq.0) else {
                 return Err(w.bad("ibv_poll_cq", cq, CQ));
             };
+            if w.fail_receive_poll
+                && c.entries
+                    .iter()
+                    .any(|e| matches!(e.origin, Origin::Recv(_)))
+            {
+                w.fail_receive_poll = false;
+                return Err(Error::new(
+                    ErrorKind::Backend,
+                    "ibv_poll_cq",
+                    "device error (failed by the test)",
+                ));
+            }
             let n = out.len().min(c.entries.len());
             let taken: Vec<Cqe> = c.entries.drain(..n).collect();
             for (slot, e) in out.iter_mut().zip(&taken) {
@@ -519,6 +531,15 @@ impl VerbsApi for TestDouble {
             }
             if wrs.is_empty() {
                 return Ok(());
+            }
+            if w.refuse_sends > 0 {
+                w.refuse_sends -= 1;
+                return Err(post_err(
+                    0,
+                    ErrorKind::Backend,
+                    OP,
+                    format!("queue pair {num}: out of resources (ENOMEM, refused by the test)"),
+                ));
             }
             if let Err(error) = w.kick() {
                 return Err(PostError { posted: 0, error });

@@ -318,6 +318,10 @@ struct World {
     dmabuf: bool,
     /// Memory regions registered through `reg_dmabuf_mr`, ever.
     dmabuf_mrs: usize,
+    /// `ibv_post_send` calls still to refuse (see [`refuse_sends`]).
+    refuse_sends: usize,
+    /// Whether the next poll of a receive completion fails (see [`fail_receive_poll`]).
+    fail_receive_poll: bool,
     violations: Vec<(Option<usize>, String)>,
     /// The worker thread, while one runs.
     worker: Option<std::thread::JoinHandle<()>>,
@@ -566,6 +570,19 @@ pub fn set_limits(limits: Limits) {
 /// [`set_limits`].
 pub fn set_dmabuf(supported: bool) {
     with(|w| w.dmabuf = supported);
+}
+
+/// Refuse the next `n` `ibv_post_send` calls of any queue pair (`ENOMEM`, posting
+/// nothing), as a device out of resources does. Process-wide, as [`set_limits`].
+pub fn refuse_sends(n: usize) {
+    with(|w| w.refuse_sends = n);
+}
+
+/// Make the next `ibv_poll_cq` that would return a receive completion fail (a
+/// device error), as a dying NIC's does: the receiving agent's completion loop stops
+/// for good. Process-wide, as [`set_limits`]; only the receiving side's poll fails.
+pub fn fail_receive_poll() {
+    with(|w| w.fail_receive_poll = true);
 }
 
 /// How many memory regions `reg_dmabuf_mr` registered in this process.

@@ -23,6 +23,8 @@ impl World {
             limits: Limits::DEFAULT,
             dmabuf: true,
             dmabuf_mrs: 0,
+            refuse_sends: 0,
+            fail_receive_poll: false,
             violations: Vec::new(),
             worker: None,
         }
