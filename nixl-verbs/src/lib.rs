@@ -601,7 +601,9 @@ impl VerbsBackend {
     async fn run_link(self, link: Arc<Link>, info: ConnInfo) {
         let o = &self.inner.options;
         let connected = tokio::select! {
-            _ = link.cancel.cancelled() => Err(Error::new(ErrorKind::Canceled, "verbs connect", "canceled")),
+            // The link's token fires when it failed or was closed (that reason stands:
+            // a link fails once), or when the agent stops.
+            _ = link.cancel.cancelled() => Err(Error::new(ErrorKind::ShutDown, "verbs connect", "the agent is stopping")),
             r = tokio::time::timeout(o.listener.connect_timeout, self.connect_link(&link, &info)) => r.unwrap_or_else(|_| Err(Error::new(
                 ErrorKind::TimedOut,
                 "verbs connect",
