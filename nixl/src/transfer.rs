@@ -226,12 +226,24 @@ impl XferRequest {
                 "the previous post of this request is still in flight",
             );
         }
+        let memory = self.regions.iter().map(|r| r.clone() as Arc<dyn InFlight>);
+        let keepalive = Keepalive::new(memory.collect(), &owner.inflight());
+        // Counted in flight first, then through each region's gate: a deregistration
+        // deciding at the same time either sees this count (and refuses) or closed the
+        // gate first (and this post refuses). The `registered` check above alone
+        // leaves a window between it and the count.
+        if let Some(r) = self.regions.iter().find(|r| r.gate.enter().is_none()) {
+            drop(keepalive);
+            return err(
+                ErrorKind::NotFound,
+                OP,
+                format!("registration {} was deregistered", r.id),
+            );
+        }
         if notif.is_some() {
             owner.notification_sent();
         }
         let probe = self.telemetry.as_ref().map(|t| Arc::new(Probe::start(t)));
-        let memory = self.regions.iter().map(|r| r.clone() as Arc<dyn InFlight>);
-        let keepalive = Keepalive::new(memory.collect(), &owner.inflight());
         let state = CompletionState::new(
             Some(keepalive),
             probe.clone().map(|p| p as Arc<dyn Observer>),
