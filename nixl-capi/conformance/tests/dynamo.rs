@@ -315,3 +315,26 @@ fn library_says_it_is_nixl_rs() {
         libc::dlclose(h);
     }
 }
+
+/// The same list as both sides of a request (NIXL accepts it: a local copy of a
+/// buffer onto itself) returns, within a bound, instead of locking the list twice.
+#[test]
+fn one_list_as_both_sides_of_a_request() {
+    if !library_present("one_list_as_both_sides_of_a_request") {
+        return;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    // Its own thread, left behind if it hangs, so the test fails instead.
+    std::thread::spawn(move || {
+        let agent = worker("kvbm-same-list", "TCP", &[]);
+        let buf = SystemStorage::new(4096).unwrap();
+        let _r = agent.register_memory(&buf, None).unwrap();
+        let list = xfer_list(&buf);
+        let r = agent.create_xfer_req(XferOp::Write, &list, &list, &agent.name(), None);
+        tx.send(r.map(|_| ()).map_err(|e| e.to_string())).unwrap();
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("create_xfer_req with one list as both sides returned");
+    r.expect("the request is made");
+}

@@ -147,7 +147,10 @@ pub unsafe extern "C" fn nixl_capi_create_xfer_req(
                 opt(opt_args)?,
             )
         };
-        let (l, r) = (l.0.locked().clone(), r.0.locked().clone());
+        // One lock at a time: the two may be the same list (a local transfer from a
+        // list to itself), and holding both guards at once would lock it twice.
+        let l = l.0.locked().clone();
+        let r = r.0.locked().clone();
         let req =
             a.0.create_request(op(operation)?, &l, &r, peer, o.as_ref())?;
         out.set(new_handle(ReqH(req)));
