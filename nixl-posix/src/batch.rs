@@ -28,6 +28,9 @@ pub(crate) struct Batch {
     failure: Mutex<Option<(u32, Error)>>,
     /// The flushes were started (what finishes now are flushes).
     flushing: std::sync::atomic::AtomicBool,
+    /// Each file's count of failed flushes before this transfer wrote to it (see
+    /// [`nixl::file::FileHandle::flush_failures`]).
+    failures_before: Vec<u64>,
 }
 
 /// What comes after the last operation finished.
@@ -44,6 +47,7 @@ impl Batch {
     pub(crate) fn new(plan: Arc<Plan>, durability: Durability, done: Completer) -> Arc<Self> {
         Arc::new(Self {
             remaining: AtomicUsize::new(plan.ops.len()),
+            failures_before: plan.files.iter().map(|f| f.flush_failures()).collect(),
             plan,
             durability,
             done: Mutex::new(Some(done)),
@@ -164,6 +168,26 @@ impl Batch {
         let Some(done) = self.done.lock().unwrap().take() else {
             return;
         };
+        if self.flushing.load(Ordering::Acquire) && self.failure.lock().unwrap().is_none() {
+            // Our flushes succeeded, but another one of the same file failed since
+            // our data was written: Linux told that flush, not ours, and our pages
+            // may be among those lost.
+            let moved = (self.plan.files.iter().zip(&self.failures_before))
+                .find(|(f, before)| f.flush_failures() > **before);
+            if let Some((f, _)) = moved {
+                self.record(
+                    u32::MAX,
+                    Error::new(
+                        ErrorKind::Io,
+                        OP,
+                        format!(
+                            "another flush of {} failed after this transfer's data was written (Linux reports a lost write to one flush only): this data may not be on the device; write it again",
+                            f.describe()
+                        ),
+                    ),
+                );
+            }
+        }
         let result = match self.failure.lock().unwrap().take() {
             None => Ok(()),
             Some((_, e)) if e.kind() == ErrorKind::Canceled => Err(e),

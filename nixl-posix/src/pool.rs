@@ -111,7 +111,8 @@ impl Pool {
             }
             Work::Flush { batch, file } => {
                 let f = &batch.plan.files[file as usize];
-                let r = sys::flush(f.as_fd().as_raw_fd(), batch.durability == Durability::Data);
+                let data = batch.durability == Durability::Data;
+                let r = f.flush_with(|fd| sys::flush(fd.as_raw_fd(), data));
                 if let Err(e) = r {
                     batch.flush_failed(file as usize, e);
                 }

@@ -348,6 +348,9 @@ impl Uring {
             }
             Work::Flush { file } => {
                 if res < 0 {
+                    // Counted here, in completion order: a flush that completed after
+                    // this failed one sees it when its own completion is processed.
+                    batch.plan.files[file as usize].flush_failed();
                     batch.flush_failed(file as usize, std::io::Error::from_raw_os_error(-res));
                 }
             }

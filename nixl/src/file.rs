@@ -35,6 +35,10 @@ pub struct FileHandle {
     writable: bool,
     direct: Option<DirectAlignment>,
     path: Option<PathBuf>,
+    /// Flushes of this file that failed, and the lock they run under
+    /// ([`FileHandle::flush_with`]).
+    flush_failures: std::sync::atomic::AtomicU64,
+    flushing: std::sync::Mutex<()>,
 }
 
 /// How [`Memory::open_file`](crate::Memory::open_file) opens a file.
@@ -187,6 +191,8 @@ impl FileHandle {
             writable,
             direct,
             path,
+            flush_failures: std::sync::atomic::AtomicU64::new(0),
+            flushing: std::sync::Mutex::new(()),
         })
     }
 
@@ -241,6 +247,44 @@ impl FileHandle {
             return block_device_size(st.st_rdev);
         }
         Ok(st.st_size as u64)
+    }
+
+    /// How many flushes of this file (`fsync`, `fdatasync`) failed so far, through
+    /// [`FileHandle::flush_with`] or [`FileHandle::flush_failed`].
+    ///
+    /// Linux reports a failed writeback to one flush of the open file only (the
+    /// first after the error), whichever transfer's pages failed; a later flush
+    /// returns success although those pages are lost. So a transfer that must be
+    /// durable notes this count before its data is written and, after its own flush
+    /// succeeded, fails all the same if the count moved meanwhile.
+    pub fn flush_failures(&self) -> u64 {
+        self.flush_failures
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Count a failed flush of this file (one whose result arrived elsewhere, such
+    /// as an io_uring completion, processed in completion order).
+    pub fn flush_failed(&self) {
+        self.flush_failures
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    /// Run a blocking flush of this file, one at a time, counting its failure
+    /// before the next flush can return: a flush that follows a failed one sees the
+    /// count moved ([`FileHandle::flush_failures`]).
+    ///
+    /// # Errors
+    /// What `flush` returned.
+    pub fn flush_with(
+        &self,
+        flush: impl FnOnce(BorrowedFd<'_>) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let _one = self.flushing.lock().unwrap_or_else(|p| p.into_inner());
+        let r = flush(self.fd.as_fd());
+        if r.is_err() {
+            self.flush_failed();
+        }
+        r
     }
 
     /// How errors name this file: its path, or its descriptor number.
@@ -348,6 +392,43 @@ mod tests {
             .write_all(&vec![7u8; bytes])
             .unwrap();
         (d, p)
+    }
+
+    #[test]
+    fn a_failed_flush_is_counted_for_the_flushes_after_it() {
+        let (_d, p) = temp(4096);
+        let f = std::fs::File::open(&p).unwrap();
+        let h = std::sync::Arc::new(FileHandle::from_fd(f.as_fd(), 0).unwrap());
+        assert_eq!(h.flush_failures(), 0);
+        // The one flush Linux tells of a lost write: counted before it returns.
+        let eio = h.flush_with(|_| Err(std::io::Error::from_raw_os_error(libc::EIO)));
+        assert_eq!(eio.unwrap_err().raw_os_error(), Some(libc::EIO));
+        assert_eq!(h.flush_failures(), 1);
+        h.flush_with(|fd| rustix::fs::fsync(fd).map_err(Into::into))
+            .unwrap();
+        assert_eq!(h.flush_failures(), 1, "a success does not reset the count");
+        h.flush_failed();
+        assert_eq!(h.flush_failures(), 2);
+        // One flush at a time: a second waits for the first to return and count.
+        let (started, release) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                h.flush_with(|_| {
+                    started.wait();
+                    release.wait();
+                    Err(std::io::Error::from_raw_os_error(libc::EIO))
+                })
+            });
+            started.wait();
+            let second = s.spawn(|| h.flush_with(|_| Ok(())).map(|()| h.flush_failures()));
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            release.wait();
+            assert_eq!(
+                second.join().unwrap().unwrap(),
+                3,
+                "ran after the failure counted"
+            );
+        });
     }
 
     #[test]
