@@ -494,6 +494,15 @@ impl PreparedTransfer for Prepared {
                 "a storage transfer carries no notification (there is no peer to tell)",
             )));
         }
+        if self.plan.op == Op::Write {
+            // One fcntl per file and post: a descriptor registered by number shares
+            // its flags with the caller, who may have set O_APPEND since.
+            let refused = (self.plan.files.iter())
+                .find_map(|f| f.check_positional_writes("post storage transfer").err());
+            if let Some(e) = refused {
+                return done.complete(Err(e));
+            }
+        }
         self.io
             .post(Batch::new(self.plan.clone(), self.durability, done));
     }

@@ -249,6 +249,32 @@ impl FileHandle {
         Ok(st.st_size as u64)
     }
 
+    /// Refuse a positional WRITE into this file if its descriptor was switched to
+    /// `O_APPEND` after registration (it shares the caller's open file when
+    /// registered by descriptor): Linux would write every block at the file's end
+    /// and report success.
+    ///
+    /// # Errors
+    /// [`ErrorKind::NotAllowed`] naming the file; [`ErrorKind::Io`] if its flags
+    /// cannot be read.
+    pub fn check_positional_writes(&self, op: &'static str) -> Result<()> {
+        let fl = rustix::fs::fcntl_getfl(&self.fd).map_err(|e| {
+            Error::new(ErrorKind::Io, op, format!("{}: fcntl", self.describe()))
+                .with_source(std::io::Error::from(e))
+        })?;
+        if fl.contains(OFlags::APPEND) {
+            return err(
+                ErrorKind::NotAllowed,
+                op,
+                format!(
+                    "{} was switched to O_APPEND after it was registered: positional writes would land at its end",
+                    self.describe()
+                ),
+            );
+        }
+        Ok(())
+    }
+
     /// How many flushes of this file (`fsync`, `fdatasync`) failed so far, through
     /// [`FileHandle::flush_with`] or [`FileHandle::flush_failed`].
     ///

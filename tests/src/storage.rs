@@ -469,6 +469,35 @@ pub async fn storage_closed_fd_and_misuse(but: &BackendUnderTest) {
         )
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::OutOfRange, "{e}");
+    // A descriptor registered by number shares its flags with the caller's: one
+    // switched to O_APPEND since refuses WRITEs (Linux would put every block at
+    // the end of the file and report success).
+    let c = dir.file("c.bin");
+    let fc = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&c)
+        .unwrap();
+    let creg = agent
+        .register(Memory::file(fc.as_fd(), 4096).unwrap())
+        .unwrap();
+    let cfd = fd_of(&creg);
+    let (from, to) = ([src.desc(0, 4096)], [Desc::new(0, 4096, cfd)]);
+    let write_c = || storage_xfer(&agent, Op::Write, &from, MemKind::File { fd: cfd }, &to);
+    write_c().await.unwrap();
+    let fl = rustix::fs::fcntl_getfl(&fc).unwrap();
+    rustix::fs::fcntl_setfl(&fc, fl | rustix::fs::OFlags::APPEND).unwrap();
+    let e = write_c().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotAllowed, "{e}");
+    assert!(e.to_string().contains("O_APPEND"), "{e}");
+    assert_eq!(
+        std::fs::metadata(&c).unwrap().len(),
+        4096,
+        "nothing was appended"
+    );
+    drop(fc);
     // Files are never published to peers.
     let md = agent.metadata().unwrap();
     drop(fb);
