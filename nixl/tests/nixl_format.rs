@@ -393,6 +393,18 @@ async fn our_nixl_metadata_is_what_nixl_reads() {
     assert_eq!(b.remote_regions("rust").unwrap().len(), 2);
     assert_eq!(*bb.nixl_rs.lock().unwrap(), [true]);
     assert_eq!(bb.added.lock().unwrap()[0].1, b"speaker-address");
+
+    // Its partial metadata without connection info (what NIXL's
+    // sendLocalPartialMD sends) carries no marker: it adds the region and keeps the
+    // link it has, made for nixl-rs (before, it relinked it as a plain NIXL agent).
+    let r3 = a.register(vec![3u8; 64]).unwrap();
+    b.load_metadata(
+        &a.nixl_partial_metadata(std::slice::from_ref(&r3), false)
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(b.remote_regions("rust").unwrap().len(), 3);
+    assert_eq!(*bb.nixl_rs.lock().unwrap(), [true], "no new link");
 }
 
 #[tokio::test]

@@ -45,6 +45,11 @@ impl PeerLinks {
         (self.0.iter().enumerate()).filter_map(|(i, e)| Some((i, &e.as_ref()?.link)))
     }
 
+    /// The dialect the links were made for (`None` without links).
+    pub(super) fn dialect(&self) -> Option<Dialect> {
+        self.0.iter().flatten().map(|e| e.dialect).next()
+    }
+
     /// Close every link (the peer is forgotten).
     pub(super) fn close(&self, why: &str) {
         for (_, l) in self.iter() {

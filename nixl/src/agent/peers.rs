@@ -569,6 +569,19 @@ impl Agent {
         // it is replaced); otherwise a backend whose connection info is the same keeps
         // its link.
         let restarted = load == (Load::Replace { restarted: true });
+        // The nixl-rs marker travels with connection info only (NIXL's partial
+        // metadata carries none), and only a source trusted to move the peer may
+        // change it: otherwise a known NIXL-format peer keeps the dialect its links
+        // speak (a partial load would else relink it as a plain NIXL agent, failing
+        // what is in flight, or an unauthenticated one flip it either way).
+        let dialect = match (dialect, old.as_ref().and_then(|o| o.links.dialect())) {
+            (Dialect::Nixl { .. }, Some(known @ Dialect::Nixl { .. }))
+                if !has_conn || add_only || trust == Trust::NixlListener =>
+            {
+                known
+            }
+            (d, _) => d,
+        };
         let links = links::make(
             &self.shared.backends,
             &md.name,
