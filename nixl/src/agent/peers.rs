@@ -536,6 +536,16 @@ impl Agent {
                     Ok(()) => {
                         by_id.insert(r.id, r.clone());
                     }
+                    Err(_) if add_only => {
+                        return err(
+                            ErrorKind::NotAllowed,
+                            OP,
+                            format!(
+                                "peer {:?}: this metadata overlaps its known region {}; an unauthenticated sender may add regions, never replace one",
+                                md.name, r.id
+                            ),
+                        );
+                    }
                     Err(_) if nixl => {
                         tracing::debug!(peer = %md.name, addr = r.addr, len = r.len, "NIXL metadata: dropping a known descriptor a new one overlaps");
                     }
