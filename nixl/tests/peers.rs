@@ -421,3 +421,44 @@ async fn a_prepare_on_a_link_a_reload_closed_is_made_again() {
         let _ = x.shutdown().await;
     }
 }
+
+/// Limits count a peer's regions by id and blobs are kept per backend: metadata
+/// that lists an id twice (at other addresses) or names a backend twice in one
+/// region is refused as corrupt, so no region or blob escapes the count.
+#[tokio::test]
+async fn a_region_id_or_blob_backend_listed_twice_is_corrupt() {
+    use nixl::metadata::{AgentMetadata, RegionBlob};
+    let first = Ledger::new("first", b"a1");
+    let a = agent("a", &[&first]).await;
+    let b = agent("b", &[&Ledger::new("first", b"b1")]).await;
+    let _dst = b.register(vec![0u8; 64]).unwrap();
+    let md = AgentMetadata::decode(&b.metadata().unwrap()).unwrap();
+
+    let mut twice = md.clone();
+    let mut copy = twice.regions[0].clone();
+    copy.addr += 1 << 20; // elsewhere: no overlap, the same id
+    twice.regions.push(copy);
+    refused(
+        a.load_metadata(&twice.encode().unwrap()),
+        ErrorKind::Corrupt,
+        "listed twice",
+    );
+
+    let mut blobs = md.clone();
+    let again = RegionBlob {
+        backend: blobs.regions[0].blobs[0].backend,
+        blob: Vec::new(),
+    };
+    blobs.regions[0].blobs.push(again);
+    refused(
+        a.load_metadata(&blobs.encode().unwrap()),
+        ErrorKind::Corrupt,
+        "listed twice",
+    );
+    assert!(a.remote_regions("b").is_err(), "nothing was loaded");
+    a.load_metadata(&md.encode().unwrap()).unwrap();
+    assert_eq!(a.remote_regions("b").unwrap().len(), 1);
+    for x in [a, b] {
+        let _ = x.shutdown().await;
+    }
+}

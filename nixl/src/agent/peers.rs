@@ -489,6 +489,23 @@ impl Agent {
             }
         }
         for rm in &md.regions {
+            // Limits count regions by id and blobs are kept per backend: a repeated
+            // id or backend would hold memory no limit counts.
+            let repeated_backend = rm.blobs.len() > 1 && {
+                let mut named: Vec<_> = rm.blobs.iter().map(|b| b.backend).collect();
+                named.sort_unstable();
+                named.windows(2).any(|w| w[0] == w[1])
+            };
+            if by_id.contains_key(&rm.id) || repeated_backend {
+                return err(
+                    ErrorKind::Corrupt,
+                    OP,
+                    format!(
+                        "peer {:?}: region {} is listed twice, or names one backend twice",
+                        md.name, rm.id
+                    ),
+                );
+            }
             let region = Arc::new(RemoteRegion {
                 id: rm.id,
                 kind: rm.kind,
