@@ -744,6 +744,9 @@ pub(crate) struct Core {
     grants: Arc<Mutex<Grants>>,
     /// Set once shutdown began: PINGs are no longer answered.
     closing: Arc<AtomicBool>,
+    /// A notification was held for credit since the driver last ran a round: an
+    /// inline post that held one wakes the driver, which paces the credit asks.
+    held_new: bool,
     /// Our name and secret, for the messages we send.
     pub(crate) me: Identity,
     /// The same, for the message handlers (set once at start; until then they refuse
@@ -869,7 +872,12 @@ impl Shared {
             return Err(cmd);
         }
         core.step_with(cmd);
-        Ok(!core.busy())
+        // Nothing in flight and nothing newly held for credit: the driver's own
+        // schedule stands. A notification held here needs the driver's credit pacing
+        // (asks, the wait for a peer that never answers), which its sleep computed
+        // before the notification was held does not cover.
+        let wake = core.busy() || std::mem::take(&mut core.held_new);
+        Ok(!wake)
     }
 
     pub(crate) fn mark_stopped(&self) {
@@ -1129,6 +1137,7 @@ impl Core {
             backlogs: Backlogs::default(),
             grants,
             closing,
+            held_new: false,
             me: Identity::default(),
             identity,
             ucx_version: String::new(),
@@ -1517,6 +1526,13 @@ impl Core {
             done.complete(Err(disconnected(peer, "unreachable")));
             return None;
         };
+        if let Some(why) = &p.failed {
+            // A transfer that finished in the same round its connection failed: its
+            // notification can no longer go (held, it would wait for credit a closed
+            // endpoint never brings).
+            done.complete(Err(disconnected(peer, why)));
+            return None;
+        }
         if p.nixl {
             if self.me.secret.is_some() {
                 // Refused when the peer was loaded; kept here so no path sends one.
@@ -1537,6 +1553,7 @@ impl Core {
             // Beyond what the peer granted: wait (and the transfer it belongs to)
             // until it grants more.
             p.held.push_back((msg, done));
+            self.held_new = true;
             if p.asked.is_none() {
                 self.ask_credit(peer);
             }
@@ -1686,6 +1703,8 @@ impl Core {
         self.check_failures();
         self.reap();
         self.ucx.reap_closed();
+        // The driver's own wait, computed after this round, covers what is held now.
+        self.held_new = false;
         n
     }
 
