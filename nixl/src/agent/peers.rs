@@ -221,11 +221,6 @@ impl Agent {
         self.load_decoded(md, Dialect::Ours, trust)
     }
 
-    /// Whether `peer` is known (loaded and not forgotten).
-    pub(crate) fn knows_peer(&self, peer: &str) -> bool {
-        self.shared.peers.read().unwrap().contains_key(peer)
-    }
-
     /// Load NIXL-format metadata from an unauthenticated source (a NIXL listener's
     /// `LOAD`) under NIXL's own rules: NIXL's format only, never over a peer of this
     /// crate, never new connection info for a known NIXL agent.
@@ -725,16 +720,32 @@ impl Agent {
     /// # Errors
     /// [`ErrorKind::UnknownPeer`] if it is not known.
     pub fn forget_peer(&self, peer: &str) -> Result<()> {
+        self.forget_peer_unless(peer, |_| None)
+    }
+
+    /// Forget `peer` unless `refuse`, told whether the known peer is a NIXL agent,
+    /// gives a reason: asked with the loading lock held, so no load replaces the
+    /// peer between the question and the forgetting (a remote invalidation may
+    /// forget only what it was checked against).
+    pub(crate) fn forget_peer_unless(
+        &self,
+        peer: &str,
+        refuse: impl FnOnce(bool) -> Option<Error>,
+    ) -> Result<()> {
         let _loading = self.shared.loading.lock().unwrap();
         let gone = {
             let mut peers = self.shared.peers.write().unwrap();
-            let Some(p) = peers.remove(peer) else {
+            let Some(known) = peers.get(peer) else {
                 return err(
                     ErrorKind::UnknownPeer,
                     "forget peer",
                     format!("peer {peer:?} is not known"),
                 );
             };
+            if let Some(e) = refuse(known.nixl) {
+                return Err(e);
+            }
+            let p = peers.remove(peer).expect("checked above");
             p.slot.retire();
             if let Some(m) = &self.shared.metrics {
                 m.peers.set(peers.len() as f64);

@@ -389,18 +389,24 @@ async fn serve(
                     .map_err(|e| e.to_string())?;
                 }
                 // Only NIXL agents: peers of this crate are not NIXL's to invalidate.
-                Command::Invalidate(peer) => match agent.is_nixl_peer(peer) {
-                    Ok(true) => match agent.forget_peer(peer) {
+                // Only NIXL agents, checked and forgotten under the agent's loading
+                // lock (a peer of this crate loaded in between is never forgotten).
+                Command::Invalidate(peer) => {
+                    let not_nixl = |nixl: bool| {
+                        (!nixl).then(|| {
+                            Error::new(ErrorKind::NotAllowed, "invalidate", "not a NIXL agent")
+                        })
+                    };
+                    match agent.forget_peer_unless(peer, not_nixl) {
                         Ok(()) => tracing::debug!(%peer, "NIXL listener: forgot peer"),
-                        Err(e) => tracing::debug!(%peer, error = %e, "NIXL listener: invalidation"),
-                    },
-                    Ok(false) => {
-                        tracing::warn!(%peer, "NIXL listener: refused to invalidate a peer that is not a NIXL agent")
+                        Err(e) if e.kind() == ErrorKind::NotAllowed => {
+                            tracing::warn!(%peer, "NIXL listener: refused to invalidate a peer that is not a NIXL agent")
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "NIXL listener: invalidation of an unknown peer")
+                        }
                     }
-                    Err(_) => {
-                        tracing::debug!(%peer, "NIXL listener: invalidation of an unknown peer")
-                    }
-                },
+                }
             }
         }
     }

@@ -689,18 +689,26 @@ async fn serve(
             },
             (Kind::Invalidate, name) => {
                 let peer = String::from_utf8_lossy(&name).into_owned();
-                if !trust.vouches_for(&peer) && agent.knows_peer(&peer) {
-                    tracing::warn!(%peer, %from, "side channel: refused to forget a known peer for a client not authenticated as that peer");
-                    err(
-                        ErrorKind::NotAllowed,
-                        "invalidate metadata",
-                        format!("a client not authenticated as {peer:?} may not make this agent forget it"),
-                    )
-                } else {
-                    match agent.forget_peer(&peer) {
-                        Ok(()) => Ok((Kind::Ok, Vec::new())),
-                        Err(e) if e.kind() == ErrorKind::UnknownPeer => Ok((Kind::Ok, Vec::new())),
-                        Err(e) => Err(e),
+                // Checked and forgotten under the agent's loading lock: a trusted load
+                // between the two is never forgotten on an unvouched request.
+                let vouched = trust.vouches_for(&peer);
+                let refused = |_nixl: bool| {
+                    (!vouched).then(|| {
+                        Error::new(
+                            ErrorKind::NotAllowed,
+                            "invalidate metadata",
+                            format!("a client not authenticated as {peer:?} may not make this agent forget it"),
+                        )
+                    })
+                };
+                match agent.forget_peer_unless(&peer, refused) {
+                    Ok(()) => Ok((Kind::Ok, Vec::new())),
+                    Err(e) if e.kind() == ErrorKind::UnknownPeer => Ok((Kind::Ok, Vec::new())),
+                    Err(e) => {
+                        if e.kind() == ErrorKind::NotAllowed {
+                            tracing::warn!(%peer, %from, "side channel: refused to forget a known peer for a client not authenticated as that peer");
+                        }
+                        Err(e)
                     }
                 }
             }
