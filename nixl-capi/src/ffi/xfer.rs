@@ -151,8 +151,13 @@ pub unsafe extern "C" fn nixl_capi_create_xfer_req(
         // list to itself), and holding both guards at once would lock it twice.
         let l = l.0.locked().clone();
         let r = r.0.locked().clone();
-        let req =
-            a.0.create_request(op(operation)?, &l, &r, peer, o.as_ref())?;
+        let req = a.0.create_request(
+            op(operation).map_err(Failure::collapsed)?,
+            &l,
+            &r,
+            peer,
+            o.as_ref(),
+        )?;
         out.set(new_handle(ReqH(req)));
         ok()
     })
