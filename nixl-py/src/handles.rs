@@ -156,8 +156,13 @@ impl XferHandle {
         rt()?.spawn(self.tasks.track_future(async move {
             let result = tokio::select! {
                 r = &mut t => r,
-                // The agent is shutting down: it cancels the transfer; nobody hears.
-                () = cancel.cancelled() => return,
+                // The agent is shutting down (it cancels the transfer): the awaiting
+                // coroutine hears so rather than wait forever.
+                () = cancel.cancelled() => Err(nixl::Error::new(
+                    nixl::ErrorKind::ShutDown,
+                    "transfer",
+                    "the agent shut down while the transfer was in flight",
+                )),
             };
             deliver(event_loop, cb, move |py| match result {
                 Ok(()) => py.None(),

@@ -203,3 +203,39 @@ def test_exceptions_are_nixl_errors():
     for n in ("nixlBackendError", "nixlNotFoundError", "nixlInvalidParamError",
               "nixlNotAllowedError", "nixlNotSupportedError", "nixlRemoteDisconnectError"):
         assert issubclass(getattr(nixl_rs, n), nixl_rs.NixlError)
+
+
+def test_an_awaited_transfer_ends_when_its_agent_shuts_down():
+    """A transfer awaited through asyncio to a peer that stopped (SIGSTOP: its
+    sockets fill) raises when its agent shuts down, instead of never returning."""
+    import asyncio
+    import signal
+
+    import numpy as np
+    from nixl_rs._api import nixl_agent, nixl_agent_config
+
+    size = 64 << 20
+    peer = Peer("nixl_rs", unique("stopped"), "TCP-SOCKET", size=size)
+    a = nixl_agent(unique("async-shutdown"), nixl_agent_config(backends=[]))
+    a.create_backend("TCP", {"same_host": "off"})
+    src = np.ones(size, dtype=np.uint8)
+    a.register_memory(a.get_reg_descs([(src.ctypes.data, size, 0, "")], "DRAM"))
+    name = a.add_remote_agent(peer.metadata()).decode()
+    peer.load(a.get_agent_metadata())
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(src.ctypes.data, size, 0)], "DRAM"),
+                          a.get_xfer_descs([(peer.addr, size, 0)], "DRAM"), name)
+    os.kill(peer.p.pid, signal.SIGSTOP)
+    try:
+        async def main():
+            t = asyncio.ensure_future(a.transfer_async(h))
+            await asyncio.sleep(0.5)
+            assert not t.done(), "64 MiB went into a stopped peer's socket buffers"
+            await asyncio.get_running_loop().run_in_executor(None, a.shutdown)
+            with pytest.raises(nixl_rs.nixlNotAllowedError, match="shut down"):
+                await asyncio.wait_for(t, HANG)
+
+        asyncio.run(main())
+    finally:
+        os.kill(peer.p.pid, signal.SIGCONT)
+        peer.p.kill()
+        peer.p.wait(timeout=HANG)
