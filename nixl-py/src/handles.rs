@@ -77,6 +77,9 @@ struct XferState {
     req: Option<Arc<XferRequest>>,
     /// The latest post, unless an asyncio waiter took it.
     post: Option<Transfer>,
+    /// Cancels the asyncio waiter holding the latest post: releasing the handle
+    /// cancels that post as it does one kept here.
+    waiter: Option<CancellationToken>,
 }
 
 /// A transfer request (NIXL's `make_prepped_xfer` / `initialize_xfer` result).
@@ -101,6 +104,7 @@ impl XferHandle {
             state: Mutex::new(XferState {
                 req: Some(Arc::new(req)),
                 post: None,
+                waiter: None,
             }),
             notif,
             tasks,
@@ -153,9 +157,18 @@ impl XferHandle {
             return Ok(false);
         }
         let cancel = self.cancel.clone();
+        let released = CancellationToken::new();
+        self.state.lock().unwrap().waiter = Some(released.clone());
         rt()?.spawn(self.tasks.track_future(async move {
             let result = tokio::select! {
                 r = &mut t => r,
+                // Released: dropping the transfer cancels it, as a release of a post
+                // kept in the handle does.
+                () = released.cancelled() => Err(nixl::Error::new(
+                    nixl::ErrorKind::Canceled,
+                    "transfer",
+                    "the transfer handle was released while the transfer was in flight",
+                )),
                 // The agent is shutting down (it cancels the transfer): the awaiting
                 // coroutine hears so rather than wait forever.
                 () = cancel.cancelled() => Err(nixl::Error::new(
@@ -333,6 +346,9 @@ impl XferHandle {
         let mut st = self.state.lock().unwrap();
         st.post = None;
         st.req = None;
+        if let Some(w) = st.waiter.take() {
+            w.cancel();
+        }
     }
 
     /// Whether it was released.

@@ -239,3 +239,41 @@ def test_an_awaited_transfer_ends_when_its_agent_shuts_down():
         os.kill(peer.p.pid, signal.SIGCONT)
         peer.p.kill()
         peer.p.wait(timeout=HANG)
+
+
+def test_releasing_an_awaited_handle_cancels_its_transfer():
+    """release_xfer_handle cancels a transfer an asyncio waiter holds, as it does one
+    polled with check_xfer_state: the waiter raises, and the memory deregisters."""
+    import asyncio
+    import signal
+
+    import numpy as np
+    from nixl_rs._api import nixl_agent, nixl_agent_config
+
+    size = 64 << 20
+    peer = Peer("nixl_rs", unique("stopped2"), "TCP-SOCKET", size=size)
+    a = nixl_agent(unique("async-release"), nixl_agent_config(backends=[]))
+    a.create_backend("TCP", {"same_host": "off"})
+    src = np.ones(size, dtype=np.uint8)
+    reg = a.register_memory(a.get_reg_descs([(src.ctypes.data, size, 0, "")], "DRAM"))
+    name = a.add_remote_agent(peer.metadata()).decode()
+    peer.load(a.get_agent_metadata())
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(src.ctypes.data, size, 0)], "DRAM"),
+                          a.get_xfer_descs([(peer.addr, size, 0)], "DRAM"), name)
+    os.kill(peer.p.pid, signal.SIGSTOP)
+    try:
+        async def main():
+            t = asyncio.ensure_future(a.transfer_async(h))
+            await asyncio.sleep(0.5)
+            assert not t.done(), "64 MiB went into a stopped peer's socket buffers"
+            a.release_xfer_handle(h)
+            with pytest.raises(nixl_rs.nixlCancelledError, match="released"):
+                await asyncio.wait_for(t, HANG)
+
+        asyncio.run(main())
+        a.deregister_memory(reg)
+    finally:
+        os.kill(peer.p.pid, signal.SIGCONT)
+        peer.p.kill()
+        peer.p.wait(timeout=HANG)
+        a.shutdown()
