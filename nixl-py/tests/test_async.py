@@ -87,6 +87,31 @@ def test_cancelled_notification_wait_loses_nothing(agents):
     asyncio.run(main())
 
 
+def test_a_waiter_cancelled_as_its_notification_arrives_loses_nothing(agents):
+    import time
+
+    a, b, src, dst, loc, rem = _setup(agents)
+
+    async def main():
+        it = b.notifications()
+        task = asyncio.ensure_future(it.__anext__())
+        await asyncio.sleep(0)  # the waiter awaits its future
+        a.send_notif(b.name, b"raced")
+        # Block the loop until the delivery is queued on it, then let it run: the
+        # waiter's future holds the notification, the waiter has not resumed yet.
+        wait_for_queued = time.monotonic() + 0.5
+        while time.monotonic() < wait_for_queued:
+            time.sleep(0.01)
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        peer, msg = await asyncio.wait_for(it.__anext__(), HANG)
+        assert (peer, msg) == (a.name, b"raced")
+
+    asyncio.run(main())
+
+
 def test_notification_stream_ends_at_shutdown(agents):
     a, b, src, dst, loc, rem = _setup(agents)
 

@@ -582,7 +582,16 @@ class _NotifStream:
 
         item = native.next_notif(loop, deliver)
         if item is None:
-            item = await fut
+            try:
+                item = await fut
+            except asyncio.CancelledError:
+                # Cancelled after the notification arrived but before this task
+                # resumed: it goes back to the front, not lost.
+                if fut.done() and not fut.cancelled():
+                    got = fut.result()
+                    if got is not None:
+                        native.requeue(got[0], got[1])
+                raise
         if item is None:
             raise StopAsyncIteration
         return item
