@@ -609,11 +609,35 @@ impl PyAgent {
             }
         }
         let rt = rt()?;
+        // Transfers released while in flight are cancelled by their backend; wait for
+        // it to let go (NIXL's releaseXferReq then deregisterMem succeeds), but not
+        // for transfers that keep running past the bound. Every region of the list
+        // first, under one bound: a refusal then leaves the whole list registered.
+        let deadline = std::time::Instant::now() + DEREGISTER_WAIT;
+        let busy = py.allow_threads(|| {
+            rt.block_on(async {
+                for (_, reg) in &regs {
+                    while reg.inflight() > 0 {
+                        if std::time::Instant::now() >= deadline {
+                            return Some(reg.inflight());
+                        }
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                }
+                None
+            })
+        });
+        if let Some(n) = busy {
+            return Err(raise(
+                "NotAllowed",
+                OP,
+                "registration",
+                format!("{OP}: memory of this list is used by {n} transfer(s) still in flight after {DEREGISTER_WAIT:?}; nothing was deregistered (release or finish them, then retry)"),
+            ));
+        }
         for (key, reg) in regs {
-            // Transfers released while in flight are cancelled by their backend;
-            // wait for it to let go (NIXL's releaseXferReq then deregisterMem
-            // succeeds), but not for transfers that keep running past the bound.
-            py.allow_threads(|| rt.block_on(agent.deregister_when_idle(&reg, DEREGISTER_WAIT)))
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            py.allow_threads(|| rt.block_on(agent.deregister_when_idle(&reg, left)))
                 .py()?;
             self.inner.regs.lock().unwrap().remove(&key);
         }

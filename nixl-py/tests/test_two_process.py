@@ -277,3 +277,56 @@ def test_releasing_an_awaited_handle_cancels_its_transfer():
         peer.p.kill()
         peer.p.wait(timeout=HANG)
         a.shutdown()
+
+
+def test_a_refused_deregistration_leaves_the_whole_list_registered():
+    """deregister_memory of a list whose second region a transfer still uses (a
+    stopped peer) raises after its bound and deregisters nothing: the same list
+    deregisters once the transfer is done."""
+    import signal
+
+    import numpy as np
+    from nixl_rs._api import nixl_agent, nixl_agent_config
+
+    size = 64 << 20
+    peer = Peer("nixl_rs", unique("stopped3"), "TCP-SOCKET", size=size)
+    a = nixl_agent(unique("dereg-list"), nixl_agent_config(backends=[]))
+    # A stopped peer is declared dead after dead_peer_timeout (10 s by default, the
+    # deregistration's bound too): longer here, so the transfer outlives the bound.
+    a.create_backend("TCP", {"same_host": "off", "dead_peer_timeout": "120s", "connections": "1"})
+    small, big = np.ones(4096, dtype=np.uint8), np.ones(size, dtype=np.uint8)
+    reg = a.register_memory(a.get_reg_descs(
+        [(small.ctypes.data, 4096, 0, ""), (big.ctypes.data, size, 0, "")], "DRAM"))
+    name = a.add_remote_agent(peer.metadata()).decode()
+    peer.load(a.get_agent_metadata())
+    # Connected first (a small WRITE), so the stopped peer stalls the data, not
+    # the connect (which has its own 10 s bound); one connection, no extra lanes.
+    w = a.initialize_xfer("WRITE", a.get_xfer_descs([(small.ctypes.data, 4096, 0)], "DRAM"),
+                          a.get_xfer_descs([(peer.addr, 4096, 0)], "DRAM"), name)
+    a.transfer(w)
+    deadline = time.monotonic() + HANG
+    while a.check_xfer_state(w) != "DONE":
+        assert time.monotonic() < deadline, "the first write did not finish"
+        time.sleep(0.01)
+    a.release_xfer_handle(w)
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(big.ctypes.data, size, 0)], "DRAM"),
+                          a.get_xfer_descs([(peer.addr, size, 0)], "DRAM"), name)
+    os.kill(peer.p.pid, signal.SIGSTOP)
+    try:
+        assert a.transfer(h) == "PROC"
+        time.sleep(0.5)
+        assert a.check_xfer_state(h) == "PROC", "64 MiB went into a stopped peer's socket buffers"
+        with pytest.raises(nixl_rs.nixlNotAllowedError, match="nothing was deregistered"):
+            a.deregister_memory(reg)
+        os.kill(peer.p.pid, signal.SIGCONT)
+        deadline = time.monotonic() + HANG
+        while a.check_xfer_state(h) != "DONE":
+            assert time.monotonic() < deadline, "the transfer did not finish"
+            time.sleep(0.01)
+        a.release_xfer_handle(h)
+        a.deregister_memory(reg)
+    finally:
+        os.kill(peer.p.pid, signal.SIGCONT)
+        peer.p.kill()
+        peer.p.wait(timeout=HANG)
+        a.shutdown()

@@ -757,9 +757,9 @@ class nixl_agent:
         return reg_descs
 
     def deregister_memory(self, dereg_list: nixlRegDList, backends: list[str] = []):  # noqa: B006
-        """Deregister memory registered before. Transfers still using it are waited
-        for (those released in flight are cancelled) up to 10 s; then
-        ``nixlNotAllowedError``, and nothing changes."""
+        """Deregister memory registered before. Transfers still using any of it are
+        waited for (those released in flight are cancelled) up to 10 s for the whole
+        list; then ``nixlNotAllowedError``, and nothing of the list changes."""
         if not isinstance(dereg_list, nixlRegDList):
             raise TypeError("deregister_memory takes the nixlRegDList register_memory returned")
         self.agent.deregister(dereg_list._mem_type, dereg_list._wire())
