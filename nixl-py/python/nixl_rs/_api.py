@@ -759,7 +759,9 @@ class nixl_agent:
     def deregister_memory(self, dereg_list: nixlRegDList, backends: list[str] = []):  # noqa: B006
         """Deregister memory registered before. Transfers still using any of it are
         waited for (those released in flight are cancelled) up to 10 s for the whole
-        list; then ``nixlNotAllowedError``, and nothing of the list changes."""
+        list; then ``nixlNotAllowedError``, and nothing of the list changes. (A
+        transfer another thread posts on this memory while the call runs can still
+        make it refuse part way, after the regions before it were deregistered.)"""
         if not isinstance(dereg_list, nixlRegDList):
             raise TypeError("deregister_memory takes the nixlRegDList register_memory returned")
         self.agent.deregister(dereg_list._mem_type, dereg_list._wire())
