@@ -6,21 +6,11 @@
 
 use std::time::Duration;
 
-use nixl::{Agent, AgentOptions};
 use nixl_testkit::bounded;
-use nixl_verbs::{VerbsBackend, VerbsOptions};
 
-async fn agent(name: &str) -> Agent {
-    Agent::builder(name)
-        .backend(VerbsBackend::with_test_double(VerbsOptions::default()).unwrap())
-        .options(AgentOptions {
-            drain_timeout: Duration::from_secs(5),
-            shutdown_timeout: Duration::from_secs(5),
-        })
-        .build()
-        .await
-        .unwrap()
-}
+use common::agent;
+
+mod common;
 
 /// A target whose completion loop failed for good (nothing polls its completion
 /// queue any more) refuses new connections: an initiator's notification fails,

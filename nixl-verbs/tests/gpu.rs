@@ -7,23 +7,15 @@
 
 use std::time::Duration;
 
-use nixl::{Agent, AgentOptions, DescList, ErrorKind, MemKind, Memory};
-use nixl_verbs::{test_double, VerbsBackend, VerbsOptions};
+use nixl::{DescList, ErrorKind, MemKind, Memory};
+use nixl_verbs::test_double;
 
 /// The double's dma-buf switch is process-wide: these tests take turns.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-async fn agent(name: &str) -> Agent {
-    Agent::builder(name)
-        .backend(VerbsBackend::with_test_double(VerbsOptions::default()).unwrap())
-        .options(AgentOptions {
-            drain_timeout: Duration::from_secs(5),
-            shutdown_timeout: Duration::from_secs(5),
-        })
-        .build()
-        .await
-        .unwrap()
-}
+use common::agent;
+
+mod common;
 
 /// A WRITE from GPU memory into GPU memory between two agents; the bytes arrive.
 async fn vram_write_moves_bytes() {

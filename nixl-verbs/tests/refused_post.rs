@@ -3,24 +3,12 @@
 //! old error for as long as the control connection lasts. On the verbs **test
 //! double**, whose fault is process-wide: this file holds one test.
 
-use std::time::Duration;
-
-use nixl::{Agent, AgentOptions};
 use nixl_testkit::{bounded, double::one, remote};
 use nixl_verbs::test_double::refuse_sends;
-use nixl_verbs::{VerbsBackend, VerbsOptions};
 
-async fn agent(name: &str) -> Agent {
-    Agent::builder(name)
-        .backend(VerbsBackend::with_test_double(VerbsOptions::default()).unwrap())
-        .options(AgentOptions {
-            drain_timeout: Duration::from_secs(5),
-            shutdown_timeout: Duration::from_secs(5),
-        })
-        .build()
-        .await
-        .unwrap()
-}
+use common::agent;
+
+mod common;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_post_costs_one_transfer_and_the_link_connects_anew() {
