@@ -49,6 +49,32 @@ fn remote(a: &Agent, peer: &str, r: &Registration) -> nixl::Desc {
     info.desc(0, info.len)
 }
 
+/// A 4 KiB WRITE from `a` to `b` (`peer`, on backend `bb`) while b's engine leaves
+/// inbound connections pending: a's UCCL connect blocks inside the engine, as
+/// UCCL's does when the peer does not accept. Returns the transfer and the two
+/// registrations it uses.
+fn write_to_a_held_engine(
+    a: &Agent,
+    b: &Agent,
+    bb: &UcclBackend,
+    peer: &str,
+) -> (nixl::Transfer, [Registration; 2]) {
+    let src = a.register(vec![1u8; 4096]).unwrap();
+    let dst = b.register(vec![0u8; 4096]).unwrap();
+    a.load_metadata(&b.metadata().unwrap()).unwrap();
+    test_double::hold_accepts(&bb.engine_metadata().unwrap(), true);
+    let t = a
+        .transfer(
+            Op::Write,
+            &one(src.whole()),
+            peer,
+            &one(remote(a, peer, &dst)),
+            None,
+        )
+        .unwrap();
+    (t, [src, dst])
+}
+
 async fn bounded<F: std::future::Future>(what: &str, f: F) -> F::Output {
     tokio::time::timeout(HANG, f)
         .await
@@ -81,22 +107,7 @@ async fn stop_during_connect_never_races_destroy() {
     let (a, ab) = agent("a-connect").await;
     let (b, bb) = agent("b-held").await;
     let a_meta = ab.engine_metadata().unwrap();
-    let src = a.register(vec![1u8; 4096]).unwrap();
-    let dst = b.register(vec![0u8; 4096]).unwrap();
-    a.load_metadata(&b.metadata().unwrap()).unwrap();
-    // B's engine leaves inbound connections pending: A's UCCL connect blocks inside
-    // the engine, as UCCL's does when the peer does not accept.
-    let meta = bb.engine_metadata().unwrap();
-    test_double::hold_accepts(&meta, true);
-    let t = a
-        .transfer(
-            Op::Write,
-            &one(src.whole()),
-            "b-held",
-            &one(remote(&a, "b-held", &dst)),
-            None,
-        )
-        .unwrap();
+    let (t, _regs) = write_to_a_held_engine(&a, &b, &bb, "b-held");
     tokio::time::sleep(Duration::from_millis(200)).await;
     let t0 = Instant::now();
     let r = bounded("shutdown during connect", a.shutdown()).await;
@@ -570,25 +581,12 @@ async fn a_link_closed_while_its_engine_connects_fails_its_transfer_at_once() {
     o.listener.connect_timeout = 4 * HANG;
     let (a, _) = agent_with("a-closing", o).await;
     let (b, bb) = agent("b-closing").await;
-    let src = a.register(vec![1u8; 4096]).unwrap();
-    let dst = b.register(vec![0u8; 4096]).unwrap();
-    a.load_metadata(&b.metadata().unwrap()).unwrap();
-    let meta = bb.engine_metadata().unwrap();
-    test_double::hold_accepts(&meta, true);
-    let t = a
-        .transfer(
-            Op::Write,
-            &one(src.whole()),
-            "b-closing",
-            &one(remote(&a, "b-closing", &dst)),
-            None,
-        )
-        .unwrap();
+    let (t, _regs) = write_to_a_held_engine(&a, &b, &bb, "b-closing");
     tokio::time::sleep(Duration::from_millis(300)).await;
     a.forget_peer("b-closing").unwrap();
     let e = bounded("the transfer", t).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::RemoteDisconnected, "{e}");
-    test_double::hold_accepts(&meta, false);
+    test_double::hold_accepts(&bb.engine_metadata().unwrap(), false);
     let _ = b.shutdown().await;
     let _ = a.shutdown().await;
     no_misuse();
