@@ -4,14 +4,17 @@ NIXL 1.5.1 agent (the nixl-cu12 wheel, NIXL_TEST_NIXL_WHEEL_DIR), exchanging dat
 and notifications both ways. Every child exits normally (exit status checked: no
 crash at interpreter exit)."""
 
+import asyncio
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import HANG, system_ucx, ucp_wheel_lib, unique
+from conftest import HANG, system_ucx, ucp_wheel_lib, unique, wait_done
 
 import nixl_rs
 
@@ -205,128 +208,90 @@ def test_exceptions_are_nixl_errors():
         assert issubclass(getattr(nixl_rs, n), nixl_rs.NixlError)
 
 
-def test_an_awaited_transfer_ends_when_its_agent_shuts_down():
-    """A transfer awaited through asyncio to a peer that stopped (SIGSTOP: its
-    sockets fill) raises when its agent shuts down, instead of never returning."""
-    import asyncio
-    import signal
-
+@contextlib.contextmanager
+def stalled_write(prefix, params=None, connect_first=False):
+    """A nixl_rs agent (nixl-tcp over sockets, with `params`) holding one list of two
+    registrations, 4 KiB and 64 MiB, and a prepared WRITE of the 64 MiB one into a
+    peer process that is then stopped (SIGSTOP), so the WRITE stalls: in its
+    connect (10 s bound), or with `connect_first` in the data, once a 4 KiB WRITE
+    has connected. Yields (agent, handle, registration list, peer); the peer resumes and
+    is killed, and the agent shut down, at the end."""
     import numpy as np
     from nixl_rs._api import nixl_agent, nixl_agent_config
 
     size = 64 << 20
-    peer = Peer("nixl_rs", unique("stopped"), "TCP-SOCKET", size=size)
-    a = nixl_agent(unique("async-shutdown"), nixl_agent_config(backends=[]))
-    a.create_backend("TCP", {"same_host": "off"})
-    src = np.ones(size, dtype=np.uint8)
-    a.register_memory(a.get_reg_descs([(src.ctypes.data, size, 0, "")], "DRAM"))
+    peer = Peer("nixl_rs", unique(f"{prefix}-peer"), "TCP-SOCKET", size=size)
+    a = nixl_agent(unique(prefix), nixl_agent_config(backends=[]))
+    a.create_backend("TCP", {"same_host": "off", **(params or {})})
+    small, big = np.ones(4096, dtype=np.uint8), np.ones(size, dtype=np.uint8)
+    reg = a.register_memory(a.get_reg_descs(
+        [(small.ctypes.data, 4096, 0, ""), (big.ctypes.data, size, 0, "")], "DRAM"))
     name = a.add_remote_agent(peer.metadata()).decode()
     peer.load(a.get_agent_metadata())
-    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(src.ctypes.data, size, 0)], "DRAM"),
+    if connect_first:
+        w = a.initialize_xfer("WRITE", a.get_xfer_descs([(small.ctypes.data, 4096, 0)], "DRAM"),
+                              a.get_xfer_descs([(peer.addr, 4096, 0)], "DRAM"), name)
+        a.transfer(w)
+        wait_done(a, w)
+        a.release_xfer_handle(w)
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(big.ctypes.data, size, 0)], "DRAM"),
                           a.get_xfer_descs([(peer.addr, size, 0)], "DRAM"), name)
     os.kill(peer.p.pid, signal.SIGSTOP)
     try:
+        yield a, h, reg, peer
+    finally:
+        os.kill(peer.p.pid, signal.SIGCONT)
+        peer.p.kill()
+        peer.p.wait(timeout=HANG)
+        a.shutdown()
+
+
+def test_an_awaited_transfer_ends_when_its_agent_shuts_down():
+    """A transfer awaited through asyncio to a peer that stopped raises when its
+    agent shuts down, instead of never returning."""
+    with stalled_write("async-shutdown") as (a, h, _, _):
         async def main():
             t = asyncio.ensure_future(a.transfer_async(h))
             await asyncio.sleep(0.5)
-            assert not t.done(), "64 MiB went into a stopped peer's socket buffers"
+            assert not t.done(), "the WRITE to a stopped peer finished"
             await asyncio.get_running_loop().run_in_executor(None, a.shutdown)
             with pytest.raises(nixl_rs.nixlNotAllowedError, match="shut down"):
                 await asyncio.wait_for(t, HANG)
 
         asyncio.run(main())
-    finally:
-        os.kill(peer.p.pid, signal.SIGCONT)
-        peer.p.kill()
-        peer.p.wait(timeout=HANG)
 
 
 def test_releasing_an_awaited_handle_cancels_its_transfer():
     """release_xfer_handle cancels a transfer an asyncio waiter holds, as it does one
     polled with check_xfer_state: the waiter raises, and the memory deregisters."""
-    import asyncio
-    import signal
-
-    import numpy as np
-    from nixl_rs._api import nixl_agent, nixl_agent_config
-
-    size = 64 << 20
-    peer = Peer("nixl_rs", unique("stopped2"), "TCP-SOCKET", size=size)
-    a = nixl_agent(unique("async-release"), nixl_agent_config(backends=[]))
-    a.create_backend("TCP", {"same_host": "off"})
-    src = np.ones(size, dtype=np.uint8)
-    reg = a.register_memory(a.get_reg_descs([(src.ctypes.data, size, 0, "")], "DRAM"))
-    name = a.add_remote_agent(peer.metadata()).decode()
-    peer.load(a.get_agent_metadata())
-    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(src.ctypes.data, size, 0)], "DRAM"),
-                          a.get_xfer_descs([(peer.addr, size, 0)], "DRAM"), name)
-    os.kill(peer.p.pid, signal.SIGSTOP)
-    try:
+    with stalled_write("async-release") as (a, h, reg, _):
         async def main():
             t = asyncio.ensure_future(a.transfer_async(h))
             await asyncio.sleep(0.5)
-            assert not t.done(), "64 MiB went into a stopped peer's socket buffers"
+            assert not t.done(), "the WRITE to a stopped peer finished"
             a.release_xfer_handle(h)
             with pytest.raises(nixl_rs.nixlCancelledError, match="released"):
                 await asyncio.wait_for(t, HANG)
 
         asyncio.run(main())
         a.deregister_memory(reg)
-    finally:
-        os.kill(peer.p.pid, signal.SIGCONT)
-        peer.p.kill()
-        peer.p.wait(timeout=HANG)
-        a.shutdown()
 
 
 def test_a_refused_deregistration_leaves_the_whole_list_registered():
     """deregister_memory of a list whose second region a transfer still uses (a
     stopped peer) raises after its bound and deregisters nothing: the same list
     deregisters once the transfer is done."""
-    import signal
-
-    import numpy as np
-    from nixl_rs._api import nixl_agent, nixl_agent_config
-
-    size = 64 << 20
-    peer = Peer("nixl_rs", unique("stopped3"), "TCP-SOCKET", size=size)
-    a = nixl_agent(unique("dereg-list"), nixl_agent_config(backends=[]))
     # A stopped peer is declared dead after dead_peer_timeout (10 s by default, the
-    # deregistration's bound too): longer here, so the transfer outlives the bound.
-    a.create_backend("TCP", {"same_host": "off", "dead_peer_timeout": "120s", "connections": "1"})
-    small, big = np.ones(4096, dtype=np.uint8), np.ones(size, dtype=np.uint8)
-    reg = a.register_memory(a.get_reg_descs(
-        [(small.ctypes.data, 4096, 0, ""), (big.ctypes.data, size, 0, "")], "DRAM"))
-    name = a.add_remote_agent(peer.metadata()).decode()
-    peer.load(a.get_agent_metadata())
-    # Connected first (a small WRITE), so the stopped peer stalls the data, not
-    # the connect (which has its own 10 s bound); one connection, no extra lanes.
-    w = a.initialize_xfer("WRITE", a.get_xfer_descs([(small.ctypes.data, 4096, 0)], "DRAM"),
-                          a.get_xfer_descs([(peer.addr, 4096, 0)], "DRAM"), name)
-    a.transfer(w)
-    deadline = time.monotonic() + HANG
-    while a.check_xfer_state(w) != "DONE":
-        assert time.monotonic() < deadline, "the first write did not finish"
-        time.sleep(0.01)
-    a.release_xfer_handle(w)
-    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(big.ctypes.data, size, 0)], "DRAM"),
-                          a.get_xfer_descs([(peer.addr, size, 0)], "DRAM"), name)
-    os.kill(peer.p.pid, signal.SIGSTOP)
-    try:
+    # deregistration's bound too): longer here, so the transfer outlives the bound;
+    # one connection, so no extra lane's connect stalls instead of the data.
+    params = {"dead_peer_timeout": "120s", "connections": "1"}
+    with stalled_write("dereg-list", params, connect_first=True) as (a, h, reg, peer):
         assert a.transfer(h) == "PROC"
         time.sleep(0.5)
         assert a.check_xfer_state(h) == "PROC", "64 MiB went into a stopped peer's socket buffers"
         with pytest.raises(nixl_rs.nixlNotAllowedError, match="nothing was deregistered"):
             a.deregister_memory(reg)
         os.kill(peer.p.pid, signal.SIGCONT)
-        deadline = time.monotonic() + HANG
-        while a.check_xfer_state(h) != "DONE":
-            assert time.monotonic() < deadline, "the transfer did not finish"
-            time.sleep(0.01)
+        wait_done(a, h)
         a.release_xfer_handle(h)
         a.deregister_memory(reg)
-    finally:
-        os.kill(peer.p.pid, signal.SIGCONT)
-        peer.p.kill()
-        peer.p.wait(timeout=HANG)
-        a.shutdown()
