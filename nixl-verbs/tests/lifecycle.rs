@@ -5,21 +5,13 @@
 
 use std::time::Duration;
 
-use nixl::{Agent, AgentOptions, Backend, DescList, ErrorKind, MemKind};
+use nixl::{Agent, Backend, DescList, ErrorKind, MemKind};
 use nixl_verbs::wire::ConnInfo;
 use nixl_verbs::{VerbsBackend, VerbsOptions};
 
-async fn agent(name: &str, o: VerbsOptions) -> Agent {
-    Agent::builder(name)
-        .backend(VerbsBackend::with_test_double(o).unwrap())
-        .options(AgentOptions {
-            drain_timeout: Duration::from_secs(5),
-            shutdown_timeout: Duration::from_secs(5),
-        })
-        .build()
-        .await
-        .unwrap()
-}
+use common::agent_with as agent;
+
+mod common;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_pairs_beyond_the_completion_queue_are_refused() {
