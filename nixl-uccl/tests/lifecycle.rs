@@ -546,16 +546,8 @@ async fn a_link_closed_while_it_connects_fails_its_connect_at_once() {
     o.listener.connect_timeout = 4 * HANG;
     let (a, b) = agent_with("a", o).await;
     // A peer whose control listener accepts and never answers.
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let info = with_control(
-        &b.connection_info(),
-        &silent.local_addr().unwrap().to_string(),
-    );
-    let quiet = tokio::spawn(async move {
-        let (s, _) = silent.accept().await.unwrap();
-        tokio::time::sleep(HANG).await;
-        drop(s);
-    });
+    let (silent, quiet) = nixl_testkit::silent_listener().await;
+    let info = with_control(&b.connection_info(), &silent.to_string());
     let link = b.link("p", &info).unwrap();
     let mut connect = Box::pin(link.connect());
     assert!(

@@ -102,14 +102,9 @@ async fn a_link_closed_while_it_connects_says_it_was_closed() {
         .await
         .unwrap();
     // A peer whose control listener accepts and never answers.
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (silent, quiet) = nixl_testkit::silent_listener().await;
     let mut info = ConnInfo::decode(&vb.connection_info()).unwrap();
-    info.control = silent.local_addr().unwrap();
-    let quiet = tokio::spawn(async move {
-        let (s, _) = silent.accept().await.unwrap();
-        tokio::time::sleep(HANG).await;
-        drop(s);
-    });
+    info.control = silent;
     let link = vb.link("p", &info.encode()).unwrap();
     let mut connect = Box::pin(link.connect());
     assert!(

@@ -147,6 +147,20 @@ pub fn in_own_process(test: &str) -> bool {
     true
 }
 
+/// A loopback listener that accepts one connection and never answers it: a peer
+/// stuck in its handshake. The connection stays open until the task is aborted (or
+/// [`HANG`] passes). Needs a tokio runtime.
+pub async fn silent_listener() -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = l.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let (s, _) = l.accept().await.unwrap();
+        tokio::time::sleep(HANG).await;
+        drop(s);
+    });
+    (at, held)
+}
+
 /// Generous bound that catches hangs (never a performance assertion).
 pub const HANG: std::time::Duration = std::time::Duration::from_secs(30);
 
